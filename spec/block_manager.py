@@ -1,0 +1,229 @@
+"""Executable specification of the paged KV-cache block manager.
+
+The KV cache is cut into ``total_blocks`` physical blocks of ``block_size`` token slots each.
+A sequence owns a *block table*: the list of physical block ids that hold its logical blocks
+0, 1, 2, ... in order. This module decides every rule; ``impl`` must behave identically.
+
+Pure Python, standard library only. Each rule is stated next to the line that implements it.
+Every public method validates all of its arguments before it changes anything, so a call that
+raises leaves the manager exactly as it was.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class OutOfBlocksError(RuntimeError):
+    """Raised when a request needs more free blocks than the free queue holds."""
+
+
+class BlockTableError(ValueError):
+    """Raised for a block table that is not a live table of this manager."""
+
+
+@dataclass
+class Block:
+    """One physical block: its id and how many live block tables hold it."""
+
+    block_id: int
+    ref_count: int = 0
+
+
+def check_int(name: str, value: object, minimum: int) -> int:
+    """Rule: counts and positions are plain ints (not bool, not float) at or above ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def blocks_needed(token_count: int, block_size: int) -> int:
+    """Rule: ``token_count`` tokens occupy ``ceil(token_count / block_size)`` blocks."""
+    return -(-token_count // block_size)
+
+
+def translate_slot(block_table: Sequence[int], token_pos: int, block_size: int) -> int:
+    """Map logical position ``token_pos`` to its physical slot (the chapter's formula).
+
+    ``block_table[token_pos // block_size] * block_size + token_pos % block_size``.
+    Negative positions raise ``ValueError``; positions at or beyond the table's capacity
+    (``len(block_table) * block_size``) raise ``IndexError``.
+    """
+    check_int("block_size", block_size, 1)
+    check_int("token_pos", token_pos, 0)
+    block_idx = token_pos // block_size  # index into the block table
+    slot_in_block = token_pos % block_size  # offset inside that block
+    if block_idx >= len(block_table):
+        raise IndexError(
+            f"token_pos {token_pos} is beyond the table's capacity of "
+            f"{len(block_table) * block_size} slots"
+        )
+    return block_table[block_idx] * block_size + slot_in_block
+
+
+class BlockManager:
+    """Hands out physical blocks from a FIFO free queue and takes them back by reference count.
+
+    Invariants, true between any two calls:
+
+    * every block is either in the free queue (``ref_count == 0``) or held by at least one live
+      table (``ref_count >= 1``), never both;
+    * ``ref_count`` of a block equals the number of live tables that contain it;
+    * the free queue holds each free block exactly once.
+    """
+
+    def __init__(self, total_blocks: int, block_size: int = 16) -> None:
+        self.total_blocks = check_int("total_blocks", total_blocks, 1)
+        self.block_size = check_int("block_size", block_size, 1)
+        # Rule: every block starts free with ref_count 0; the queue starts as [0, 1, ..., n-1].
+        self.blocks = [Block(block_id) for block_id in range(total_blocks)]
+        self._free: deque[int] = deque(range(total_blocks))
+        self._copy_pairs: list[tuple[int, int]] = []
+
+    # ----------------------------------------------------------------- introspection
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Number of blocks in the free queue."""
+        return len(self._free)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        """Whether ``allocate(num_blocks)`` would succeed now."""
+        return check_int("num_blocks", num_blocks, 0) <= len(self._free)
+
+    def ref_count(self, block_id: int) -> int:
+        """How many live tables hold ``block_id``."""
+        self._check_block_id(block_id)
+        return self.blocks[block_id].ref_count
+
+    def free_block_ids(self) -> list[int]:
+        """The free queue, head (next to be allocated) first."""
+        return list(self._free)
+
+    def pop_copy_pairs(self) -> list[tuple[int, int]]:
+        """Return and forget the ``(src, dst)`` copy-on-write pairs made since the last call.
+
+        The caller must copy the KV data of block ``src`` into block ``dst`` for every pair, in
+        order, before writing any new KV data into the cache.
+        """
+        pairs, self._copy_pairs = self._copy_pairs, []
+        return pairs
+
+    # ----------------------------------------------------------------- validation
+
+    def _check_block_id(self, block_id: object) -> int:
+        """Rule: a block id is an int in ``[0, total_blocks)``."""
+        if isinstance(block_id, bool) or not isinstance(block_id, int):
+            raise TypeError(f"block id must be an int, got {type(block_id).__name__}")
+        if not 0 <= block_id < self.total_blocks:
+            raise BlockTableError(
+                f"unknown block id {block_id}: this manager has blocks 0..{self.total_blocks - 1}"
+            )
+        return block_id
+
+    def _check_live_table(self, block_table: Sequence[int]) -> list[int]:
+        """Rule: a live table is a list of known, distinct ids, each held (ref_count >= 1)."""
+        if not isinstance(block_table, (list, tuple)):
+            raise TypeError(f"block_table must be a list of ints, got {type(block_table).__name__}")
+        table = [self._check_block_id(block_id) for block_id in block_table]
+        if len(set(table)) != len(table):
+            repeated = sorted({b for b in table if table.count(b) > 1})
+            raise BlockTableError(f"block ids repeated within one table: {repeated}")
+        already_free = [b for b in table if self.blocks[b].ref_count == 0]
+        if already_free:
+            raise BlockTableError(f"blocks {already_free} are free (double free or stale table)")
+        return table
+
+    def _check_available(self, num_blocks: int) -> None:
+        """Rule: allocation is all-or-nothing; too few free blocks raises before any change."""
+        if num_blocks > len(self._free):
+            raise OutOfBlocksError(
+                f"asked for {num_blocks} blocks but only {len(self._free)} are free"
+            )
+
+    # ----------------------------------------------------------------- operations
+
+    def _take_from_head(self, num_blocks: int) -> list[int]:
+        """Pop ``num_blocks`` blocks from the head of the free queue, each with ref_count 1."""
+        taken = [self._free.popleft() for _ in range(num_blocks)]
+        for block_id in taken:
+            self.blocks[block_id].ref_count = 1  # Rule: a fresh block has exactly one owner.
+        return taken
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take ``num_blocks`` blocks from the head of the free queue for a new table.
+
+        Raises ``OutOfBlocksError`` (changing nothing) if fewer are free. ``allocate(0) == []``.
+        """
+        check_int("num_blocks", num_blocks, 0)
+        self._check_available(num_blocks)
+        return self._take_from_head(num_blocks)
+
+    def append_slot(
+        self, block_table: Sequence[int], token_count: int, new_tokens: int = 1
+    ) -> list[int]:
+        """Return a new table that can hold ``token_count`` tokens, the last ``new_tokens`` written.
+
+        * Growth: the result holds at least ``ceil(token_count / block_size)`` blocks; missing
+          blocks are appended, taken from the head of the free queue. A table that is already
+          large enough keeps its length.
+        * Copy-on-write: the append writes positions ``token_count - new_tokens`` to
+          ``token_count - 1``. Each existing block that receives one of those writes while it is
+          shared (``ref_count > 1``) is replaced, in table order, by a fresh block from the head
+          of the queue (taken before the growth blocks); the shared block loses this owner
+          (``ref_count - 1``) and ``(shared, fresh)`` is recorded for ``pop_copy_pairs``.
+        * All-or-nothing: if the free queue cannot supply every fresh block, ``OutOfBlocksError``
+          is raised and nothing changes. The argument is never mutated.
+        """
+        table = self._check_live_table(block_table)
+        check_int("token_count", token_count, 0)
+        check_int("new_tokens", new_tokens, 0)
+        if new_tokens > token_count:
+            raise ValueError(f"new_tokens ({new_tokens}) exceeds token_count ({token_count})")
+        needed = blocks_needed(token_count, self.block_size)
+        # Table indices of the blocks that receive a write, capped at the existing table
+        # (writes past its end land in growth blocks, which are fresh).
+        first_written = (token_count - new_tokens) // self.block_size
+        end_written = needed if new_tokens else first_written
+        written = range(first_written, min(end_written, len(table)))
+        shared = [i for i in written if self.blocks[table[i]].ref_count > 1]
+        growth = max(0, needed - len(table))
+        self._check_available(len(shared) + growth)
+        fresh = self._take_from_head(len(shared) + growth)
+        for index, fresh_id in zip(shared, fresh[: len(shared)], strict=True):
+            old_id = table[index]
+            self.blocks[old_id].ref_count -= 1  # Rule: the shared block loses one owner.
+            self._copy_pairs.append((old_id, fresh_id))  # Rule: the caller copies old -> fresh.
+            table[index] = fresh_id
+        return table + fresh[len(shared) :]
+
+    def fork(self, block_table: Sequence[int]) -> list[int]:
+        """Share a live table's blocks with a new owner (each ``ref_count + 1``); return a copy."""
+        table = self._check_live_table(block_table)
+        for block_id in table:
+            self.blocks[block_id].ref_count += 1
+        return table
+
+    def free(self, block_table: Sequence[int]) -> None:
+        """Release one owner's hold on every block of a live table.
+
+        Each block's ``ref_count`` drops by one; blocks that reach 0 join the TAIL of the free
+        queue, the table's LAST block first, so a sequence's prefix blocks are reused after its
+        tail blocks. Unknown ids, repeated ids and already-free blocks raise ``BlockTableError``
+        before anything changes.
+        """
+        table = self._check_live_table(block_table)
+        for block_id in reversed(table):  # Rule: tail first, so prefixes outlive tails.
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free.append(block_id)  # Rule: freed blocks join the tail of the queue.
+
+    def translate_slot(self, block_table: Sequence[int], token_pos: int) -> int:
+        """Physical slot of ``token_pos`` in a live table (module-level ``translate_slot``)."""
+        table = self._check_live_table(block_table)
+        return translate_slot(table, token_pos, self.block_size)

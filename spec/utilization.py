@@ -1,0 +1,68 @@
+"""KV-cache memory utilization: contiguous reservation versus paged allocation.
+
+Utilization is the fraction of the KV slots set aside for requests that actually hold a token's
+K/V state: ``used_slots / reserved_slots``. Everything is computed from per-request token counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from spec.block_manager import blocks_needed, check_int
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Slots set aside for a batch of requests and how many of them hold token states."""
+
+    reserved_slots: int
+    used_slots: int
+    waste_per_request: tuple[int, ...]
+
+    @property
+    def utilization(self) -> float:
+        """Fraction of reserved slots that hold token states (1.0 for an empty batch)."""
+        return self.used_slots / self.reserved_slots if self.reserved_slots else 1.0
+
+    @property
+    def wasted_slots(self) -> int:
+        """Reserved slots that hold nothing."""
+        return self.reserved_slots - self.used_slots
+
+
+def _check_counts(token_counts: Sequence[int]) -> list[int]:
+    return [check_int("token count", count, 0) for count in token_counts]
+
+
+def contiguous_usage(token_counts: Sequence[int], max_len: int) -> Usage:
+    """Rule: contiguous allocation reserves ``max_len`` slots per request, whatever it uses.
+
+    A request longer than its reservation cannot exist, so ``token_count > max_len`` raises
+    ``ValueError``.
+    """
+    counts = _check_counts(token_counts)
+    check_int("max_len", max_len, 0)
+    too_long = [count for count in counts if count > max_len]
+    if too_long:
+        raise ValueError(f"token counts {too_long} exceed the reservation max_len={max_len}")
+    return Usage(
+        reserved_slots=max_len * len(counts),
+        used_slots=sum(counts),
+        waste_per_request=tuple(max_len - count for count in counts),
+    )
+
+
+def paged_usage(token_counts: Sequence[int], block_size: int) -> Usage:
+    """Rule: paged allocation holds ``ceil(count / block_size)`` blocks per request.
+
+    The only waste is each request's last, partly filled block: at most ``block_size - 1`` slots.
+    """
+    counts = _check_counts(token_counts)
+    check_int("block_size", block_size, 1)
+    allocated = [blocks_needed(count, block_size) * block_size for count in counts]
+    return Usage(
+        reserved_slots=sum(allocated),
+        used_slots=sum(counts),
+        waste_per_request=tuple(a - c for a, c in zip(allocated, counts, strict=True)),
+    )
