@@ -1,0 +1,114 @@
+"""An independent, minimal model of the block manager's rules, used as the state machine's oracle.
+
+It is written differently from ``spec`` on purpose (a plain list as the queue, explicit loops,
+no validation helpers): each method returns the outcome the rules demand, as a value or as the
+exception type, and applies the state change only on success.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spec import BlockTableError, OutOfBlocksError
+
+
+@dataclass
+class Outcome:
+    """What a call did: returned ``value`` or raised an exception of type ``error``."""
+
+    value: object = None
+    error: type[BaseException] | None = None
+
+
+def observe(call, *args, **kwargs) -> Outcome:
+    """Run ``call`` and record its result or the type of what it raised."""
+    try:
+        return Outcome(value=call(*args, **kwargs))
+    except Exception as exc:  # every exception type is part of the observed behaviour
+        return Outcome(error=type(exc))
+
+
+class BlockModel:
+    """The rules of docs/design.md, as directly as they can be written."""
+
+    def __init__(self, total_blocks: int, block_size: int) -> None:
+        self.total_blocks = total_blocks
+        self.block_size = block_size
+        self.queue = list(range(total_blocks))  # head first
+        self.refs = [0] * total_blocks
+        self.copy_pairs: list[tuple[int, int]] = []
+
+    def _table_error(self, table: list[int]) -> type[BaseException] | None:
+        for block_id in table:
+            if not (0 <= block_id < self.total_blocks):
+                return BlockTableError
+        if len(set(table)) < len(table):
+            return BlockTableError
+        for block_id in table:
+            if self.refs[block_id] == 0:
+                return BlockTableError
+        return None
+
+    def _take(self, count: int) -> list[int]:
+        taken, self.queue = self.queue[:count], self.queue[count:]
+        for block_id in taken:
+            self.refs[block_id] = 1
+        return taken
+
+    def allocate(self, count: int) -> Outcome:
+        if count < 0:
+            return Outcome(error=ValueError)
+        if count > len(self.queue):
+            return Outcome(error=OutOfBlocksError)
+        return Outcome(value=self._take(count))
+
+    def append_slot(self, table: list[int], token_count: int, new_tokens: int) -> Outcome:
+        error = self._table_error(table)
+        if error is None and (token_count < 0 or new_tokens < 0 or new_tokens > token_count):
+            error = ValueError
+        if error is not None:
+            return Outcome(error=error)
+        size = self.block_size
+        blocks = (token_count + size - 1) // size
+        written = {pos // size for pos in range(token_count - new_tokens, token_count)}
+        shared = [i for i in range(len(table)) if i in written and self.refs[table[i]] > 1]
+        growth = max(0, blocks - len(table))
+        if len(shared) + growth > len(self.queue):
+            return Outcome(error=OutOfBlocksError)
+        fresh = self._take(len(shared) + growth)
+        result = list(table)
+        for i, new_id in zip(shared, fresh, strict=False):
+            self.refs[table[i]] -= 1
+            self.copy_pairs.append((table[i], new_id))
+            result[i] = new_id
+        return Outcome(value=result + fresh[len(shared) :])
+
+    def fork(self, table: list[int]) -> Outcome:
+        error = self._table_error(table)
+        if error is not None:
+            return Outcome(error=error)
+        for block_id in table:
+            self.refs[block_id] += 1
+        return Outcome(value=list(table))
+
+    def free(self, table: list[int]) -> Outcome:
+        error = self._table_error(table)
+        if error is not None:
+            return Outcome(error=error)
+        for block_id in table[::-1]:
+            self.refs[block_id] -= 1
+            if self.refs[block_id] == 0:
+                self.queue.append(block_id)
+        return Outcome(value=None)
+
+    def translate_slot(self, table: list[int], pos: int) -> Outcome:
+        error = self._table_error(table)
+        if error is not None:
+            return Outcome(error=error)
+        if pos < 0:
+            return Outcome(error=ValueError)
+        if pos >= len(table) * self.block_size:
+            return Outcome(error=IndexError)
+        return Outcome(
+            value=table[pos // self.block_size] * self.block_size + pos % self.block_size
+        )

@@ -1,0 +1,159 @@
+"""The chapter's worked examples and each documented rule, as concrete cases of the spec."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from spec import BlockManager, BlockTableError, OutOfBlocksError, blocks_needed, translate_slot
+
+
+def test_chapter_translation_example() -> None:
+    """block_size 4, block_table [7, 3]: positions 0..5 land in slots 28..31, 12, 13."""
+    slots = [translate_slot([7, 3], pos, 4) for pos in range(6)]
+    assert slots == [28, 29, 30, 31, 12, 13]
+
+
+def test_chapter_allocate_and_append_example() -> None:
+    manager = BlockManager(10, 4)
+    table = manager.allocate(2)
+    assert table == [0, 1]
+    assert manager.free_block_ids() == [2, 3, 4, 5, 6, 7, 8, 9]
+    assert manager.append_slot(table, 5) == [0, 1]  # ceil(5/4) = 2 blocks: nothing new
+    assert manager.append_slot(table, 9) == [0, 1, 2]  # ceil(9/4) = 3 blocks: one from the head
+    assert table == [0, 1], "append_slot must not mutate its argument"
+
+
+def test_chapter_shared_system_prompt_example() -> None:
+    """The ref_count story: a system prompt's blocks shared by requests X and Y."""
+    manager = BlockManager(10, 4)
+    system = manager.allocate(3)
+    x = manager.fork(system) + manager.allocate(1)
+    y = manager.fork(system) + manager.allocate(1)
+    assert (x, y) == ([0, 1, 2, 3], [0, 1, 2, 4])
+    assert manager.ref_count(0) == 3
+    manager.free(x)
+    assert [manager.ref_count(b) for b in range(5)] == [2, 2, 2, 0, 1]
+    assert manager.free_block_ids()[-1] == 3, "only block 3 is returned"
+
+
+def test_free_returns_tail_block_first() -> None:
+    manager = BlockManager(6, 2)
+    table = manager.allocate(3)
+    manager.free(table)
+    assert manager.free_block_ids() == [3, 4, 5, 2, 1, 0]
+
+
+def test_allocate_is_all_or_nothing() -> None:
+    manager = BlockManager(3, 4)
+    held = manager.allocate(2)
+    with pytest.raises(OutOfBlocksError, match="asked for 2 blocks but only 1 are free"):
+        manager.allocate(2)
+    assert manager.free_block_ids() == [2]
+    assert manager.allocate(0) == []
+    assert held == [0, 1]
+
+
+def test_append_slot_is_all_or_nothing() -> None:
+    manager = BlockManager(3, 2)
+    table = manager.allocate(2)
+    with pytest.raises(OutOfBlocksError):
+        manager.append_slot(table, 8, new_tokens=4)  # needs 2 more blocks, 1 free
+    assert manager.free_block_ids() == [2]
+
+
+def test_copy_on_write_of_the_shared_last_block() -> None:
+    manager = BlockManager(8, 4)
+    parent = manager.allocate(2)  # holds 6 tokens: block 1 is half full
+    child = manager.fork(parent)
+    child = manager.append_slot(child, 7)  # writes position 6, inside shared block 1
+    assert child == [0, 2]
+    assert manager.pop_copy_pairs() == [(1, 2)]
+    assert manager.pop_copy_pairs() == [], "pairs are handed out once"
+    assert [manager.ref_count(b) for b in (0, 1, 2)] == [2, 1, 1]
+    parent = manager.append_slot(parent, 7)  # block 1 is now the parent's alone: no copy
+    assert parent == [0, 1] and manager.pop_copy_pairs() == []
+
+
+def test_copy_on_write_happens_before_growth() -> None:
+    """A multi-token append into a shared block: the copy's block is taken before growth blocks."""
+    manager = BlockManager(8, 4)
+    parent = manager.allocate(1)
+    child = manager.fork(parent)
+    child = manager.append_slot(child, 9, new_tokens=7)  # writes positions 2..8
+    assert child == [1, 2, 3]
+    assert manager.pop_copy_pairs() == [(0, 1)]
+
+
+def test_append_into_fresh_block_of_shared_table_does_not_copy() -> None:
+    manager = BlockManager(8, 4)
+    parent = manager.allocate(1)  # 4 tokens: block 0 is full
+    child = manager.fork(parent)
+    assert manager.append_slot(child, 5) == [0, 1]
+    assert manager.pop_copy_pairs() == []
+    assert manager.ref_count(0) == 2
+
+
+def test_reserving_slots_writes_nothing_and_copies_nothing() -> None:
+    manager = BlockManager(8, 4)
+    parent = manager.allocate(1)
+    child = manager.fork(parent)
+    assert manager.append_slot(child, 6, new_tokens=0) == [0, 1]
+    assert manager.pop_copy_pairs() == []
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda m: m.allocate(-1), ValueError, "num_blocks must be >= 0"),
+        (lambda m: m.allocate(1.0), TypeError, "num_blocks must be an int"),
+        (lambda m: m.allocate(True), TypeError, "num_blocks must be an int"),
+        (lambda m: m.free([0, 0]), BlockTableError, "repeated"),
+        (lambda m: m.free([99]), BlockTableError, "unknown block id 99"),
+        (lambda m: m.free([-1]), BlockTableError, "unknown block id -1"),
+        (lambda m: m.free([2]), BlockTableError, "free"),
+        (lambda m: m.free(0), TypeError, "block_table must be a list"),
+        (lambda m: m.free(["0"]), TypeError, "block id must be an int"),
+        (lambda m: m.fork([5]), BlockTableError, "free"),
+        (lambda m: m.append_slot([0, 1], -1), ValueError, "token_count must be >= 0"),
+        (lambda m: m.append_slot([0, 1], 3, new_tokens=4), ValueError, "exceeds token_count"),
+        (lambda m: m.translate_slot([0, 1], -1), ValueError, "token_pos must be >= 0"),
+        (lambda m: m.translate_slot([0, 1], 8), IndexError, "beyond the table's capacity of 8"),
+        (lambda m: m.ref_count(10), BlockTableError, "unknown block id 10"),
+    ],
+)
+def test_bad_input_raises_typed_error_and_changes_nothing(call, error, message) -> None:
+    manager = BlockManager(10, 4)
+    manager.allocate(2)
+    before = (manager.free_block_ids(), [manager.ref_count(b) for b in range(10)])
+    with pytest.raises(error, match=message):
+        call(manager)
+    assert (manager.free_block_ids(), [manager.ref_count(b) for b in range(10)]) == before
+
+
+@pytest.mark.parametrize("args", [(0, 4), (4, 0), (-1, 4), (4.0, 4), (4, "4")])
+def test_constructor_rejects_bad_sizes(args) -> None:
+    with pytest.raises((ValueError, TypeError)):
+        BlockManager(*args)
+
+
+def test_error_classes() -> None:
+    assert issubclass(OutOfBlocksError, RuntimeError)
+    assert issubclass(BlockTableError, ValueError)
+
+
+@given(
+    table=st.lists(st.integers(0, 1000), min_size=1, max_size=8, unique=True),
+    block_size=st.integers(1, 64),
+    data=st.data(),
+)
+def test_translate_slot_is_a_bijection_onto_the_tables_blocks(table, block_size, data) -> None:
+    """Distinct positions map to distinct slots, each inside the block the table names."""
+    capacity = len(table) * block_size
+    positions = range(capacity)
+    slots = [translate_slot(table, pos, block_size) for pos in positions]
+    assert len(set(slots)) == capacity
+    pos = data.draw(st.integers(0, capacity - 1))
+    assert slots[pos] // block_size == table[pos // block_size]
+    assert blocks_needed(pos + 1, block_size) == pos // block_size + 1
