@@ -1,0 +1,56 @@
+"""The prefix-cache machine has teeth: planted bugs in a copy of the spec are caught."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+import spec.prefix_cache
+from properties.mutants import load_mutant
+from properties.prefix_cache_machine import prefix_cache_machine
+
+HUNT = settings(
+    max_examples=300,
+    stateful_step_count=50,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    report_multiple_bugs=False,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+FIND = settings(HUNT, phases=[Phase.generate])
+
+PREFIX_BUGS = {
+    "no token comparison on lookup": (
+        "if mine.tokens != theirs.tokens or mine.extra != theirs.extra:",
+        "if mine.extra != theirs.extra:",
+    ),
+    "revival reorders the queue": (
+        "self._free.remove(block_id)  # Rule: revival leaves the rest of the queue in order.",
+        "self._free.remove(block_id)\n                self._free.rotate(1)",
+    ),
+    "eviction keeps the stale key": (
+        "key = self._key_of.pop(block_id, None)",
+        "key = None",
+    ),
+    "hits beyond the last prompt token": (
+        "return max(0, prompt_len - 1) // self.block_size",
+        "return prompt_len // self.block_size",
+    ),
+}
+
+
+def variant(old: str, new: str) -> type:
+    return load_mutant(spec.prefix_cache, old, new, shared=()).PrefixCachingBlockManager
+
+
+def test_control_unmutated_copy_passes() -> None:
+    snippet = "key = self._key_of.pop(block_id, None)"
+    run_state_machine_as_test(prefix_cache_machine(variant(snippet, snippet)), settings=HUNT)
+
+
+@pytest.mark.parametrize("bug", sorted(PREFIX_BUGS))
+def test_planted_bug_is_caught(bug: str) -> None:
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(prefix_cache_machine(variant(*PREFIX_BUGS[bug])), settings=FIND)

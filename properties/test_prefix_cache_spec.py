@@ -1,0 +1,125 @@
+"""Prefix caching rules of the spec: the state machine, and worked scenarios.
+
+The scenarios follow the ideas of vLLM's prefix-caching tests, expressed in pagedkv's API.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from properties.prefix_cache_machine import colliding_hash, prefix_cache_machine
+from spec import BlockTableError, OutOfBlocksError
+from spec.prefix_cache import PrefixCachingBlockManager
+
+TestSpecPrefixCache = prefix_cache_machine(PrefixCachingBlockManager).TestCase
+
+SYSTEM = list(range(100, 108))  # two full blocks of 4
+
+
+def prefill(manager: PrefixCachingBlockManager, tokens: list[int], salt=None) -> list[int]:
+    """Allocate a prompt and register its full blocks, as an engine does after the forward pass."""
+    table, _ = manager.allocate_prompt(tokens, salt)
+    manager.cache_blocks(table, tokens, salt)
+    return table
+
+
+def test_prefill_hits_the_shared_system_prompt() -> None:
+    manager = PrefixCachingBlockManager(10, 4)
+    first = prefill(manager, [*SYSTEM, 1, 2])
+    assert first == [0, 1, 2] and manager.num_cached_blocks == 2
+    table, cached = manager.allocate_prompt([*SYSTEM, 3])
+    assert (table, cached) == ([0, 1, 3], 8)
+    assert [manager.ref_count(b) for b in range(4)] == [2, 2, 1, 1]
+    assert manager.stats.hit_blocks == 2 and manager.stats.queried_blocks == 2 + 2
+
+
+def test_freed_cached_blocks_are_revived_in_place() -> None:
+    manager = PrefixCachingBlockManager(6, 4)
+    table = prefill(manager, [*SYSTEM, 1])
+    manager.free(table)
+    assert manager.free_block_ids() == [3, 4, 5, 2, 1, 0]  # tail first, keys kept
+    assert manager.num_cached_blocks == 2
+    revived, cached = manager.allocate_prompt([*SYSTEM, 9])
+    assert (revived, cached) == ([0, 1, 3], 8)
+    assert manager.free_block_ids() == [4, 5, 2], "revival keeps the rest of the queue in order"
+
+
+def test_eviction_is_least_recently_freed_first() -> None:
+    manager = PrefixCachingBlockManager(4, 4)
+    a = prefill(manager, [1, 1, 1, 1, 0])  # blocks 0 (cached), 1
+    b = prefill(manager, [2, 2, 2, 2, 0])  # blocks 2 (cached), 3
+    manager.free(a)
+    manager.free(b)
+    assert manager.free_block_ids() == [1, 0, 3, 2]
+    manager.allocate(2)  # takes 1 (uncached) and 0 (cached: evicted)
+    assert manager.stats.evictions == 1
+    assert manager.lookup([1, 1, 1, 1, 0]) == [] and manager.lookup([2, 2, 2, 2, 0]) == [2]
+
+
+def test_not_enough_blocks_when_hits_need_reviving() -> None:
+    manager = PrefixCachingBlockManager(3, 4)
+    manager.free(prefill(manager, [*SYSTEM, 1]))  # 3 blocks free, 2 cached
+    holder = manager.allocate(1)  # takes block 2 (uncached tail); 2 free, both cached
+    assert manager.blocks_to_allocate([*SYSTEM, 5]) == 3  # 2 revivals + 1 fresh
+    before = (manager.free_block_ids(), manager.num_cached_blocks, manager.stats)
+    with pytest.raises(OutOfBlocksError):
+        manager.allocate_prompt([*SYSTEM, 5])
+    assert (manager.free_block_ids(), manager.num_cached_blocks, manager.stats) == before
+    manager.free(holder)
+    assert manager.allocate_prompt([*SYSTEM, 5]) == ([0, 1, 2], 8)
+
+
+def test_different_salts_never_share() -> None:
+    manager = PrefixCachingBlockManager(10, 4)
+    prefill(manager, [*SYSTEM, 1], salt="tenant-a")
+    assert manager.lookup([*SYSTEM, 1], "tenant-b") == []
+    assert manager.lookup([*SYSTEM, 1]) == []
+    assert manager.lookup([*SYSTEM, 1], "tenant-a") == [0, 1]
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_block() -> None:
+    manager = PrefixCachingBlockManager(10, 4)
+    prefill(manager, SYSTEM)
+    assert manager.num_cached_blocks == 2
+    table, cached = manager.allocate_prompt(SYSTEM)
+    assert (table, cached) == ([0, 2], 4), "block 1 is recomputed into a fresh block"
+
+
+def test_decode_makes_a_filled_block_cacheable() -> None:
+    manager = PrefixCachingBlockManager(10, 4)
+    tokens = [1, 2, 3]
+    table = prefill(manager, tokens)
+    assert manager.num_cached_blocks == 0
+    tokens.append(4)
+    table = manager.append_slot(table, len(tokens))
+    assert manager.cache_blocks(table, tokens) == 1
+    assert manager.lookup([1, 2, 3, 4, 5]) == [0]
+
+
+def test_forced_collisions_never_return_other_tokens() -> None:
+    manager = PrefixCachingBlockManager(10, 4, hash_fn=colliding_hash)
+    prefill(manager, [1, 2, 3, 4, 0])
+    assert manager.lookup([9, 9, 9, 9, 0]) == [], "same hash, other tokens: a miss"
+    assert manager.lookup([1, 2, 3, 4, 0]) == [0]
+    other = prefill(manager, [9, 9, 9, 9, 0])
+    assert manager.lookup([9, 9, 9, 9, 0]) == [other[0]]
+
+
+def test_caching_other_tokens_into_a_cached_block_is_refused() -> None:
+    manager = PrefixCachingBlockManager(10, 4)
+    table = prefill(manager, [1, 2, 3, 4, 5])
+    with pytest.raises(BlockTableError, match="cached with other tokens"):
+        manager.cache_blocks(table, [1, 2, 3, 9, 5])
+    with pytest.raises(ValueError, match="do not fit"):
+        manager.cache_blocks(table, list(range(9)))
+    with pytest.raises(TypeError):
+        manager.allocate_prompt("1234")
+
+
+def test_duplicate_content_keeps_one_cached_copy() -> None:
+    manager = PrefixCachingBlockManager(10, 4)
+    a, _ = manager.allocate_prompt([1, 2, 3, 4, 0])
+    b, _ = manager.allocate_prompt([1, 2, 3, 4, 0])  # computed concurrently: no hit yet
+    assert manager.cache_blocks(a, [1, 2, 3, 4, 0]) == 1
+    assert manager.cache_blocks(b, [1, 2, 3, 4, 0]) == 0
+    assert manager.key_of(b[0]) is None and manager.lookup([1, 2, 3, 4, 0]) == [a[0]]

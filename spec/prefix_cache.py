@@ -1,0 +1,212 @@
+"""Executable specification of prefix caching on top of the block manager's reference counts.
+
+A FULL block whose K/V has been computed can be *cached*: it is registered under a key naming its
+exact content, ``key = (parent block's key, the block's token ids, extra key)``. The key chains
+over the whole prefix, so equal keys mean equal prefixes. A later prompt whose leading full blocks
+have cached keys reuses those physical blocks instead of computing them again.
+
+Keys are compared structurally (``BlockKey.__eq__`` compares content), so a hash collision can
+never return a block with other tokens; ``hash_fn`` is injectable to prove it.
+
+The FIFO free queue doubles as the LRU list: a cached block whose ``ref_count`` drops to 0 stays
+in the queue with its key and can still be hit (a hit *revives* it); a block taken from the head
+of the queue for a new owner loses its key (*eviction*, least recently freed first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+from spec.block_manager import BlockManager, BlockTableError, check_int
+
+
+def default_block_hash(parent: BlockKey | None, tokens: tuple[int, ...], extra: Hashable) -> int:
+    """Hash of a block key's parts (Python's tuple hash)."""
+    return hash((parent, tokens, extra))
+
+
+@dataclass(frozen=True, eq=False)
+class BlockKey:
+    """The content of a full block and of everything before it, chained through ``parent``.
+
+    Equality is structural: two keys are equal exactly when their token prefixes and extra keys
+    are equal, whatever their hashes.
+    """
+
+    parent: BlockKey | None
+    tokens: tuple[int, ...]
+    extra: Hashable
+    hash_value: int = field(compare=False)
+
+    def __hash__(self) -> int:
+        return self.hash_value
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, BlockKey):
+            return NotImplemented
+        mine: BlockKey | None = self
+        theirs: BlockKey | None = other
+        while mine is not theirs:  # walk both chains to the root, without recursion
+            if mine is None or theirs is None:
+                return False
+            if mine.tokens != theirs.tokens or mine.extra != theirs.extra:
+                return False
+            mine, theirs = mine.parent, theirs.parent
+        return True
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counters a scheduler and a benchmark read. Block granularity."""
+
+    queried_blocks: int = 0  # full blocks looked up by allocate_prompt
+    hit_blocks: int = 0  # of those, found in the cache
+    evictions: int = 0  # cached blocks that lost their key when reused from the head
+
+
+class PrefixCachingBlockManager(BlockManager):
+    """A ``BlockManager`` whose full blocks can be found again by content.
+
+    Extra invariants, true between any two calls:
+
+    * ``cached_block(key) == block_id`` exactly when ``key_of(block_id) == key``: the key map and
+      the blocks' keys are a bijection over cached blocks;
+    * a cached block is either held (``ref_count >= 1``) or in the free queue, once;
+    * the tokens under a block's key are the tokens written in that block.
+    """
+
+    def __init__(
+        self,
+        total_blocks: int,
+        block_size: int = 16,
+        hash_fn: Callable[[BlockKey | None, tuple[int, ...], Hashable], int] = default_block_hash,
+    ) -> None:
+        super().__init__(total_blocks, block_size)
+        self.hash_fn = hash_fn
+        self._key_of: dict[int, BlockKey] = {}  # block id -> key, cached blocks only
+        self._block_of: dict[BlockKey, int] = {}  # key -> block id
+        self.stats = PrefixCacheStats()
+
+    # ----------------------------------------------------------------- keys and lookup
+
+    def block_keys(self, token_ids: Sequence[int], extra_key: Hashable = None) -> list[BlockKey]:
+        """Keys of the full blocks of ``token_ids``, in order (a partial last block has none)."""
+        tokens = self._check_tokens(token_ids)
+        keys: list[BlockKey] = []
+        parent = None
+        for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
+            chunk = tuple(tokens[start : start + self.block_size])
+            parent = BlockKey(parent, chunk, extra_key, self.hash_fn(parent, chunk, extra_key))
+            keys.append(parent)
+        return keys
+
+    def lookup(self, token_ids: Sequence[int], extra_key: Hashable = None) -> list[int]:
+        """Block ids of the longest cached prefix of full blocks, changing nothing.
+
+        Rule: at most ``max_hit_blocks(len(token_ids))`` blocks can hit (the last token's logits
+        must be computed). Rule: the search stops at the first block that misses.
+        """
+        keys = self.block_keys(token_ids, extra_key)[: self.max_hit_blocks(len(token_ids))]
+        hits: list[int] = []
+        for key in keys:
+            if key not in self._block_of:
+                break
+            hits.append(self._block_of[key])
+        return hits
+
+    def max_hit_blocks(self, prompt_len: int) -> int:
+        """Rule: the last prompt token is always recomputed, so at most this many blocks hit."""
+        return max(0, prompt_len - 1) // self.block_size
+
+    def blocks_to_allocate(self, token_ids: Sequence[int], extra_key: Hashable = None) -> int:
+        """Free blocks ``allocate_prompt`` would consume: fresh blocks plus revived cached ones."""
+        hits = self.lookup(token_ids, extra_key)
+        fresh = -(-len(token_ids) // self.block_size) - len(hits)
+        revived = sum(1 for block_id in hits if self.blocks[block_id].ref_count == 0)
+        return fresh + revived
+
+    def key_of(self, block_id: int) -> BlockKey | None:
+        """The key a block is cached under, or None."""
+        self._check_block_id(block_id)
+        return self._key_of.get(block_id)
+
+    def cached_block(self, key: BlockKey) -> int | None:
+        """The block cached under ``key``, or None."""
+        return self._block_of.get(key)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks that currently carry a key (held or free)."""
+        return len(self._key_of)
+
+    # ----------------------------------------------------------------- operations
+
+    def allocate_prompt(
+        self, token_ids: Sequence[int], extra_key: Hashable = None
+    ) -> tuple[list[int], int]:
+        """Build a table for a prompt, reusing its cached prefix; return (table, cached tokens).
+
+        Rule: hit blocks get one more owner (``ref_count + 1``); a hit block that was free is
+        revived (it leaves the free queue, the rest of the queue keeps its order). Rule: the
+        remaining blocks come from the head of the queue (evicting their old keys). Rule:
+        all-or-nothing: if ``blocks_to_allocate`` exceeds the free blocks, ``OutOfBlocksError``
+        is raised and nothing changes (counters included).
+        """
+        hits = self.lookup(token_ids, extra_key)
+        self._check_available(self.blocks_to_allocate(token_ids, extra_key))
+        self.stats.queried_blocks += self.max_hit_blocks(len(token_ids))
+        self.stats.hit_blocks += len(hits)
+        for block_id in hits:
+            if self.blocks[block_id].ref_count == 0:
+                self._free.remove(block_id)  # Rule: revival leaves the rest of the queue in order.
+            self.blocks[block_id].ref_count += 1
+        fresh = self._take_from_head(-(-len(token_ids) // self.block_size) - len(hits))
+        return hits + fresh, len(hits) * self.block_size
+
+    def cache_blocks(
+        self, block_table: Sequence[int], token_ids: Sequence[int], extra_key: Hashable = None
+    ) -> int:
+        """Register the full blocks of a live table, now holding ``token_ids``; return how many.
+
+        Call it once a block's K/V is written: after a prefill, and when decode fills a block.
+        Rule: a block whose key is already cached in another block stays uncached (one physical
+        copy per content). Rule: a block cached under a different key holds other tokens:
+        ``BlockTableError``, nothing changes.
+        """
+        table = self._check_live_table(block_table)
+        keys = self.block_keys(token_ids, extra_key)
+        if len(token_ids) > len(table) * self.block_size:
+            raise ValueError(
+                f"{len(token_ids)} tokens do not fit a table of {len(table)} blocks "
+                f"of {self.block_size}"
+            )
+        for block_id, key in zip(table, keys, strict=False):
+            if self._key_of.get(block_id, key) != key:
+                raise BlockTableError(f"block {block_id} is cached with other tokens")
+        newly_cached = 0
+        for block_id, key in zip(table, keys, strict=False):
+            if block_id not in self._key_of and key not in self._block_of:
+                self._key_of[block_id] = key
+                self._block_of[key] = block_id
+                newly_cached += 1
+        return newly_cached
+
+    def _take_from_head(self, num_blocks: int) -> list[int]:
+        """Rule: a block handed to a new owner loses its key (LRU eviction via the FIFO queue)."""
+        taken = super()._take_from_head(num_blocks)
+        for block_id in taken:
+            key = self._key_of.pop(block_id, None)
+            if key is not None:
+                del self._block_of[key]
+                self.stats.evictions += 1
+        return taken
+
+    # ----------------------------------------------------------------- validation
+
+    @staticmethod
+    def _check_tokens(token_ids: Sequence[int]) -> list[int]:
+        """Rule: token ids are a list or tuple of non-negative ints."""
+        if not isinstance(token_ids, (list, tuple)):
+            raise TypeError(f"token_ids must be a list of ints, got {type(token_ids).__name__}")
+        return [check_int("token id", token, 0) for token in token_ids]
