@@ -1,0 +1,332 @@
+"""The kernels on a CUDA machine: property tests compiled, then a decode-attention latency sweep.
+
+Installs nothing. Run from the repository root::
+
+    python bench/gpu_kernels.py --out gpu_kernels.json           # on the GPU
+    python bench/gpu_kernels.py --small --out /tmp/small.json    # on CPU, Triton interpreter
+
+Steps:
+
+1. ``pytest properties -k kernels`` with ``CI=1``: on a GPU the kernel properties run compiled
+   (``--small`` runs one quick test of them instead; ``--no-tests`` skips the step).
+2. For each dtype, batch, context and block size: ``paged_decode_attention`` (shuffled block
+   tables), the same kernel over a contiguous cache (``contiguous_decode_attention``), and torch
+   ``scaled_dot_product_attention`` over the contiguous K/V. Each is timed (median), checked
+   against the others, and reported with the bandwidth it achieves reading K and V once.
+3. A JSON report (``--out``) with every measurement and the goals: paged within 10% of
+   contiguous for block size >= 16, and >= 70% of peak HBM bandwidth (``--peak-gbps``, the
+   H200's 4800 GB/s by default) at the longest context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: make the repository's packages importable
+    sys.path.insert(0, str(ROOT))
+
+import kernels  # noqa: E402 - after the path fix; sets TRITON_INTERPRET before triton loads
+
+FULL = {
+    "dtypes": ("float16", "bfloat16"),
+    "batches": (1, 32, 128),
+    "contexts": (512, 4096, 32768),
+    "block_sizes": (1, 2, 4, 8, 16, 32, 64, 128, 256),
+}
+SMALL = {
+    "dtypes": ("float16", "bfloat16"),
+    "batches": (1, 3),
+    "contexts": (16, 40),
+    "block_sizes": (1, 4, 16, 256),
+}
+HEADS_FULL = (32, 8, 128)  # query heads, KV heads, head dim (a Llama-3-8B layer)
+HEADS_SMALL = (4, 2, 80)
+TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
+PAGED_OVERHEAD_GOAL = 0.10
+PEAK_FRACTION_GOAL = 0.70
+
+
+@dataclass
+class Measurement:
+    """One timed kernel on one configuration."""
+
+    kernel: str  # "paged", "contiguous" or "sdpa"
+    dtype: str
+    batch: int
+    context: int
+    block_size: int | None
+    ms: float
+    kv_gbps: float
+    peak_fraction: float
+    max_abs_diff: float  # against the contiguous kernel (for "contiguous": against sdpa)
+    within_tolerance: bool
+
+
+def run_property_tests(selection: str) -> int:
+    """The kernel property tests in a child pytest, compiled on a GPU; returns its exit code."""
+    command = [sys.executable, "-m", "pytest", "properties", "-q", "-k", selection, "-p"]
+    command += ["no:cacheprovider"]
+    print("$", " ".join(command), flush=True)
+    return subprocess.run(command, cwd=ROOT, env={**os.environ, "CI": "1"}, check=False).returncode
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, small: bool) -> float:
+    """Median milliseconds per call (CUDA events via ``triton.testing.do_bench`` on a GPU)."""
+    if device.type == "cuda":
+        import triton.testing  # kernels is imported, so TRITON_INTERPRET is settled
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()  # warm up (the interpreter has nothing to compile, but be fair)
+    samples = []
+    for _ in range(2 if small else 5):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def paged_pair(
+    key: torch.Tensor, value: torch.Tensor, block_size: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Contiguous ``[batch, context, heads, dim]`` K/V cut into blocks and shuffled.
+
+    Returns ``(k_cache, v_cache, block_tables)``: physical block ``p`` holds logical block
+    ``order[p]``, and ``block_tables`` maps each sequence's logical blocks back to physical ones.
+    """
+    batch, context, heads, dim = key.shape
+    per_seq = -(-context // block_size)
+    num_blocks = batch * per_seq
+    order = torch.randperm(num_blocks, generator=generator).to(key.device)
+    tables = torch.empty_like(order)
+    tables[order] = torch.arange(num_blocks, device=key.device)
+
+    def paged(cache: torch.Tensor) -> torch.Tensor:
+        tail = per_seq * block_size - context
+        if tail:
+            cache = torch.nn.functional.pad(cache, (0, 0, 0, 0, 0, tail))
+        return cache.reshape(num_blocks, block_size, heads, dim)[order].contiguous()
+
+    return paged(key), paged(value), tables.to(torch.int32).reshape(batch, per_seq)
+
+
+def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Callable[[], object]:
+    """torch SDPA over ``[batch, heads, len, dim]`` K/V, grouped-query when torch supports it."""
+    q = query[:, :, None, :]  # [batch, heads, 1, dim]
+    attention = torch.nn.functional.scaled_dot_product_attention
+    try:
+        attention(q, key, value, enable_gqa=True)
+    except TypeError:  # torch < 2.5: repeat the KV heads, outside the timed call
+        group = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+        return lambda: attention(q, key, value)
+    return lambda: attention(q, key, value, enable_gqa=True)
+
+
+def measure(
+    dtype_name: str,
+    batch: int,
+    context: int,
+    block_sizes: Sequence[int],
+    heads: tuple[int, int, int],
+    device: torch.device,
+    peak_gbps: float,
+    generators: tuple[torch.Generator, torch.Generator],
+) -> list[Measurement]:
+    """Contiguous kernel, SDPA, then the paged kernel at every block size, for one shape."""
+    num_heads, num_kv_heads, head_dim = heads
+    shuffle, values = generators
+    dtype = getattr(torch, dtype_name)
+    size = (batch, context, num_kv_heads, head_dim)
+    key = torch.randn(size, generator=values, device=device, dtype=dtype)
+    value = torch.randn(size, generator=values, device=device, dtype=dtype)
+    query = torch.randn(batch, num_heads, head_dim, generator=values, device=device, dtype=dtype)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    kv_bytes = 2 * key.numel() * key.element_size()
+    small = device.type != "cuda"
+    results: list[Measurement] = []
+
+    def record(kernel: str, block_size: int | None, fn: Callable[[], object], diff: float) -> None:
+        ms = time_ms(fn, device, small)
+        gbps = kv_bytes / (ms * 1e-3) / 1e9
+        fraction = gbps / peak_gbps
+        ok = diff <= TOLERANCE[dtype]
+        results.append(
+            Measurement(
+                kernel, dtype_name, batch, context, block_size, round(ms, 5), round(gbps, 1),
+                round(fraction, 4), diff, ok,
+            )
+        )  # fmt: skip
+        print(
+            f"{dtype_name:9} batch {batch:4} ctx {context:6} {kernel:10} bs {block_size or '-':>4}"
+            f" {ms:10.4f} ms {gbps:9.1f} GB/s ({fraction:6.1%})  diff {diff:.1e}"
+            + ("" if ok else "  OUT OF TOLERANCE"),
+            flush=True,
+        )
+
+    options: dict[str, Any] = {"backend": "triton", "validate": False}
+    contiguous = partial(kernels.contiguous_decode_attention, query, key, value, lens, **options)
+    expected = contiguous()
+    sdpa_call = sdpa(query, key.transpose(1, 2).contiguous(), value.transpose(1, 2).contiguous())
+    sdpa_out = sdpa_call()[:, :, 0, :]  # type: ignore[index]
+    diff = (expected.float() - sdpa_out.float()).abs().max().item()
+    record("contiguous", None, contiguous, diff)
+    record("sdpa", None, sdpa_call, 0.0)
+    del sdpa_call, sdpa_out
+
+    for block_size in block_sizes:
+        k_cache, v_cache, tables = paged_pair(key, value, block_size, shuffle)
+        args = (query, k_cache, v_cache, tables, lens)
+        kernels.paged_decode_attention(*args)  # validated once, untimed
+        paged = partial(kernels.paged_decode_attention, *args, **options)
+        diff = (paged().float() - expected.float()).abs().max().item()
+        record("paged", block_size, paged, diff)
+        del k_cache, v_cache, tables, args, paged
+    return results
+
+
+def sweep(
+    grid: dict[str, Sequence[Any]],
+    heads: tuple[int, int, int],
+    device: torch.device,
+    peak_gbps: float,
+    progress: Callable[[list[Measurement]], None],
+) -> list[Measurement]:
+    """Every (dtype, batch, context) of ``grid``, each at every block size; ``progress`` sees
+    the results so far after each shape."""
+    generators = (torch.Generator().manual_seed(0), torch.Generator(device).manual_seed(0))
+    results: list[Measurement] = []
+    shapes = itertools.product(grid["dtypes"], grid["batches"], grid["contexts"])
+    for dtype_name, batch, context in shapes:
+        results += measure(
+            dtype_name, batch, context, grid["block_sizes"], heads, device, peak_gbps, generators
+        )
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        progress(results)
+    return results
+
+
+def goals(results: list[Measurement]) -> dict[str, Any]:
+    """The issue's two goals, evaluated over paged runs with block size >= 16."""
+    contiguous = {(m.dtype, m.batch, m.context): m.ms for m in results if m.kernel == "contiguous"}
+    paged = [m for m in results if m.kernel == "paged" and (m.block_size or 0) >= 16]
+    overheads = [
+        {
+            "dtype": m.dtype, "batch": m.batch, "context": m.context, "block_size": m.block_size,
+            "overhead": round(m.ms / contiguous[m.dtype, m.batch, m.context] - 1, 4),
+        }
+        for m in paged
+    ]  # fmt: skip
+    longest = max((m.context for m in results), default=0)
+    at_longest = [
+        {
+            "dtype": m.dtype,
+            "batch": m.batch,
+            "block_size": m.block_size,
+            "fraction": m.peak_fraction,
+        }
+        for m in paged
+        if m.context == longest
+    ]
+    return {
+        "paged_within_10pct_of_contiguous_bs_ge_16": {
+            "met": all(o["overhead"] <= PAGED_OVERHEAD_GOAL for o in overheads),
+            "worst": max(overheads, key=lambda o: o["overhead"], default=None),
+            "all": overheads,
+        },
+        f"peak_fraction_ge_70pct_at_context_{longest}": {
+            "met": all(a["fraction"] >= PEAK_FRACTION_GOAL for a in at_longest),
+            "worst": min(at_longest, key=lambda a: a["fraction"], default=None),
+            "all": at_longest,
+        },
+    }
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true", help="tiny CPU/interpreter run")
+    parser.add_argument("--out", type=Path, default=Path("gpu_kernels.json"), help="JSON report")
+    parser.add_argument("--no-tests", action="store_true", help="skip the property tests")
+    parser.add_argument(
+        "--tests-k", help="pytest -k selection (default: every kernel test; --small: one)"
+    )
+    parser.add_argument("--peak-gbps", type=float, default=4800.0, help="peak HBM GB/s (H200)")
+
+    def ints(text: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in text.split(","))
+
+    parser.add_argument("--dtypes", type=lambda t: tuple(t.split(",")), help="e.g. float16")
+    parser.add_argument("--batches", type=ints, help="e.g. 1,32,128")
+    parser.add_argument("--contexts", type=ints, help="e.g. 512,4096,32768")
+    parser.add_argument("--block-sizes", type=ints, help="e.g. 16,256")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not args.small:
+        print("no CUDA device: run with --small (Triton interpreter, tiny shapes)")
+        return 2
+    grid = dict(SMALL if args.small else FULL)
+    for name in grid:
+        if getattr(args, name) is not None:
+            grid[name] = getattr(args, name)
+    heads = HEADS_SMALL if args.small else HEADS_FULL
+
+    selection = args.tests_k or ("test_fixed_run_matches_dense" if args.small else "kernels")
+    tests = None if args.no_tests else run_property_tests(selection)
+    report: dict[str, Any] = {
+        "complete": False,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "interpreter": kernels.INTERPRETED,
+        "small": args.small,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "heads": dict(zip(("num_heads", "num_kv_heads", "head_dim"), heads, strict=True)),
+        "grid": grid,
+        "peak_gbps": args.peak_gbps,
+        "property_tests": {"selection": selection, "exit_code": tests},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(results: list[Measurement]) -> None:  # after every shape: a kill loses little
+        report["goals"] = goals(results)
+        report["out_of_tolerance"] = sum(not m.within_tolerance for m in results)
+        report["measurements"] = [asdict(m) for m in results]
+        args.out.write_text(json.dumps(report, indent=2))
+
+    write(sweep(grid, heads, device, args.peak_gbps, write))
+    report["complete"] = True
+    args.out.write_text(json.dumps(report, indent=2))
+    for name, goal in report["goals"].items():
+        print(f"goal {name}: {'met' if goal['met'] else 'NOT met'}; worst {goal['worst']}")
+    print(f"wrote {args.out}")
+    return 1 if tests or report["out_of_tolerance"] else 0
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""The public kernel functions: validate every argument, pick the backend, run.
+
+Every function accepts ``backend=`` (``"auto"``, ``"triton"`` or ``"reference"``; see
+``kernels.backend``). Types, shapes, dtypes and devices are always checked. Checks that read
+tensor values (block ids, context lengths, slots, positions), and so synchronize a GPU, run unless
+``validate=False``; pass that only for arguments already known to be valid, because the kernels
+trust them and a bad block id would read or write outside the caches. Every check runs before
+anything is launched or written, so a call that raises leaves the caches untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kernels import (
+    reference,
+    triton_copy_blocks,
+    triton_decode,
+    triton_slot_mapping,
+    triton_store_kv,
+)
+from kernels.backend import resolve_backend
+from kernels.validation import (
+    check_block_tables,
+    check_caches,
+    check_context_lens,
+    check_context_values,
+    check_decode_query,
+    check_int,
+    check_kv_rows,
+    check_num_splits,
+    check_pairs,
+    check_position_values,
+    check_same_device,
+    check_scale,
+    check_slot_values,
+    check_slots,
+    check_tensor,
+    check_token_index,
+)
+
+
+def slot_mapping(
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
+    block_size: int,
+    seq_ids: torch.Tensor | None = None,
+    *,
+    num_blocks: int | None = None,
+    backend: str | None = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Physical slot of every token: the spec's ``translate_slot`` for a batch.
+
+    ``block_tables`` is int32 ``[batch, max_blocks]``. ``positions`` (int32/int64) holds one
+    position per sequence (``[batch]``) or, with ``seq_ids`` naming each token's table row, one
+    per token (``[tokens]``). Position ``-1`` is padding and maps to ``-1``. Returns int64
+    slots ``block_tables[seq, pos // block_size] * block_size + pos % block_size``.
+
+    Raises ``IndexError`` for a position beyond the table's capacity or one that reaches a
+    negative entry (or one ``>= num_blocks`` when ``num_blocks`` is given).
+    """
+    check_int("block_size", block_size, 1)
+    if num_blocks is not None:
+        check_int("num_blocks", num_blocks, 0)
+    tables = check_tensor("block_tables", block_tables, 2, (torch.int32,))
+    pos, seq = check_token_index(positions, seq_ids, tables.shape[0])
+    device = check_same_device(block_tables=tables, positions=pos, seq_ids=seq)
+    if validate:
+        check_position_values(pos, seq, tables, block_size, num_blocks)
+    if resolve_backend(backend, device) == "reference":
+        return reference.slot_mapping(tables, pos, seq, block_size)
+    return triton_slot_mapping.launch(tables, pos, seq, block_size)
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    backend: str | None = None,
+    validate: bool = True,
+) -> None:
+    """Write ``key[t]``/``value[t]`` (``[tokens, num_kv_heads, head_dim]``) into slot ``t``'s row.
+
+    Slot ``s`` is row ``s % block_size`` of block ``s // block_size``. A slot of ``-1`` skips its
+    token. Slots must be distinct and in ``[-1, num_blocks * block_size)``; the token tensors
+    must have the caches' dtype and device and may have any strides.
+    """
+    caches = check_caches(k_cache, v_cache)
+    key, value = check_kv_rows(key, value, caches, k_cache.dtype)
+    slots = check_slots(slot_mapping, key.shape[0])
+    device = check_same_device(k_cache=k_cache, key=key, value=value, slot_mapping=slots)
+    if validate:
+        check_slot_values(slots, caches.num_blocks * caches.block_size)
+    if resolve_backend(backend, device) == "reference":
+        reference.store_kv(key, value, k_cache, v_cache, slots)
+    else:
+        triton_store_kv.launch(key, value, k_cache, v_cache, slots)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float | None = None,
+    *,
+    num_splits: int | None = None,
+    backend: str | None = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its K/V, read through its block table.
+
+    ``query`` ``[batch, num_heads, head_dim]``; caches ``[num_blocks, block_size, num_kv_heads,
+    head_dim]`` of the query's dtype (fp32, fp16 or bf16); ``block_tables`` int32 ``[batch,
+    max_blocks]``; ``context_lens`` ``[batch]``, each in ``[0, max_blocks * block_size]`` (0 gives
+    zeros). ``num_heads`` must be a multiple of ``num_kv_heads``; query head ``h`` reads KV head
+    ``h // (num_heads // num_kv_heads)``. ``scale`` defaults to ``1 / sqrt(head_dim)``.
+    ``num_splits`` (triton backend; 1 to 64) cuts each sequence's tokens into that many ranges
+    merged by log-sum-exp; ``None`` chooses from the GPU's size. Returns ``[batch, num_heads,
+    head_dim]`` in the query's dtype; all arithmetic is fp32.
+    """
+    caches = check_caches(k_cache, v_cache)
+    q = check_decode_query(query, caches, k_cache.dtype)
+    tables = check_block_tables(block_tables, q.shape[0])
+    lens = check_context_lens(context_lens, q.shape[0])
+    device = check_same_device(query=q, k_cache=k_cache, block_tables=tables, context_lens=lens)
+    scale = check_scale(scale, caches.head_dim)
+    num_splits = check_num_splits(num_splits)
+    if validate:
+        check_context_values(lens, tables, caches.block_size, caches.num_blocks)
+    if resolve_backend(backend, device) == "reference":
+        return reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    return triton_decode.launch(q, k_cache, v_cache, tables, lens, scale, num_splits)
+
+
+def contiguous_decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float | None = None,
+    *,
+    num_splits: int | None = None,
+    backend: str | None = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """``paged_decode_attention`` over a contiguous ``[batch, max_len, kv_heads, dim]`` cache.
+
+    The same kernel with the block-table lookup replaced by ``row = seq * max_len + pos``: the
+    baseline that measures what paging costs. ``context_lens`` must lie in ``[0, max_len]``.
+    """
+    caches = check_caches(key, value)
+    q = check_decode_query(query, caches, key.dtype)
+    if caches.num_blocks != q.shape[0]:
+        raise ValueError(
+            f"key must have one row of tokens per sequence ({q.shape[0]}), got shape "
+            f"{tuple(key.shape)}"
+        )
+    lens = check_context_lens(context_lens, q.shape[0])
+    device = check_same_device(query=q, key=key, context_lens=lens)
+    scale = check_scale(scale, caches.head_dim)
+    num_splits = check_num_splits(num_splits)
+    if validate:  # a contiguous cache is a paged one whose table for sequence b is [b]
+        identity = torch.arange(q.shape[0], dtype=torch.int32, device=device)[:, None]
+        check_context_values(lens, identity, caches.block_size, caches.num_blocks)
+    if resolve_backend(backend, device) == "reference":
+        return reference.contiguous_decode_attention(q, key, value, lens, scale)
+    return triton_decode.launch(q, key, value, None, lens, scale, num_splits)
+
+
+def copy_blocks(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pairs: Sequence[tuple[int, int]] | torch.Tensor,
+    *,
+    backend: str | None = None,
+) -> None:
+    """Copy block ``src`` over block ``dst`` in both caches for every pair, as if in order.
+
+    ``pairs`` is what ``BlockManager.pop_copy_pairs()`` returns (or an integer tensor
+    ``[num_pairs, 2]``); ids must lie in ``[0, num_blocks)``. The pairs are host data, so they
+    are always checked (there is no ``validate=``).
+    """
+    caches = check_caches(k_cache, v_cache)
+    checked = check_pairs(pairs, caches.num_blocks)
+    if not checked:
+        return
+    if resolve_backend(backend, k_cache.device) == "reference":
+        reference.copy_blocks(k_cache, v_cache, checked)
+    else:
+        triton_copy_blocks.launch(k_cache, v_cache, checked)

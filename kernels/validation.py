@@ -1,0 +1,319 @@
+"""Argument checks that run before any kernel launches, so a bad call raises and changes nothing.
+
+Error types follow the spec: ``TypeError`` for a wrong kind or dtype, ``ValueError`` for a wrong
+shape, device or value, ``IndexError`` for a block id, slot, position or context length outside
+what the cache or the block table holds. Every message names the offending argument.
+
+These checks are what keeps every kernel inside the caches: a kernel only reads the block-table
+entries below ``ceil(context_len / block_size)``, and every such entry is checked here to lie in
+``[0, num_blocks)``. Data-dependent checks read the tensors' values, which synchronizes a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+MAX_SPLITS = 64  # split-K ranges per sequence, at most
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """``[num_blocks, block_size, num_kv_heads, head_dim]`` of a K/V cache pair."""
+
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def check_tensor(
+    name: str, value: object, ndim: int, dtypes: tuple[torch.dtype, ...]
+) -> torch.Tensor:
+    """A ``torch.Tensor`` with ``ndim`` dimensions and one of ``dtypes``."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(value.shape)}")
+    if value.dtype not in dtypes:
+        allowed = ", ".join(str(dtype) for dtype in dtypes)
+        raise TypeError(f"{name} must have dtype in ({allowed}), got {value.dtype}")
+    return value
+
+
+def check_int(name: str, value: object, minimum: int) -> int:
+    """A plain int (not bool) at or above ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_same_device(**tensors: torch.Tensor) -> torch.device:
+    """All tensors on one device; returns it."""
+    devices = {name: tensor.device for name, tensor in tensors.items()}
+    first_name, first = next(iter(devices.items()))
+    for name, device in devices.items():
+        if device != first:
+            raise ValueError(f"{name} is on {device} but {first_name} is on {first}")
+    return first
+
+
+def check_shape(name: str, tensor: torch.Tensor, expected: Sequence[int]) -> None:
+    """``tensor.shape == expected``."""
+    if tuple(tensor.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {tuple(expected)}, got {tuple(tensor.shape)}")
+
+
+def check_caches(k_cache: object, v_cache: object) -> CacheShape:
+    """Two contiguous float caches of one shape, dtype and device."""
+    k = check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES)
+    v = check_tensor("v_cache", v_cache, 4, FLOAT_DTYPES)
+    check_shape("v_cache", v, k.shape)
+    if v.dtype != k.dtype:
+        raise TypeError(f"v_cache has dtype {v.dtype} but k_cache has {k.dtype}")
+    check_same_device(k_cache=k, v_cache=v)
+    for name, cache in (("k_cache", k), ("v_cache", v)):
+        if not cache.is_contiguous():
+            raise ValueError(f"{name} must be contiguous [num_blocks, block_size, heads, dim]")
+    if k.data_ptr() == v.data_ptr() and k.numel():
+        raise ValueError("k_cache and v_cache must not share memory")
+    num_blocks, block_size, num_kv_heads, head_dim = k.shape
+    for name, size in (("block_size", block_size), ("num_kv_heads", num_kv_heads)):
+        if size < 1:
+            raise ValueError(f"k_cache {name} must be >= 1, got shape {tuple(k.shape)}")
+    if head_dim < 1:
+        raise ValueError(f"k_cache head_dim must be >= 1, got shape {tuple(k.shape)}")
+    return CacheShape(num_blocks, block_size, num_kv_heads, head_dim)
+
+
+def _first_true(mask: torch.Tensor) -> tuple[int, ...]:
+    """Index of the first true element of ``mask`` (which has at least one)."""
+    return tuple(int(i) for i in mask.nonzero()[0])
+
+
+def check_block_tables(block_tables: object, batch: int) -> torch.Tensor:
+    """An int32 ``[batch, max_blocks]`` table."""
+    table = check_tensor("block_tables", block_tables, 2, (torch.int32,))
+    if table.shape[0] != batch:
+        raise ValueError(
+            f"block_tables must have one row per sequence ({batch}), got shape {tuple(table.shape)}"
+        )
+    return table
+
+
+def check_context_lens(context_lens: object, batch: int) -> torch.Tensor:
+    """An integer ``[batch]`` tensor (its values are checked by ``check_context_values``)."""
+    lens = check_tensor("context_lens", context_lens, 1, INDEX_DTYPES)
+    check_shape("context_lens", lens, (batch,))
+    return lens
+
+
+def check_context_values(
+    lens: torch.Tensor, block_tables: torch.Tensor, block_size: int, num_blocks: int
+) -> None:
+    """Lengths in ``[0, capacity]``, and every table entry they reach in ``[0, num_blocks)``.
+
+    A length of 0 marks a padding sequence; its table row is never read.
+    """
+    batch, max_blocks = block_tables.shape
+    if batch == 0:
+        return
+    negative = lens < 0
+    if bool(negative.any()):
+        (b,) = _first_true(negative)
+        raise ValueError(f"context_lens[{b}] = {int(lens[b])} is negative")
+    capacity = max_blocks * block_size
+    too_long = lens > capacity
+    if bool(too_long.any()):
+        (b,) = _first_true(too_long)
+        raise IndexError(
+            f"context_lens[{b}] = {int(lens[b])} exceeds the block table's capacity of "
+            f"{capacity} tokens ({max_blocks} blocks of {block_size})"
+        )
+    used_blocks = (lens.to(torch.int64) + block_size - 1) // block_size
+    columns = torch.arange(max_blocks, device=lens.device)
+    read = columns[None, :] < used_blocks[:, None]
+    bad = read & ((block_tables < 0) | (block_tables >= num_blocks))
+    if bool(bad.any()):
+        b, j = _first_true(bad)
+        raise IndexError(
+            f"block_tables[{b}, {j}] = {int(block_tables[b, j])} is outside the cache's "
+            f"blocks [0, {num_blocks}) (read for context_lens[{b}] = {int(lens[b])})"
+        )
+
+
+def check_decode_query(query: object, caches: CacheShape, dtype: torch.dtype) -> torch.Tensor:
+    """A ``[batch, num_heads, head_dim]`` query matching the caches; heads a multiple of KV's."""
+    q = check_tensor("query", query, 3, FLOAT_DTYPES)
+    if q.dtype != dtype:
+        raise TypeError(f"query has dtype {q.dtype} but the caches have {dtype}")
+    _, num_heads, head_dim = q.shape
+    if head_dim != caches.head_dim:
+        raise ValueError(f"query head_dim {head_dim} != cache head_dim {caches.head_dim}")
+    if num_heads < 1 or num_heads % caches.num_kv_heads:
+        raise ValueError(
+            f"query num_heads ({num_heads}) must be a positive multiple of the caches' "
+            f"num_kv_heads ({caches.num_kv_heads})"
+        )
+    return q
+
+
+def check_num_splits(num_splits: object) -> int | None:
+    """``None`` (choose automatically) or an int in ``[1, MAX_SPLITS]``."""
+    if num_splits is None:
+        return None
+    check_int("num_splits", num_splits, 1)
+    if num_splits > MAX_SPLITS:
+        raise ValueError(f"num_splits must be <= {MAX_SPLITS}, got {num_splits}")
+    return num_splits
+
+
+def check_scale(scale: object, head_dim: int) -> float:
+    """The softmax scale: a finite positive number, by default ``1 / sqrt(head_dim)``."""
+    if scale is None:
+        return head_dim**-0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    if not 0 < scale < float("inf"):
+        raise ValueError(f"scale must be finite and positive, got {scale}")
+    return float(scale)
+
+
+def check_kv_rows(
+    key: object, value: object, caches: CacheShape, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``key`` and ``value`` of shape ``[tokens, num_kv_heads, head_dim]`` in the caches' dtype."""
+    k = check_tensor("key", key, 3, FLOAT_DTYPES)
+    v = check_tensor("value", value, 3, FLOAT_DTYPES)
+    expected = (k.shape[0], caches.num_kv_heads, caches.head_dim)
+    check_shape("key", k, expected)
+    check_shape("value", v, expected)
+    for name, tensor in (("key", k), ("value", v)):
+        if tensor.dtype != dtype:
+            raise TypeError(f"{name} has dtype {tensor.dtype} but the caches have {dtype}")
+    return k, v
+
+
+def check_slots(slot_mapping: object, num_tokens: int) -> torch.Tensor:
+    """An integer ``[num_tokens]`` tensor (its values are checked by ``check_slot_values``)."""
+    slots = check_tensor("slot_mapping", slot_mapping, 1, INDEX_DTYPES)
+    check_shape("slot_mapping", slots, (num_tokens,))
+    return slots
+
+
+def check_slot_values(slots: torch.Tensor, num_slots: int) -> None:
+    """Slots in ``[-1, num_slots)``, ``-1`` meaning skip; the other slots are distinct."""
+    if slots.numel() == 0:
+        return
+    bad = (slots < -1) | (slots >= num_slots)
+    if bool(bad.any()):
+        (t,) = _first_true(bad)
+        raise IndexError(
+            f"slot_mapping[{t}] = {int(slots[t])} is outside the cache's slots "
+            f"[0, {num_slots}) (-1 skips a token)"
+        )
+    written = slots[slots >= 0]
+    if written.unique().numel() != written.numel():
+        raise ValueError("slot_mapping writes one slot twice; the result would be undefined")
+
+
+def check_token_index(
+    positions: object, seq_ids: object, batch: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``positions`` ``[batch]``, or ``[tokens]`` with ``seq_ids`` ``[tokens]``; both as int64.
+
+    Without ``seq_ids`` token ``b`` belongs to sequence ``b``.
+    """
+    pos = check_tensor("positions", positions, 1, INDEX_DTYPES)
+    if seq_ids is None:
+        check_shape("positions", pos, (batch,))
+        seq = torch.arange(batch, device=pos.device)
+    else:
+        seq = check_tensor("seq_ids", seq_ids, 1, INDEX_DTYPES)
+        check_shape("seq_ids", seq, pos.shape)
+        check_same_device(positions=pos, seq_ids=seq)
+    return pos.to(torch.int64), seq.to(torch.int64)
+
+
+def check_position_values(
+    pos: torch.Tensor,
+    seq: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    num_blocks: int | None,
+) -> None:
+    """Positions in ``[-1, capacity)`` (``-1`` is padding) and the table entries they reach.
+
+    Every entry a non-padding position reaches must be ``>= 0`` and, when ``num_blocks`` is
+    given, ``< num_blocks``; its ``seq_ids`` entry must name a row of the table.
+    """
+    batch, max_blocks = block_tables.shape
+    if pos.numel() == 0:
+        return
+    below = pos < -1
+    if bool(below.any()):
+        (t,) = _first_true(below)
+        raise ValueError(f"positions[{t}] = {int(pos[t])} is negative (-1 marks padding)")
+    live = pos >= 0
+    bad_seq = live & ((seq < 0) | (seq >= batch))
+    if bool(bad_seq.any()):
+        (t,) = _first_true(bad_seq)
+        raise IndexError(f"seq_ids[{t}] = {int(seq[t])} is outside the batch [0, {batch})")
+    capacity = max_blocks * block_size
+    beyond = pos >= capacity
+    if bool(beyond.any()):
+        (t,) = _first_true(beyond)
+        raise IndexError(
+            f"positions[{t}] = {int(pos[t])} is beyond the block table's capacity of "
+            f"{capacity} slots"
+        )
+    safe_seq = torch.where(live, seq, 0)
+    entries = block_tables[safe_seq, torch.where(live, pos, 0) // block_size].to(torch.int64)
+    bad = live & (entries < 0)
+    if num_blocks is not None:
+        bad |= live & (entries >= num_blocks)
+    if bool(bad.any()):
+        (t,) = _first_true(bad)
+        row, column = int(safe_seq[t]), int(pos[t]) // block_size
+        limit = f"[0, {num_blocks})" if num_blocks is not None else "[0, inf)"
+        raise IndexError(
+            f"block_tables[{row}, {column}] = {int(entries[t])} (reached by positions[{t}]) "
+            f"is outside {limit}"
+        )
+
+
+def check_pairs(pairs: object, num_blocks: int) -> list[tuple[int, int]]:
+    """``(src, dst)`` block-id pairs, each id in ``[0, num_blocks)``.
+
+    Accepts a sequence of pairs or an integer tensor of shape ``[num_pairs, 2]``.
+    """
+    if isinstance(pairs, torch.Tensor):
+        if pairs.dtype not in INDEX_DTYPES:
+            raise TypeError(f"pairs must have an integer dtype, got {pairs.dtype}")
+        if pairs.dim() != 2 or pairs.shape[1] != 2:
+            raise ValueError(f"pairs must have shape [num_pairs, 2], got {tuple(pairs.shape)}")
+        pairs = pairs.tolist()
+    if not isinstance(pairs, Sequence) or isinstance(pairs, (str, bytes)):
+        raise TypeError(f"pairs must be a sequence of (src, dst), got {type(pairs).__name__}")
+    checked: list[tuple[int, int]] = []
+    for index, pair in enumerate(pairs):
+        if not isinstance(pair, Sequence) or len(pair) != 2:
+            raise ValueError(f"pairs[{index}] must be a (src, dst) pair, got {pair!r}")
+        for role, block_id in zip(("src", "dst"), pair, strict=True):
+            if isinstance(block_id, bool) or not isinstance(block_id, int):
+                raise TypeError(
+                    f"pairs[{index}] {role} must be an int, got {type(block_id).__name__}"
+                )
+            if not 0 <= block_id < num_blocks:
+                raise IndexError(
+                    f"pairs[{index}] {role} = {block_id} is outside the cache's blocks "
+                    f"[0, {num_blocks})"
+                )
+        checked.append((pair[0], pair[1]))
+    return checked

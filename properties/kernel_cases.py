@@ -1,0 +1,352 @@
+"""Shared pieces of the kernel property tests: sizes, tolerances, and caches filled by spec runs.
+
+A *script* of operations (new sequence, extend, fork, free) is played on the spec's
+``BlockManager``, so block tables are what a real run produces: shuffled ids (the free queue
+starts in a drawn order), ids reused after frees, blocks shared by forks and copied on write.
+``KVCache`` replays the same script on real tensors through the kernels under test, remembering
+every sequence's logical K/V so that attention can be checked against dense attention.
+
+Kernel tests run on CUDA when it is there (compiled Triton) and on CPU otherwise (the Triton
+interpreter), so ``bench/gpu_kernels.py`` reruns them compiled on a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from hypothesis import currently_in_test_context, event, settings
+from hypothesis import strategies as st
+
+import kernels
+from spec.block_manager import BlockManager, OutOfBlocksError, blocks_needed, translate_slot
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+GQA_RATIOS = (1, 2, 4, 8)
+HEAD_DIMS = (64, 80, 128)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """``|actual - expected| <= atol + rtol * |expected|``, elementwise."""
+
+    atol: float
+    rtol: float
+
+
+# The one statement of how close the kernels must be. Every implementation upcasts to fp32 and
+# accumulates in fp32, so differences come from summation order and the final rounding to the
+# output dtype: about one unit in the last place of fp16 (2**-10) or bf16 (2**-7) at outputs of
+# a few units, with headroom for TF32 products on GPUs.
+TOLERANCES: dict[torch.dtype, Tolerance] = {
+    torch.float32: Tolerance(atol=2e-5, rtol=2e-5),
+    torch.float16: Tolerance(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: Tolerance(atol=1.6e-2, rtol=1.6e-2),
+}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Assert agreement within ``TOLERANCES[expected.dtype]``; the message says where it fails."""
+    tol = TOLERANCES[expected.dtype]
+    torch.testing.assert_close(
+        actual, expected, atol=tol.atol, rtol=tol.rtol, msg=lambda detail: f"{what}: {detail}"
+    )
+
+
+def kernel_examples(base: int) -> int:
+    """``base`` examples under the dev and ci profiles, proportionally more under deep.
+
+    The interpreter is slow, so kernel tests set their own (small) ``max_examples``.
+    """
+    return max(base, base * settings.default.max_examples // 200)
+
+
+# ----------------------------------------------------------------------- spec runs
+
+Op = tuple[str, int, int]  # (kind, sequence index, token count)
+
+
+@dataclass(eq=False)
+class Seq:
+    """A live sequence: its block table, its length, and (in a ``KVCache``) its logical K/V."""
+
+    table: list[int]
+    length: int = 0
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def logical_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[length, num_kv_heads, head_dim]`` K and V, token order."""
+        keys, values = zip(*self.kv, strict=True)
+        return torch.cat(keys), torch.cat(values)
+
+
+@dataclass(frozen=True)
+class Write:
+    """Tokens ``start .. start + count - 1`` of ``seq`` must be written, after ``copies``."""
+
+    seq: Seq
+    start: int
+    count: int
+    copies: list[tuple[int, int]]
+
+
+class SpecRun:
+    """Plays a script on the spec's ``BlockManager``; reports the writes a cache must do."""
+
+    def __init__(self, total_blocks: int, block_size: int, free_order: Sequence[int]) -> None:
+        self.manager = BlockManager(total_blocks, block_size)
+        held = [self.manager.allocate(1) for _ in range(total_blocks)]  # held[b] == [b]
+        for block_id in free_order:  # the free queue now runs in free_order
+            self.manager.free(held[block_id])
+        self.seqs: list[Seq] = []
+
+    def apply(self, op: Op) -> Write | None:
+        """Apply one operation; ``None`` when it writes nothing or the pool is too small."""
+        kind, index, count = op
+        bs = self.manager.block_size
+        if kind == "new":
+            try:
+                seq = Seq(self.manager.allocate(blocks_needed(count, bs)))
+            except OutOfBlocksError:
+                return None
+            self.seqs.append(seq)
+            return self._grow(seq, count, [])
+        if not self.seqs:
+            return None
+        index %= len(self.seqs)
+        seq = self.seqs[index]
+        if kind == "extend":
+            try:
+                seq.table = self.manager.append_slot(seq.table, seq.length + count, count)
+            except OutOfBlocksError:
+                return None
+            return self._grow(seq, count, self.manager.pop_copy_pairs())
+        if kind == "fork":
+            self.seqs.append(Seq(self.manager.fork(seq.table), seq.length, list(seq.kv)))
+        elif kind == "free":
+            self.manager.free(seq.table)
+            del self.seqs[index]
+        return None
+
+    @staticmethod
+    def _grow(seq: Seq, count: int, copies: list[tuple[int, int]]) -> Write:
+        start, seq.length = seq.length, seq.length + count
+        return Write(seq, start, count, copies)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Everything drawn for one run: the pool, its free order, the script, a tensor seed."""
+
+    block_size: int
+    total_blocks: int
+    free_order: tuple[int, ...]
+    script: tuple[Op, ...]
+    seed: int
+
+    def play(self) -> SpecRun:
+        """The spec run alone (no tensors)."""
+        run = SpecRun(self.total_blocks, self.block_size, self.free_order)
+        for op in self.script:
+            run.apply(op)
+        return run
+
+
+def fixed_scenario(block_size: int) -> Scenario:
+    """A deterministic run for example-based tests: a reversed free queue, three sequences of
+    several blocks, a fork whose two branches both extend (copy-on-write), a free and a reuse."""
+    total_blocks = 4 * blocks_needed(40, block_size) + 4
+    script: tuple[Op, ...] = (
+        ("new", 0, 3 * block_size + 1),
+        ("new", 0, 2 * block_size),
+        ("fork", 0, 0),
+        ("extend", 2, 2),
+        ("extend", 0, 1),
+        ("free", 1, 0),
+        ("new", 0, block_size + 3),
+    )
+    return Scenario(block_size, total_blocks, tuple(reversed(range(total_blocks))), script, 0)
+
+
+def max_length(block_size: int) -> int:
+    """Longest drawn prompt: two blocks (so exact multiples occur), at least 40, at most 512."""
+    return min(512, max(40, 2 * block_size))
+
+
+@st.composite
+def scenarios(draw: st.DrawFn, block_size: int) -> Scenario:
+    """A small realistic run: prompts (block-size edge lengths likely), decodes, forks, frees."""
+    longest = max_length(block_size)
+    edges = [n for n in (1, block_size - 1, block_size, block_size + 1, 2 * block_size) if n > 0]
+    lengths = st.one_of(
+        st.sampled_from([n for n in edges if n <= longest]), st.integers(1, longest)
+    )
+    extends = st.integers(1, min(block_size + 1, 24))
+    op = st.one_of(
+        st.tuples(st.just("new"), st.just(0), lengths),
+        st.tuples(st.just("extend"), st.integers(0, 7), extends),
+        st.tuples(st.just("extend"), st.integers(0, 7), st.just(1)),
+        st.tuples(st.just("fork"), st.integers(0, 7), st.just(0)),
+        st.tuples(st.just("free"), st.integers(0, 7), st.just(0)),
+    )
+    first = draw(lengths)
+    script = (("new", 0, first), *draw(st.lists(op, max_size=10)))
+    needed = blocks_needed(first, block_size)
+    total_blocks = draw(st.integers(needed, needed + 2 * blocks_needed(longest, block_size) + 2))
+    free_order = tuple(draw(st.permutations(range(total_blocks))))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return Scenario(block_size, total_blocks, free_order, script, seed)
+
+
+# ----------------------------------------------------------------------- caches
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Cache geometry and dtype; ``num_heads`` query heads share each KV head ``group`` ways."""
+
+    block_size: int
+    num_kv_heads: int
+    group: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def num_heads(self) -> int:
+        """Query heads."""
+        return self.num_kv_heads * self.group
+
+
+class KVCache:
+    """K/V caches filled by replaying a scenario through ``store_kv`` and ``copy_blocks``.
+
+    Every slot starts as NaN, so a kernel that reads a slot no token was written to (beyond a
+    context, or in a block the table does not name) poisons its output.
+    """
+
+    def __init__(self, scenario: Scenario, shape: Shape, backend: str = "triton") -> None:
+        if shape.block_size != scenario.block_size:
+            raise ValueError("scenario and shape disagree on block_size")
+        self.shape = shape
+        self.backend = backend
+        self.generator = torch.Generator().manual_seed(scenario.seed)
+        size = (scenario.total_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+        self.k_cache = torch.full(size, float("nan"), dtype=shape.dtype, device=DEVICE)
+        self.v_cache = torch.full(size, float("nan"), dtype=shape.dtype, device=DEVICE)
+        self.run = SpecRun(scenario.total_blocks, scenario.block_size, scenario.free_order)
+        for op in scenario.script:
+            write = self.run.apply(op)
+            if write is not None:
+                self.write(write)
+
+    def randn(self, *size: int) -> torch.Tensor:
+        """Seeded standard normal values in the cache dtype, on the test device."""
+        return torch.randn(*size, generator=self.generator).to(self.shape.dtype).to(DEVICE)
+
+    def write(self, write: Write) -> None:
+        """Copy-on-write first (the spec's contract), then the new tokens' K/V."""
+        if write.copies and currently_in_test_context():
+            event("copy-on-write")  # shown by --hypothesis-show-statistics
+        kernels.copy_blocks(self.k_cache, self.v_cache, write.copies, backend=self.backend)
+        key = self.randn(write.count, self.shape.num_kv_heads, self.shape.head_dim)
+        value = self.randn(write.count, self.shape.num_kv_heads, self.shape.head_dim)
+        positions = range(write.start, write.start + write.count)
+        slots = [translate_slot(write.seq.table, p, self.shape.block_size) for p in positions]
+        slot_tensor = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+        kernels.store_kv(key, value, self.k_cache, self.v_cache, slot_tensor, backend=self.backend)
+        write.seq.kv.append((key, value))
+
+    def batch(
+        self, extra_columns: int = 0, pad: int = -1, padding_row: bool = False
+    ) -> tuple[list[Seq | None], torch.Tensor, torch.Tensor]:
+        """Live sequences as a batch: ``(seqs, block_tables, context_lens)``.
+
+        Tables are padded with ``pad`` to the longest plus ``extra_columns``; ``padding_row``
+        appends a sequence of length 0 (``None`` in ``seqs``) whose row is all ``pad``.
+        """
+        seqs: list[Seq | None] = list(self.run.seqs) + ([None] if padding_row else [])
+        used = [seq.table if seq else [] for seq in seqs]
+        width = max((len(table) for table in used), default=0) + extra_columns
+        rows = [table + [pad] * (width - len(table)) for table in used]
+        tables = torch.tensor(rows, dtype=torch.int32, device=DEVICE).reshape(len(seqs), width)
+        lens = torch.tensor([s.length if s else 0 for s in seqs], dtype=torch.int32, device=DEVICE)
+        return seqs, tables, lens
+
+
+def dense_attention(query: torch.Tensor, seqs: Sequence[Seq | None], scale: float) -> torch.Tensor:
+    """The oracle: fp32 ``scaled_dot_product_attention`` over each sequence's logical K/V."""
+    out = torch.zeros_like(query)
+    for b, seq in enumerate(seqs):
+        if seq is None or seq.length == 0:
+            continue
+        key, value = seq.logical_kv()
+        group = query.shape[1] // key.shape[1]
+        k = key.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, len, dim]
+        v = value.float().repeat_interleave(group, dim=1).transpose(0, 1)
+        q = query[b].float()[:, None, :]  # [heads, 1, dim]
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+        out[b] = o[:, 0, :].to(query.dtype)
+    return out
+
+
+# attention(query, k_cache, v_cache, block_tables, context_lens, scale) -> output
+Attention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], object
+]
+
+
+def check_attention(
+    cache: KVCache,
+    attention: Attention,
+    extra_columns: int = 0,
+    padding_row: bool = False,
+    scale: float | None = None,
+    pad: int = -1,
+) -> None:
+    """``attention`` (triton), the torch reference and dense attention agree on every sequence.
+
+    ``scale`` defaults to ``1 / sqrt(head_dim)``; ``extra_columns``, ``padding_row`` and ``pad``
+    shape the batch (see ``KVCache.batch``).
+    """
+    seqs, tables, lens = cache.batch(extra_columns, pad, padding_row)
+    shape = cache.shape
+    query = cache.randn(len(seqs), shape.num_heads, shape.head_dim)
+    scale = shape.head_dim**-0.5 if scale is None else scale
+    expected = dense_attention(query, seqs, scale)
+    reference = kernels.paged_decode_attention(
+        query, cache.k_cache, cache.v_cache, tables, lens, scale, backend="reference"
+    )
+    actual = attention(query, cache.k_cache, cache.v_cache, tables, lens, scale)
+    assert isinstance(actual, torch.Tensor)
+    assert actual.dtype == query.dtype and actual.shape == query.shape
+    assert_close(reference, expected, "reference vs dense")
+    assert_close(actual, expected, "triton vs dense")
+    assert_close(actual, reference, "triton vs reference")
+
+
+# ----------------------------------------------------------------------- planted bugs
+
+
+def load_mutant(module: ModuleType, original: str, mutated: str, directory: Path) -> ModuleType:
+    """A copy of ``module`` whose source has its one ``original`` replaced by ``mutated``.
+
+    The copy is written under ``directory`` and imported from there, so Triton sees real source
+    for its kernels. Tests use it to prove that a check fails for a plausible bug.
+    """
+    assert module.__file__ is not None
+    source = Path(module.__file__).read_text()
+    assert source.count(original) == 1, f"{original!r} must occur once in {module.__name__}"
+    name = f"mutant_{module.__name__.rsplit('.', 1)[-1]}_{len(list(directory.iterdir()))}"
+    path = directory / f"{name}.py"
+    path.write_text(source.replace(original, mutated))
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mutant = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mutant)
+    return mutant

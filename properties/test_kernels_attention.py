@@ -1,0 +1,193 @@
+"""Properties: ``store_kv`` then ``paged_decode_attention`` equals dense attention.
+
+Caches are filled by spec runs (shuffled ids, forks sharing blocks, copy-on-write, ragged lengths
+that include 1 and exact block multiples). The Triton kernel (compiled on a GPU, interpreted on
+CPU), the torch reference and fp32 dense attention over each sequence's logical K/V must agree
+within ``TOLERANCES``; the split-K path must agree with the single pass. Every block size meets
+every dtype, and every GQA ratio meets every head dim, by parametrization; Hypothesis draws the
+rest.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kernels
+from kernels import triton_decode
+from properties.kernel_cases import (
+    BLOCK_SIZES,
+    DEVICE,
+    DTYPES,
+    GQA_RATIOS,
+    HEAD_DIMS,
+    Attention,
+    KVCache,
+    Seq,
+    Shape,
+    assert_close,
+    check_attention,
+    dense_attention,
+    fixed_scenario,
+    kernel_examples,
+    load_mutant,
+    scenarios,
+)
+
+
+def triton_attention(num_splits: int | None = None) -> Attention:
+    """The public function on the triton backend, with ``num_splits`` fixed."""
+
+    def attention(*args: torch.Tensor | float) -> torch.Tensor:
+        return kernels.paged_decode_attention(*args, num_splits=num_splits, backend="triton")
+
+    return attention
+
+
+def draw_cache(data: st.DataObject, block_size: int, group: int, head_dim: int, dtype) -> KVCache:
+    """A cache filled by a drawn scenario, with one or two KV heads."""
+    scenario = data.draw(scenarios(block_size), label="scenario")
+    num_kv_heads = data.draw(st.sampled_from([1, 2]), label="num_kv_heads")
+    return KVCache(scenario, Shape(block_size, num_kv_heads, group, head_dim, dtype))
+
+
+@pytest.mark.parametrize(
+    ("block_size", "dtype"),
+    list(itertools.product(BLOCK_SIZES, DTYPES)),
+    ids=lambda value: str(value).removeprefix("torch."),
+)
+@settings(max_examples=kernel_examples(8))
+@given(data=st.data())
+def test_attention_matches_dense_for_every_block_size(
+    block_size: int, dtype: torch.dtype, data: st.DataObject
+) -> None:
+    group = data.draw(st.sampled_from(GQA_RATIOS), label="group")
+    head_dim = data.draw(st.sampled_from(HEAD_DIMS), label="head_dim")
+    cache = draw_cache(data, block_size, group, head_dim, dtype)
+    check_attention(
+        cache,
+        triton_attention(num_splits=1),
+        extra_columns=data.draw(st.integers(0, 2), label="extra_columns"),
+        padding_row=data.draw(st.booleans(), label="padding_row"),
+    )
+
+
+@pytest.mark.parametrize(("group", "head_dim"), list(itertools.product(GQA_RATIOS, HEAD_DIMS)))
+@settings(max_examples=kernel_examples(8))
+@given(data=st.data())
+def test_attention_matches_dense_for_every_gqa_ratio_and_head_dim(
+    group: int, head_dim: int, data: st.DataObject
+) -> None:
+    block_size = data.draw(st.sampled_from(BLOCK_SIZES), label="block_size")
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    check_attention(draw_cache(data, block_size, group, head_dim, dtype), triton_attention())
+
+
+@settings(max_examples=kernel_examples(25))
+@given(data=st.data())
+def test_split_k_matches_single_pass(data: st.DataObject) -> None:
+    block_size = data.draw(st.sampled_from(BLOCK_SIZES), label="block_size")
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    group = data.draw(st.sampled_from(GQA_RATIOS), label="group")
+    cache = draw_cache(data, block_size, group, 64, dtype)
+    num_splits = data.draw(st.integers(2, 9), label="num_splits")
+    _, tables, lens = cache.batch(extra_columns=data.draw(st.integers(0, 2)), padding_row=True)
+    query = cache.randn(tables.shape[0], cache.shape.num_heads, cache.shape.head_dim)
+    args = (query, cache.k_cache, cache.v_cache, tables, lens)
+    single = triton_attention(num_splits=1)(*args)
+    split = triton_attention(num_splits=num_splits)(*args)
+    assert not split.isnan().any()
+    assert_close(split, single, f"{num_splits} splits vs single pass")
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0])
+def test_explicit_scale_is_used(scale: float) -> None:
+    cache = KVCache(fixed_scenario(4), Shape(4, 2, 2, 64, torch.float32))
+    check_attention(cache, triton_attention(num_splits=2), scale=scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_fixed_run_matches_dense(block_size: int, dtype: torch.dtype) -> None:
+    """The fixed run the mutant tests use passes with the real kernel."""
+    cache = KVCache(fixed_scenario(block_size), Shape(block_size, 2, 4, 80, dtype))
+    check_attention(cache, triton_attention(), extra_columns=1, padding_row=True)
+
+
+@settings(max_examples=kernel_examples(6))
+@given(
+    batch=st.integers(1, 3),
+    max_len=st.integers(1, 80),
+    group=st.sampled_from(GQA_RATIOS),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**31 - 1),
+    data=st.data(),
+)
+def test_contiguous_attention_matches_dense(
+    batch: int, max_len: int, group: int, dtype: torch.dtype, seed: int, data: st.DataObject
+) -> None:
+    """The contiguous-cache baseline (same kernel, no table) is right too."""
+    generator = torch.Generator().manual_seed(seed)
+    num_kv_heads, head_dim = 2, 80
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=generator).to(dtype).to(DEVICE)
+
+    key = randn(batch, max_len, num_kv_heads, head_dim)
+    value = randn(batch, max_len, num_kv_heads, head_dim)
+    query = randn(batch, num_kv_heads * group, head_dim)
+    lens = data.draw(st.lists(st.integers(0, max_len), min_size=batch, max_size=batch))
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+    seqs = [Seq([], n, [(key[b, :n], value[b, :n])]) for b, n in enumerate(lens)]
+    expected = dense_attention(query, seqs, scale)
+    for backend in ("triton", "reference"):
+        num_splits = data.draw(st.integers(1, 3), label="num_splits")
+        actual = kernels.contiguous_decode_attention(
+            query, key, value, context_lens, num_splits=num_splits, backend=backend
+        )
+        assert_close(actual, expected, f"contiguous {backend} vs dense")
+
+
+# Planted bugs: each is a one-line change to the kernel's source that the checks above must catch.
+MUTANTS = {
+    "table read off by one": (
+        "block_tables_ptr + seq * table_stride + n // BLOCK_SIZE,",
+        "block_tables_ptr + seq * table_stride + n // BLOCK_SIZE + 1,",
+    ),
+    "wrong row inside a block": (
+        "rows = block_id * BLOCK_SIZE + n % BLOCK_SIZE",
+        "rows = block_id * BLOCK_SIZE + (n + 1) % BLOCK_SIZE",
+    ),
+    "query heads interleaved over KV heads": (
+        "heads = kv_head * group + g",
+        "heads = kv_head + g * NUM_KV_HEADS",
+    ),
+    "split-K merge ignores each split's denominator": (
+        'lse = tl.where(has_tokens, m + tl.log(safe_denom), float("-inf"))',
+        'lse = tl.where(has_tokens, m, float("-inf"))',
+    ),
+}
+
+
+@pytest.mark.parametrize("mutation", list(MUTANTS), ids=list(MUTANTS))
+def test_check_catches_planted_kernel_bug(mutation: str, tmp_path: Path) -> None:
+    """The oracle comparison is not vacuous: the same check fails for a broken kernel.
+
+    Tables get one extra column holding a real block id, so the off-by-one read stays inside the
+    caches (as it would not, on a GPU, in general).
+    """
+    mutant = load_mutant(triton_decode, *MUTANTS[mutation], tmp_path)
+
+    def attention(query, k_cache, v_cache, tables, lens, scale) -> torch.Tensor:
+        return mutant.launch(query, k_cache, v_cache, tables, lens, scale, num_splits=3)
+
+    cache = KVCache(fixed_scenario(16), Shape(16, 2, 4, 80, torch.float32))
+    check_attention(cache, triton_attention(num_splits=3), extra_columns=1, pad=0)
+    with pytest.raises(AssertionError):
+        check_attention(cache, attention, extra_columns=1, pad=0)
