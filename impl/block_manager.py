@@ -1,0 +1,299 @@
+"""The block manager of ``spec.block_manager``, with reference counts and free queue in arrays.
+
+For any sequence of calls, :class:`BlockManager` returns what the spec returns (same block ids,
+same order, same result types), raises the spec's exception classes in the spec's precedence,
+and leaves the same free queue and reference counts. No Python object exists per block:
+reference counts are one ``int32`` array and the free queue is a
+:class:`impl.free_queue.FreeBlockQueue`.
+
+Besides the spec's API it offers :meth:`BlockManager.allocate_array` and
+:meth:`BlockManager.free_array` (the same operations on numpy id arrays, skipping the conversion
+to and from Python ints) and :meth:`BlockManager.ref_counts`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from numpy.typing import NDArray
+
+from impl.free_queue import FreeBlockQueue
+from spec.block_manager import (
+    BlockTableError,
+    OutOfBlocksError,
+    blocks_needed,
+    check_int,
+    translate_slot,
+)
+
+__all__ = ["MAX_BLOCKS", "BlockManager", "BlockTableError", "OutOfBlocksError"]
+
+MAX_BLOCKS = 2**31 - 1
+"""Block ids are int32, so a pool holds at most this many blocks (the spec has no such limit)."""
+
+IdArray = NDArray[np.intp]
+"""Block ids as numpy's index type, the fastest for gathers and scatters."""
+
+_NO_IDS: IdArray = np.empty(0, dtype=np.intp)
+
+
+class BlockManager:
+    """``spec.block_manager.BlockManager``'s behaviour, array-backed.
+
+    State: ``_ref`` (``int32[total_blocks]``) is every block's reference count; ``_free`` is the
+    FIFO free queue; ``_copy_pairs`` holds the pending copy-on-write pairs as ``int32[P, 2]``
+    chunks. A call converts its table to one id array and does its per-block work in numpy: the
+    Python work per call is O(1) and the array work O(1) per block. A call that raises changes
+    nothing.
+
+    ``impl.block_tables`` drives the same state through the package-private ``_take``,
+    ``_release_table``, ``_release_tables``, ``_drop_refs`` and ``_record_copies``, which trust
+    their arguments.
+    """
+
+    def __init__(self, total_blocks: int, block_size: int = 16) -> None:
+        self.total_blocks = check_int("total_blocks", total_blocks, 1)
+        self.block_size = check_int("block_size", block_size, 1)
+        if total_blocks > MAX_BLOCKS:
+            raise ValueError(f"total_blocks must be <= {MAX_BLOCKS} (int32 ids)")
+        self._ref = np.zeros(total_blocks, dtype=np.int32)
+        self._free = FreeBlockQueue(total_blocks)
+        self._copy_pairs: list[NDArray[np.int32]] = []
+
+    # ----------------------------------------------------------------- introspection
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Number of blocks in the free queue."""
+        return len(self._free)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        """Whether ``allocate(num_blocks)`` would succeed now."""
+        return check_int("num_blocks", num_blocks, 0) <= len(self._free)
+
+    def ref_count(self, block_id: int) -> int:
+        """How many live tables hold ``block_id``."""
+        return int(self._ref[self._check_block_id(block_id)])
+
+    def ref_counts(self) -> NDArray[np.int32]:
+        """Every block's reference count, indexed by block id (a copy)."""
+        return self._ref.copy()
+
+    def free_block_ids(self) -> list[int]:
+        """The free queue, head (next to be allocated) first."""
+        return self._free.to_array().tolist()
+
+    def pop_copy_pairs(self) -> list[tuple[int, int]]:
+        """Return and forget the ``(src, dst)`` copy-on-write pairs made since the last call.
+
+        The caller must copy block ``src`` into block ``dst`` for every pair, in order, before
+        writing new KV data. (``BlockTableStore.pop_copy_pairs`` drains the same pairs.)
+        """
+        return [(src, dst) for src, dst in self._pop_copy_pairs_array().tolist()]
+
+    # ----------------------------------------------------------------- the spec's operations
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take ``num_blocks`` blocks from the head of the free queue for a new table.
+
+        Raises ``OutOfBlocksError`` (changing nothing) if fewer are free. ``allocate(0) == []``.
+        """
+        return self.allocate_array(num_blocks).tolist()
+
+    def append_slot(
+        self, block_table: Sequence[int], token_count: int, new_tokens: int = 1
+    ) -> list[int]:
+        """Return a new table that can hold ``token_count`` tokens, the last ``new_tokens`` written.
+
+        Exactly ``spec.BlockManager.append_slot``: missing blocks are appended from the head of
+        the free queue; each present block that receives a write while shared (``ref_count > 1``)
+        is replaced, in table order, by a fresh block taken before the growth blocks, and
+        ``(shared, fresh)`` is recorded for ``pop_copy_pairs``. All-or-nothing
+        (``OutOfBlocksError``); the argument is never mutated.
+        """
+        ids, held = self._live_table(block_table)
+        check_int("token_count", token_count, 0)
+        check_int("new_tokens", new_tokens, 0)
+        if new_tokens > token_count:
+            raise ValueError(f"new_tokens ({new_tokens}) exceeds token_count ({token_count})")
+        needed = blocks_needed(token_count, self.block_size)
+        # Table indices of the blocks that receive a write, capped at the existing table.
+        first_written = (token_count - new_tokens) // self.block_size
+        stop_written = min(needed if new_tokens else first_written, ids.size)
+        shared = _NO_IDS
+        if first_written < stop_written:
+            shared = first_written + np.flatnonzero(held[first_written:stop_written] > 1)
+        num_fresh = shared.size + max(0, needed - ids.size)
+        self._check_available(num_fresh)
+        table = list(block_table)
+        if num_fresh == 0:
+            return table
+        fresh = self._take(num_fresh)
+        if shared.size:
+            src, dst = ids[shared], fresh[: shared.size]
+            self._drop_refs(src, distinct=True)
+            self._record_copies(src, dst)
+            for index, fresh_id in zip(shared.tolist(), dst.tolist(), strict=True):
+                table[index] = fresh_id
+        return table + fresh[shared.size :].tolist()
+
+    def fork(self, block_table: Sequence[int]) -> list[int]:
+        """Share a live table's blocks with a new owner (each ``ref_count + 1``); return a copy."""
+        ids, held = self._live_table(block_table)
+        self._ref[ids] = held + 1
+        return list(block_table)
+
+    def free(self, block_table: Sequence[int]) -> None:
+        """Release one owner's hold on every block of a live table.
+
+        Blocks that reach ``ref_count == 0`` join the tail of the free queue, the table's LAST
+        block first. Unknown, repeated or already-free ids raise ``BlockTableError`` before
+        anything changes.
+        """
+        self._release_table(*self._live_table(block_table))
+
+    def translate_slot(self, block_table: Sequence[int], token_pos: int) -> int:
+        """Physical slot of ``token_pos`` in a live table (module-level ``translate_slot``)."""
+        self._live_table(block_table)
+        return translate_slot(list(block_table), token_pos, self.block_size)
+
+    # ----------------------------------------------------------------- array operations
+
+    def allocate_array(self, num_blocks: int) -> IdArray:
+        """``allocate``, returning the ids as a new ``intp`` array instead of a list."""
+        check_int("num_blocks", num_blocks, 0)
+        self._check_available(num_blocks)
+        return self._take(num_blocks)
+
+    def free_array(self, block_ids: NDArray[np.integer]) -> None:
+        """``free`` for a table given as a 1-D integer numpy array: same order, same errors.
+
+        Raises ``TypeError`` for anything but a 1-D array of an integer dtype.
+        """
+        self._release_table(*self._live_array(block_ids))
+
+    # ----------------------------------------------------------------- validation
+
+    def _check_block_id(self, block_id: object) -> int:
+        """Rule: a block id is an int (not bool) in ``[0, total_blocks)``."""
+        if isinstance(block_id, bool) or not isinstance(block_id, int):
+            raise TypeError(f"block id must be an int, got {type(block_id).__name__}")
+        if not 0 <= block_id < self.total_blocks:
+            raise BlockTableError(
+                f"unknown block id {block_id}: this manager has blocks 0..{self.total_blocks - 1}"
+            )
+        return int(block_id)
+
+    def _live_table(self, block_table: object) -> tuple[IdArray, NDArray[np.int32]]:
+        """Validate a live table as the spec does; return its ids and their reference counts.
+
+        Precedence as in the spec: ``TypeError`` unless a list or tuple; then per element, in
+        table order, ``TypeError`` (not an int) or ``BlockTableError`` (unknown id); then
+        ``BlockTableError`` for repeated ids, then for free blocks.
+        """
+        if not isinstance(block_table, (list, tuple)):
+            raise TypeError(f"block_table must be a list of ints, got {type(block_table).__name__}")
+        return self._distinct_and_held(self._table_ids(block_table))
+
+    def _table_ids(self, block_table: Sequence[object]) -> IdArray:
+        """The table's ids as an array, or the spec's per-element error for the first bad one."""
+        if set(map(type, block_table)) == {int}:  # the common case, checked in C
+            try:
+                ids = np.fromiter(block_table, dtype=np.intp, count=len(block_table))
+            except OverflowError:  # an id beyond int64: unknown, reported below
+                pass
+            else:  # a negative id reads as a huge unsigned one
+                if ids.view(np.uintp).max() < self.total_blocks:
+                    return ids
+        # Empty, or some element is bad or an int subclass: check one by one, in order.
+        return np.array([self._check_block_id(b) for b in block_table], dtype=np.intp)
+
+    def _live_array(self, block_ids: object) -> tuple[IdArray, NDArray[np.int32]]:
+        """``_live_table`` for a 1-D integer numpy array (``TypeError`` for anything else)."""
+        if not isinstance(block_ids, np.ndarray):
+            raise TypeError(f"block_ids must be a numpy array, got {type(block_ids).__name__}")
+        if block_ids.ndim != 1 or block_ids.dtype.kind not in "iu":
+            raise TypeError(f"block_ids must be a 1-D integer array, got {block_ids.dtype}")
+        ids = block_ids.astype(np.intp, copy=False)
+        if ids.size and ids.view(np.uintp).max() >= self.total_blocks:
+            self._check_block_id(int(ids[(ids < 0) | (ids >= self.total_blocks)][0]))
+        return self._distinct_and_held(ids)
+
+    def _distinct_and_held(self, ids: IdArray) -> tuple[IdArray, NDArray[np.int32]]:
+        """Rule: a live table's (known) ids are distinct, then each is held. Returns the counts.
+
+        O(n): the repeat check borrows the free queue's dead slots, so it runs once every block
+        is known to be held; when some is not, repeats are looked for first, as in the spec.
+        """
+        held = self._ref[ids]
+        if np.count_nonzero(held) != held.size:
+            if np.unique(ids).size < ids.size:
+                self._raise_repeated(ids)
+            already_free = ids[held == 0].tolist()
+            raise BlockTableError(f"blocks {already_free} are free (double free or stale table)")
+        if ids.size > 1 and self._free.has_repeats(ids):
+            self._raise_repeated(ids)
+        return ids, held
+
+    def _raise_repeated(self, ids: IdArray) -> None:
+        unique, counts = np.unique(ids, return_counts=True)
+        raise BlockTableError(f"block ids repeated within one table: {unique[counts > 1].tolist()}")
+
+    def _check_available(self, num_blocks: int) -> None:
+        """Rule: allocation is all-or-nothing; too few free blocks raises before any change."""
+        if num_blocks > len(self._free):
+            raise OutOfBlocksError(
+                f"asked for {num_blocks} blocks but only {len(self._free)} are free"
+            )
+
+    # ----------------------------------------------------------------- trusted internals
+
+    def _take(self, num_blocks: int) -> IdArray:
+        """Pop ``num_blocks`` (<= free) ids from the head, each now with ``ref_count`` 1."""
+        taken = self._free.popleft(num_blocks)
+        self._ref[taken] = 1
+        return taken
+
+    def _release_table(self, ids: IdArray, held: NDArray[np.int32]) -> None:
+        """Drop one reference from each block of one table (``ids`` in table order, ``held``
+        their counts); blocks that reach 0 join the free queue's tail, the LAST one first.
+        """
+        remaining = held - 1
+        self._ref[ids] = remaining
+        freed = ids[remaining == 0] if np.count_nonzero(remaining) else ids
+        self._free.extend(freed[::-1].copy())  # contiguous: faster scatters in extend
+
+    def _release_tables(self, ids: IdArray) -> None:
+        """Drop one reference per occurrence in ``ids`` (several tables' ids), in order.
+
+        A block joins the free queue's tail when its count reaches 0, at its last occurrence.
+        Requires every count to cover its occurrences.
+        """
+        unique, first_in_reverse, counts = np.unique(
+            ids[::-1], return_index=True, return_counts=True
+        )
+        remaining = self._ref[unique] - counts.astype(np.int32)
+        self._ref[unique] = remaining
+        freed = remaining == 0
+        last_occurrence = ids.size - 1 - first_in_reverse[freed]
+        self._free.extend(unique[freed][np.argsort(last_occurrence)])
+
+    def _drop_refs(self, ids: IdArray, *, distinct: bool) -> None:
+        """Drop one reference per occurrence (copy-on-write sources, whose counts stay >= 1)."""
+        if distinct:
+            self._ref[ids] -= 1
+            return
+        unique, counts = np.unique(ids, return_counts=True)
+        self._ref[unique] -= counts.astype(np.int32)
+
+    def _record_copies(self, src: IdArray, dst: IdArray) -> None:
+        """Queue the copy-on-write pairs ``(src[i], dst[i])``, in order."""
+        self._copy_pairs.append(np.stack((src, dst), axis=1).astype(np.int32))
+
+    def _pop_copy_pairs_array(self) -> NDArray[np.int32]:
+        """The pending copy-on-write pairs as a new ``int32[P, 2]`` array; forgets them."""
+        pairs, self._copy_pairs = self._copy_pairs, []
+        if not pairs:
+            return np.empty((0, 2), dtype=np.int32)
+        return pairs[0] if len(pairs) == 1 else np.concatenate(pairs)

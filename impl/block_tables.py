@@ -1,0 +1,525 @@
+"""Every live sequence's block table in one padded int32 array, driven a scheduler step at a time.
+
+:class:`BlockTableStore` owns the tables of sequences keyed by caller-chosen int ids and drives a
+:class:`impl.block_manager.BlockManager` with whole batches: grow every running sequence by its
+new tokens, compute the step's ``slot_mapping``, and export the tables in the layouts attention
+kernels read (a padded ``[batch, max_blocks_per_seq]`` table as FlashAttention takes it, and
+FlashInfer's CSR page table). Each batch operation is equivalent to calling the spec once per
+sequence, in batch order, and costs a fixed number of numpy calls.
+
+State, for ``S = max_seqs`` rows and ``M = max_blocks_per_seq`` columns:
+
+* ``tables`` (``int32[S, M]``): row ``r`` holds its sequence's block ids in columns
+  ``0 .. num_blocks[r] - 1``; every other entry, and every entry of a row with no sequence, is
+  ``-1``.
+* ``num_blocks``, ``token_counts`` (``int32[S]``): a live row holds exactly
+  ``ceil(token_counts[r] / block_size)`` blocks (the store never over-allocates).
+* a dict from sequence id to row; rows of removed sequences are reused.
+
+Errors: ``TypeError`` for an argument of the wrong type; ``KeyError`` for an unknown sequence
+id; ``ValueError`` for a repeated id in one batch, an id that is already live, or a count out of
+range; :class:`CapacityError` when the store's shape cannot hold the request;
+``spec.block_manager.OutOfBlocksError`` when the pool is exhausted. Every call validates all of
+its input before it changes anything, so a call that raises changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+
+from impl.block_manager import BlockManager, OutOfBlocksError
+from spec.block_manager import blocks_needed, check_int
+
+__all__ = ["PAD", "BlockTableStore", "CapacityError", "SeqBatch"]
+
+PAD = -1
+"""The table entry, and the ``slot_mapping`` entry, that stands for "no block" / "no token"."""
+
+INT32_MAX = 2**31 - 1
+
+SeqIds = Sequence[int] | NDArray[np.integer]
+
+
+class CapacityError(ValueError):
+    """The store's fixed shape cannot hold the request: no free row, or a table that would need
+    more than ``max_blocks_per_seq`` blocks."""
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class SeqBatch:
+    """An ordered batch of distinct live sequence ids, resolved to their rows.
+
+    Made by :meth:`BlockTableStore.batch`. Resolving ids costs a dict lookup per sequence; a
+    batch pays it once for all the operations of a step, or of many steps. Rows change only when
+    a sequence is removed, so a batch made before the last ``remove`` is re-resolved from its
+    ids when used (``KeyError`` if one of them is gone).
+    """
+
+    seq_ids: tuple[int, ...]
+    rows: NDArray[np.intp]
+    _base: NDArray[np.intp] = field(repr=False)  # rows * max_blocks_per_seq: flat row offsets
+    _store: BlockTableStore = field(repr=False)
+    _epoch: int = field(repr=False)
+
+    def __len__(self) -> int:
+        return len(self.seq_ids)
+
+
+class BlockTableStore:
+    """The block tables of up to ``max_seqs`` sequences, each up to ``max_blocks_per_seq`` blocks.
+
+    Block ids come from and return to ``manager``, whose reference counts, free-queue order and
+    copy-on-write pairs evolve exactly as if each sequence's table were driven through the spec
+    API: ``add`` is ``allocate``, ``fork`` is ``fork``, ``remove`` is ``free``, and ``grow`` is
+    ``append_slot``. Methods taking ``seqs`` accept a :class:`SeqBatch` or a list, tuple or 1-D
+    integer array of sequence ids; ``None`` means every live sequence, in the order added.
+    """
+
+    def __init__(self, manager: BlockManager, max_seqs: int, max_blocks_per_seq: int) -> None:
+        if not isinstance(manager, BlockManager):
+            raise TypeError(f"manager must be an impl BlockManager, got {type(manager).__name__}")
+        check_int("max_seqs", max_seqs, 1)
+        check_int("max_blocks_per_seq", max_blocks_per_seq, 1)
+        self.manager = manager
+        self.block_size = manager.block_size
+        self._width = max_blocks_per_seq
+        if max_blocks_per_seq * self.block_size > INT32_MAX:
+            raise ValueError("max_blocks_per_seq * block_size must fit int32 token counts")
+        if manager.total_blocks * self.block_size > INT32_MAX:
+            raise ValueError("total_blocks * block_size must fit int32 slot ids")
+        self._tables = np.full((max_seqs, max_blocks_per_seq), PAD, dtype=np.int32)
+        self._num_blocks = np.zeros(max_seqs, dtype=np.int32)
+        self._token_counts = np.zeros(max_seqs, dtype=np.int32)
+        self._row_of: dict[int, int] = {}
+        self._free_rows = list(range(max_seqs - 1, -1, -1))  # pop() yields the lowest row
+        self._epoch = 0  # bumped by every remove: batches made before it must re-resolve
+
+    # ----------------------------------------------------------------- introspection
+
+    @property
+    def max_seqs(self) -> int:
+        return self._tables.shape[0]
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return self._tables.shape[1]
+
+    @property
+    def tables(self) -> NDArray[np.int32]:
+        """Read-only view of the ``int32[max_seqs, max_blocks_per_seq]`` table array."""
+        return _read_only(self._tables)
+
+    @property
+    def num_blocks(self) -> NDArray[np.int32]:
+        """Read-only view of each row's table length."""
+        return _read_only(self._num_blocks)
+
+    @property
+    def token_counts(self) -> NDArray[np.int32]:
+        """Read-only view of each row's token count."""
+        return _read_only(self._token_counts)
+
+    @property
+    def seq_ids(self) -> tuple[int, ...]:
+        """The live sequence ids, in the order they were added."""
+        return tuple(self._row_of)
+
+    def __len__(self) -> int:
+        return len(self._row_of)
+
+    def __contains__(self, seq_id: object) -> bool:
+        return type(seq_id) is int and seq_id in self._row_of
+
+    def row(self, seq_id: int) -> int:
+        """The row of ``tables`` that holds ``seq_id``."""
+        return self._row_of[self._check_live(seq_id)]
+
+    def table(self, seq_id: int) -> list[int]:
+        """``seq_id``'s block table, as the spec would hold it."""
+        row = self.row(seq_id)
+        return self._tables[row, : self._num_blocks[row]].tolist()
+
+    def token_count(self, seq_id: int) -> int:
+        """How many tokens ``seq_id`` holds."""
+        return int(self._token_counts[self.row(seq_id)])
+
+    # ----------------------------------------------------------------- sequence lifecycle
+
+    def add(self, seq_id: int, prompt_len: int) -> None:
+        """Add a sequence of ``prompt_len`` tokens: ``manager.allocate(ceil(prompt_len / bs))``.
+
+        Raises ``ValueError`` if ``seq_id`` is live, ``CapacityError`` if no row is free or the
+        prompt needs more than ``max_blocks_per_seq`` blocks, ``OutOfBlocksError`` if the pool
+        has too few free blocks.
+        """
+        seq_id = _check_seq_id(seq_id)
+        if seq_id in self._row_of:
+            raise ValueError(f"sequence {seq_id} is already live")
+        check_int("prompt_len", prompt_len, 0)
+        needed = blocks_needed(prompt_len, self.block_size)
+        self._check_fits(needed, seq_id)
+        if not self._free_rows:
+            raise CapacityError(f"all {self.max_seqs} rows hold live sequences")
+        if needed > self.manager.num_free_blocks:
+            raise OutOfBlocksError(
+                f"asked for {needed} blocks but only {self.manager.num_free_blocks} are free"
+            )
+        row = self._free_rows.pop()
+        self._tables[row, :needed] = self.manager._take(needed)
+        self._num_blocks[row] = needed
+        self._token_counts[row] = prompt_len
+        self._row_of[seq_id] = row
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """Add ``child_id`` sharing ``parent_id``'s blocks and token count: ``manager.fork``."""
+        parent_row = self.row(parent_id)
+        child_id = _check_seq_id(child_id)
+        if child_id in self._row_of:
+            raise ValueError(f"sequence {child_id} is already live")
+        if not self._free_rows:
+            raise CapacityError(f"all {self.max_seqs} rows hold live sequences")
+        row = self._free_rows.pop()
+        length = self._num_blocks[parent_row]
+        blocks = self._tables[parent_row, :length]
+        self.manager._ref[blocks] += 1  # one table: distinct ids
+        self._tables[row, :length] = blocks
+        self._num_blocks[row] = length
+        self._token_counts[row] = self._token_counts[parent_row]
+        self._row_of[child_id] = row
+
+    def remove(self, seqs: SeqBatch | SeqIds) -> None:
+        """Free the sequences' tables and forget them: ``manager.free`` per sequence, in order.
+
+        Blocks that reach ``ref_count == 0`` join the free queue's tail in the order those
+        calls would put them there (each table's last block first).
+        """
+        batch = self._resolve(seqs)
+        rows = batch.rows
+        if rows.size == 1:
+            row = int(rows[0])
+            blocks = self._tables[row, : self._num_blocks[row]].astype(np.intp)
+            self.manager._release_table(blocks, self.manager._ref[blocks])
+        elif rows.size > 1:
+            reversed_tables = self._tables[rows, ::-1]  # padding first, then last block first
+            self.manager._release_tables(reversed_tables[reversed_tables != PAD].astype(np.intp))
+        self._tables[rows] = PAD
+        self._num_blocks[rows] = 0
+        self._token_counts[rows] = 0
+        for seq_id in batch.seq_ids:
+            del self._row_of[seq_id]
+        self._free_rows.extend(rows[::-1].tolist())
+        self._epoch += 1
+
+    # ----------------------------------------------------------------- a scheduler step
+
+    def batch(self, seq_ids: SeqIds) -> SeqBatch:
+        """Resolve distinct live sequence ids, in order, to a :class:`SeqBatch`."""
+        if isinstance(seq_ids, np.ndarray):
+            if seq_ids.ndim != 1 or seq_ids.dtype.kind not in "iu":
+                raise TypeError(f"seq_ids must be a 1-D integer array, got {seq_ids.dtype}")
+            seq_ids = seq_ids.tolist()
+        elif not isinstance(seq_ids, (list, tuple)):
+            raise TypeError(f"seq_ids must be a list of ints, got {type(seq_ids).__name__}")
+        if set(map(type, seq_ids)) != {int}:  # empty, or a bad id or an int subclass
+            seq_ids = [_check_seq_id(seq_id) for seq_id in seq_ids]
+        try:
+            rows = np.fromiter(
+                map(self._row_of.__getitem__, seq_ids), dtype=np.intp, count=len(seq_ids)
+            )
+        except KeyError as error:
+            raise KeyError(f"unknown sequence id {error.args[0]}") from None
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"sequence ids repeated within one batch: {_repeats(seq_ids)}")
+        rows.flags.writeable = False
+        return SeqBatch(tuple(seq_ids), rows, rows * self._width, self, self._epoch)
+
+    def grow(self, seqs: SeqBatch | SeqIds, new_tokens: int | SeqIds = 1) -> list[int]:
+        """Append ``new_tokens`` tokens (one int for all, or one per sequence) to each sequence.
+
+        Equivalent to, for each sequence in batch order, ``table = manager.append_slot(table,
+        count + k, new_tokens=k)`` with ``OutOfBlocksError`` caught: a sequence either grows
+        fully (including copy-on-write of a shared last block, taken before its growth blocks)
+        or is left unchanged. Returns the ids that could not grow, in batch order; later
+        sequences still try. Raises (changing nothing) ``CapacityError`` if any sequence would
+        need more than ``max_blocks_per_seq`` blocks. Copy-on-write pairs go to
+        :meth:`pop_copy_pairs`.
+        """
+        batch = self._resolve(seqs)
+        rows = batch.rows
+        step = self._token_array("new_tokens", new_tokens, rows.size)
+        if rows.size == 0:
+            return []
+        bs, width = self.block_size, self._width
+        counts = self._token_counts.take(rows).astype(np.int64)
+        lengths = self._num_blocks.take(rows)
+        new_counts = counts + step
+        needed = (new_counts + (bs - 1)) // bs
+        if needed.max() > width:
+            over = [s for s, n in zip(batch.seq_ids, needed.tolist(), strict=True) if n > width]
+            raise CapacityError(f"sequences {over} would need more than {width} blocks")
+        if isinstance(step, int) and step == 0:
+            return []
+        growth = needed - lengths
+        # A live table holds exactly ceil(count / block_size) blocks, so the only present block
+        # a write can reach is the last one, and only when it is partly filled.
+        writes_last = counts % bs != 0
+        if not isinstance(step, int):
+            writes_last &= step > 0
+        last = self._tables.take(batch._base + lengths - 1)  # index -1 only if not writes_last
+        shared = writes_last & (self.manager._ref.take(last) > 1)
+        any_shared = np.count_nonzero(shared) > 0
+        num_fresh = growth + shared
+        total = int(num_fresh.sum())
+        # Fast path: every sequence grows, and no shared block is written twice in the batch.
+        if total <= self.manager.num_free_blocks and not (
+            any_shared and _has_repeats(last[shared])
+        ):
+            self._apply_growth(batch._base, lengths, growth, shared, any_shared, last, total)
+            self._num_blocks[rows] = needed
+            self._token_counts[rows] = new_counts
+            return []
+        grown, shared = self._plan_in_order(growth, writes_last, last)
+        keep = grown.nonzero()[0]
+        rows, lengths, growth, shared = rows[keep], lengths[keep], growth[keep], shared[keep]
+        total = int(growth.sum() + shared.sum())
+        self._apply_growth(
+            batch._base[keep], lengths, growth, shared, bool(shared.any()), last[keep], total
+        )
+        self._num_blocks[rows] = needed[keep]
+        self._token_counts[rows] = new_counts[keep]
+        return [s for s, ok in zip(batch.seq_ids, grown.tolist(), strict=True) if not ok]
+
+    def slot_mapping(
+        self,
+        seqs: SeqBatch | SeqIds | None = None,
+        num_tokens: int | SeqIds = 1,
+        pad_to: int | None = None,
+    ) -> torch.Tensor:
+        """Physical slots of each sequence's last ``num_tokens`` positions, as int32.
+
+        For sequence ``i`` in batch order, positions ``count - k .. count - 1`` map to
+        ``translate_slot(table, pos)``; the sequences' runs are concatenated. After
+        ``grow(seqs, k)`` this is the step's new tokens (``k = 1``: decode); after
+        ``add(seq, n)``, ``num_tokens=n`` maps every prompt position (prefill). With ``pad_to``
+        the result is padded with ``PAD`` (-1) to that length. ``ValueError`` if some ``k``
+        exceeds its sequence's count or the slots exceed ``pad_to``.
+        """
+        batch = self._resolve(seqs)
+        rows = batch.rows
+        step = self._token_array("num_tokens", num_tokens, rows.size)
+        if pad_to is not None:
+            check_int("pad_to", pad_to, 0)
+        base = batch._base
+        counts = self._token_counts.take(rows)
+        if isinstance(step, int) and step == 1:  # decode: each sequence's last position
+            if np.count_nonzero(counts) != counts.size:
+                raise ValueError("num_tokens exceeds a sequence's token count")
+            positions = counts - 1
+        else:
+            step = np.broadcast_to(step, rows.size)
+            if (step > counts).any():
+                raise ValueError("num_tokens exceeds a sequence's token count")
+            ends = np.cumsum(step)
+            base = np.repeat(base, step)
+            positions = np.repeat(counts - ends, step) + np.arange(base.size)
+        block_index = positions // self.block_size
+        slots = self._tables.take(base + block_index) * self.block_size + (
+            positions % self.block_size
+        )
+        if pad_to is None:
+            return torch.from_numpy(slots.astype(np.int32, copy=False))
+        if pad_to < slots.size:
+            raise ValueError(f"{slots.size} slots do not fit pad_to={pad_to}")
+        padded = np.full(pad_to, PAD, dtype=np.int32)
+        padded[: slots.size] = slots
+        return torch.from_numpy(padded)
+
+    def pop_copy_pairs(self) -> torch.Tensor:
+        """The manager's pending copy-on-write pairs as an int32 ``[P, 2]`` tensor of
+        ``(src, dst)`` rows, in order; forgets them (see ``BlockManager.pop_copy_pairs``)."""
+        return torch.from_numpy(self.manager._pop_copy_pairs_array())
+
+    # ----------------------------------------------------------------- kernel exports
+
+    def block_tables_tensor(self, seqs: SeqBatch | SeqIds | None = None) -> torch.Tensor:
+        """The batch's tables as an int32 ``[batch, max_blocks_per_seq]`` tensor, -1 padded."""
+        return torch.from_numpy(self._tables.take(self._resolve(seqs).rows, axis=0))
+
+    def context_lens_tensor(self, seqs: SeqBatch | SeqIds | None = None) -> torch.Tensor:
+        """The batch's token counts as an int32 ``[batch]`` tensor."""
+        return torch.from_numpy(self._token_counts.take(self._resolve(seqs).rows))
+
+    def flash_attention_page_table(
+        self, seqs: SeqBatch | SeqIds | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """FlashAttention's paged-KV arguments: ``(block_table, cache_seqlens)``.
+
+        ``block_table`` is int32 ``[batch, max_blocks_per_seq]`` (entries past a sequence's
+        blocks are -1 and never read); ``cache_seqlens`` is int32 ``[batch]``.
+        """
+        rows = self._resolve(seqs).rows
+        return (
+            torch.from_numpy(self._tables.take(rows, axis=0)),
+            torch.from_numpy(self._token_counts.take(rows)),
+        )
+
+    def flashinfer_page_table(
+        self, seqs: SeqBatch | SeqIds | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """FlashInfer's CSR page table: ``(kv_indptr, kv_indices, kv_last_page_len)``, int32.
+
+        Sequence ``i``'s pages are ``kv_indices[kv_indptr[i]:kv_indptr[i + 1]]``, its table; its
+        last page holds ``kv_last_page_len[i]`` tokens (in ``1..block_size``; 0 for no page).
+        """
+        rows = self._resolve(seqs).rows
+        lengths = self._num_blocks[rows]
+        indptr = np.zeros(rows.size + 1, dtype=np.int32)
+        np.cumsum(lengths, out=indptr[1:])
+        tables = self._tables[rows]
+        indices = tables[np.arange(self.max_blocks_per_seq) < lengths[:, None]]
+        counts = self._token_counts[rows]
+        last_page_len = np.where(lengths > 0, counts - (lengths - 1) * self.block_size, 0)
+        return (
+            torch.from_numpy(indptr),
+            torch.from_numpy(indices),
+            torch.from_numpy(last_page_len.astype(np.int32)),
+        )
+
+    # ----------------------------------------------------------------- internals
+
+    def _check_live(self, seq_id: object) -> int:
+        seq_id = _check_seq_id(seq_id)
+        if seq_id not in self._row_of:
+            raise KeyError(f"unknown sequence id {seq_id}")
+        return seq_id
+
+    def _check_fits(self, num_blocks: int, seq_id: int) -> None:
+        if num_blocks > self.max_blocks_per_seq:
+            raise CapacityError(
+                f"sequence {seq_id} would need {num_blocks} blocks, more than "
+                f"max_blocks_per_seq={self.max_blocks_per_seq}"
+            )
+
+    def _resolve(self, seqs: SeqBatch | SeqIds | None) -> SeqBatch:
+        if seqs is None:
+            return self.batch(tuple(self._row_of))
+        if isinstance(seqs, SeqBatch):
+            if seqs._store is not self:
+                raise ValueError("the batch belongs to another BlockTableStore")
+            return seqs if seqs._epoch == self._epoch else self.batch(seqs.seq_ids)
+        return self.batch(seqs)
+
+    def _token_array(self, name: str, value: int | SeqIds, size: int) -> int | NDArray[np.int64]:
+        """Validate a token count for all (an int) or one per sequence (returned as int64)."""
+        if type(value) is int and 0 <= value <= INT32_MAX:
+            return value
+        if isinstance(value, np.ndarray):
+            if value.ndim != 1 or value.dtype.kind not in "iu":
+                raise TypeError(f"{name} must be an int or a 1-D integer array")
+            value = value.tolist()
+        if not isinstance(value, (list, tuple)):
+            check_int(name, value, 0)
+            if value > INT32_MAX:
+                raise CapacityError(f"{name}={value} exceeds any sequence's capacity")
+            return value
+        if len(value) != size:
+            raise ValueError(f"{name} has {len(value)} entries for {size} sequences")
+        if set(map(type, value)) - {int} or (value and min(value) < 0):
+            for count in value:  # the exact error for the first bad entry
+                check_int(name, count, 0)
+        if value and max(value) > INT32_MAX:
+            raise CapacityError(f"{name} exceeds any sequence's capacity")
+        return np.array(value, dtype=np.int64)
+
+    def _plan_in_order(
+        self,
+        growth: NDArray[np.int64],
+        writes_last: NDArray[np.bool_],
+        last: NDArray[np.int32],
+    ) -> tuple[NDArray[np.bool_], NDArray[np.bool_]]:
+        """Decide, sequence by sequence as the spec would, who grows and who copies on write.
+
+        The slow path, for a batch the pool cannot fully serve or where two sequences write the
+        same shared block (the first writers copy it; once one owner is left it writes in place).
+        """
+        free = self.manager.num_free_blocks
+        ref = self.manager._ref
+        owners_left: dict[int, int] = {}
+        grown = np.zeros(growth.size, dtype=np.bool_)
+        shared = np.zeros(growth.size, dtype=np.bool_)
+        for i, (blocks, writes, block) in enumerate(
+            zip(growth.tolist(), writes_last.tolist(), last.tolist(), strict=True)
+        ):
+            owners = owners_left.get(block, int(ref[block])) if writes else 1
+            need = blocks + (owners > 1)
+            if need <= free:
+                free -= need
+                grown[i] = True
+                if owners > 1:
+                    shared[i] = True
+                    owners_left[block] = owners - 1
+        return grown, shared
+
+    def _apply_growth(
+        self,
+        base: NDArray[np.intp],
+        lengths: NDArray[np.int32],
+        growth: NDArray[np.int64],
+        shared: NDArray[np.bool_],
+        any_shared: bool,
+        last: NDArray[np.int32],
+        total: int,
+    ) -> None:
+        """Take all ``total`` fresh blocks at once and place them in the rows at flat offsets
+        ``base``: per sequence its copy-on-write block first, then its ``growth`` blocks,
+        sequences in batch order (the order in which the spec's calls would take them)."""
+        if total == 0:
+            return
+        fresh = self.manager._take(total)
+        flat = self._tables.reshape(-1)  # a view
+        if not any_shared and total == np.count_nonzero(growth):  # decode: <= 1 block each
+            growing = growth.nonzero()[0]
+            flat[base.take(growing) + lengths.take(growing)] = fresh
+            return
+        num_fresh = growth + shared
+        first_fresh = np.cumsum(num_fresh) - num_fresh
+        if any_shared:
+            copying = shared.nonzero()[0]
+            src = last[copying].astype(np.intp)
+            dst = fresh[first_fresh[copying]]
+            flat[base[copying] + lengths[copying] - 1] = dst
+            self.manager._drop_refs(src, distinct=not _has_repeats(src))
+            self.manager._record_copies(src, dst)
+        owner = np.repeat(np.arange(growth.size), growth)
+        within = np.arange(owner.size) - np.repeat(np.cumsum(growth) - growth, growth)
+        flat[base[owner] + lengths[owner] + within] = fresh[(first_fresh + shared)[owner] + within]
+
+
+def _check_seq_id(seq_id: object) -> int:
+    """Rule: a sequence id is an int (not bool); int subclasses are taken by value."""
+    if isinstance(seq_id, bool) or not isinstance(seq_id, int):
+        raise TypeError(f"sequence id must be an int, got {type(seq_id).__name__}")
+    return int(seq_id)
+
+
+def _has_repeats(values: NDArray[np.integer]) -> bool:
+    if values.size < 2:
+        return False
+    ordered = np.sort(values)
+    return bool((ordered[1:] == ordered[:-1]).any())
+
+
+def _repeats(values: Sequence[int]) -> list[int]:
+    seen: set[int] = set()
+    return sorted({v for v in values if v in seen or seen.add(v)})
+
+
+def _read_only(array: NDArray[np.generic]) -> NDArray[np.generic]:
+    view = array.view()
+    view.flags.writeable = False
+    return view

@@ -1,0 +1,366 @@
+"""``impl.BlockTableStore`` against the spec called once per sequence.
+
+The model is a ``spec.BlockManager`` plus each sequence's table and token count. Every batch
+operation of the store must equal the spec's per-sequence calls in batch order: ``add`` is
+``allocate``, ``fork`` is ``fork``, ``remove`` is ``free``, ``grow`` is ``append_slot`` with
+``OutOfBlocksError`` caught (those ids are returned), and the step's copy-on-write pairs are the
+spec's. Every ``slot_mapping`` entry is the spec's ``translate_slot``; the FlashInfer CSR and
+FlashAttention exports round-trip to the same tables and counts. Bad input raises the documented
+error and changes nothing. After every step the table array (including its ``-1`` padding and
+the rows no sequence holds), the free queue and every reference count agree with the model.
+
+``STORE`` is a class attribute so that ``test_impl_planted_bugs`` can swap in broken copies.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import spec.block_manager as spec_bm
+from impl.block_manager import BlockManager
+from impl.block_tables import BlockTableStore, CapacityError, SeqBatch
+
+SEQ_IDS = st.integers(0, 11)
+
+
+class StoreMachine(RuleBasedStateMachine):
+    """A BlockTableStore on an impl manager, and the spec driven sequence by sequence."""
+
+    STORE: ClassVar[type] = BlockTableStore
+
+    @initialize(
+        total_blocks=st.integers(1, 24),
+        block_size=st.sampled_from([1, 2, 3, 4, 8, 16]),
+        max_seqs=st.integers(1, 8) | st.integers(2, 8),
+        max_blocks=st.integers(1, 10),
+    )
+    def start(self, total_blocks: int, block_size: int, max_seqs: int, max_blocks: int) -> None:
+        self.spec = spec_bm.BlockManager(total_blocks, block_size)
+        self.store = self.STORE(BlockManager(total_blocks, block_size), max_seqs, max_blocks)
+        self.block_size, self.max_seqs, self.max_blocks = block_size, max_seqs, max_blocks
+        self.seqs: dict[int, tuple[list[int], int]] = {}  # seq id -> (table, token count)
+        self.batches: list[SeqBatch] = []
+
+    # ----------------------------------------------------------------- helpers
+
+    def expect_error(self, error: type[Exception], call: Any, *args: Any) -> None:
+        """``call(*args)`` raises ``error`` and changes nothing."""
+        before = self.snapshot()
+        try:
+            call(*args)
+        except error:
+            assert self.snapshot() == before, f"{call.__name__} raised but changed the store"
+            return
+        raise AssertionError(f"{call.__name__}{args} did not raise {error.__name__}")
+
+    def snapshot(self) -> tuple[Any, ...]:
+        store = self.store
+        return (
+            store.tables.tobytes(),
+            store.num_blocks.tobytes(),
+            store.token_counts.tobytes(),
+            store.seq_ids,
+            store.manager.free_block_ids(),
+            store.manager.ref_counts().tobytes(),
+        )
+
+    def some_live(self, data: st.DataObject, min_size: int = 0) -> list[int]:
+        """A batch: distinct live ids in random order."""
+        ids = data.draw(st.permutations(sorted(self.seqs)), label="order")
+        return ids[: data.draw(st.integers(min_size, len(ids)), label="batch size")]
+
+    def as_batch(self, data: st.DataObject, ids: list[int]) -> Any:
+        """The same ids as a list, a tuple, a numpy array, a fresh or a remembered SeqBatch."""
+        kind = data.draw(st.sampled_from(["list", "tuple", "array", "batch", "old"]))
+        if kind == "tuple":
+            return tuple(ids)
+        if kind == "array":
+            return np.array(ids, dtype=np.int64)
+        if kind == "batch" or (kind == "old" and not self.batches):
+            batch = self.store.batch(ids)
+            self.batches.append(batch)
+            return batch
+        for batch in self.batches:  # an old batch of exactly these ids, maybe stale
+            if list(batch.seq_ids) == ids:
+                return batch
+        return ids
+
+    def pairs(self) -> None:
+        expected = self.spec.pop_copy_pairs()
+        actual = self.store.pop_copy_pairs()
+        assert actual.dtype == torch.int32 and actual.shape == (len(expected), 2)
+        assert [tuple(pair) for pair in actual.tolist()] == expected
+
+    # ----------------------------------------------------------------- lifecycle
+
+    @rule(seq_id=SEQ_IDS, data=st.data())
+    def add(self, seq_id: int, data: st.DataObject) -> None:
+        prompt_len = data.draw(st.integers(0, (self.max_blocks + 1) * self.block_size))
+        needed = spec_bm.blocks_needed(prompt_len, self.block_size)
+        if seq_id in self.seqs:
+            self.expect_error(ValueError, self.store.add, seq_id, prompt_len)
+        elif needed > self.max_blocks or len(self.seqs) == self.max_seqs:
+            self.expect_error(CapacityError, self.store.add, seq_id, prompt_len)
+        elif needed > self.spec.num_free_blocks:
+            self.expect_error(spec_bm.OutOfBlocksError, self.store.add, seq_id, prompt_len)
+        else:
+            self.store.add(seq_id, prompt_len)
+            self.seqs[seq_id] = (self.spec.allocate(needed), prompt_len)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), child=SEQ_IDS)
+    def fork(self, data: st.DataObject, child: int) -> None:
+        parent = data.draw(st.sampled_from(sorted(self.seqs)))
+        if child in self.seqs:
+            self.expect_error(ValueError, self.store.fork, parent, child)
+        elif len(self.seqs) == self.max_seqs:
+            self.expect_error(CapacityError, self.store.fork, parent, child)
+        else:
+            self.store.fork(parent, child)
+            table, count = self.seqs[parent]
+            self.seqs[child] = (self.spec.fork(table), count)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def remove(self, data: st.DataObject) -> None:
+        ids = self.some_live(data)
+        self.store.remove(self.as_batch(data, ids))
+        for seq_id in ids:
+            self.spec.free(self.seqs.pop(seq_id)[0])
+
+    # ----------------------------------------------------------------- a step
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def grow(self, data: st.DataObject) -> None:
+        """Some sequences, in any order, each by its own count or all by one."""
+        ids = self.some_live(data, min_size=1)
+        if data.draw(st.booleans(), label="per-sequence counts"):
+            steps = data.draw(
+                st.lists(st.sampled_from([0, 1, 1, 2, 3, 17]), min_size=len(ids), max_size=len(ids))
+            )
+            as_array = data.draw(st.booleans(), label="as array")
+            self.check_grow(
+                data, ids, steps, np.array(steps, dtype=np.int32) if as_array else steps
+            )
+        else:
+            step = data.draw(st.sampled_from([0, 1, 1, 1, 2, 5]), label="k")
+            self.check_grow(data, ids, [step] * len(ids), step)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def decode_step(self, data: st.DataObject) -> None:
+        """Every live sequence gains one token: the engine's common step."""
+        ids = data.draw(st.permutations(sorted(self.seqs)))
+        self.check_grow(data, ids, [1] * len(ids), 1)
+
+    @precondition(lambda self: self.seqs and len(self.seqs) < self.max_seqs)
+    @rule(data=st.data())
+    def fork_then_decode(self, data: st.DataObject) -> None:
+        """Beam search: fork, then parent and child (and maybe others) write one token each."""
+        child = min(set(range(len(self.seqs) + 1)) - set(self.seqs))
+        parent = data.draw(st.sampled_from(sorted(self.seqs)))
+        self.store.fork(parent, child)
+        table, count = self.seqs[parent]
+        self.seqs[child] = (self.spec.fork(table), count)
+        ids = data.draw(st.permutations(sorted(self.seqs)))
+        ids = [s for s in ids if s in (parent, child) or data.draw(st.booleans())]
+        self.check_grow(data, ids, [1] * len(ids), 1)
+
+    def check_grow(
+        self, data: st.DataObject, ids: list[int], steps: list[int], argument: Any
+    ) -> None:
+        """``grow`` equals the spec's ``append_slot`` per sequence, in order."""
+        batch = self.as_batch(data, ids)
+        fits = all(
+            spec_bm.blocks_needed(self.seqs[s][1] + k, self.block_size) <= self.max_blocks
+            for s, k in zip(ids, steps, strict=True)
+        )
+        if not fits:
+            self.expect_error(CapacityError, self.store.grow, batch, argument)
+            return
+        failed = []
+        for seq_id, k in zip(ids, steps, strict=True):
+            table, count = self.seqs[seq_id]
+            try:
+                grown = self.spec.append_slot(table, count + k, new_tokens=k)
+                self.seqs[seq_id] = (grown, count + k)
+            except spec_bm.OutOfBlocksError:
+                failed.append(seq_id)
+        assert self.store.grow(batch, argument) == failed
+        self.pairs()
+        grown_ids = [(s, k) for s, k in zip(ids, steps, strict=True) if s not in failed]
+        self.check_slot_mapping(data, grown_ids)
+
+    def check_slot_mapping(self, data: st.DataObject, grown: list[tuple[int, int]]) -> None:
+        """The step's new tokens map to the spec's slots, -1 padded."""
+        ids = [s for s, _ in grown]
+        counts = [k for _, k in grown]
+        expected = [
+            self.spec.translate_slot(self.seqs[s][0], position)
+            for s, k in grown
+            for position in range(self.seqs[s][1] - k, self.seqs[s][1])
+        ]
+        pad = data.draw(st.integers(0, 3), label="padding")
+        uniform = len(set(counts)) <= 1 and data.draw(st.booleans(), label="one count")
+        argument = (counts[0] if counts else 1) if uniform else counts
+        if uniform and not counts:
+            argument = data.draw(st.integers(0, 3))
+        slots = self.store.slot_mapping(self.as_batch(data, ids), argument, len(expected) + pad)
+        assert slots.dtype == torch.int32
+        assert slots.tolist() == expected + [-1] * pad
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def slot_mapping_any_window(self, data: st.DataObject) -> None:
+        """Any ``k <= count`` tokens per sequence (a prefill is ``k == count``)."""
+        ids = self.some_live(data)
+        counts = [data.draw(st.integers(0, self.seqs[s][1])) for s in ids]
+        expected = [
+            self.spec.translate_slot(self.seqs[s][0], position)
+            for s, k in zip(ids, counts, strict=True)
+            for position in range(self.seqs[s][1] - k, self.seqs[s][1])
+        ]
+        assert self.store.slot_mapping(self.as_batch(data, ids), counts).tolist() == expected
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def exports(self, data: st.DataObject) -> None:
+        """Block tables, context lengths, FlashAttention and FlashInfer layouts of a batch."""
+        if data.draw(st.booleans(), label="all"):  # None: every live sequence, in added order
+            ids, batch = list(self.store.seq_ids), None
+        else:
+            ids = self.some_live(data)
+            batch = self.as_batch(data, ids)
+        tables = [self.seqs[s][0] for s in ids]
+        counts = [self.seqs[s][1] for s in ids]
+        padded = [t + [-1] * (self.max_blocks - len(t)) for t in tables]
+        block_tables = self.store.block_tables_tensor(batch)
+        assert block_tables.dtype == torch.int32
+        assert block_tables.reshape(len(ids), self.max_blocks).tolist() == padded
+        assert self.store.context_lens_tensor(batch).tolist() == counts
+        block_table, seqlens = self.store.flash_attention_page_table(batch)
+        assert block_table.reshape(len(ids), self.max_blocks).tolist() == padded
+        assert seqlens.tolist() == counts
+        indptr, indices, last_page_len = self.store.flashinfer_page_table(batch)
+        assert {indptr.dtype, indices.dtype, last_page_len.dtype} == {torch.int32}
+        assert indptr.tolist()[0] == 0 and len(indptr) == len(ids) + 1
+        for i, (table, count) in enumerate(zip(tables, counts, strict=True)):
+            pages = indices[indptr[i] : indptr[i + 1]].tolist()
+            assert pages == table  # the CSR round-trips to the spec's table
+            tokens = (len(pages) - 1) * self.block_size + int(last_page_len[i]) if pages else 0
+            assert tokens == count
+
+    # ----------------------------------------------------------------- bad input
+
+    @rule(data=st.data())
+    def bad_input(self, data: st.DataObject) -> None:
+        """Unknown, repeated or non-int ids, bad counts: the documented error, nothing changes."""
+        live = sorted(self.seqs)
+        unknown = [s for s in range(12) if s not in self.seqs]
+        store = self.store
+        call = data.draw(
+            st.sampled_from(
+                [
+                    store.grow,
+                    store.remove,
+                    store.slot_mapping,
+                    store.block_tables_tensor,
+                    store.flashinfer_page_table,
+                    store.batch,
+                ]
+            )
+        )
+        case = data.draw(
+            st.sampled_from(["unknown", "repeated", "type", "count", "too many", "seq id"])
+        )
+        if case == "unknown" and unknown:
+            ids = data.draw(st.permutations([*live, data.draw(st.sampled_from(unknown))]))
+            self.expect_error(KeyError, call, ids)
+        elif case == "repeated" and live:
+            ids = data.draw(st.permutations([*live, data.draw(st.sampled_from(live))]))
+            self.expect_error(ValueError, call, ids)
+        elif case == "type":
+            bad = data.draw(st.sampled_from([True, 1.0, "1", None, np.int64(1)]))
+            self.expect_error(TypeError, call, data.draw(st.permutations([*live, bad])))
+            self.expect_error(TypeError, call, {1, 2})
+            self.expect_error(TypeError, call, np.array([1.0]))
+        elif case == "count" and live and call in (store.grow, store.slot_mapping):
+            value = data.draw(st.sampled_from([-1, 1.5, True, None]))
+            error = ValueError if value == -1 else TypeError
+            per_seq = data.draw(st.booleans())
+            argument = [1] * (len(live) - 1) + [value] if per_seq else value
+            self.expect_error(error, call, live, argument)
+            self.expect_error(ValueError, call, live, [1] * (len(live) + 1))  # wrong length
+        elif case == "too many" and live:
+            seq_id = data.draw(st.sampled_from(live))
+            count = self.seqs[seq_id][1]
+            self.expect_error(ValueError, store.slot_mapping, [seq_id], count + 1)
+            if count:
+                self.expect_error(ValueError, store.slot_mapping, [seq_id], count, count - 1)
+        elif case == "seq id":
+            seq_id = data.draw(st.sampled_from([True, 1.0, None, "3"]))
+            self.expect_error(TypeError, store.add, seq_id, 1)
+            if live:
+                self.expect_error(TypeError, store.fork, live[0], seq_id)
+            self.expect_error(KeyError, store.remove, [-(2**70)])
+
+    # ----------------------------------------------------------------- invariants
+
+    @invariant()
+    def same_state(self) -> None:
+        if not hasattr(self, "store"):
+            return
+        store = self.store
+        assert sorted(store.seq_ids) == sorted(self.seqs)
+        expected_rows = np.full((self.max_seqs, self.max_blocks), -1)
+        for seq_id, (table, count) in self.seqs.items():
+            assert store.table(seq_id) == table
+            assert store.token_count(seq_id) == count
+            assert len(table) == spec_bm.blocks_needed(count, self.block_size)
+            expected_rows[store.row(seq_id), : len(table)] = table
+        assert store.tables.tolist() == expected_rows.tolist()  # padding and free rows are -1
+        held = {store.row(s) for s in self.seqs}
+        for row in range(self.max_seqs):
+            if row not in held:
+                assert store.num_blocks[row] == 0 and store.token_counts[row] == 0
+        assert store.manager.free_block_ids() == self.spec.free_block_ids()
+        assert store.manager.ref_counts().tolist() == [b.ref_count for b in self.spec.blocks]
+        assert store.manager.pop_copy_pairs() == self.spec.pop_copy_pairs() == []
+
+
+TestBlockTableStore = StoreMachine.TestCase
+
+
+def test_stale_batch_is_resolved_again() -> None:
+    """A batch made before a ``remove`` re-resolves its ids; one naming a removed id fails."""
+    store = BlockTableStore(BlockManager(16, 4), 4, 4)
+    for seq_id in (7, 8, 9):
+        store.add(seq_id, 5)
+    both, only_nine = store.batch([7, 9]), store.batch([9])
+    store.remove([7])
+    store.add(10, 1)  # reuses row 0, where 7 was
+    assert store.context_lens_tensor(only_nine).tolist() == [5]
+    try:
+        store.context_lens_tensor(both)
+    except KeyError:
+        pass
+    else:
+        raise AssertionError("a batch naming a removed sequence must raise KeyError")
+
+
+def test_other_stores_batch_is_refused() -> None:
+    first = BlockTableStore(BlockManager(8, 4), 2, 2)
+    second = BlockTableStore(BlockManager(8, 4), 2, 2)
+    first.add(1, 1)
+    second.add(1, 1)
+    try:
+        second.grow(first.batch([1]))
+    except ValueError:
+        return
+    raise AssertionError("a SeqBatch of another store must be refused")

@@ -1,0 +1,170 @@
+"""impl's property tests have teeth: each bug planted in a copy of an ``impl`` module is caught.
+
+A mutant is the module's source with one snippet replaced (``properties.mutants``). Bugs in
+``impl.free_queue`` and ``impl.block_manager`` run against the differential machine (spec vs
+impl in lockstep) or the free-queue machine; bugs in ``impl.block_tables`` run against the store
+machine. The control cases load unmodified copies the same way and must pass, so a mutant can
+only fail because of its bug. Settings are explicit, so the result does not depend on the
+Hypothesis profile.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
+
+import impl.block_manager
+import impl.block_tables
+import impl.free_queue
+from properties.mutants import load_mutant
+from properties.test_block_table_store import StoreMachine
+from properties.test_impl_differential import DifferentialMachine
+from properties.test_impl_free_queue import FreeQueueMachine
+
+HUNT = settings(
+    max_examples=300,
+    stateful_step_count=50,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    report_multiple_bugs=False,
+    suppress_health_check=list(HealthCheck),
+)
+FIND = settings(HUNT, phases=[Phase.generate])  # a planted bug only has to be found, not shrunk
+CONTROL = settings(HUNT, max_examples=60)  # a loading-path fault shows at once
+
+# (module, snippet, replacement, machine that must catch it)
+BUGS: dict[str, tuple[types.ModuleType, str, str, str]] = {
+    "ring buffer: head advances without wrapping around": (
+        impl.free_queue,
+        "self._head = (self._head + count) % self._capacity",
+        "self._head = self._head + count",
+        "differential",
+    ),
+    "ring buffer: a wrapped push records positions past the end": (
+        impl.free_queue,
+        "np.arange(tail, end, dtype=np.int32) % self._capacity",
+        "np.arange(tail, end, dtype=np.int32)",
+        "queue",
+    ),
+    "pops hand out tombstones": (
+        impl.free_queue,
+        "live = window[window != TOMBSTONE]",
+        "live = window",
+        "queue",
+    ),
+    "compaction forgets the new positions": (
+        impl.free_queue,
+        "self._pos[live] = np.arange(live.size, dtype=np.int32)",
+        "pass",
+        "queue",
+    ),
+    "repeated ids go unnoticed": (
+        impl.free_queue,
+        "return np.count_nonzero(self._pos[block_ids] != stamps) > 0",
+        "return False",
+        "differential",
+    ),
+    "free pushes a table's blocks first-to-last": (
+        impl.block_manager,
+        "self._free.extend(freed[::-1].copy())",
+        "self._free.extend(freed.copy())",
+        "differential",
+    ),
+    "append_slot takes growth blocks before copy-on-write blocks": (
+        impl.block_manager,
+        "src, dst = ids[shared], fresh[: shared.size]",
+        "src, dst = ids[shared], fresh[fresh.size - shared.size :]",
+        "differential",
+    ),
+    "allocate takes what is left instead of raising OutOfBlocksError": (
+        impl.block_manager,
+        "        self._check_available(num_blocks)\n        return self._take(num_blocks)",
+        "        return self._take(min(num_blocks, len(self._free)))",
+        "differential",
+    ),
+    "stale padding: a removed row keeps its block ids": (
+        impl.block_tables,
+        "        self._tables[rows] = PAD\n",
+        "",
+        "store",
+    ),
+    "grow copies on write only from three owners up": (
+        impl.block_tables,
+        "shared = writes_last & (self.manager._ref.take(last) > 1)",
+        "shared = writes_last & (self.manager._ref.take(last) > 2)",
+        "store",
+    ),
+    "fast path ignores a shared block written twice in one batch": (
+        impl.block_tables,
+        "any_shared and _has_repeats(last[shared])",
+        "False",
+        "store",
+    ),
+    "decode slot_mapping maps the position after the last": (
+        impl.block_tables,
+        "            positions = counts - 1\n",
+        "            positions = counts - 1 + (counts % self.block_size != 0)\n",
+        "store",
+    ),
+    "FlashInfer last page length is 0 for a full page": (
+        impl.block_tables,
+        "counts - (lengths - 1) * self.block_size",
+        "counts % self.block_size",
+        "store",
+    ),
+}
+
+SHARED = {
+    impl.free_queue: (),
+    impl.block_manager: ("BlockTableError", "OutOfBlocksError"),
+    impl.block_tables: ("CapacityError", "OutOfBlocksError"),
+}
+
+
+def machine_with(module: types.ModuleType, old: str, new: str, kind: str) -> type:
+    """The ``kind`` machine running against impl with ``old`` -> ``new`` planted in ``module``."""
+    mutant = load_mutant(module, old, new, SHARED[module])
+    if kind == "queue":
+        attrs: dict[str, object] = {"QUEUE": mutant.FreeBlockQueue}
+        base: type[RuleBasedStateMachine] = FreeQueueMachine
+    elif kind == "store":
+        attrs, base = {"STORE": mutant.BlockTableStore}, StoreMachine
+    else:
+        manager = mutant
+        if module is impl.free_queue:  # a faithful copy of block_manager over the mutant queue
+            manager = load_mutant(
+                impl.block_manager,
+                "class BlockManager:",
+                "class BlockManager:",
+                SHARED[impl.block_manager],
+            )
+            manager.FreeBlockQueue = mutant.FreeBlockQueue
+        attrs, base = {"IMPL": manager.BlockManager}, DifferentialMachine
+    return type(f"Planted{base.__name__}", (base,), attrs)
+
+
+@pytest.mark.parametrize(
+    ("module", "snippet", "kind"),
+    [
+        (impl.free_queue, "self._head = (self._head + count) % self._capacity", "differential"),
+        (impl.free_queue, "live = window[window != TOMBSTONE]", "queue"),
+        (impl.block_manager, "self._free.extend(freed[::-1].copy())", "differential"),
+        (impl.block_tables, "        self._tables[rows] = PAD\n", "store"),
+    ],
+    ids=["queue-in-manager", "queue", "manager", "store"],
+)
+def test_control_unmutated_copy_passes(module: types.ModuleType, snippet: str, kind: str) -> None:
+    """The loading path itself is sound: an identity 'mutation' passes each machine."""
+    run_state_machine_as_test(machine_with(module, snippet, snippet, kind), settings=CONTROL)
+
+
+@pytest.mark.parametrize("bug", sorted(BUGS))
+def test_planted_bug_is_caught(bug: str) -> None:
+    """The machine fails on the mutant: an assertion, or the mutant crashing inside a rule."""
+    machine = machine_with(*BUGS[bug])
+    with pytest.raises(Exception):  # noqa: B017 - either kind of failure is a catch
+        run_state_machine_as_test(machine, settings=FIND)
