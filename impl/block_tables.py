@@ -16,6 +16,10 @@ State, for ``S = max_seqs`` rows and ``M = max_blocks_per_seq`` columns:
   ``ceil(token_counts[r] / block_size)`` blocks (the store never over-allocates).
 * a dict from sequence id to row; rows of removed sequences are reused.
 
+With a :class:`impl.prefix_cache.PrefixCachingBlockManager`, ``add_prompt`` reuses a prompt's
+cached prefix and ``cache_blocks`` registers a sequence's full blocks once their K/V is written;
+with a plain manager ``add_prompt`` is ``add`` and ``cache_blocks`` does nothing.
+
 Errors: ``TypeError`` for an argument of the wrong type; ``KeyError`` for an unknown sequence
 id; ``ValueError`` for a repeated id in one batch, an id that is already live, or a count out of
 range; :class:`CapacityError` when the store's shape cannot hold the request;
@@ -25,14 +29,15 @@ its input before it changes anything, so a call that raises changes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 from numpy.typing import NDArray
 
-from impl.block_manager import BlockManager, OutOfBlocksError
+from impl.block_manager import BlockManager, IdArray, OutOfBlocksError
+from impl.prefix_cache import PrefixCacheStats, PrefixCachingBlockManager, check_tokens
 from spec.block_manager import blocks_needed, check_int
 
 __all__ = ["PAD", "BlockTableStore", "CapacityError", "SeqBatch"]
@@ -76,8 +81,10 @@ class BlockTableStore:
     Block ids come from and return to ``manager``, whose reference counts, free-queue order and
     copy-on-write pairs evolve exactly as if each sequence's table were driven through the spec
     API: ``add`` is ``allocate``, ``fork`` is ``fork``, ``remove`` is ``free``, and ``grow`` is
-    ``append_slot``. Methods taking ``seqs`` accept a :class:`SeqBatch` or a list, tuple or 1-D
-    integer array of sequence ids; ``None`` means every live sequence, in the order added.
+    ``append_slot``; with a prefix-caching manager ``add_prompt`` is ``allocate_prompt`` and
+    ``cache_blocks`` is ``cache_blocks``. Methods taking ``seqs`` accept a :class:`SeqBatch`
+    or a list, tuple or 1-D integer array of sequence ids; ``None`` means every live sequence,
+    in the order added.
     """
 
     def __init__(self, manager: BlockManager, max_seqs: int, max_blocks_per_seq: int) -> None:
@@ -86,6 +93,7 @@ class BlockTableStore:
         check_int("max_seqs", max_seqs, 1)
         check_int("max_blocks_per_seq", max_blocks_per_seq, 1)
         self.manager = manager
+        self._prefix = manager if isinstance(manager, PrefixCachingBlockManager) else None
         self.block_size = manager.block_size
         self._width = max_blocks_per_seq
         if max_blocks_per_seq * self.block_size > INT32_MAX:
@@ -148,6 +156,22 @@ class BlockTableStore:
         """How many tokens ``seq_id`` holds."""
         return int(self._token_counts[self.row(seq_id)])
 
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """A snapshot of the prefix cache's counters, or None with a plain manager."""
+        return None if self._prefix is None else replace(self._prefix.stats)
+
+    def blocks_to_allocate(self, token_ids: Sequence[int], extra_key: Hashable = None) -> int:
+        """Free blocks ``add_prompt(seq_id, token_ids, extra_key)`` would take now.
+
+        With prefix caching: fresh blocks plus the cached free blocks it would revive (the
+        manager's ``blocks_to_allocate``); otherwise ``ceil(len(token_ids) / block_size)``.
+        ``TypeError``/``ValueError`` for token ids that are not a list or tuple of ints >= 0.
+        """
+        if self._prefix is not None:
+            return self._prefix.blocks_to_allocate(token_ids, extra_key)
+        return blocks_needed(len(check_tokens(token_ids)), self.block_size)
+
     # ----------------------------------------------------------------- sequence lifecycle
 
     def add(self, seq_id: int, prompt_len: int) -> None:
@@ -157,30 +181,64 @@ class BlockTableStore:
         prompt needs more than ``max_blocks_per_seq`` blocks, ``OutOfBlocksError`` if the pool
         has too few free blocks.
         """
-        seq_id = _check_seq_id(seq_id)
-        if seq_id in self._row_of:
-            raise ValueError(f"sequence {seq_id} is already live")
+        seq_id = self._check_new(seq_id)
         check_int("prompt_len", prompt_len, 0)
         needed = blocks_needed(prompt_len, self.block_size)
-        self._check_fits(needed, seq_id)
-        if not self._free_rows:
-            raise CapacityError(f"all {self.max_seqs} rows hold live sequences")
-        if needed > self.manager.num_free_blocks:
-            raise OutOfBlocksError(
-                f"asked for {needed} blocks but only {self.manager.num_free_blocks} are free"
-            )
-        row = self._free_rows.pop()
-        self._tables[row, :needed] = self.manager._take(needed)
-        self._num_blocks[row] = needed
-        self._token_counts[row] = prompt_len
-        self._row_of[seq_id] = row
+        self._check_room(seq_id, needed, needed)
+        self._place(seq_id, self.manager._take(needed), prompt_len)
+
+    def add_prompt(self, seq_id: int, token_ids: Sequence[int], extra_key: Hashable = None) -> int:
+        """Add a sequence holding the prompt ``token_ids``; return how many of its tokens are
+        cached, i.e. whose K/V the caller must not compute.
+
+        With a prefix-caching manager this is ``manager.allocate_prompt(token_ids, extra_key)``:
+        the cached prefix's blocks are shared (free ones revived), the rest taken from the free
+        queue. The count is a multiple of ``block_size`` and less than ``len(token_ids)`` (0 for
+        an empty prompt); ``slot_mapping([seq_id], len(token_ids) - cached)`` maps the tokens to
+        compute. With a plain manager it is ``add(seq_id, len(token_ids))`` and returns 0.
+
+        Raises, changing nothing: ``TypeError`` for a bad ``seq_id`` or token ids,
+        ``ValueError`` if ``seq_id`` is live or a token id is negative, ``CapacityError`` if no
+        row is free or the prompt needs more than ``max_blocks_per_seq`` blocks,
+        ``OutOfBlocksError`` if ``blocks_to_allocate`` exceeds the free blocks.
+        """
+        seq_id = self._check_new(seq_id)
+        if self._prefix is None:
+            self.add(seq_id, len(check_tokens(token_ids)))
+            return 0
+        plan = self._prefix._plan_prompt(token_ids, extra_key)
+        self._check_room(seq_id, plan.num_blocks, plan.needed)
+        fresh = self._prefix._apply_prompt(plan)
+        self._place(seq_id, np.concatenate((plan.hits, fresh)), len(token_ids))
+        return plan.cached_tokens
+
+    def cache_blocks(
+        self, seq_id: int, token_ids: Sequence[int], extra_key: Hashable = None
+    ) -> int:
+        """Register ``seq_id``'s full blocks, whose K/V now holds ``token_ids``; return how many
+        were newly cached (0 with a plain manager, which caches nothing).
+
+        ``token_ids`` is the sequence's whole token list whose K/V is written (prompt plus
+        generated tokens), at most ``token_count(seq_id)`` long. Call it after the prefill and
+        whenever decode fills a block: ``manager.cache_blocks(table(seq_id), token_ids,
+        extra_key)``. Raises, changing nothing: ``KeyError`` for an unknown sequence,
+        ``TypeError``/``ValueError`` for bad token ids, ``ValueError`` for more tokens than the
+        sequence holds, ``BlockTableError`` if one of its blocks is cached with other tokens.
+        """
+        row = self.row(seq_id)
+        tokens = check_tokens(token_ids)
+        count = int(self._token_counts[row])
+        if len(tokens) > count:
+            raise ValueError(f"{len(tokens)} tokens, but sequence {seq_id} holds {count}")
+        if self._prefix is None:
+            return 0
+        blocks = self._tables[row, : self._num_blocks[row]].astype(np.intp)
+        return self._prefix._cache_ids(blocks, tokens, extra_key)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """Add ``child_id`` sharing ``parent_id``'s blocks and token count: ``manager.fork``."""
         parent_row = self.row(parent_id)
-        child_id = _check_seq_id(child_id)
-        if child_id in self._row_of:
-            raise ValueError(f"sequence {child_id} is already live")
+        child_id = self._check_new(child_id)
         if not self._free_rows:
             raise CapacityError(f"all {self.max_seqs} rows hold live sequences")
         row = self._free_rows.pop()
@@ -391,6 +449,30 @@ class BlockTableStore:
         )
 
     # ----------------------------------------------------------------- internals
+
+    def _check_new(self, seq_id: object) -> int:
+        seq_id = _check_seq_id(seq_id)
+        if seq_id in self._row_of:
+            raise ValueError(f"sequence {seq_id} is already live")
+        return seq_id
+
+    def _check_room(self, seq_id: int, num_blocks: int, free_blocks: int) -> None:
+        """A new table of ``num_blocks`` blocks, ``free_blocks`` of them from the free queue."""
+        self._check_fits(num_blocks, seq_id)
+        if not self._free_rows:
+            raise CapacityError(f"all {self.max_seqs} rows hold live sequences")
+        if free_blocks > self.manager.num_free_blocks:
+            raise OutOfBlocksError(
+                f"asked for {free_blocks} blocks but only {self.manager.num_free_blocks} are free"
+            )
+
+    def _place(self, seq_id: int, blocks: IdArray, token_count: int) -> None:
+        """Give ``seq_id`` a free row holding ``blocks`` and ``token_count`` tokens."""
+        row = self._free_rows.pop()
+        self._tables[row, : blocks.size] = blocks
+        self._num_blocks[row] = blocks.size
+        self._token_counts[row] = token_count
+        self._row_of[seq_id] = row
 
     def _check_live(self, seq_id: object) -> int:
         seq_id = _check_seq_id(seq_id)

@@ -5,6 +5,8 @@ The scenarios follow the ideas of vLLM's prefix-caching tests, expressed in page
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from properties.prefix_cache_machine import colliding_hash, prefix_cache_machine
@@ -61,7 +63,7 @@ def test_not_enough_blocks_when_hits_need_reviving() -> None:
     manager.free(prefill(manager, [*SYSTEM, 1]))  # 3 blocks free, 2 cached
     holder = manager.allocate(1)  # takes block 2 (uncached tail); 2 free, both cached
     assert manager.blocks_to_allocate([*SYSTEM, 5]) == 3  # 2 revivals + 1 fresh
-    before = (manager.free_block_ids(), manager.num_cached_blocks, manager.stats)
+    before = (manager.free_block_ids(), manager.num_cached_blocks, replace(manager.stats))
     with pytest.raises(OutOfBlocksError):
         manager.allocate_prompt([*SYSTEM, 5])
     assert (manager.free_block_ids(), manager.num_cached_blocks, manager.stats) == before

@@ -1,0 +1,246 @@
+"""Prefix caching of ``spec.prefix_cache``, on the array-backed block manager.
+
+For any sequence of calls, :class:`PrefixCachingBlockManager` returns what the spec's class
+returns, raises the spec's exception classes in the spec's precedence, and leaves the same free
+queue, reference counts, cached keys and counters. Keys are the spec's own
+:class:`spec.prefix_cache.BlockKey` objects (structural equality, injectable ``hash_fn``), so
+``key_of`` and ``cached_block`` are interchangeable between spec and impl.
+
+What differs is cost:
+
+* *Revival* is :meth:`impl.free_queue.FreeBlockQueue.remove`, O(1) (a tombstone), where the
+  spec's ``deque.remove`` scans the queue.
+* *Lookup* is O(prompt length). ``BlockKey.__eq__`` walks both parent chains until they reach
+  the same object; the spec builds a fresh chain per prompt, so comparing block ``i`` walks ``i``
+  levels and a prompt of ``n`` blocks costs O(n^2) comparisons. Here each computed key takes the
+  cached key object as soon as one is found (:meth:`PrefixCachingBlockManager._chain`), and
+  registered keys chain to cached key objects too, so a hit compares one level.
+* *Registration* (``cache_blocks``, called again whenever decode fills a block) takes a block's
+  own key without hashing when the block already carries it: a tuple comparison per block.
+* *Eviction* hooks the block manager's ``_take``, which every allocation path uses (``allocate``,
+  ``append_slot``, and ``impl.block_tables.BlockTableStore``'s ``add``/``add_prompt``/``grow``):
+  per taken block one C-level set membership test, a dict deletion only for cached blocks.
+
+State beyond the block manager's arrays: two dicts over cached blocks only (block id -> key,
+key -> block id), and the counters. A manager with nothing cached costs what a plain one does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from impl.block_manager import BlockManager, BlockTableError, IdArray
+from spec.block_manager import blocks_needed, check_int
+from spec.prefix_cache import BlockKey, PrefixCacheStats, default_block_hash
+
+__all__ = ["BlockKey", "PrefixCacheStats", "PrefixCachingBlockManager", "check_tokens"]
+
+HashFn = Callable[[BlockKey | None, tuple[int, ...], Hashable], int]
+
+
+def check_tokens(token_ids: object) -> Sequence[int]:
+    """Rule (the spec's): token ids are a list or tuple of non-negative ints. Returns them.
+
+    The common case is checked in C; otherwise each token is checked in order, so the first bad
+    one decides between ``TypeError`` and ``ValueError`` as in the spec.
+    """
+    if not isinstance(token_ids, (list, tuple)):
+        raise TypeError(f"token_ids must be a list of ints, got {type(token_ids).__name__}")
+    if set(map(type, token_ids)) == {int} and min(token_ids) >= 0:
+        return token_ids
+    return [check_int("token id", token, 0) for token in token_ids]
+
+
+@dataclass(frozen=True, eq=False)
+class PromptPlan:
+    """What ``allocate_prompt`` will do for one prompt, decided before anything changes."""
+
+    hits: IdArray  # the cached prefix's blocks, in table order
+    revived: IdArray  # those of the hits that are free now (ref_count 0)
+    num_blocks: int  # the prompt's table length, ceil(len / block_size)
+    queried: int  # full blocks that count as looked up (max_hit_blocks)
+    cached_tokens: int  # len(hits) * block_size
+
+    @property
+    def needed(self) -> int:
+        """Free blocks consumed: the fresh ones plus the revived ones."""
+        return self.num_blocks - self.hits.size + self.revived.size
+
+
+class PrefixCachingBlockManager(BlockManager):
+    """``spec.prefix_cache.PrefixCachingBlockManager``'s behaviour on ``impl.BlockManager``.
+
+    Invariants (as in the spec): ``cached_block(key) == b`` exactly when ``key_of(b) == key``;
+    a cached block is held or in the free queue once. Additionally, a cached key's parent is the
+    cached key object of its parent block whenever that parent content was cached when the key
+    was registered (which keeps comparisons one level deep).
+
+    ``hash_fn`` must depend only on the content of its arguments, as any ``__hash__`` must:
+    impl passes it a cached parent key where the spec passes an equal fresh one, and does not
+    call it again for a key a block of the table being registered already carries.
+
+    ``impl.block_tables.BlockTableStore`` drives it through the package-private
+    ``_plan_prompt``, ``_apply_prompt`` and ``_cache_ids``.
+    """
+
+    def __init__(
+        self, total_blocks: int, block_size: int = 16, hash_fn: HashFn = default_block_hash
+    ) -> None:
+        super().__init__(total_blocks, block_size)
+        self.hash_fn = hash_fn
+        self._key_of: dict[int, BlockKey] = {}  # block id -> key, cached blocks only
+        self._block_of: dict[BlockKey, int] = {}  # key -> block id
+        self.stats = PrefixCacheStats()
+
+    # ----------------------------------------------------------------- keys and lookup
+
+    def block_keys(self, token_ids: Sequence[int], extra_key: Hashable = None) -> list[BlockKey]:
+        """Keys of the full blocks of ``token_ids``, in order (a partial last block has none)."""
+        return self._chain(check_tokens(token_ids), extra_key)[0]
+
+    def lookup(self, token_ids: Sequence[int], extra_key: Hashable = None) -> list[int]:
+        """Block ids of the longest cached prefix of full blocks, changing nothing.
+
+        At most ``max_hit_blocks(len(token_ids))`` blocks; the search stops at the first miss.
+        """
+        return self._plan_prompt(token_ids, extra_key).hits.tolist()
+
+    def max_hit_blocks(self, prompt_len: int) -> int:
+        """Rule: the last prompt token is always recomputed, so at most this many blocks hit."""
+        return max(0, prompt_len - 1) // self.block_size
+
+    def blocks_to_allocate(self, token_ids: Sequence[int], extra_key: Hashable = None) -> int:
+        """Free blocks ``allocate_prompt`` would consume: fresh blocks plus revived cached ones."""
+        return self._plan_prompt(token_ids, extra_key).needed
+
+    def key_of(self, block_id: int) -> BlockKey | None:
+        """The key a block is cached under, or None."""
+        return self._key_of.get(self._check_block_id(block_id))
+
+    def cached_block(self, key: BlockKey) -> int | None:
+        """The block cached under ``key``, or None."""
+        return self._block_of.get(key)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks that currently carry a key (held or free)."""
+        return len(self._key_of)
+
+    # ----------------------------------------------------------------- operations
+
+    def allocate_prompt(
+        self, token_ids: Sequence[int], extra_key: Hashable = None
+    ) -> tuple[list[int], int]:
+        """Build a table for a prompt, reusing its cached prefix; return (table, cached tokens).
+
+        Exactly the spec: hit blocks get one more owner, free ones are revived (they leave the
+        free queue, the rest keeps its order); the remaining blocks come from the head of the
+        queue, evicting their keys. All-or-nothing: ``OutOfBlocksError`` if ``blocks_to_allocate``
+        exceeds the free blocks, and nothing changes (counters included).
+        """
+        plan = self._plan_prompt(token_ids, extra_key)
+        self._check_available(plan.needed)
+        fresh = self._apply_prompt(plan)
+        return plan.hits.tolist() + fresh.tolist(), plan.cached_tokens
+
+    def cache_blocks(
+        self, block_table: Sequence[int], token_ids: Sequence[int], extra_key: Hashable = None
+    ) -> int:
+        """Register the full blocks of a live table, now holding ``token_ids``; return how many.
+
+        Exactly the spec: a block whose key is cached in another block stays uncached; a block
+        cached under another key raises ``BlockTableError``; more tokens than the table holds
+        raise ``ValueError``; nothing changes on error.
+        """
+        ids, _ = self._live_table(block_table)
+        return self._cache_ids(ids, check_tokens(token_ids), extra_key)
+
+    # ----------------------------------------------------------------- internals
+
+    def _chain(
+        self, tokens: Sequence[int], extra_key: Hashable, table: Sequence[int] = ()
+    ) -> tuple[list[BlockKey], list[int | None]]:
+        """The full blocks' keys and, for each, the block cached under it (or None).
+
+        A key found in the cache is replaced by the cached object, so the next key's parent is
+        that object and comparing it with its cached equal stops after one level. Where
+        ``table``'s block at the same index already carries this key (the same parent and
+        extra objects, equal tokens), that key is taken without hashing, so registering again a
+        sequence whose prefix is cached costs a tuple comparison per cached block.
+        """
+        size = self.block_size
+        keys: list[BlockKey] = []
+        cached: list[int | None] = []
+        parent = None
+        for index, start in enumerate(range(0, len(tokens) - size + 1, size)):
+            chunk = tuple(tokens[start : start + size])
+            held = self._key_of.get(table[index]) if index < len(table) else None
+            if (
+                held is not None
+                and held.parent is parent
+                and held.extra is extra_key
+                and held.tokens == chunk
+            ):
+                key, block_id = held, table[index]
+            else:
+                key = BlockKey(parent, chunk, extra_key, self.hash_fn(parent, chunk, extra_key))
+                block_id = self._block_of.get(key)
+                if block_id is not None:
+                    key = self._key_of[block_id]
+            keys.append(key)
+            cached.append(block_id)
+            parent = key
+        return keys, cached
+
+    def _plan_prompt(self, token_ids: Sequence[int], extra_key: Hashable) -> PromptPlan:
+        """Validate a prompt and find its hits; changes nothing."""
+        tokens = check_tokens(token_ids)
+        queried = self.max_hit_blocks(len(tokens))
+        cached = self._chain(tokens, extra_key)[1][:queried]
+        num_hits = cached.index(None) if None in cached else len(cached)
+        hits = np.array(cached[:num_hits], dtype=np.intp)
+        revived = hits[self._ref[hits] == 0]
+        num_blocks = blocks_needed(len(tokens), self.block_size)
+        return PromptPlan(hits, revived, num_blocks, queried, num_hits * self.block_size)
+
+    def _apply_prompt(self, plan: PromptPlan) -> IdArray:
+        """Carry out a plan (``plan.needed`` must be free); return the fresh blocks."""
+        self.stats.queried_blocks += plan.queried
+        self.stats.hit_blocks += plan.hits.size
+        for block_id in plan.revived.tolist():
+            self._free.remove(block_id)  # O(1); the rest of the queue keeps its order
+        self._ref[plan.hits] += 1  # distinct: one block per key
+        return self._take(plan.num_blocks - plan.hits.size)
+
+    def _cache_ids(self, ids: IdArray, tokens: Sequence[int], extra_key: Hashable) -> int:
+        """``cache_blocks`` for a live table given as ids and validated tokens."""
+        table = ids.tolist()
+        keys, cached = self._chain(tokens, extra_key, table)
+        if len(tokens) > len(table) * self.block_size:
+            raise ValueError(
+                f"{len(tokens)} tokens do not fit a table of {len(table)} blocks "
+                f"of {self.block_size}"
+            )
+        # By the bijection, a cached block holds these tokens iff their key is cached in it.
+        for block_id, holder in zip(table, cached, strict=False):
+            if holder != block_id and block_id in self._key_of:
+                raise BlockTableError(f"block {block_id} is cached with other tokens")
+        newly_cached = 0
+        for block_id, key, holder in zip(table, keys, cached, strict=False):
+            if holder is None and block_id not in self._key_of:
+                self._key_of[block_id] = key
+                self._block_of[key] = block_id
+                newly_cached += 1
+        return newly_cached
+
+    def _take(self, num_blocks: int) -> IdArray:
+        """Rule: a block handed to a new owner loses its key (LRU eviction via the FIFO queue)."""
+        taken = super()._take(num_blocks)
+        if self._key_of:
+            for block_id in self._key_of.keys() & taken.tolist():
+                del self._block_of[self._key_of.pop(block_id)]
+                self.stats.evictions += 1
+        return taken

@@ -1,0 +1,543 @@
+"""``impl``'s prefix cache against ``spec.prefix_cache``: model, lockstep, store and scenarios.
+
+* The spec's own prefix-cache machine (``properties.prefix_cache_machine``: simulated KV data,
+  queue order, bijection, a hit never returns other tokens) runs on the impl class.
+* :class:`PrefixDifferentialMachine` drives spec and impl managers with the same calls and
+  compares every result and exception class, then the whole state after every step: the free
+  queue in order, every reference count (also against the live tables), every block's key,
+  ``num_cached_blocks`` and the counters. Prompts are a few shared system prompts plus a tiny
+  alphabet, with salts and sometimes a hash under which most keys collide, so hits, revivals,
+  evictions and exhaustion are all frequent.
+* :class:`PrefixStoreMachine` is the ``BlockTableStore`` machine on prefix-caching managers,
+  plus ``add_prompt``, ``cache_blocks`` and ``blocks_to_allocate`` against the spec's calls.
+* The spec's worked scenarios run on impl.
+
+Keys are compared by content (:func:`describe`), never with ``==``, so that the planted-bug
+tests can give impl a different ``BlockKey`` class. ``IMPL`` and ``STORE`` are class attributes
+for the same reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import pytest
+from hypothesis import event
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import properties.test_prefix_cache_spec as spec_scenarios
+import spec.prefix_cache as spec_pc
+from impl.block_manager import BlockManager
+from impl.block_tables import BlockTableStore, CapacityError
+from impl.prefix_cache import PrefixCachingBlockManager
+from properties.prefix_cache_machine import (
+    ALPHABET,
+    SALTS,
+    SYSTEM_PROMPTS,
+    colliding_hash,
+    prefix_cache_machine,
+)
+from properties.test_block_table_store import StoreMachine
+from properties.test_impl_differential import IntSubclass, outcome
+from spec import BlockTableError, OutOfBlocksError, blocks_needed
+
+FILLER = 9  # the token a sequence holds where no rule chose one (outside ALPHABET)
+BAD_TOKEN_LISTS = st.one_of(
+    st.sampled_from(["012", None, 3, range(4), {0, 1}, b"\x00\x01"]),
+    st.lists(
+        st.one_of(
+            ALPHABET,
+            st.sampled_from([-1, True, 1.0, None, "1", 2**70, IntSubclass(1), IntSubclass(-1)]),
+        ),
+        max_size=6,
+    ),
+)
+ODD_SALTS = st.sampled_from([[1], {1}, frozenset({1}), (None,), 0, b"x"])
+
+
+def describe(key: Any) -> Any:
+    """A key's content, root first: ``(tokens, extra, hash)`` per level; works across classes."""
+    levels = []
+    while key is not None:
+        levels.append((key.tokens, key.extra, key.hash_value))
+        key = key.parent
+    return tuple(reversed(levels))
+
+
+def same(expected: Any, actual: Any) -> bool:
+    """Equal, of the same types element by element; keys compared by content."""
+    if hasattr(expected, "hash_value"):
+        return describe(expected) == describe(actual)
+    if type(expected) is not type(actual):
+        return False
+    if isinstance(expected, (list, tuple)):
+        return len(expected) == len(actual) and all(map(same, expected, actual))
+    return bool(expected == actual)
+
+
+def prompts() -> st.SearchStrategy[list[int]]:
+    """A shared system prompt followed by a few tokens from a tiny alphabet."""
+    return st.builds(
+        lambda system, suffix: system + suffix,
+        st.sampled_from(SYSTEM_PROMPTS),
+        st.lists(ALPHABET, max_size=6),
+    )
+
+
+# ----------------------------------------------------------------- the spec's machine on impl
+
+TestPrefixCacheMachineOnImpl = prefix_cache_machine(PrefixCachingBlockManager).TestCase
+
+
+# ----------------------------------------------------------------- spec vs impl in lockstep
+
+
+@dataclasses.dataclass(eq=False)
+class Seq:
+    table: list[int]
+    tokens: list[int]  # the tokens its blocks hold (computed or not)
+    salt: object
+
+
+class PrefixDifferentialMachine(RuleBasedStateMachine):
+    """spec and impl prefix-caching managers, driven by the same calls."""
+
+    IMPL: ClassVar[type] = PrefixCachingBlockManager
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seqs: list[Seq] = []
+        self.dead: list[list[int]] = []  # freed tables
+
+    @initialize(
+        total_blocks=st.integers(1, 24),
+        block_size=st.sampled_from([1, 2, 3, 4]),
+        collide=st.booleans(),
+    )
+    def start(self, total_blocks: int, block_size: int, collide: bool) -> None:
+        kwargs = {"hash_fn": colliding_hash} if collide else {}
+        self.spec = spec_pc.PrefixCachingBlockManager(total_blocks, block_size, **kwargs)
+        self.impl = self.IMPL(total_blocks, block_size, **kwargs)
+        self.total_blocks, self.block_size = total_blocks, block_size
+
+    # ----------------------------------------------------------------- helpers
+
+    def both(self, name: str, *args: Any) -> tuple[str, Any]:
+        """Call ``name`` on both managers; assert the same result or exception class."""
+        expected = outcome(getattr(self.spec, name), *args)
+        actual = outcome(getattr(self.impl, name), *args)
+        assert expected[0] == actual[0], f"{name}{args}: spec {expected}, impl {actual}"
+        if expected[0] == "raised":
+            assert expected[1] is actual[1], f"{name}{args}: spec {expected}, impl {actual}"
+        else:
+            assert same(expected[1], actual[1]), f"{name}{args}: spec {expected}, impl {actual}"
+        return expected
+
+    def cache(self, seq: Seq, num_tokens: int | None = None) -> None:
+        """Register the blocks of a sequence whose first ``num_tokens`` tokens are computed."""
+        self.both("cache_blocks", seq.table, seq.tokens[:num_tokens], seq.salt)
+
+    def pick(self, data: st.DataObject) -> Seq:
+        return self.seqs[data.draw(st.integers(0, len(self.seqs) - 1), label="sequence")]
+
+    def queries(self, tokens: list[int], salt: object) -> None:
+        self.both("lookup", tokens, salt)
+        self.both("blocks_to_allocate", tokens, salt)
+        self.both("max_hit_blocks", len(tokens))
+        kind, spec_keys = self.both("block_keys", tokens, salt)
+        if kind == "ok":  # each side looks its own keys up
+            impl_keys = self.impl.block_keys(tokens, salt)
+            for spec_key, impl_key in zip(spec_keys, impl_keys, strict=True):
+                assert self.spec.cached_block(spec_key) == self.impl.cached_block(impl_key)
+
+    # ----------------------------------------------------------------- prompts
+
+    @rule(
+        tokens=prompts(),
+        salt=st.sampled_from(SALTS),
+        data=st.data(),
+        as_tuple=st.booleans(),
+    )
+    def prompt(self, tokens: list[int], salt: object, data: st.DataObject, as_tuple: bool) -> None:
+        self.submit(tokens, salt, data, as_tuple)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), message=st.lists(ALPHABET, max_size=4))
+    def next_turn(self, data: st.DataObject, message: list[int]) -> None:
+        """A conversation's next turn: the sequence ends, its tokens plus a message return."""
+        seq = self.pick(data)
+        self.seqs.remove(seq)
+        self.both("free", seq.table)
+        self.dead.append(seq.table)
+        self.submit(seq.tokens + message, seq.salt, data, as_tuple=False)
+
+    def submit(self, tokens: list[int], salt: object, data: st.DataObject, as_tuple: bool) -> None:
+        """Query, allocate, then cache what was computed: all of it, a prefix, or nothing."""
+        self.queries(tokens, salt)
+        kind, hits = outcome(self.spec.lookup, tokens, salt)
+        revivable = kind == "ok" and any(self.spec.ref_count(b) == 0 for b in hits)
+        kind, result = self.both("allocate_prompt", tuple(tokens) if as_tuple else tokens, salt)
+        event(f"prompt: {'out of blocks' if kind == 'raised' else 'ok'}")
+        if kind == "ok":
+            if result[1]:
+                event("prompt: hit" + (" with revival" if revivable else ""))
+            seq = Seq(result[0], tokens, salt)
+            self.seqs.append(seq)
+            computed = data.draw(st.sampled_from([len(tokens), len(tokens), 0, None]))
+            if computed is None:  # a chunked prefill: only a prefix so far
+                computed = data.draw(st.integers(result[1], len(tokens)), label="chunk")
+            self.cache(seq, computed)
+
+    @rule(num_blocks=st.integers(0, 4), cache=st.booleans())
+    def allocate(self, num_blocks: int, cache: bool) -> None:
+        """A plain allocation: evicts from the head, maybe caches filler content."""
+        kind, table = self.both("allocate", num_blocks)
+        if kind == "ok":
+            seq = Seq(table, [FILLER] * (num_blocks * self.block_size), None)
+            self.seqs.append(seq)
+            if cache:
+                self.cache(seq)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), new=st.lists(ALPHABET, min_size=0, max_size=5))
+    def decode(self, data: st.DataObject, new: list[int]) -> None:
+        """Write ``len(new)`` tokens (a decode step, a chunk, or a lookahead), then cache."""
+        seq = self.pick(data)
+        count = len(seq.tokens) + len(new)
+        kind, table = self.both("append_slot", seq.table, count, len(new))
+        self.both("pop_copy_pairs")
+        if kind == "ok":
+            seq.table, seq.tokens = table, seq.tokens + new
+            self.cache(seq)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        seq = self.pick(data)
+        kind, table = self.both("fork", seq.table)
+        if kind == "ok":
+            self.seqs.append(Seq(table, list(seq.tokens), seq.salt))
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        seq = self.pick(data)
+        self.seqs.remove(seq)
+        self.both("free", seq.table)
+        self.dead.append(seq.table)
+
+    # ----------------------------------------------------------------- queries and bad input
+
+    @rule(
+        tokens=prompts(),
+        salt=st.sampled_from(SALTS),
+        block_id=st.one_of(st.integers(-2, 26), st.sampled_from([True, 1.0, None, 2**70])),
+    )
+    def query(self, tokens: list[int], salt: object, block_id: object) -> None:
+        self.queries(tokens, salt)
+        self.both("key_of", block_id)
+
+    @rule(
+        tokens=BAD_TOKEN_LISTS,
+        salt=st.one_of(st.sampled_from(SALTS), ODD_SALTS),
+        call=st.sampled_from(["allocate_prompt", "lookup", "blocks_to_allocate", "block_keys"]),
+    )
+    def odd_prompt(self, tokens: Any, salt: object, call: str) -> None:
+        """Wrong types, negative or huge tokens, int subclasses, unhashable salts."""
+        kind, result = self.both(call, tokens, salt)
+        if kind == "ok" and call == "allocate_prompt":
+            self.seqs.append(Seq(result[0], list(tokens), salt))
+
+    @precondition(lambda self: self.seqs)
+    @rule(
+        data=st.data(),
+        case=st.sampled_from(["wrong token", "too long", "bad tokens", "odd salt", "other salt"]),
+    )
+    def odd_cache(self, data: st.DataObject, case: str) -> None:
+        """``cache_blocks`` with other tokens or salt, too many tokens, or bad input."""
+        seq = self.pick(data)
+        tokens, salt = list(seq.tokens), seq.salt
+        if case == "wrong token" and tokens:
+            position = data.draw(st.integers(0, len(tokens) - 1))
+            tokens[position] = data.draw(st.sampled_from([0, 1, 2, FILLER]))
+        elif case == "too long":
+            tokens += [0] * data.draw(st.integers(1, self.block_size + 1))
+        elif case == "bad tokens":
+            tokens = data.draw(BAD_TOKEN_LISTS)
+        elif case == "odd salt":
+            salt = data.draw(ODD_SALTS)
+        elif case == "other salt":
+            salt = data.draw(st.sampled_from([s for s in SALTS if s != salt]))
+        self.both("cache_blocks", seq.table, tokens, salt)
+
+    @rule(data=st.data(), tokens=prompts())
+    def odd_table(self, data: st.DataObject, tokens: list[int]) -> None:
+        """``cache_blocks`` on a stale, repeated, forged or non-list table."""
+        tables: list[Any] = [*self.dead, [s.table[0] for s in self.seqs if s.table]]
+        tables += [[0, 0], [-1], [self.total_blocks], None, "ab", [True]]
+        self.both("cache_blocks", data.draw(st.sampled_from(tables)), tokens)
+
+    @rule(
+        total_blocks=st.one_of(st.integers(-1, 3), st.sampled_from([1.0, None, True])),
+        block_size=st.one_of(st.integers(-1, 3), st.sampled_from([2.0, None, False])),
+    )
+    def construct(self, total_blocks: object, block_size: object) -> None:
+        expected = outcome(spec_pc.PrefixCachingBlockManager, total_blocks, block_size)
+        actual = outcome(self.IMPL, total_blocks, block_size)
+        assert expected[0] == actual[0]
+        if expected[0] == "raised":
+            assert expected[1] is actual[1]
+
+    # ----------------------------------------------------------------- invariants
+
+    @invariant()
+    def same_state(self) -> None:
+        if not hasattr(self, "spec"):
+            return
+        spec, impl = self.spec, self.impl
+        if spec.stats.evictions:
+            event("evicted")
+        queue = impl.free_block_ids()
+        assert queue == spec.free_block_ids()
+        assert len(set(queue)) == len(queue), "a free block is queued twice"
+        refs = impl.ref_counts().tolist()
+        assert refs == [block.ref_count for block in spec.blocks]
+        live = [b for seq in self.seqs for b in seq.table]
+        assert refs == [live.count(b) for b in range(self.total_blocks)]
+        keys = [impl.key_of(b) for b in range(self.total_blocks)]
+        assert list(map(describe, keys)) == [describe(spec.key_of(b)) for b in range(len(keys))]
+        assert impl.num_cached_blocks == spec.num_cached_blocks
+        assert dataclasses.astuple(impl.stats) == dataclasses.astuple(spec.stats)
+        for block_id, key in enumerate(keys):  # the key map is a bijection over cached blocks
+            if key is not None:
+                assert impl.cached_block(key) == block_id
+
+
+TestPrefixDifferential = PrefixDifferentialMachine.TestCase
+
+
+# ----------------------------------------------------------------- the block-table store
+
+
+class PrefixStoreMachine(StoreMachine):
+    """``StoreMachine``'s rules on prefix-caching managers, plus the store's prefix API.
+
+    The spec model is a ``spec.prefix_cache.PrefixCachingBlockManager`` driven sequence by
+    sequence. Tokens are tracked for the sequences this class adds; positions added by the base
+    rules (``add``, ``grow``, ``fork``) hold ``FILLER``.
+    """
+
+    @initialize(
+        total_blocks=st.integers(1, 24),
+        block_size=st.sampled_from([1, 2, 3, 4]),
+        max_seqs=st.integers(1, 8),
+        max_blocks=st.integers(1, 10),
+        collide=st.booleans(),
+    )
+    def start(
+        self, total_blocks: int, block_size: int, max_seqs: int, max_blocks: int, collide: bool
+    ) -> None:
+        super().start(total_blocks, block_size, max_seqs, max_blocks)
+        kwargs = {"hash_fn": colliding_hash} if collide else {}
+        self.spec = spec_pc.PrefixCachingBlockManager(total_blocks, block_size, **kwargs)
+        manager = PrefixCachingBlockManager(total_blocks, block_size, **kwargs)
+        self.store = self.STORE(manager, max_seqs, max_blocks)
+        self.total_blocks = total_blocks
+        self.tokens: dict[int, list[int]] = {}  # known tokens of the sequences added here
+        self.salts: dict[int, object] = {}
+
+    def snapshot(self) -> tuple[Any, ...]:
+        manager = self.store.manager
+        keys = tuple(describe(manager.key_of(b)) for b in range(self.total_blocks))
+        return (*super().snapshot(), keys, dataclasses.astuple(manager.stats))
+
+    def tokens_of(self, seq_id: int) -> list[int]:
+        """The tokens ``seq_id`` holds: those chosen here, then ``FILLER``."""
+        known = self.tokens.setdefault(seq_id, [])
+        known += [FILLER] * (self.seqs[seq_id][1] - len(known))
+        return known
+
+    def cache_both(self, seq_id: int, tokens: Any, salt: object) -> None:
+        """``store.cache_blocks`` equals the spec's ``cache_blocks`` on the sequence's table,
+        except that the store also refuses more tokens than the sequence holds."""
+        table, count = self.seqs[seq_id]
+        if self.spec_refuses(tokens) is None and len(tokens) > count:
+            expected = ("raised", ValueError)
+        else:
+            expected = outcome(self.spec.cache_blocks, table, tokens, salt)
+        if expected[0] == "raised":
+            self.expect_error(expected[1], self.store.cache_blocks, seq_id, tokens, salt)
+        else:
+            assert self.store.cache_blocks(seq_id, tokens, salt) == expected[1]
+
+    def spec_refuses(self, tokens: Any) -> type[Exception] | None:
+        """The exception class the spec raises for these token ids, if any (state unchanged)."""
+        kind, error = outcome(self.spec.lookup, tokens)
+        return error if kind == "raised" else None
+
+    @rule(seq_id=st.integers(0, 11), tokens=prompts(), salt=st.sampled_from(SALTS))
+    def add_prompt(self, seq_id: int, tokens: list[int], salt: object) -> None:
+        """``add_prompt`` is ``allocate_prompt``; then the computed blocks are cached."""
+        needed = blocks_needed(len(tokens), self.block_size)
+        assert self.store.blocks_to_allocate(tokens, salt) == self.spec.blocks_to_allocate(
+            tokens, salt
+        )
+        if seq_id in self.seqs:
+            self.expect_error(ValueError, self.store.add_prompt, seq_id, tokens, salt)
+        elif needed > self.max_blocks or len(self.seqs) == self.max_seqs:
+            self.expect_error(CapacityError, self.store.add_prompt, seq_id, tokens, salt)
+        elif self.spec.blocks_to_allocate(tokens, salt) > self.spec.num_free_blocks:
+            self.expect_error(OutOfBlocksError, self.store.add_prompt, seq_id, tokens, salt)
+        else:
+            table, cached = self.spec.allocate_prompt(tokens, salt)
+            assert self.store.add_prompt(seq_id, tokens, salt) == cached
+            assert self.store.table(seq_id) == table
+            assert self.store.token_count(seq_id) == len(tokens)
+            assert cached % self.block_size == 0 and cached < max(1, len(tokens))
+            self.seqs[seq_id] = (table, len(tokens))
+            self.tokens[seq_id], self.salts[seq_id] = list(tokens), salt
+            self.cache_both(seq_id, tokens, salt)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def decode_and_cache(self, data: st.DataObject) -> None:
+        """A decode step over some sequences, then each caches what it now holds."""
+        ids = self.some_live(data, min_size=1)
+        counts = {seq_id: self.seqs[seq_id][1] for seq_id in ids}
+        self.check_grow(data, ids, [1] * len(ids), 1)
+        for seq_id in ids:
+            if self.seqs[seq_id][1] > counts[seq_id]:
+                tokens = self.tokens_of(seq_id)
+                tokens[-1] = data.draw(ALPHABET)
+                self.cache_both(seq_id, tokens, self.salts.get(seq_id))
+
+    @precondition(lambda self: set(self.tokens) & set(self.seqs) and len(self.seqs) < self.max_seqs)
+    @rule(data=st.data(), child=st.integers(0, 11))
+    def fork_prompt(self, data: st.DataObject, child: int) -> None:
+        """A fork that shares the parent's tokens (parallel sampling)."""
+        parent = data.draw(st.sampled_from(sorted(set(self.tokens) & set(self.seqs))))
+        if child in self.seqs:
+            return
+        self.store.fork(parent, child)
+        table, count = self.seqs[parent]
+        self.seqs[child] = (self.spec.fork(table), count)
+        self.tokens[child] = list(self.tokens_of(parent))
+        self.salts[child] = self.salts.get(parent)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), case=st.sampled_from(["as is", "prefix", "wrong", "too long", "bad"]))
+    def cache_blocks(self, data: st.DataObject, case: str) -> None:
+        seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
+        tokens = list(self.tokens_of(seq_id))
+        if case == "prefix":
+            tokens = tokens[: data.draw(st.integers(0, len(tokens)))]
+        elif case == "wrong" and tokens:
+            tokens[data.draw(st.integers(0, len(tokens) - 1))] = data.draw(ALPHABET)
+        elif case == "too long":
+            tokens.append(0)
+        elif case == "bad":
+            tokens = data.draw(BAD_TOKEN_LISTS)
+        self.cache_both(seq_id, tokens, self.salts.get(seq_id))
+
+    @rule(data=st.data(), tokens=BAD_TOKEN_LISTS)
+    def odd_add_prompt(self, data: st.DataObject, tokens: Any) -> None:
+        """Bad sequence ids or token ids: the documented error, nothing changes."""
+        seq_id = data.draw(st.sampled_from([True, 1.0, None, "3"]) | st.integers(0, 11))
+        refused = self.spec_refuses(tokens)
+        if type(seq_id) is not int:
+            self.expect_error(TypeError, self.store.add_prompt, seq_id, tokens)
+        elif seq_id in self.seqs:
+            self.expect_error(ValueError, self.store.add_prompt, seq_id, tokens)
+        else:
+            self.expect_error(KeyError, self.store.cache_blocks, seq_id, [])
+            if refused is not None:
+                self.expect_error(refused, self.store.add_prompt, seq_id, tokens)
+        if refused is not None:
+            self.expect_error(refused, self.store.blocks_to_allocate, tokens)
+
+    @invariant()
+    def same_cache(self) -> None:
+        if not hasattr(self, "tokens"):
+            return
+        for seq_id in set(self.tokens) - set(self.seqs):  # removed by a base rule
+            del self.tokens[seq_id]
+            self.salts.pop(seq_id, None)
+        manager = self.store.manager
+        for block_id in range(self.total_blocks):
+            assert describe(manager.key_of(block_id)) == describe(self.spec.key_of(block_id))
+        assert manager.num_cached_blocks == self.spec.num_cached_blocks
+        assert self.store.prefix_cache_stats == self.spec.stats
+
+
+TestPrefixStore = PrefixStoreMachine.TestCase
+
+
+def test_store_with_a_plain_manager_caches_nothing() -> None:
+    """With a plain manager ``add_prompt`` is ``add``, and the cache calls are no-ops."""
+    plain = BlockTableStore(BlockManager(8, 4), 4, 4)
+    reference = BlockTableStore(BlockManager(8, 4), 4, 4)
+    for store in (plain, reference):
+        store.add(0, 6)
+    assert plain.blocks_to_allocate([1, 2, 3, 4, 5]) == 2
+    assert plain.add_prompt(1, [1, 2, 3, 4, 5], "salt") == 0
+    reference.add(1, 5)
+    assert plain.cache_blocks(1, [1, 2, 3, 4, 5]) == 0
+    assert plain.add_prompt(2, [1, 2, 3, 4, 5]) == 0
+    reference.add(2, 5)
+    assert plain.tables.tolist() == reference.tables.tolist()
+    assert plain.manager.free_block_ids() == reference.manager.free_block_ids()
+    assert plain.prefix_cache_stats is None
+    for call, args, error in [
+        (plain.add_prompt, (3, "12345"), TypeError),
+        (plain.add_prompt, (3, [1, -1]), ValueError),
+        (plain.add_prompt, (1, [1]), ValueError),
+        (plain.add_prompt, (3, list(range(17))), CapacityError),
+        (plain.add_prompt, (3, list(range(16))), OutOfBlocksError),
+        (plain.cache_blocks, (1, [0] * 6), ValueError),
+        (plain.cache_blocks, (9, []), KeyError),
+        (plain.blocks_to_allocate, ([True],), TypeError),
+    ]:
+        with pytest.raises(error):
+            call(*args)
+    assert plain.tables.tolist() == reference.tables.tolist()
+
+
+def test_store_prefix_lifecycle() -> None:
+    """Prefill, cache, share, decode into a fresh block, fork, remove and revive via the store."""
+    system = list(range(100, 108))
+    store = BlockTableStore(PrefixCachingBlockManager(8, 4), 4, 4)
+    assert store.add_prompt(0, [*system, 1]) == 0
+    assert store.cache_blocks(0, [*system, 1]) == 2
+    assert store.blocks_to_allocate([*system, 2]) == 1
+    assert store.add_prompt(1, [*system, 2]) == 8
+    assert store.table(1)[:2] == store.table(0)[:2]
+    assert store.grow([1], 3) == []  # fills block 2 of sequence 1: its own, no copy
+    assert store.pop_copy_pairs().shape == (0, 2)
+    assert store.cache_blocks(1, [*system, 2, 3, 4, 5]) == 1
+    store.fork(1, 2)
+    with pytest.raises(BlockTableError):
+        store.cache_blocks(2, [*system, 2, 3, 4, 6])
+    store.remove([0, 1, 2])
+    assert store.manager.num_free_blocks == 8 and store.manager.num_cached_blocks == 3
+    assert store.blocks_to_allocate([*system, 2, 3, 4, 5, 0]) == 4  # 3 revived + 1 fresh
+    assert store.add_prompt(3, [*system, 2, 3, 4, 5, 0]) == 12
+    stats = store.prefix_cache_stats
+    assert (stats.queried_blocks, stats.hit_blocks, stats.evictions) == (2 + 2 + 3, 2 + 3, 0)
+
+
+# ----------------------------------------------------------------- the spec's scenarios on impl
+
+SCENARIOS: dict[str, Callable[[], None]] = {
+    name: function
+    for name, function in vars(spec_scenarios).items()
+    if name.startswith("test_") and callable(function)
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_spec_scenario_on_impl(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spec_scenarios, "PrefixCachingBlockManager", PrefixCachingBlockManager)
+    SCENARIOS[name]()

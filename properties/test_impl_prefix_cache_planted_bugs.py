@@ -1,0 +1,97 @@
+"""impl's prefix-cache tests have teeth: each bug planted in a copy of impl source is caught.
+
+Bugs in ``impl.prefix_cache`` run against the spec-vs-impl differential machine; bugs in
+``impl.block_tables`` against the prefix store machine. impl reuses the spec's ``BlockKey``, so
+"no token comparison on lookup" is planted in a copy of ``spec.prefix_cache``'s ``BlockKey``
+(the spec's own planted bug) and handed to a faithful copy of ``impl.prefix_cache``, as
+``test_impl_planted_bugs`` hands a mutant queue to a faithful block manager. The control cases
+load unmodified copies along both paths and must pass. Settings are explicit, so the result does
+not depend on the Hypothesis profile.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
+
+import impl.block_tables
+import impl.prefix_cache
+import spec.prefix_cache
+from properties.mutants import load_mutant
+from properties.test_impl_planted_bugs import CONTROL, FIND, SHARED
+from properties.test_impl_prefix_cache import PrefixDifferentialMachine, PrefixStoreMachine
+from properties.test_prefix_cache_planted_bugs import PREFIX_BUGS
+
+IDENTITY = "class PrefixCachingBlockManager(BlockManager):"
+
+# (module, snippet, replacement); spec.prefix_cache mutants reach impl through BlockKey.
+BUGS: dict[str, tuple[types.ModuleType, str, str]] = {
+    "no token comparison on lookup": (
+        spec.prefix_cache,
+        *PREFIX_BUGS["no token comparison on lookup"],
+    ),
+    "revival moves the queue's head to its tail": (
+        impl.prefix_cache,
+        "self._free.remove(block_id)  # O(1); the rest of the queue keeps its order",
+        "self._free.remove(block_id)\n"
+        "            self._free.extend(self._free.popleft(min(1, len(self._free))))",
+    ),
+    "eviction keeps the stale key": (
+        impl.prefix_cache,
+        "del self._block_of[self._key_of.pop(block_id)]",
+        "pass",
+    ),
+    "re-registration trusts a cached block without comparing its tokens": (
+        impl.prefix_cache,
+        "and held.tokens == chunk",
+        "",
+    ),
+    "revived blocks are not counted as consumed": (
+        impl.prefix_cache,
+        "return self.num_blocks - self.hits.size + self.revived.size",
+        "return self.num_blocks - self.hits.size",
+    ),
+    "duplicate content is cached twice": (
+        impl.prefix_cache,
+        "if holder is None and block_id not in self._key_of:",
+        "if block_id not in self._key_of:",
+    ),
+    "add_prompt counts only the computed tokens": (
+        impl.block_tables,
+        "np.concatenate((plan.hits, fresh)), len(token_ids))",
+        "np.concatenate((plan.hits, fresh)), len(token_ids) - plan.cached_tokens)",
+    ),
+}
+
+
+def machine_with(module: types.ModuleType, old: str, new: str) -> type[RuleBasedStateMachine]:
+    """The machine that must catch a bug planted in ``module``, running the mutant."""
+    if module is impl.block_tables:
+        mutant = load_mutant(module, old, new, SHARED[module])
+        return type("PlantedStore", (PrefixStoreMachine,), {"STORE": mutant.BlockTableStore})
+    if module is spec.prefix_cache:  # a faithful impl copy over the mutant key class
+        manager = load_mutant(impl.prefix_cache, IDENTITY, IDENTITY, ("BlockTableError",))
+        manager.BlockKey = load_mutant(module, old, new, ()).BlockKey
+    else:
+        manager = load_mutant(module, old, new, ("BlockTableError",))
+    attrs = {"IMPL": manager.PrefixCachingBlockManager}
+    return type("PlantedDifferential", (PrefixDifferentialMachine,), attrs)
+
+
+@pytest.mark.parametrize(
+    ("module", "snippet"),
+    [(spec.prefix_cache, "class BlockKey:"), (impl.block_tables, "def add_prompt(")],
+    ids=["impl-over-copied-key", "store"],
+)
+def test_control_unmutated_copy_passes(module: types.ModuleType, snippet: str) -> None:
+    """The loading paths are sound: identity 'mutations' pass the machines."""
+    run_state_machine_as_test(machine_with(module, snippet, snippet), settings=CONTROL)
+
+
+@pytest.mark.parametrize("bug", sorted(BUGS))
+def test_planted_bug_is_caught(bug: str) -> None:
+    """The machine's assertions fail on the mutant."""
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(machine_with(*BUGS[bug]), settings=FIND)
