@@ -66,6 +66,28 @@ def dense_decode_attention(
     return torch.einsum("hl,lhd->hd", weights, v).to(query.dtype)
 
 
+def causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention of a sequence's last ``T`` tokens over its dense ``[L, num_kv_heads, dim]``
+    K/V, in fp32: the prefill (or prefill-chunk) counterpart of ``dense_decode_attention``.
+
+    ``query`` is ``[T, num_heads, dim]`` with ``T <= L``; query row ``t`` is the token at position
+    ``L - T + t`` and attends keys ``0 .. L - T + t``. Query head ``h`` reads KV head
+    ``h // (num_heads // num_kv_heads)``. Returns ``[T, num_heads, dim]`` in ``query``'s dtype.
+    """
+    num_queries, num_heads = query.shape[:2]
+    context_len = key.shape[0]
+    group = num_heads // key.shape[1]
+    k = key.float().repeat_interleave(group, dim=1)  # [L, num_heads, dim]
+    v = value.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,lhd->htl", query.float(), k) * scale
+    positions = torch.arange(context_len - num_queries, context_len, device=query.device)
+    future = torch.arange(context_len, device=query.device)[None, :] > positions[:, None]
+    weights = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+    return torch.einsum("htl,lhd->thd", weights, v).to(query.dtype)
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,

@@ -1,0 +1,312 @@
+"""PagedAttentionEngine: continuous batching over a real paged KV cache.
+
+K/V live only in the paged cache (``impl.paged_kv``) and are read back through block tables;
+there is no ``past_key_values``. One :meth:`PagedAttentionEngine.step`:
+
+1. **schedule**: ``impl.scheduler`` picks each sequence's tokens to compute (decodes and prompt
+   chunks), growing block tables, admitting requests (prefix-cache hits skip their cached
+   tokens) and preempting by recompute when memory runs out;
+2. **copy-on-write**: the copy pairs the growth produced are applied with
+   ``kernels.copy_blocks``, before anything is written;
+3. **block tables -> slot mapping**: the batch's tables go to ``kernels.slot_mapping``, which
+   gives every new token its physical slot;
+4. **store_kv -> attention**: every layer writes the new K/V at those slots
+   (``kernels.store_kv``) and attends through the tables (``kernels.paged_decode_attention`` for
+   decodes, a gather plus causal attention for prompts);
+5. **sample**: the logits of each sequence whose known tokens are now all computed give its next
+   token (greedy or seeded sampling; ``n`` tokens fork a parallel-sampling request);
+6. **free**: finished sequences free their blocks at once; full blocks are registered with the
+   prefix cache. The step's :class:`impl.metrics.StepMetrics` are recorded.
+
+``python -m impl.engine`` runs a small generation and prints the metrics of every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import abc
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from impl.block_manager import BlockManager
+from impl.block_tables import BlockTableStore
+from impl.metrics import StepMetrics, step_metrics
+from impl.model import CausalLM, ModelConfig
+from impl.paged_kv import PagedKVCache
+from impl.prefix_cache import PrefixCachingBlockManager
+from impl.sampling import sample_token
+from impl.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Sequence
+
+
+@dataclass
+class RequestOutput:
+    """A request's samples, by sample index: tokens, and with ``keep_logits`` the logits each
+    token was chosen from (``[len(tokens), vocab]``, on the CPU)."""
+
+    request_id: int
+    prompt: list[int]
+    outputs: list[list[int]]
+    logits: list[torch.Tensor] | None = None
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    n: int
+    temperature: float
+    generators: list[torch.Generator]  # one per sample
+    seqs: dict[int, Sequence] = field(default_factory=dict)  # sample index -> sequence
+    num_finished: int = 0
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """A step's metrics and the requests it finished."""
+
+    metrics: StepMetrics
+    finished: list[RequestOutput]
+
+
+class PagedAttentionEngine:
+    """Serve a :class:`impl.model.CausalLM` from a pool of ``total_blocks`` KV blocks.
+
+    ``max_num_seqs``, ``max_num_batched_tokens`` and ``watermark_blocks`` configure the
+    scheduler (``impl.scheduler.SchedulerConfig``). ``enable_prefix_caching`` chooses the
+    prefix-caching block manager; the engine's code is the same either way. ``backend`` is the
+    kernels' backend (``None``: ``PAGEDKV_BACKEND`` or auto). With ``keep_logits`` each output
+    keeps the logits of every step, for comparison with an oracle.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        total_blocks: int,
+        block_size: int,
+        *,
+        max_num_seqs: int = 8,
+        max_num_batched_tokens: int = 512,
+        watermark_blocks: int = 0,
+        enable_prefix_caching: bool = False,
+        backend: str | None = None,
+        keep_logits: bool = False,
+        seed: int = 0,
+    ) -> None:
+        manager_class = PrefixCachingBlockManager if enable_prefix_caching else BlockManager
+        manager = manager_class(total_blocks, block_size)
+        self.model = model
+        self.store = BlockTableStore(manager, max_num_seqs, total_blocks)
+        config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, watermark_blocks)
+        self.scheduler = Scheduler(self.store, config)
+        self.kv = PagedKVCache(
+            model.config, total_blocks, block_size,
+            dtype=model.dtype, device=model.device, backend=backend,
+        )  # fmt: skip
+        self.keep_logits = keep_logits
+        self.seed = seed
+        self.metrics: list[StepMetrics] = []
+        self._requests: dict[int, _Request] = {}
+        self._logits: dict[int, list[torch.Tensor]] = {}  # seq id -> rows, with keep_logits
+        self._next_request_id = 0
+
+    def add_request(
+        self,
+        prompt: abc.Sequence[int],
+        max_new_tokens: int,
+        *,
+        n: int = 1,
+        temperature: float = 0.0,
+        eos_token_id: int | None = None,
+        seed: int | None = None,
+    ) -> int:
+        """Queue a request; return its id. ``n`` samples share the prompt's blocks.
+
+        ``temperature == 0`` is greedy; otherwise sample ``i`` draws with its own generator
+        seeded from ``seed`` (default: the engine's seed and the request id) and ``i``, so its
+        tokens do not depend on batching or preemption. Raises what
+        ``Scheduler.add_request`` raises (``RequestTooLargeError`` for a request that can
+        never fit), and ``ValueError`` for a token outside the vocabulary.
+        """
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= token < vocab for token in prompt):
+            raise ValueError(f"prompt tokens must lie in [0, {vocab})")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        request_id = self._next_request_id
+        seq = self.scheduler.add_request(
+            request_id, prompt, max_new_tokens, n=n, eos_token_id=eos_token_id
+        )
+        self._next_request_id += 1
+        base = (self.seed, request_id) if seed is None else (seed,)
+        generators = [
+            torch.Generator().manual_seed(hash((*base, i)) & 0x7FFF_FFFF) for i in range(n)
+        ]
+        self._requests[request_id] = _Request(list(prompt), n, temperature, generators, {0: seq})
+        self._logits[seq.seq_id] = []
+        return request_id
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @torch.no_grad()
+    def step(self) -> StepOutput:
+        """Run one scheduler step: schedule, copy-on-write, write K/V, attend, sample, free."""
+        plan = self.scheduler.schedule()
+        self.kv.copy_blocks(self.store.pop_copy_pairs())
+        sampled = self._run(plan) if plan.scheduled else {}
+        forked, finished = self.scheduler.update(plan, sampled)
+        done = self._record(forked, finished)
+        metrics = step_metrics(len(self.metrics), self.scheduler, plan, len(finished))
+        self.metrics.append(metrics)
+        return StepOutput(metrics, done)
+
+    def generate(
+        self,
+        prompts: abc.Sequence[abc.Sequence[int]],
+        max_new_tokens: int,
+        *,
+        n: int = 1,
+        temperature: float = 0.0,
+        eos_token_id: int | None = None,
+        progress: bool = False,
+        on_step: abc.Callable[[StepMetrics], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt, in order; return each request's samples.
+
+        Runs the engine until it is idle, so it must start idle (``RuntimeError`` otherwise: mix
+        requests with ``add_request`` and ``step`` instead). With ``progress`` a tqdm bar counts
+        finished requests and shows the latest metrics; ``on_step`` sees every step's metrics.
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError("generate() needs an idle engine; drive it with step() instead")
+        ids = [
+            self.add_request(
+                prompt, max_new_tokens, n=n, temperature=temperature, eos_token_id=eos_token_id
+            )
+            for prompt in prompts
+        ]
+        results: dict[int, RequestOutput] = {}
+        with tqdm(total=len(ids), unit="req", disable=not progress) as bar:
+            while self.has_unfinished_requests():
+                out = self.step()
+                for result in out.finished:
+                    results[result.request_id] = result
+                if on_step is not None:
+                    on_step(out.metrics)
+                bar.update(len(out.finished))
+                bar.set_postfix_str(
+                    f"run={out.metrics.num_running} free={out.metrics.free_blocks} "
+                    f"util={out.metrics.kv_utilization:.0%}",
+                    refresh=False,
+                )
+        return [results[request_id] for request_id in ids]
+
+    # ----------------------------------------------------------------- internals
+
+    def _run(self, plan: SchedulerOutput) -> dict[int, list[int]]:
+        """Compute the planned tokens through the paged cache; sample where a step completes a
+        sequence's known tokens. Returns the sampled tokens by sequence id."""
+        items = plan.scheduled
+        device = self.model.device
+        batch = self.store.batch([item.seq.seq_id for item in items])
+        step = self.kv.step(
+            self.store.block_tables_tensor(batch),
+            [item.num_tokens for item in items],
+            [item.end for item in items],
+        )
+        input_ids = torch.tensor(
+            [t for item in items for t in item.seq.tokens[item.start : item.end]],
+            dtype=torch.int64,
+            device=device,
+        )
+        hidden = self.model(input_ids, step.positions, step)
+        sampling = [i for i, item in enumerate(items) if item.samples]
+        last_token = torch.tensor([item.num_tokens for item in items]).cumsum(0) - 1
+        logits = self.model.compute_logits(hidden[last_token[sampling].to(device)]).float().cpu()
+        sampled: dict[int, list[int]] = {}
+        for row, i in zip(logits, sampling, strict=True):
+            seq = items[i].seq
+            request = self._requests[seq.request_id]
+            sampled[seq.seq_id] = [
+                sample_token(row, request.temperature, request.generators[seq.sample_index + j])
+                for j in range(seq.num_samples)
+            ]
+            if self.keep_logits:
+                self._logits[seq.seq_id].append(row)
+        return sampled
+
+    def _record(self, forked: list[Sequence], finished: list[Sequence]) -> list[RequestOutput]:
+        """Track forked samples; return the requests whose every sample has finished."""
+        for child in forked:
+            self._requests[child.request_id].seqs[child.sample_index] = child
+            parent_rows = self._logits[self._requests[child.request_id].seqs[0].seq_id]
+            self._logits[child.seq_id] = list(parent_rows)
+        done: list[RequestOutput] = []
+        for seq in finished:
+            request = self._requests[seq.request_id]
+            request.num_finished += 1
+            if request.num_finished == request.n:
+                done.append(self._output(seq.request_id))
+        return done
+
+    def _output(self, request_id: int) -> RequestOutput:
+        request = self._requests.pop(request_id)
+        seqs = [request.seqs[i] for i in range(request.n)]
+        rows = [self._logits.pop(seq.seq_id) for seq in seqs]
+        logits = None
+        if self.keep_logits:
+            vocab = self.model.config.vocab_size
+            logits = [torch.stack(r) if r else torch.empty(0, vocab) for r in rows]
+        return RequestOutput(request_id, request.prompt, [seq.output for seq in seqs], logits)
+
+
+def main(argv: abc.Sequence[str] | None = None) -> None:
+    """A small generation with a tiny seeded model, printing every step's metrics."""
+    parser = argparse.ArgumentParser(prog="python -m impl.engine", description=main.__doc__)
+    parser.add_argument("--blocks", type=int, default=24, help="KV blocks in the pool")
+    parser.add_argument("--block-size", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--n", type=int, default=2, help="samples per request")
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--backend", choices=("auto", "triton", "reference"), default=None)
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(1)  # the model is tiny: more threads only add synchronization
+    config = ModelConfig()
+    model = CausalLM.from_seed(config, seed=0)
+    engine = PagedAttentionEngine(
+        model, args.blocks, args.block_size,
+        max_num_seqs=8, max_num_batched_tokens=64, watermark_blocks=1,
+        enable_prefix_caching=not args.no_prefix_caching, backend=args.backend,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    system = torch.randint(config.vocab_size, (9,), generator=generator).tolist()
+    prompts = [
+        system + torch.randint(config.vocab_size, (3 + i % 5,), generator=generator).tolist()
+        for i in range(args.requests)
+    ]
+    print(
+        f"{args.requests} requests x {args.n} samples, {args.max_new_tokens} new tokens each; "
+        f"{args.blocks} blocks of {args.block_size} tokens; prefix caching "
+        f"{'off' if args.no_prefix_caching else 'on'}"
+    )
+    outputs = engine.generate(
+        prompts, args.max_new_tokens, n=args.n, temperature=args.temperature,
+        progress=True, on_step=lambda m: tqdm.write(m.line()),
+    )  # fmt: skip
+    for out in outputs:
+        print(f"request {out.request_id}: prompt {len(out.prompt)} tokens -> {out.outputs}")
+    total = sum(m.preemptions for m in engine.metrics)
+    hits = sum(m.prefix_hit_tokens for m in engine.metrics)
+    print(
+        f"{len(engine.metrics)} steps, {total} preemptions, {hits} prompt tokens from the "
+        f"prefix cache; free blocks at the end: {engine.store.manager.num_free_blocks}/"
+        f"{args.blocks}"
+    )
+
+
+if __name__ == "__main__":
+    main()

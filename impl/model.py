@@ -1,0 +1,256 @@
+"""A small Llama-architecture causal transformer whose attention reads K/V from a pluggable store.
+
+The blocks are the modern ones: token embedding, RMSNorm, rotary position embedding (RoPE),
+grouped-query attention, a SwiGLU MLP and a tied or untied LM head, with Hugging Face Llama's
+conventions (parameter names, ``rotate_half`` RoPE layout, ``rope_theta``, ``rms_norm_eps``,
+``scale = head_dim ** -0.5``), so :meth:`CausalLM.from_hf_llama` loads a
+``transformers.LlamaForCausalLM``'s weights unchanged.
+
+The model works on a *flat* step: the tokens of every sequence in the step, concatenated
+(``input_ids`` and ``positions`` are ``[T]``). It never holds K/V itself. Each attention layer
+hands its new K/V and queries to a :class:`KVAttention` and gets the attention output back; the
+paged store (``impl.paged_kv``) and the dense oracle's contiguous store (``impl.dense``) are two
+implementations of that one method, so both run the very same layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+
+class KVAttention(Protocol):
+    """Where a step's K/V go and how its queries attend; the only thing the model delegates."""
+
+    def attend(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> torch.Tensor:
+        """Store the step's ``key``/``value`` (``[T, num_kv_heads, head_dim]``, RoPE applied) for
+        ``layer``, then return the attention of ``query`` (``[T, num_heads, head_dim]``) over each
+        token's causal context (every earlier token of its sequence, and itself):
+        ``[T, num_heads, head_dim]``."""
+        ...
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a :class:`CausalLM` (Llama's names in brackets where they differ)."""
+
+    vocab_size: int = 128
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2  # num_hidden_layers
+    num_heads: int = 4  # num_attention_heads
+    num_kv_heads: int = 2  # num_key_value_heads
+    head_dim: int = 16
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @classmethod
+    def from_hf(cls, config: Any) -> ModelConfig:
+        """The config of a ``transformers.LlamaConfig`` (default RoPE, no biases, SiLU)."""
+        # transformers 5 keeps RoPE in rope_parameters; 4.x in rope_theta and rope_scaling.
+        rope = getattr(config, "rope_parameters", None) or config.rope_scaling or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError(f"only the default RoPE is supported, got {rope}")
+        if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+            raise ValueError("attention or MLP biases are not supported")
+        if config.hidden_act != "silu":
+            raise ValueError(f"only the SiLU (SwiGLU) MLP is supported, got {config.hidden_act}")
+        head_dim = getattr(config, "head_dim", None)
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=head_dim or config.hidden_size // config.num_attention_heads,
+            rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
+            rms_norm_eps=config.rms_norm_eps,
+            tie_word_embeddings=config.tie_word_embeddings,
+        )
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)``, computed in fp32 (Llama's ``LlamaRMSNorm``)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rotary_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's ``cos``/``sin`` for ``positions`` (``[T]``), each ``[T, 1, head_dim]``.
+
+    Frequency ``i`` is ``theta ** (-2i / head_dim)``; the angles are computed in fp32 and laid
+    out as ``cat(freqs, freqs)``, the ``rotate_half`` layout of Llama.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
+    inv_freq = 1.0 / (theta ** (exponents / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (``[T, heads, head_dim]``): ``x * cos + rotate_half(x) * sin``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query attention: ``num_heads`` query heads share ``num_kv_heads`` K/V heads."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=False)
+        self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: KVAttention
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        out = kv.attend(self.layer, q, k, v)
+        return self.o_proj(out.reshape(tokens, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: KVAttention
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """Embedding, the decoder layers and the final norm (Llama's ``LlamaModel``)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The language model. Parameter names are those of ``transformers.LlamaForCausalLM``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def from_seed(
+        cls, config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32
+    ) -> CausalLM:
+        """A model with deterministic random weights (the same for a seed on every machine).
+
+        Matrices are drawn ``N(0, 1 / fan_in)`` and the embedding ``N(0, 1)``, so activations,
+        attention scores and logits are of order 1: the attention is far from uniform (a wrong
+        K/V changes the output) and greedy choices are rarely near-ties. Norm weights are drawn
+        around 1 so that they matter too.
+        """
+        model = cls(config)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():  # a tied head is listed once
+                if name.endswith("norm.weight"):
+                    values = 1.0 + 0.1 * torch.randn(param.shape, generator=generator)
+                elif name == "model.embed_tokens.weight":
+                    values = torch.randn(param.shape, generator=generator)
+                else:
+                    values = torch.randn(param.shape, generator=generator) / param.shape[1] ** 0.5
+                param.copy_(values)
+        return model.to(dtype).eval()
+
+    @classmethod
+    def from_hf_llama(cls, hf_model: nn.Module, dtype: torch.dtype = torch.float32) -> CausalLM:
+        """The weights of a ``transformers.LlamaForCausalLM``, loaded strictly by name."""
+        model = cls(ModelConfig.from_hf(hf_model.config))
+        model.load_state_dict(hf_model.state_dict(), strict=True)
+        return model.to(dtype).eval()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @torch.no_grad()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVAttention
+    ) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` of a flat step (``input_ids``, ``positions``:
+        ``[T]``); every layer's K/V and attention go through ``kv``."""
+        config = self.config
+        rope = rotary_cos_sin(positions, config.head_dim, config.rope_theta, self.dtype)
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, rope, kv)
+        return self.model.norm(x)
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``[N, vocab]`` of final hidden states ``[N, hidden]``."""
+        return self.lm_head(hidden)

@@ -1,0 +1,334 @@
+"""Continuous batching: which sequences compute which tokens each step, and who is preempted.
+
+:class:`Scheduler` is a policy over a :class:`impl.block_tables.BlockTableStore`. It needs no
+model and no tensors: it allocates, grows, forks and frees block tables and tells the caller
+(an engine, or a serving simulator) what to compute. The caller computes it and reports the
+sampled tokens with :meth:`Scheduler.update`.
+
+A sequence holds ``tokens`` (prompt, then output) of which the first ``num_computed`` have their
+K/V in the cache. A running sequence's table always holds its tokens up to the last one
+scheduled. Every step, in order:
+
+1. **Running sequences, oldest admission first**, each get their pending tokens (one for a
+   decode; a prompt's rest, cut to the step's remaining token budget: chunked prefill). A
+   sequence whose table must grow and cannot is the trigger for **preemption by recompute**: the
+   most recently admitted running sequence (possibly the one growing) frees its blocks and goes
+   back to the front of the waiting queue, its K/V forgotten (``num_computed = 0``), until the
+   growth fits. A preempted sequence keeps its tokens, so it resumes exactly where it was.
+2. **Waiting sequences, in order** (first come, first served; no overtaking), are admitted while
+   the token budget, the sequence limit and the memory allow. Memory allows when the blocks the
+   prompt consumes *after prefix-cache hits* (``store.blocks_to_allocate``) leave at least
+   ``watermark_blocks`` free, the headroom that lets running sequences grow; with nothing
+   running the watermark is waived, so a request that fits the pool on its own is always
+   admitted eventually. (A step that preempted admits nothing: its victims head the queue and
+   each needs more blocks than the failed growth left.)
+
+A request that can never fit (its prompt plus ``max_new_tokens - 1`` tokens need more blocks
+than the pool or a table holds, or more samples than ``max_num_seqs``) is rejected by
+:meth:`Scheduler.add_request` with :class:`RequestTooLargeError`; every other request runs to
+completion. The oldest running sequence is never preempted by a younger one, and alone it
+always fits, so every step makes progress.
+
+Parallel sampling: a request with ``n > 1`` runs as one sequence until its prompt is computed;
+the tokens sampled from the prompt's last logits (one per sample) then fork it into ``n``
+sequences sharing the prompt's blocks (``store.fork``). The first write into the shared,
+partly filled last block copies it (copy-on-write; the pairs wait in ``store.pop_copy_pairs``).
+It is admitted only if all ``n`` samples fit under ``max_num_seqs``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import abc, deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from spec.block_manager import blocks_needed, check_int
+
+if TYPE_CHECKING:
+    from impl.block_tables import BlockTableStore
+
+
+class RequestTooLargeError(ValueError):
+    """A request that no amount of waiting could ever run (see :meth:`Scheduler.add_request`)."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits: sequences running at once (each sample counts), tokens computed per step, and
+    the free blocks an admission must leave for running sequences to grow into."""
+
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 512
+    watermark_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        check_int("watermark_blocks", self.watermark_blocks, 0)
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample of one request: its tokens and how many of them the cache holds."""
+
+    seq_id: int
+    request_id: int
+    tokens: list[int]  # prompt, then output
+    prompt_len: int
+    max_new_tokens: int
+    eos_token_id: int | None = None
+    num_samples: int = 1  # > 1 until the prompt is computed: then it forks into that many
+    sample_index: int = 0
+    num_computed: int = 0  # leading tokens whose K/V are in the cache
+    status: SeqStatus = SeqStatus.WAITING
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens whose K/V are not computed yet (at least 1 for an unfinished sequence)."""
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def done(self) -> bool:
+        """Whether the output is complete: ``max_new_tokens`` tokens, or the last one is EOS."""
+        output = len(self.tokens) - self.prompt_len
+        return output >= self.max_new_tokens or (
+            output > 0 and self.tokens[-1] == self.eos_token_id
+        )
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """``num_tokens`` tokens of ``seq`` to compute this step, from position ``start``."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    cached_tokens: int = 0  # prefix-cache hits when admitted this step
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step computes the sequence's last known token, so its logits give the
+        next one (false for a prompt chunk short of the end)."""
+        return self.end == self.seq.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's plan: the batch, in order (running sequences first, then new admissions),
+    the sequences preempted while making it (already back in the waiting queue, in the order
+    they were preempted), and those admitted (the batch's last ``len(admitted)`` entries)."""
+
+    scheduled: list[ScheduledSeq]
+    preempted: list[Sequence]
+    admitted: list[Sequence]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(item.num_tokens for item in self.scheduled)
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        return sum(item.cached_tokens for item in self.scheduled)
+
+
+@dataclass
+class Scheduler:
+    """The continuous-batching policy over ``store`` (see the module docstring)."""
+
+    store: BlockTableStore
+    config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    waiting: deque[Sequence] = field(default_factory=deque, init=False)
+    running: list[Sequence] = field(default_factory=list, init=False)
+    _next_seq_id: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if self.store.max_seqs < self.config.max_num_seqs:
+            raise ValueError(
+                f"the store has {self.store.max_seqs} rows for max_num_seqs="
+                f"{self.config.max_num_seqs}"
+            )
+
+    @property
+    def num_running_seqs(self) -> int:
+        """Running sequences, counting every sample an unforked request will fork into."""
+        return sum(seq.num_samples for seq in self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(
+        self,
+        request_id: int,
+        prompt: abc.Sequence[int],
+        max_new_tokens: int,
+        *,
+        n: int = 1,
+        eos_token_id: int | None = None,
+    ) -> Sequence:
+        """Queue a request (its first sequence) at the back of the waiting queue.
+
+        Raises ``ValueError`` for an empty prompt or a count below 1, and
+        :class:`RequestTooLargeError` for a request that can never run: one sequence of it holds
+        up to ``len(prompt) + max_new_tokens - 1`` tokens (the last token is never computed),
+        which must fit the pool and a table, and its ``n`` samples must fit ``max_num_seqs``.
+        """
+        check_int("max_new_tokens", max_new_tokens, 1)
+        check_int("n", n, 1)
+        if not prompt:
+            raise ValueError("the prompt must hold at least one token")
+        max_len = len(prompt) + max_new_tokens - 1
+        needed = blocks_needed(max_len, self.store.block_size)
+        capacity = min(self.store.manager.total_blocks, self.store.max_blocks_per_seq)
+        if needed > capacity:
+            raise RequestTooLargeError(
+                f"request {request_id} can never fit: its prompt of {len(prompt)} tokens plus "
+                f"{max_new_tokens} new tokens needs up to {needed} blocks of "
+                f"{self.store.block_size} tokens, but a sequence can hold at most {capacity}"
+            )
+        if n > self.config.max_num_seqs:
+            raise RequestTooLargeError(
+                f"request {request_id} asks for {n} samples but at most "
+                f"max_num_seqs={self.config.max_num_seqs} sequences run at once"
+            )
+        seq = Sequence(
+            self._new_seq_id(), request_id, list(prompt), len(prompt), max_new_tokens,
+            eos_token_id, num_samples=n,
+        )  # fmt: skip
+        self.waiting.append(seq)
+        return seq
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: grow (or preempt for) the running sequences, then admit waiting ones.
+
+        Every table in the plan holds its sequence's tokens up to ``end``. At most
+        ``max_num_batched_tokens`` tokens are scheduled, and at most ``max_num_seqs`` sequences
+        run.
+        """
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        admitted: list[Sequence] = []
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            if not self._make_room(seq, preempted):
+                break  # seq preempted itself: it was the last running sequence
+            scheduled.append(ScheduledSeq(seq, seq.num_computed, min(seq.num_pending, budget)))
+            budget -= scheduled[-1].num_tokens
+            index += 1
+        while budget > 0 and self.waiting and self._can_admit(self.waiting[0]):
+            seq = self.waiting.popleft()
+            cached = self.store.add_prompt(seq.seq_id, seq.tokens)
+            seq.status, seq.num_computed = SeqStatus.RUNNING, cached
+            self.running.append(seq)
+            admitted.append(seq)
+            scheduled.append(ScheduledSeq(seq, cached, min(seq.num_pending, budget), cached))
+            budget -= scheduled[-1].num_tokens
+        return SchedulerOutput(scheduled, preempted, admitted)
+
+    def update(
+        self, output: SchedulerOutput, sampled: abc.Mapping[int, abc.Sequence[int]]
+    ) -> tuple[list[Sequence], list[Sequence]]:
+        """Record that ``output``'s tokens were computed, and the tokens sampled from them.
+
+        ``sampled[seq_id]`` holds, for every scheduled sequence whose step ``samples``, one
+        token per sample still to fork (``seq.num_samples``; 1 once forked). Full blocks are
+        registered with the prefix cache; an unforked sequence forks; a sequence whose output
+        is complete finishes and frees its blocks at once. Returns ``(forked, finished)``: the
+        new sequences, and the sequences that finished, in batch order. ``KeyError`` or
+        ``ValueError`` (changing nothing) for a missing entry or a wrong number of tokens.
+        """
+        for item in output.scheduled:  # check everything before changing anything
+            if item.samples and len(sampled[item.seq.seq_id]) != item.seq.num_samples:
+                raise ValueError(
+                    f"sequence {item.seq.seq_id} needs {item.seq.num_samples} sampled tokens, "
+                    f"got {len(sampled[item.seq.seq_id])}"
+                )
+        forked: list[Sequence] = []
+        finished: list[Sequence] = []
+        for item in output.scheduled:
+            seq = item.seq
+            seq.num_computed = item.end
+            if item.end // self.store.block_size > item.start // self.store.block_size:
+                self.store.cache_blocks(seq.seq_id, seq.tokens[: item.end])  # filled a block
+            if not item.samples:
+                continue
+            tokens = sampled[seq.seq_id]
+            seq.num_samples = 1
+            for index, token in enumerate(tokens[1:], start=1):
+                child = self._fork(seq, index, token)
+                forked.append(child)
+                if child.done:
+                    finished.append(child)
+            seq.tokens.append(tokens[0])
+            if seq.done:
+                self._finish(seq)
+                finished.append(seq)
+        return forked, finished
+
+    # ----------------------------------------------------------------- internals
+
+    def _new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id - 1
+
+    def _make_room(self, seq: Sequence, preempted: list[Sequence]) -> bool:
+        """Grow ``seq``'s table to hold all its tokens, preempting the most recently admitted
+        running sequences until it fits. False if ``seq`` itself had to go."""
+        missing = seq.num_tokens - self.store.token_count(seq.seq_id)
+        while missing and self.store.grow([seq.seq_id], missing):
+            victim = self.running.pop()
+            self.store.remove([victim.seq_id])
+            victim.status, victim.num_computed = SeqStatus.WAITING, 0
+            self.waiting.appendleft(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _can_admit(self, seq: Sequence) -> bool:
+        if self.num_running_seqs + seq.num_samples > self.config.max_num_seqs:
+            return False
+        headroom = self.config.watermark_blocks if self.running else 0
+        needed = self.store.blocks_to_allocate(seq.tokens)
+        return self.store.manager.num_free_blocks - needed >= headroom
+
+    def _fork(self, parent: Sequence, index: int, token: int) -> Sequence:
+        """Sample ``index`` of ``parent``'s request: ``parent``'s tokens plus ``token``, sharing
+        ``parent``'s blocks (a child that is already done never holds any)."""
+        child = Sequence(
+            self._new_seq_id(), parent.request_id, [*parent.tokens, token], parent.prompt_len,
+            parent.max_new_tokens, parent.eos_token_id, sample_index=index,
+            num_computed=parent.num_computed,
+        )  # fmt: skip
+        if child.done:
+            child.status = SeqStatus.FINISHED
+        else:
+            self.store.fork(parent.seq_id, child.seq_id)
+            child.status = SeqStatus.RUNNING
+            self.running.append(child)
+        return child
+
+    def _finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.store.remove([seq.seq_id])
+        seq.status = SeqStatus.FINISHED

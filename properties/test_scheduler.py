@@ -1,0 +1,340 @@
+"""The continuous-batching policy (``impl.scheduler``) on its own: no model, no tensors.
+
+A driver plays a drawn workload on a ``Scheduler`` over a real ``BlockTableStore`` (plain or
+prefix-caching manager), with a fake sampler that emits end-of-sequence tokens now and then. An
+independent model of the running order (admission order) and of the waiting queue checks every
+step:
+
+* limits: at most ``max_num_batched_tokens`` tokens and ``max_num_seqs`` sequences (every sample
+  of an unforked request counted); every scheduled table holds its tokens;
+* preemption: only right after a growth that failed, and always the most recently admitted
+  running sequences, newest first, back to the front of the waiting queue; no admission in a
+  step that preempted (the victims would not fit); scheduled running sequences are the oldest
+  ones, in order;
+* admission: first come, first served, leaving ``watermark_blocks`` free unless nothing else ran;
+* progress: every step with work schedules a token, every request finishes with a complete
+  output (``max_new_tokens`` tokens, or ending at its first EOS), and then every block is free;
+* a request that can never fit is rejected with a clear error and changes nothing;
+* the KV metrics agree with a per-block recount.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from hypothesis import event, given
+from hypothesis import strategies as st
+
+from impl.block_manager import BlockManager
+from impl.block_tables import BlockTableStore
+from impl.metrics import kv_occupancy
+from impl.prefix_cache import PrefixCachingBlockManager
+from impl.scheduler import (
+    RequestTooLargeError,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    SeqStatus,
+)
+from spec.block_manager import blocks_needed
+
+EOS = 0
+
+
+class SpyStore(BlockTableStore):
+    """A store that logs ``grow`` outcomes and removals, to check when preemption happens."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.log: list[tuple[str, int, bool]] = []
+
+    def grow(self, seqs, new_tokens=1):  # type: ignore[no-untyped-def]
+        failed = super().grow(seqs, new_tokens)
+        self.log.extend(("grow", seq_id, seq_id not in failed) for seq_id in seqs)
+        return failed
+
+    def remove(self, seqs):  # type: ignore[no-untyped-def]
+        super().remove(seqs)
+        self.log.extend(("remove", seq_id, True) for seq_id in seqs)
+
+
+@dataclass(frozen=True)
+class Req:
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    n: int
+    arrival: int
+    eos: bool  # whether EOS stops it
+
+
+@dataclass(frozen=True)
+class Case:
+    block_size: int
+    total_blocks: int
+    config: SchedulerConfig
+    prefix_caching: bool
+    requests: tuple[Req, ...]  # arrival order
+
+    def scheduler(self) -> Scheduler:
+        manager_class = PrefixCachingBlockManager if self.prefix_caching else BlockManager
+        manager = manager_class(self.total_blocks, self.block_size)
+        store = SpyStore(manager, self.config.max_num_seqs, self.total_blocks)
+        return Scheduler(store, self.config)
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> Case:
+    block_size = draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
+    config = SchedulerConfig(
+        max_num_seqs=draw(st.integers(1, 6)),
+        max_num_batched_tokens=draw(st.integers(1, 40)),
+        watermark_blocks=draw(st.integers(0, 3)),
+    )
+    system = draw(st.lists(st.integers(1, 3), min_size=0, max_size=20))
+    requests = sorted(
+        draw(
+            st.lists(
+                st.builds(
+                    Req,
+                    prompt=st.lists(st.integers(1, 3), min_size=1, max_size=12).map(
+                        lambda suffix: (*system, *suffix)
+                    ),
+                    max_new_tokens=st.integers(1, 12),
+                    n=st.integers(1, config.max_num_seqs),
+                    arrival=st.integers(0, 12),
+                    eos=st.booleans(),
+                ),
+                min_size=1,
+                max_size=8,
+            )
+        ),
+        key=lambda r: r.arrival,
+    )
+    largest = max(blocks_needed(len(r.prompt) + r.max_new_tokens - 1, block_size) for r in requests)
+    return Case(
+        block_size=block_size,
+        total_blocks=largest + draw(st.integers(0, largest)),
+        config=config,
+        prefix_caching=draw(st.booleans()),
+        requests=tuple(requests),
+    )
+
+
+def fake_token(request_id: int, sample: int, position: int) -> int:
+    """A deterministic token in 0..5; 0 is EOS (for requests that stop at it)."""
+    return (request_id * 31 + sample * 17 + position * 7) % 6
+
+
+def recount_occupancy(store: BlockTableStore) -> tuple[int, int]:
+    """``kv_occupancy`` the slow way: each held block's fill, the most over its holders."""
+    fill: dict[int, int] = {}
+    for seq_id in store.seq_ids:
+        count = store.token_count(seq_id)
+        for i, block in enumerate(store.table(seq_id)):
+            rows = min(store.block_size, count - i * store.block_size)
+            fill[block] = max(fill.get(block, 0), rows)
+    return sum(fill.values()), len(fill)
+
+
+def check_step(
+    case: Case,
+    scheduler: Scheduler,
+    out: SchedulerOutput,
+    running_before: list[int],
+    waiting_before: list[int],
+    log_start: int,
+) -> list[int]:
+    """Check one ``schedule()`` against the model; return the model's new running order."""
+    store = scheduler.store
+    assert isinstance(store, SpyStore)
+    config = case.config
+    # Preemption: the most recently admitted first, each right after a failed growth.
+    victims = [seq.seq_id for seq in out.preempted]
+    assert victims == running_before[::-1][: len(victims)]
+    log = store.log[log_start:]
+    removed = [seq_id for kind, seq_id, _ in log if kind == "remove"]
+    assert removed == victims
+    for i, (kind, _, _) in enumerate(log):
+        if kind == "remove":  # right after a growth that failed: never a needless preemption
+            assert i > 0 and log[i - 1][0] == "grow" and not log[i - 1][2]
+    for victim in out.preempted:
+        assert victim.status is SeqStatus.WAITING and victim.num_computed == 0
+        assert victim.seq_id not in store
+    kept = running_before[: len(running_before) - len(victims)]
+    # The batch: the oldest running sequences in order, then the admissions, in queue order.
+    admitted = [seq.seq_id for seq in out.admitted]
+    # A victim heads the queue and needs more blocks than the failed growth left: no thrashing.
+    assert not (admitted and victims), "admitted in a step that preempted"
+    batch = [item.seq.seq_id for item in out.scheduled]
+    assert batch[: len(batch) - len(admitted)] == kept[: len(batch) - len(admitted)]
+    assert batch[len(batch) - len(admitted) :] == admitted
+    assert admitted == (victims[::-1] + waiting_before)[: len(admitted)]
+    assert [seq.seq_id for seq in scheduler.waiting] == (victims[::-1] + waiting_before)[
+        len(admitted) :
+    ]
+    # Limits, and every scheduled table holds its tokens.
+    assert out.num_batched_tokens <= config.max_num_batched_tokens
+    assert scheduler.num_running_seqs <= config.max_num_seqs
+    for item in out.scheduled:
+        assert item.num_tokens >= 1 and item.end <= item.seq.num_tokens
+        assert item.start == item.seq.num_computed
+        assert store.token_count(item.seq.seq_id) == item.seq.num_tokens
+    if admitted and (kept or len(admitted) > 1):
+        assert store.manager.num_free_blocks >= config.watermark_blocks
+    if running_before or waiting_before:
+        assert out.scheduled, "a step with work scheduled nothing"
+    assert kv_occupancy(store) == recount_occupancy(store)
+    return kept + admitted
+
+
+def play(case: Case) -> dict[int, list[list[int]]]:
+    """Drive the scheduler through the case; return each request's outputs by sample."""
+    scheduler = case.scheduler()
+    store = scheduler.store
+    assert isinstance(store, SpyStore)
+    pending = list(enumerate(case.requests))
+    running: list[int] = []  # the model: seq ids in admission order
+    samples: dict[int, dict[int, list[int]]] = {}
+    step = 0
+    preempted = 0
+    while pending or scheduler.has_unfinished():
+        while pending and pending[0][1].arrival <= step:
+            request_id, req = pending.pop(0)
+            scheduler.add_request(
+                request_id, list(req.prompt), req.max_new_tokens, n=req.n,
+                eos_token_id=EOS if req.eos else None,
+            )  # fmt: skip
+            samples[request_id] = {}
+        waiting_before = [seq.seq_id for seq in scheduler.waiting]
+        log_start = len(store.log)
+        out = scheduler.schedule()
+        running = check_step(case, scheduler, out, running, waiting_before, log_start)
+        preempted += len(out.preempted)
+        sampled = {
+            item.seq.seq_id: [
+                fake_token(item.seq.request_id, item.seq.sample_index + j, item.seq.num_tokens)
+                for j in range(item.seq.num_samples)
+            ]
+            for item in out.scheduled
+            if item.samples
+        }
+        forked, finished = scheduler.update(out, sampled)
+        running += [seq.seq_id for seq in forked if seq.status is SeqStatus.RUNNING]
+        for seq in finished:
+            if seq.seq_id in running:
+                running.remove(seq.seq_id)
+            assert seq.seq_id not in store, "a finished sequence kept its blocks"
+            samples[seq.request_id][seq.sample_index] = seq.output
+        assert running == [seq.seq_id for seq in scheduler.running]
+        assert len(store) == len(running)
+        step += 1
+        assert step < 10_000, "no progress"
+    event(f"preempted: {'yes' if preempted else 'no'}")
+    manager = store.manager
+    assert manager.num_free_blocks == manager.total_blocks
+    assert not manager.ref_counts().any()
+    return {request_id: [by_index[i] for i in sorted(by_index)] for request_id, by_index in
+            samples.items()}  # fmt: skip
+
+
+@given(cases())
+def test_scheduler_runs_every_request_within_its_limits(case: Case) -> None:
+    outputs = play(case)
+    assert sorted(outputs) == list(range(len(case.requests))), "a request was lost"
+    for request_id, req in enumerate(case.requests):
+        assert len(outputs[request_id]) == req.n
+        for output in outputs[request_id]:
+            stops = [i for i, token in enumerate(output) if req.eos and token == EOS]
+            if stops:
+                assert stops == [len(output) - 1], "generated past EOS"
+            else:
+                assert len(output) == req.max_new_tokens
+
+
+@given(
+    block_size=st.integers(1, 8),
+    total_blocks=st.integers(1, 8),
+    max_num_seqs=st.integers(1, 4),
+    prompt_len=st.integers(1, 40),
+    max_new_tokens=st.integers(1, 40),
+    n=st.integers(1, 6),
+)
+def test_a_request_that_can_never_fit_is_rejected_clearly(
+    block_size: int,
+    total_blocks: int,
+    max_num_seqs: int,
+    prompt_len: int,
+    max_new_tokens: int,
+    n: int,
+) -> None:
+    store = BlockTableStore(BlockManager(total_blocks, block_size), max_num_seqs, total_blocks)
+    scheduler = Scheduler(store, SchedulerConfig(max_num_seqs=max_num_seqs))
+    needed = blocks_needed(prompt_len + max_new_tokens - 1, block_size)
+    if needed <= total_blocks and n <= max_num_seqs:
+        scheduler.add_request(7, [1] * prompt_len, max_new_tokens, n=n)
+        assert len(scheduler.waiting) == 1
+        return
+    with pytest.raises(RequestTooLargeError) as error:
+        scheduler.add_request(7, [1] * prompt_len, max_new_tokens, n=n)
+    message = str(error.value)
+    assert "request 7" in message
+    assert (f"needs up to {needed} blocks" in message) or (f"{n} samples" in message)
+    assert not scheduler.waiting and not scheduler.running
+    assert store.manager.num_free_blocks == total_blocks
+
+
+def test_bad_requests_raise_value_error() -> None:
+    scheduler = Scheduler(BlockTableStore(BlockManager(4, 2), 2, 4), SchedulerConfig(2))
+    for args, kwargs in [(([], 3), {}), (([1], 0), {}), (([1], 2), {"n": 0})]:
+        with pytest.raises(ValueError):
+            scheduler.add_request(0, *args, **kwargs)
+    assert not scheduler.waiting
+    with pytest.raises(ValueError, match="rows"):
+        Scheduler(BlockTableStore(BlockManager(4, 2), 1, 4), SchedulerConfig(2))
+
+
+def test_preempts_the_most_recently_admitted() -> None:
+    """Two sequences of 2 tokens in a pool of 2 blocks of 2: when the older one needs a third
+    slot, the younger one goes back to the front of the queue and later resumes."""
+    store = BlockTableStore(BlockManager(2, 2), 2, 2)
+    scheduler = Scheduler(store, SchedulerConfig(max_num_seqs=2))
+    old = scheduler.add_request(0, [1, 2], 2)
+    young = scheduler.add_request(1, [3, 4], 2)
+    out = scheduler.schedule()
+    assert out.admitted == [old, young]
+    scheduler.update(out, {old.seq_id: [5], young.seq_id: [6]})
+    out = scheduler.schedule()  # old needs a block for token 5: young is preempted
+    assert out.preempted == [young] and [item.seq for item in out.scheduled] == [old]
+    assert list(scheduler.waiting) == [young] and young.tokens == [3, 4, 6]
+    _, finished = scheduler.update(out, {old.seq_id: [7]})
+    assert finished == [old] and old.output == [5, 7]
+    out = scheduler.schedule()  # young is recomputed: its prompt and its first token
+    assert out.admitted == [young] and out.scheduled[0].num_tokens == 3
+    _, finished = scheduler.update(out, {young.seq_id: [8]})
+    assert finished == [young] and young.output == [6, 8]
+    assert store.manager.num_free_blocks == 2
+
+
+def test_kv_occupancy_counts_shared_blocks_once() -> None:
+    store = BlockTableStore(BlockManager(8, 4), 4, 8)
+    store.add(0, 6)  # blocks [0, 1]: 4 + 2 slots filled
+    store.fork(0, 1)  # shares both
+    store.grow([1], 1)  # copy-on-write of block 1 into block 2, now 3 filled
+    assert kv_occupancy(store) == (4 + 2 + 3, 3) == recount_occupancy(store)
+    assert np.count_nonzero(store.manager.ref_counts()) == 3
+
+
+def test_update_checks_the_sampled_tokens_before_changing_anything() -> None:
+    store = BlockTableStore(BlockManager(4, 2), 2, 4)
+    scheduler = Scheduler(store, SchedulerConfig(max_num_seqs=2))
+    seq = scheduler.add_request(0, [1, 2, 3], 2, n=2)
+    out = scheduler.schedule()
+    for sampled in ({seq.seq_id: [4]}, {seq.seq_id: [4, 5, 6]}):
+        with pytest.raises(ValueError, match="needs 2 sampled tokens"):
+            scheduler.update(out, sampled)
+        assert seq.num_computed == 0 and seq.tokens == [1, 2, 3]
+    forked, finished = scheduler.update(out, {seq.seq_id: [4, 5]})
+    assert [child.tokens for child in forked] == [[1, 2, 3, 5]] and not finished
+    assert seq.tokens == [1, 2, 3, 4] and store.table(seq.seq_id) == store.table(forked[0].seq_id)
