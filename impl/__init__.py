@@ -1,14 +1,15 @@
-"""pagedkv's optimized block manager: the spec's behaviour, array-backed and batched."""
+"""pagedkv's optimized block manager: the spec's behaviour, array-backed and batched.
+
+The package namespace holds the block-management API, which needs only numpy (and torch for the
+tensor exports). The engine lives in its own modules: ``impl.model``, ``impl.scheduler``,
+``impl.engine`` (``PagedAttentionEngine``; ``python -m impl.engine`` runs the demo) and
+``impl.dense`` (the dense oracle).
+"""
 
 from impl.block_manager import BlockManager, BlockTableError, OutOfBlocksError
 from impl.block_tables import PAD, BlockTableStore, CapacityError, SeqBatch
-from impl.dense import dense_generate
-from impl.engine import PagedAttentionEngine, RequestOutput
 from impl.free_queue import FreeBlockQueue
-from impl.metrics import StepMetrics
-from impl.model import CausalLM, ModelConfig
 from impl.prefix_cache import BlockKey, PrefixCacheStats, PrefixCachingBlockManager
-from impl.scheduler import RequestTooLargeError, Scheduler, SchedulerConfig
 
 __all__ = [
     "PAD",
@@ -17,18 +18,9 @@ __all__ = [
     "BlockTableError",
     "BlockTableStore",
     "CapacityError",
-    "CausalLM",
     "FreeBlockQueue",
-    "ModelConfig",
     "OutOfBlocksError",
-    "PagedAttentionEngine",
     "PrefixCacheStats",
     "PrefixCachingBlockManager",
-    "RequestOutput",
-    "RequestTooLargeError",
-    "Scheduler",
-    "SchedulerConfig",
     "SeqBatch",
-    "StepMetrics",
-    "dense_generate",
 ]
