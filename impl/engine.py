@@ -24,6 +24,7 @@ there is no ``past_key_values``. One :meth:`PagedAttentionEngine.step`:
 from __future__ import annotations
 
 import argparse
+import math
 from collections import abc
 from dataclasses import dataclass, field
 
@@ -35,9 +36,11 @@ from impl.block_tables import BlockTableStore
 from impl.metrics import StepMetrics, step_metrics
 from impl.model import CausalLM, ModelConfig
 from impl.paged_kv import PagedKVCache
-from impl.prefix_cache import PrefixCachingBlockManager
+from impl.prefix_cache import PrefixCachingBlockManager, check_tokens
 from impl.sampling import sample_token
 from impl.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Sequence
+from kernels import resolve_backend
+from spec.block_manager import check_int
 
 
 @dataclass
@@ -93,6 +96,7 @@ class PagedAttentionEngine:
         keep_logits: bool = False,
         seed: int = 0,
     ) -> None:
+        resolve_backend(backend, model.device)  # an unknown or unusable backend fails here
         manager_class = PrefixCachingBlockManager if enable_prefix_caching else BlockManager
         manager = manager_class(total_blocks, block_size)
         self.model = model
@@ -126,13 +130,19 @@ class PagedAttentionEngine:
         seeded from ``seed`` (default: the engine's seed and the request id) and ``i``, so its
         tokens do not depend on batching or preemption. Raises what
         ``Scheduler.add_request`` raises (``RequestTooLargeError`` for a request that can
-        never fit), and ``ValueError`` for a token outside the vocabulary.
+        never fit; ``TypeError``/``ValueError`` for a prompt that is not a list or tuple of
+        ints), and ``ValueError`` for a token outside the vocabulary or a temperature that is
+        negative or not finite. Nothing is queued when it raises.
         """
         vocab = self.model.config.vocab_size
-        if any(not 0 <= token < vocab for token in prompt):
+        if any(token >= vocab for token in check_tokens(prompt)):
             raise ValueError(f"prompt tokens must lie in [0, {vocab})")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+            raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
+        if not math.isfinite(temperature) or temperature < 0:
+            raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
+        if seed is not None:
+            check_int("seed", seed, 0)
         request_id = self._next_request_id
         seq = self.scheduler.add_request(
             request_id, prompt, max_new_tokens, n=n, eos_token_id=eos_token_id

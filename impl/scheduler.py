@@ -20,8 +20,8 @@ scheduled. Every step, in order:
    prompt consumes *after prefix-cache hits* (``store.blocks_to_allocate``) leave at least
    ``watermark_blocks`` free, the headroom that lets running sequences grow; with nothing
    running the watermark is waived, so a request that fits the pool on its own is always
-   admitted eventually. (A step that preempted admits nothing: its victims head the queue and
-   each needs more blocks than the failed growth left.)
+   admitted eventually. A step that preempted admits nothing: with prefix caching, a victim's
+   own freed blocks are hits, and it would be readmitted in the step that evicted it.
 
 A request that can never fit (its prompt plus ``max_new_tokens - 1`` tokens need more blocks
 than the pool or a table holds, or more samples than ``max_num_seqs``) is rejected by
@@ -43,6 +43,7 @@ from collections import abc, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from impl.prefix_cache import check_tokens
 from spec.block_manager import blocks_needed, check_int
 
 if TYPE_CHECKING:
@@ -186,14 +187,17 @@ class Scheduler:
     ) -> Sequence:
         """Queue a request (its first sequence) at the back of the waiting queue.
 
-        Raises ``ValueError`` for an empty prompt or a count below 1, and
+        Raises ``TypeError``/``ValueError`` for a prompt that is not a non-empty list or tuple of
+        non-negative ints, a count below 1 or a bad ``eos_token_id``, and
         :class:`RequestTooLargeError` for a request that can never run: one sequence of it holds
         up to ``len(prompt) + max_new_tokens - 1`` tokens (the last token is never computed),
         which must fit the pool and a table, and its ``n`` samples must fit ``max_num_seqs``.
         """
         check_int("max_new_tokens", max_new_tokens, 1)
         check_int("n", n, 1)
-        if not prompt:
+        if eos_token_id is not None:
+            check_int("eos_token_id", eos_token_id, 0)
+        if not check_tokens(prompt):
             raise ValueError("the prompt must hold at least one token")
         max_len = len(prompt) + max_new_tokens - 1
         needed = blocks_needed(max_len, self.store.block_size)
@@ -235,7 +239,9 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, seq.num_computed, min(seq.num_pending, budget)))
             budget -= scheduled[-1].num_tokens
             index += 1
-        while budget > 0 and self.waiting and self._can_admit(self.waiting[0]):
+        # A step that preempted admits nothing: its victims would otherwise be readmitted at
+        # once (prefix-cache hits on their own freed blocks make them cheap to admit).
+        while not preempted and budget > 0 and self.waiting and self._can_admit(self.waiting[0]):
             seq = self.waiting.popleft()
             cached = self.store.add_prompt(seq.seq_id, seq.tokens)
             seq.status, seq.num_computed = SeqStatus.RUNNING, cached
@@ -254,14 +260,18 @@ class Scheduler:
         token per sample still to fork (``seq.num_samples``; 1 once forked). Full blocks are
         registered with the prefix cache; an unforked sequence forks; a sequence whose output
         is complete finishes and frees its blocks at once. Returns ``(forked, finished)``: the
-        new sequences, and the sequences that finished, in batch order. ``KeyError`` or
-        ``ValueError`` (changing nothing) for a missing entry or a wrong number of tokens.
+        new sequences, and the sequences that finished, in batch order. ``KeyError``,
+        ``TypeError`` or ``ValueError`` (changing nothing) for a missing entry, a wrong number of
+        tokens, or a token that is not a non-negative int.
         """
         for item in output.scheduled:  # check everything before changing anything
-            if item.samples and len(sampled[item.seq.seq_id]) != item.seq.num_samples:
+            if not item.samples:
+                continue
+            tokens = check_tokens(sampled[item.seq.seq_id])
+            if len(tokens) != item.seq.num_samples:
                 raise ValueError(
                     f"sequence {item.seq.seq_id} needs {item.seq.num_samples} sampled tokens, "
-                    f"got {len(sampled[item.seq.seq_id])}"
+                    f"got {len(tokens)}"
                 )
         forked: list[Sequence] = []
         finished: list[Sequence] = []

@@ -126,6 +126,39 @@ def test_a_request_that_can_never_fit_is_rejected() -> None:
     check_all_freed(engine)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"prompt": [1, True, 3]}, TypeError),
+        ({"prompt": [1, 2.0]}, TypeError),
+        ({"prompt": "123"}, TypeError),
+        ({"prompt": [1, -2]}, ValueError),
+        ({"prompt": [1, 128]}, ValueError),  # outside the vocabulary
+        ({"prompt": []}, ValueError),
+        ({"temperature": float("nan")}, ValueError),
+        ({"temperature": -1.0}, ValueError),
+        ({"eos_token_id": True}, TypeError),
+        ({"seed": -1}, ValueError),
+        ({"max_new_tokens": 0}, ValueError),
+    ],
+)
+def test_bad_requests_are_refused_and_queue_nothing(kwargs: dict, error: type) -> None:
+    engine = PagedAttentionEngine(MODEL, total_blocks=8, block_size=4)
+    request = {"prompt": [1, 2, 3], "max_new_tokens": 2, **kwargs}
+    with pytest.raises(error):
+        engine.add_request(request.pop("prompt"), request.pop("max_new_tokens"), **request)
+    assert not engine.has_unfinished_requests()
+    engine.add_request([1, 2, 3], 2)  # the engine still serves a good request
+    while engine.has_unfinished_requests():
+        engine.step()
+    check_all_freed(engine)
+
+
+def test_an_unknown_backend_fails_at_construction() -> None:
+    with pytest.raises(ValueError, match="backend"):
+        PagedAttentionEngine(MODEL, total_blocks=8, block_size=4, backend="gpu")
+
+
 def test_demo_runs(capsys: pytest.CaptureFixture[str]) -> None:
     main(["--requests", "4", "--max-new-tokens", "6"])
     out = capsys.readouterr().out

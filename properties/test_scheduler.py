@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from hypothesis import event, given
+from hypothesis import event, example, given
 from hypothesis import strategies as st
 
 from impl.block_manager import BlockManager
@@ -239,7 +239,23 @@ def play(case: Case) -> dict[int, list[list[int]]]:
             samples.items()}  # fmt: skip
 
 
+# Found by Hypothesis: with prefix caching, a victim's own freed blocks are hits, so without the
+# no-admission-after-preemption rule it was readmitted in the step that preempted it.
+READMITTED_VICTIM = Case(
+    block_size=1,
+    total_blocks=6,
+    config=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=3, watermark_blocks=0),
+    prefix_caching=True,
+    requests=(
+        Req(prompt=(1,), max_new_tokens=1, n=1, arrival=0, eos=False),
+        Req(prompt=(1, 1), max_new_tokens=5, n=1, arrival=0, eos=False),
+        Req(prompt=(1, 1), max_new_tokens=2, n=1, arrival=1, eos=False),
+    ),
+)
+
+
 @given(cases())
+@example(READMITTED_VICTIM)
 def test_scheduler_runs_every_request_within_its_limits(case: Case) -> None:
     outputs = play(case)
     assert sorted(outputs) == list(range(len(case.requests))), "a request was lost"
@@ -338,3 +354,21 @@ def test_update_checks_the_sampled_tokens_before_changing_anything() -> None:
     forked, finished = scheduler.update(out, {seq.seq_id: [4, 5]})
     assert [child.tokens for child in forked] == [[1, 2, 3, 5]] and not finished
     assert seq.tokens == [1, 2, 3, 4] and store.table(seq.seq_id) == store.table(forked[0].seq_id)
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [([-7], ValueError), ([True], TypeError), ([1.0], TypeError), ("x", TypeError)],
+)
+def test_update_refuses_bad_sampled_tokens_and_changes_nothing(bad: object, error: type) -> None:
+    case = Case(1, 8, SchedulerConfig(2, 8, 0), False, ())
+    scheduler = case.scheduler()
+    first = scheduler.add_request(0, [1, 2], max_new_tokens=3)
+    second = scheduler.add_request(1, [3, 4], max_new_tokens=3)
+    out = scheduler.schedule()
+    with pytest.raises(error):
+        scheduler.update(out, {first.seq_id: [5], second.seq_id: bad})
+    assert (first.num_computed, second.num_computed) == (0, 0)
+    assert (first.tokens, second.tokens) == ([1, 2], [3, 4])
+    scheduler.update(out, {first.seq_id: [5], second.seq_id: [6]})
+    assert (first.tokens, second.tokens) == ([1, 2, 5], [3, 4, 6])
