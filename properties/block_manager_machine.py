@@ -38,6 +38,7 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             self.seqs: dict[int, Sequence] = {}
             self.dead_tables: list[list[int]] = []
             self.cache: dict[int, int] = {}  # physical slot -> stored token value
+            self.pending_pairs: list[tuple[int, int]] = []  # copy pairs not yet taken
             self.names = itertools.count()
             self.values = itertools.count(1)
 
@@ -60,6 +61,13 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             assert actual.value == expected.value, (actual, expected)
             if expected.error is not None:
                 assert self.snapshot() == before, "a failed call changed the manager"
+
+        def on_table(self, call, table: list[int], *args: int) -> Outcome:
+            """Observe ``call(table, *args)``; it must leave its table argument as it was."""
+            argument = list(table)
+            outcome = observe(call, table, *args)
+            assert table == argument, f"{call.__name__} mutated its block_table argument"
+            return outcome
 
         def write(self, seq: Sequence, first: int, values: list[int]) -> None:
             for offset, value in enumerate(values):
@@ -104,16 +112,16 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             # Reserve lookahead slots without writing, then write the new tokens.
             for target, written in ((count + lookahead, 0), (count + new_tokens, new_tokens)):
                 expected = self.model.append_slot(seq.table, target, written)
-                actual = observe(self.manager.append_slot, seq.table, target, written)
+                actual = self.on_table(self.manager.append_slot, seq.table, target, written)
                 self.check_same(actual, expected, before)
                 if expected.error is not None:
                     return
                 before = self.snapshot()
-                assert self.manager.pop_copy_pairs() == self.model.copy_pairs
                 if self.model.copy_pairs:
                     event("copy-on-write")
-                for src, dst in self.model.copy_pairs:
+                for src, dst in self.model.copy_pairs:  # the caller copies before writing
                     self.copy_block(src, dst)
+                self.pending_pairs += self.model.copy_pairs
                 self.model.copy_pairs.clear()
                 seq.table = actual.value
             for pos in range(count, count + new_tokens):
@@ -123,13 +131,20 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             self.write(seq, count, values)
             seq.tokens += values
 
+        @rule()
+        def take_copy_pairs(self) -> None:
+            """Pairs stay pending, failed calls included, until the caller takes them, once."""
+            assert self.manager.pop_copy_pairs() == self.pending_pairs
+            assert self.manager.pop_copy_pairs() == []
+            self.pending_pairs = []
+
         @precondition(lambda self: self.seqs)
         @rule(data=st.data())
         def fork(self, data: st.DataObject) -> None:
             parent = self.seqs[self.pick(data)]
             before = self.snapshot()
             expected = self.model.fork(parent.table)
-            actual = observe(self.manager.fork, parent.table)
+            actual = self.on_table(self.manager.fork, parent.table)
             self.check_same(actual, expected, before)
             self.seqs[next(self.names)] = Sequence(table=actual.value, tokens=list(parent.tokens))
 
@@ -139,7 +154,9 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             seq = self.seqs.pop(self.pick(data))
             before = self.snapshot()
             self.check_same(
-                observe(self.manager.free, seq.table), self.model.free(seq.table), before
+                self.on_table(self.manager.free, seq.table),
+                self.model.free(seq.table),
+                before,
             )
             self.dead_tables.append(seq.table)
 
@@ -149,7 +166,7 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             seq = self.seqs[self.pick(data)]
             before = self.snapshot()
             expected = self.model.translate_slot(seq.table, pos)
-            actual = observe(self.manager.translate_slot, seq.table, pos)
+            actual = self.on_table(self.manager.translate_slot, seq.table, pos)
             self.check_same(actual, expected, before)
 
         # ------------------------------------------------------------ bad input
@@ -185,7 +202,7 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
                 "translate": (self.manager.translate_slot, self.model.translate_slot, (0,)),
             }
             call, model_call, extra = calls[operation]
-            self.check_same(observe(call, table, *extra), model_call(table, *extra), before)
+            self.check_same(self.on_table(call, table, *extra), model_call(table, *extra), before)
 
         @rule(count=st.integers(-5, -1))
         def negative_allocate(self, count: int) -> None:
@@ -203,7 +220,7 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             seq = self.seqs[self.pick(data)]
             before = self.snapshot()
             self.check_same(
-                observe(self.manager.append_slot, seq.table, token_count, new_tokens),
+                self.on_table(self.manager.append_slot, seq.table, token_count, new_tokens),
                 self.model.append_slot(seq.table, token_count, new_tokens),
                 before,
             )

@@ -18,13 +18,14 @@ def load_mutant(
     """Execute ``module``'s source with ``old`` replaced by ``new`` as a new module; return it.
 
     ``old`` must occur exactly once, so a planted bug cannot silently stop applying when the
-    original changes. Names in ``shared`` (typically exception classes) are taken from the real
-    module.
+    original changes; otherwise ``LookupError`` (deliberately not an ``AssertionError``, which
+    a planted-bug test counts as a catch). Names in ``shared`` (typically exception classes)
+    are taken from the real module.
     """
     source = inspect.getsource(module)
     occurrences = source.count(old)
     if occurrences != 1:
-        raise AssertionError(f"snippet occurs {occurrences} times in {module.__name__}: {old!r}")
+        raise LookupError(f"snippet occurs {occurrences} times in {module.__name__}: {old!r}")
     mutant = types.ModuleType(f"{module.__name__}_mutant")
     code = compile(source.replace(old, new), f"<mutant of {module.__name__}>", "exec")
     sys.modules[mutant.__name__] = mutant  # dataclasses look their module up while decorating

@@ -17,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from properties.block_model import observe
 from spec import OutOfBlocksError
+from spec.prefix_cache import PrefixCacheStats
 
 SYSTEM_PROMPTS = [[], [7, 7, 8, 9, 7, 8], [7, 7, 8, 9, 1, 2, 3, 4, 5], [5, 5, 5, 5, 5, 5, 5, 5]]
 ALPHABET = st.integers(0, 2)
@@ -42,7 +43,9 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
         def __init__(self) -> None:
             super().__init__()
             self.requests: dict[int, Request] = {}
-            self.cache: dict[int, int] = {}  # physical slot -> token written there
+            # physical slot -> (extra key, token) written there: a block computed under one extra
+            # key must never be read under another, even when the tokens agree
+            self.cache: dict[int, tuple[str | None, int]] = {}
             self.names = itertools.count()
 
         @initialize(
@@ -56,6 +59,7 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             self.size = block_size
             self.total = total_blocks
             self.queue = list(range(total_blocks))  # the queue the rules predict
+            self.stats = PrefixCacheStats()  # the counters the rules predict
 
         # ------------------------------------------------------------ helpers
 
@@ -70,7 +74,12 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
         def pick(self, data: st.DataObject) -> Request:
             return self.requests[data.draw(st.sampled_from(sorted(self.requests)))]
 
-        def take_from_head(self, count: int) -> None:
+        def cached_blocks(self) -> set[int]:
+            return {b for b in range(self.total) if self.manager.key_of(b) is not None}
+
+        def take_from_head(self, count: int, cached_before: set[int]) -> None:
+            """The rules' allocation: the head's blocks go, and cached ones are evicted."""
+            self.stats.evictions += len(cached_before.intersection(self.queue[:count]))
             self.queue = self.queue[count:]
 
         def register(self, table: list[int], tokens: list[int], salt: str | None) -> None:
@@ -95,6 +104,7 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             hits = self.manager.lookup(tokens, salt)
             needed = self.manager.blocks_to_allocate(tokens, salt)
             free_before = self.manager.num_free_blocks
+            cached_before = self.cached_blocks()
             before = self.snapshot()
             outcome = observe(self.manager.allocate_prompt, tokens, salt)
             if needed > free_before:
@@ -108,14 +118,16 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             assert cached_tokens < max(1, len(tokens)), "the last prompt token must be computed"
             assert self.manager.num_free_blocks == free_before - needed
             for pos in range(cached_tokens):  # a hit never returns a block with other tokens
-                assert self.cache.get(self.slot(table, pos)) == tokens[pos]
+                assert self.cache.get(self.slot(table, pos)) == (salt, tokens[pos])
             revived = [b for b in hits if b in self.queue]
             self.queue = [b for b in self.queue if b not in revived]
-            self.take_from_head(len(table) - len(hits))
+            self.take_from_head(len(table) - len(hits), cached_before)
+            self.stats.queried_blocks += max(0, len(tokens) - 1) // self.size
+            self.stats.hit_blocks += len(hits)
             if hits:
                 event("prefix: hit" + (" with revival" if revived else ""))
             for pos in range(cached_tokens, len(tokens)):  # compute the rest of the prompt
-                self.cache[self.slot(table, pos)] = tokens[pos]
+                self.cache[self.slot(table, pos)] = (salt, tokens[pos])
             self.register(table, tokens, salt)
             self.requests[next(self.names)] = Request(table, tokens, salt)
 
@@ -124,18 +136,19 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
         def decode(self, data: st.DataObject, token: int) -> None:
             request = self.pick(data)
             tokens = [*request.tokens, token]
+            cached_before = self.cached_blocks()
             outcome = observe(self.manager.append_slot, request.table, len(tokens))
             if outcome.error is not None:
                 assert outcome.error is OutOfBlocksError
                 return
             table = outcome.value
             pairs = self.manager.pop_copy_pairs()
-            self.take_from_head(len(pairs) + len(table) - len(request.table))
+            self.take_from_head(len(pairs) + len(table) - len(request.table), cached_before)
             for src, dst in pairs:
                 for offset in range(self.size):
                     if src * self.size + offset in self.cache:
                         self.cache[dst * self.size + offset] = self.cache[src * self.size + offset]
-            self.cache[self.slot(table, len(tokens) - 1)] = token
+            self.cache[self.slot(table, len(tokens) - 1)] = (request.salt, token)
             request.table, request.tokens = table, tokens
             self.register(table, tokens, request.salt)
 
@@ -170,6 +183,13 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
         # ------------------------------------------------------------ invariants
 
         @invariant()
+        def counters_follow_the_rules(self) -> None:
+            stats = self.manager.stats
+            actual = (stats.queried_blocks, stats.hit_blocks, stats.evictions)
+            expected = (self.stats.queried_blocks, self.stats.hit_blocks, self.stats.evictions)
+            assert actual == expected, (actual, expected)
+
+        @invariant()
         def key_map_is_a_bijection_over_cached_blocks(self) -> None:
             cached = {b: self.manager.key_of(b) for b in range(self.total)}
             cached = {b: key for b, key in cached.items() if key is not None}
@@ -183,7 +203,8 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
                 key = self.manager.key_of(block_id)
                 if key is not None:
                     held = [self.cache.get(block_id * self.size + i) for i in range(self.size)]
-                    assert held == list(key.tokens), f"block {block_id} holds other tokens"
+                    expected = [(key.extra, token) for token in key.tokens]
+                    assert held == expected, f"block {block_id} holds other tokens"
 
         @invariant()
         def queue_follows_the_rules_and_holds_free_blocks_once(self) -> None:
@@ -199,6 +220,7 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
         def every_request_reads_its_own_tokens(self) -> None:
             for request in self.requests.values():
                 for pos, token in enumerate(request.tokens):
-                    assert self.cache.get(self.slot(request.table, pos)) == token
+                    slot = self.slot(request.table, pos)
+                    assert self.cache.get(slot) == (request.salt, token)
 
     return PrefixCacheMachine

@@ -93,5 +93,6 @@ def test_control_unmutated_copy_passes(module: types.ModuleType, snippet: str) -
 @pytest.mark.parametrize("bug", sorted(BUGS))
 def test_planted_bug_is_caught(bug: str) -> None:
     """The machine's assertions fail on the mutant."""
+    machine = machine_with(*BUGS[bug])  # loading must not fail
     with pytest.raises(AssertionError):
-        run_state_machine_as_test(machine_with(*BUGS[bug]), settings=FIND)
+        run_state_machine_as_test(machine, settings=FIND)

@@ -11,7 +11,7 @@ import pytest
 
 from properties.prefix_cache_machine import colliding_hash, prefix_cache_machine
 from spec import BlockTableError, OutOfBlocksError
-from spec.prefix_cache import PrefixCachingBlockManager
+from spec.prefix_cache import PrefixCachingBlockManager, default_block_hash
 
 TestSpecPrefixCache = prefix_cache_machine(PrefixCachingBlockManager).TestCase
 
@@ -72,11 +72,13 @@ def test_not_enough_blocks_when_hits_need_reviving() -> None:
 
 
 def test_different_salts_never_share() -> None:
-    manager = PrefixCachingBlockManager(10, 4)
-    prefill(manager, [*SYSTEM, 1], salt="tenant-a")
-    assert manager.lookup([*SYSTEM, 1], "tenant-b") == []
-    assert manager.lookup([*SYSTEM, 1]) == []
-    assert manager.lookup([*SYSTEM, 1], "tenant-a") == [0, 1]
+    """Also when every salt's keys collide: keys compare the extra key, not just its hash."""
+    for hash_fn in (default_block_hash, colliding_hash):
+        manager = PrefixCachingBlockManager(10, 4, hash_fn=hash_fn)
+        prefill(manager, [*SYSTEM, 1], salt="tenant-a")
+        assert manager.lookup([*SYSTEM, 1], "tenant-b") == []
+        assert manager.lookup([*SYSTEM, 1]) == []
+        assert manager.lookup([*SYSTEM, 1], "tenant-a") == [0, 1]
 
 
 def test_a_fully_cached_prompt_still_computes_its_last_block() -> None:

@@ -132,10 +132,23 @@ def test_bad_input_raises_typed_error_and_changes_nothing(call, error, message) 
     assert (manager.free_block_ids(), [manager.ref_count(b) for b in range(10)]) == before
 
 
-@pytest.mark.parametrize("args", [(0, 4), (4, 0), (-1, 4), (4.0, 4), (4, "4")])
-def test_constructor_rejects_bad_sizes(args) -> None:
-    with pytest.raises((ValueError, TypeError)):
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [((0, 4), ValueError), ((4, 0), ValueError), ((-1, 4), ValueError), ((4.0, 4), TypeError),
+     ((4, "4"), TypeError), ((True, 4), TypeError)],
+)  # fmt: skip
+def test_constructor_rejects_bad_sizes(args, error) -> None:
+    with pytest.raises(error):
         BlockManager(*args)
+
+
+@pytest.mark.parametrize(
+    ("table", "error"),
+    [({0: 5}, TypeError), ([True], TypeError), ([1.5], TypeError), ([-4], ValueError)],
+)
+def test_module_translate_slot_rejects_bad_tables(table, error) -> None:
+    with pytest.raises(error):
+        translate_slot(table, 0, 4)
 
 
 def test_error_classes() -> None:

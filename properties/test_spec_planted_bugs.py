@@ -49,6 +49,15 @@ SPEC_BUGS = {
         "for block_id in table:\n            self.blocks[block_id].ref_count += 1",
         "for block_id in table:\n            pass",
     ),
+    "a failed call drops the pending copy pairs": (
+        "        if num_blocks > len(self._free):\n",
+        "        if num_blocks > len(self._free):\n            self._copy_pairs.clear()\n",
+    ),
+    "append_slot edits the caller's table in place": (
+        '        table = self._check_live_table(block_table)\n        check_int("token_count"',
+        "        self._check_live_table(block_table)\n        table = block_table\n"
+        '        check_int("token_count"',
+    ),
     "no copy-on-write": (
         "shared = [i for i in written if self.blocks[table[i]].ref_count > 1]",
         "shared = []",

@@ -50,9 +50,12 @@ def translate_slot(block_table: Sequence[int], token_pos: int, block_size: int) 
     """Map logical position ``token_pos`` to its physical slot (the chapter's formula).
 
     ``block_table[token_pos // block_size] * block_size + token_pos % block_size``.
-    Negative positions raise ``ValueError``; positions at or beyond the table's capacity
-    (``len(block_table) * block_size``) raise ``IndexError``.
+    The table is a list or tuple of block ids (``TypeError`` otherwise; the id read must be a
+    non-negative int). Negative positions raise ``ValueError``; positions at or beyond the
+    table's capacity (``len(block_table) * block_size``) raise ``IndexError``.
     """
+    if not isinstance(block_table, (list, tuple)):
+        raise TypeError(f"block_table must be a list of ints, got {type(block_table).__name__}")
     check_int("block_size", block_size, 1)
     check_int("token_pos", token_pos, 0)
     block_idx = token_pos // block_size  # index into the block table
@@ -62,7 +65,7 @@ def translate_slot(block_table: Sequence[int], token_pos: int, block_size: int) 
             f"token_pos {token_pos} is beyond the table's capacity of "
             f"{len(block_table) * block_size} slots"
         )
-    return block_table[block_idx] * block_size + slot_in_block
+    return check_int("block id", block_table[block_idx], 0) * block_size + slot_in_block
 
 
 class BlockManager:

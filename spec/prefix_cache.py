@@ -26,6 +26,11 @@ def default_block_hash(parent: BlockKey | None, tokens: tuple[int, ...], extra: 
     return hash((parent, tokens, extra))
 
 
+def _same(a: Hashable, b: Hashable) -> bool:
+    """Equality as tuple members compare: identity first, then ``==``."""
+    return a is b or a == b
+
+
 @dataclass(frozen=True, eq=False)
 class BlockKey:
     """The content of a full block and of everything before it, chained through ``parent``.
@@ -50,7 +55,7 @@ class BlockKey:
         while mine is not theirs:  # walk both chains to the root, without recursion
             if mine is None or theirs is None:
                 return False
-            if mine.tokens != theirs.tokens or mine.extra != theirs.extra:
+            if mine.tokens != theirs.tokens or not _same(mine.extra, theirs.extra):
                 return False
             mine, theirs = mine.parent, theirs.parent
         return True
