@@ -29,8 +29,9 @@ from spec.block_manager import (
 
 __all__ = ["MAX_BLOCKS", "BlockManager", "BlockTableError", "OutOfBlocksError"]
 
-MAX_BLOCKS = 2**31 - 1
-"""Block ids are int32, so a pool holds at most this many blocks (the spec has no such limit)."""
+MAX_BLOCKS = 2**29
+"""The largest pool: the free queue's ring (1.5x the pool) and its int32 slot arithmetic must
+stay below 2**31 (the spec has no such limit)."""
 
 IdArray = NDArray[np.intp]
 """Block ids as numpy's index type, the fastest for gathers and scatters."""
@@ -56,7 +57,7 @@ class BlockManager:
         self.total_blocks = check_int("total_blocks", total_blocks, 1)
         self.block_size = check_int("block_size", block_size, 1)
         if total_blocks > MAX_BLOCKS:
-            raise ValueError(f"total_blocks must be <= {MAX_BLOCKS} (int32 ids)")
+            raise ValueError(f"total_blocks must be <= {MAX_BLOCKS} (int32 ring positions)")
         self._ref = np.zeros(total_blocks, dtype=np.int32)
         self._free = FreeBlockQueue(total_blocks)
         self._copy_pairs: list[NDArray[np.int32]] = []

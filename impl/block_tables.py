@@ -141,7 +141,7 @@ class BlockTableStore:
         return len(self._row_of)
 
     def __contains__(self, seq_id: object) -> bool:
-        return type(seq_id) is int and seq_id in self._row_of
+        return isinstance(seq_id, int) and not isinstance(seq_id, bool) and seq_id in self._row_of
 
     def row(self, seq_id: int) -> int:
         """The row of ``tables`` that holds ``seq_id``."""

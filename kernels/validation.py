@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from spec.block_manager import check_int
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_SPLITS = 64  # split-K ranges per sequence, at most
@@ -42,15 +44,6 @@ def check_tensor(
     if value.dtype not in dtypes:
         allowed = ", ".join(str(dtype) for dtype in dtypes)
         raise TypeError(f"{name} must have dtype in ({allowed}), got {value.dtype}")
-    return value
-
-
-def check_int(name: str, value: object, minimum: int) -> int:
-    """A plain int (not bool) at or above ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
 
 

@@ -11,6 +11,22 @@ import inspect
 import sys
 import types
 
+from hypothesis import HealthCheck, Phase, settings
+
+FIND = settings(
+    max_examples=300,
+    stateful_step_count=50,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    report_multiple_bugs=False,
+    suppress_health_check=list(HealthCheck),
+    phases=[Phase.generate],  # a planted bug only has to be found, not shrunk
+)
+"""The search every planted-bug run and its control make: explicit, so it does not depend on
+the Hypothesis profile, and the same for both, so a control proves the loading path sound for
+every example a mutant is hunted with."""
+
 
 def load_mutant(
     module: types.ModuleType, old: str, new: str, shared: tuple[str, ...]

@@ -13,28 +13,15 @@ from __future__ import annotations
 import types
 
 import pytest
-from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
 import impl.block_manager
 import impl.block_tables
 import impl.free_queue
-from properties.mutants import load_mutant
+from properties.mutants import FIND, load_mutant
 from properties.test_block_table_store import StoreMachine
 from properties.test_impl_differential import DifferentialMachine
 from properties.test_impl_free_queue import FreeQueueMachine
-
-HUNT = settings(
-    max_examples=300,
-    stateful_step_count=50,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    report_multiple_bugs=False,
-    suppress_health_check=list(HealthCheck),
-)
-FIND = settings(HUNT, phases=[Phase.generate])  # a planted bug only has to be found, not shrunk
-CONTROL = settings(HUNT, max_examples=60)  # a loading-path fault shows at once
 
 # (module, snippet, replacement, machine that must catch it)
 BUGS: dict[str, tuple[types.ModuleType, str, str, str]] = {
@@ -159,7 +146,7 @@ def machine_with(module: types.ModuleType, old: str, new: str, kind: str) -> typ
 )
 def test_control_unmutated_copy_passes(module: types.ModuleType, snippet: str, kind: str) -> None:
     """The loading path itself is sound: an identity 'mutation' passes each machine."""
-    run_state_machine_as_test(machine_with(module, snippet, snippet, kind), settings=CONTROL)
+    run_state_machine_as_test(machine_with(module, snippet, snippet, kind), settings=FIND)
 
 
 @pytest.mark.parametrize("bug", sorted(BUGS))

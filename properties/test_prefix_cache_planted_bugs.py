@@ -3,23 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 import spec.prefix_cache
-from properties.mutants import load_mutant
+from properties.mutants import FIND, load_mutant
 from properties.prefix_cache_machine import prefix_cache_machine
-
-HUNT = settings(
-    max_examples=300,
-    stateful_step_count=50,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    report_multiple_bugs=False,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
-FIND = settings(HUNT, phases=[Phase.generate])
 
 PREFIX_BUGS = {
     "no token comparison on lookup": (
@@ -51,7 +39,7 @@ def variant(old: str, new: str) -> type:
 
 def test_control_unmutated_copy_passes() -> None:
     snippet = "key = self._key_of.pop(block_id, None)"
-    run_state_machine_as_test(prefix_cache_machine(variant(snippet, snippet)), settings=HUNT)
+    run_state_machine_as_test(prefix_cache_machine(variant(snippet, snippet)), settings=FIND)
 
 
 @pytest.mark.parametrize("bug", sorted(PREFIX_BUGS))

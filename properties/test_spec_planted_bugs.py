@@ -7,23 +7,11 @@ bug, never because of how it was loaded.
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 import spec.block_manager
 from properties.block_manager_machine import block_manager_machine
-from properties.mutants import load_mutant
-
-HUNT = settings(
-    max_examples=300,
-    stateful_step_count=50,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    report_multiple_bugs=False,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-FIND = settings(HUNT, phases=[Phase.generate])  # a planted bug only has to be found, not shrunk
+from properties.mutants import FIND, load_mutant
 
 SPEC_BUGS = {
     "no double-free check": (
@@ -74,7 +62,7 @@ def spec_variant(old: str, new: str) -> type:
 def test_control_unmutated_copy_passes() -> None:
     """The loading path itself is sound: an identity 'mutation' passes the machine."""
     snippet = "for block_id in reversed(table):"
-    run_state_machine_as_test(block_manager_machine(spec_variant(snippet, snippet)), settings=HUNT)
+    run_state_machine_as_test(block_manager_machine(spec_variant(snippet, snippet)), settings=FIND)
 
 
 @pytest.mark.parametrize("bug", sorted(SPEC_BUGS))
