@@ -2,9 +2,10 @@
 
 One group per block size, ``attention-bs{B}``, each holding ``paged`` (``paged_decode_attention``
 reading K/V through shuffled block tables) and ``contiguous`` (``contiguous_decode_attention``
-over the same K/V laid out ``[batch, len, heads, dim]``), so the table reads as "what paging
-costs at this block size". The backend is whichever ``auto`` picks: the compiled Triton kernel
-on CUDA, the torch reference on CPU (the Triton interpreter is for correctness only).
+over the same K/V laid out ``[batch, len, heads, dim]``) at batch 1, 32 and 128, so the table
+reads as "what paging costs at this block size". The backend is whichever ``auto`` picks: the
+compiled Triton kernel on CUDA, the torch reference on CPU (the Triton interpreter is for
+correctness only).
 ``extra_info`` records backend, device, shapes, the K/V bytes one call reads and, when timed, the
 achieved bandwidth.
 
@@ -26,35 +27,35 @@ from kernels.backend import resolve_backend
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPE = torch.float16 if DEVICE.type == "cuda" else torch.float32
-BATCH, CONTEXT = 8, 1024
+BATCHES, CONTEXT = (1, 32, 128), 1024
 NUM_KV_HEADS, GROUP, HEAD_DIM = 2, 4, 128
 TOLERANCE = {torch.float16: 2e-3, torch.float32: 2e-5}[DTYPE]
 
 
-def make_inputs(block_size: int) -> dict[str, torch.Tensor]:
+def make_inputs(block_size: int, batch: int) -> dict[str, torch.Tensor]:
     """Query, contiguous K/V, and the same K/V paged through shuffled block tables."""
-    generator = torch.Generator().manual_seed(block_size)
+    generator = torch.Generator().manual_seed(block_size * 1000 + batch)
 
     def randn(*size: int) -> torch.Tensor:
         return torch.randn(*size, generator=generator).to(DTYPE).to(DEVICE)
 
-    key = randn(BATCH, CONTEXT, NUM_KV_HEADS, HEAD_DIM)
-    value = randn(BATCH, CONTEXT, NUM_KV_HEADS, HEAD_DIM)
+    key = randn(batch, CONTEXT, NUM_KV_HEADS, HEAD_DIM)
+    value = randn(batch, CONTEXT, NUM_KV_HEADS, HEAD_DIM)
     blocks_per_seq = CONTEXT // block_size
-    num_blocks = BATCH * blocks_per_seq
+    num_blocks = batch * blocks_per_seq
     # Physical block p holds logical block order[p]; the table maps logical to physical.
     order = torch.randperm(num_blocks, generator=generator)
     tables = torch.empty(num_blocks, dtype=torch.int32)
     tables[order] = torch.arange(num_blocks, dtype=torch.int32)
     shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
     return {
-        "query": randn(BATCH, NUM_KV_HEADS * GROUP, HEAD_DIM),
+        "query": randn(batch, NUM_KV_HEADS * GROUP, HEAD_DIM),
         "key": key,
         "value": value,
         "k_cache": key.reshape(shape)[order.to(DEVICE)].contiguous(),
         "v_cache": value.reshape(shape)[order.to(DEVICE)].contiguous(),
-        "block_tables": tables.reshape(BATCH, blocks_per_seq).to(DEVICE),
-        "context_lens": torch.full((BATCH,), CONTEXT, dtype=torch.int32, device=DEVICE),
+        "block_tables": tables.reshape(batch, blocks_per_seq).to(DEVICE),
+        "context_lens": torch.full((batch,), CONTEXT, dtype=torch.int32, device=DEVICE),
     }
 
 
@@ -72,9 +73,10 @@ def synchronized(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
 
 
 @pytest.mark.parametrize("layout", ["paged", "contiguous"])
+@pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_decode_attention(benchmark: Any, block_size: int, layout: str) -> None:
-    inputs = make_inputs(block_size)
+def test_decode_attention(benchmark: Any, block_size: int, batch: int, layout: str) -> None:
+    inputs = make_inputs(block_size, batch)
     q, lens = inputs["query"], inputs["context_lens"]
     if layout == "paged":
         args = (q, inputs["k_cache"], inputs["v_cache"], inputs["block_tables"], lens)
@@ -96,7 +98,7 @@ def test_decode_attention(benchmark: Any, block_size: int, layout: str) -> None:
         dtype=str(DTYPE).removeprefix("torch."),
         layout=layout,
         block_size=block_size,
-        batch=BATCH,
+        batch=batch,
         context=CONTEXT,
         heads=f"{NUM_KV_HEADS * GROUP}q/{NUM_KV_HEADS}kv x {HEAD_DIM}",
         kv_bytes=kv_bytes,

@@ -1,0 +1,99 @@
+"""The documented pytest-benchmark workflow works, on a tiny benchmark in a temporary directory.
+
+``pytest --benchmark-save=baseline``, then ``pytest --benchmark-compare
+--benchmark-compare-fail=median:15%``: the second run compares without a machine_info warning
+and passes, and fails once the benchmark is made slower. Each run is a fresh pytest process
+with ``bench/conftest.py`` loaded as a plugin (``-p bench.conftest``), as ``pytest bench``
+loads it. The benchmark sleeps, so its median is stable to well under 15%.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pytest_benchmark.plugin import pytest_benchmark_generate_machine_info
+
+from bench.conftest import natural_key, stable_machine_info
+
+ROOT = Path(__file__).resolve().parent.parent
+
+TINY_BENCH = """
+import os
+import time
+
+DELAY = float(os.environ["BENCH_DELAY"])
+
+
+def test_sleep(benchmark):
+    benchmark.group = "sleep-bs16"
+    benchmark.extra_info["delay"] = DELAY
+    benchmark.pedantic(time.sleep, args=(DELAY,), rounds=5, iterations=1)
+"""
+
+
+def pytest_run(directory: Path, delay: float, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "BENCH_DELAY": str(delay), "PYTHONPATH": str(ROOT)}
+    plugins = ["-p", "bench.conftest", "-p", "no:cacheprovider", "-p", "no:hypothesispytest"]
+    command = [sys.executable, "-m", "pytest", *plugins]
+    return subprocess.run(
+        [*command, "bench_tiny.py", "--benchmark-storage=storage", *args],
+        cwd=directory,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    (tmp_path / "bench_tiny.py").write_text(TINY_BENCH)
+    return tmp_path
+
+
+def test_save_then_compare_passes_and_a_slowdown_fails(project: Path) -> None:
+    saved = pytest_run(project, 0.002, "--benchmark-save=baseline")
+    assert saved.returncode == 0, saved.stdout + saved.stderr
+    (baseline,) = project.glob("storage/*/0001_baseline.json")
+    machine_info = json.loads(baseline.read_text())["machine_info"]
+    assert "node" not in machine_info and "torch" in machine_info
+
+    compare = ["--benchmark-compare", "--benchmark-compare-fail=median:15%"]
+    same = pytest_run(project, 0.002, *compare)
+    output = same.stdout + same.stderr
+    assert same.returncode == 0, output
+    assert "Comparing against benchmarks from" in output
+    assert "machine_info is different" not in output
+
+    slower = pytest_run(project, 0.004, *compare)
+    assert slower.returncode != 0
+    assert "Performance has regressed" in slower.stdout + slower.stderr
+
+
+def test_machine_info_keeps_only_what_is_the_same_on_every_run() -> None:
+    raw: dict[str, Any] = pytest_benchmark_generate_machine_info()
+    rebooted = {
+        **raw,
+        "node": "another-host",
+        "release": "9.9.9",
+        "python_build": ["main", "Jan  1 2030 00:00:00"],
+        "cpu": {**raw["cpu"], "hz_actual": [1, 0], "hz_actual_friendly": "1 Hz"},
+    }
+    assert stable_machine_info(raw) == stable_machine_info(rebooted)
+    assert stable_machine_info(raw)["python_version"] == raw["python_version"]
+
+
+def test_groups_sort_by_their_numbers() -> None:
+    names = ["attention-bs16", "attention-bs2", "attention-bs128", "decode-bs4-batch32"]
+    assert sorted(names, key=natural_key) == [
+        "attention-bs2",
+        "attention-bs16",
+        "attention-bs128",
+        "decode-bs4-batch32",
+    ]
