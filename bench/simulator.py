@@ -155,11 +155,16 @@ class ContiguousStore:
     def token_count(self, seq_id: int) -> int:
         return self.counts[seq_id]
 
-    def grow(self, seq_ids: Sequence[int], new_tokens: int) -> list[int]:
-        for seq_id in seq_ids:
-            if self.counts[seq_id] + new_tokens > self.reserved[seq_id]:
+    def grow(
+        self, seq_ids: Sequence[int], new_tokens: int | Sequence[int] = 1, *, atomic: bool = False
+    ) -> list[int]:
+        """A reservation always covers its sequence, so growth never fails (``atomic`` is moot)."""
+        steps = [new_tokens] * len(seq_ids) if isinstance(new_tokens, int) else list(new_tokens)
+        for seq_id, step in zip(seq_ids, steps, strict=True):
+            if self.counts[seq_id] + step > self.reserved[seq_id]:
                 raise RuntimeError(f"sequence {seq_id} outgrows its reservation")
-            self.counts[seq_id] += new_tokens
+        for seq_id, step in zip(seq_ids, steps, strict=True):
+            self.counts[seq_id] += step
         return []
 
     def remove(self, seq_ids: Sequence[int]) -> None:

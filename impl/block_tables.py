@@ -296,16 +296,19 @@ class BlockTableStore:
         rows.flags.writeable = False
         return SeqBatch(tuple(seq_ids), rows, rows * self._width, self, self._epoch)
 
-    def grow(self, seqs: SeqBatch | SeqIds, new_tokens: int | SeqIds = 1) -> list[int]:
+    def grow(
+        self, seqs: SeqBatch | SeqIds, new_tokens: int | SeqIds = 1, *, atomic: bool = False
+    ) -> list[int]:
         """Append ``new_tokens`` tokens (one int for all, or one per sequence) to each sequence.
 
         Equivalent to, for each sequence in batch order, ``table = manager.append_slot(table,
         count + k, new_tokens=k)`` with ``OutOfBlocksError`` caught: a sequence either grows
         fully (including copy-on-write of a shared last block, taken before its growth blocks)
         or is left unchanged. Returns the ids that could not grow, in batch order; later
-        sequences still try. Raises (changing nothing) ``CapacityError`` if any sequence would
-        need more than ``max_blocks_per_seq`` blocks. Copy-on-write pairs go to
-        :meth:`pop_copy_pairs`.
+        sequences still try. With ``atomic=True`` the batch grows as a whole or not at all: if
+        some sequence could not grow, nothing changes and those ids are returned. Raises
+        (changing nothing) ``CapacityError`` if any sequence would need more than
+        ``max_blocks_per_seq`` blocks. Copy-on-write pairs go to :meth:`pop_copy_pairs`.
         """
         batch = self._resolve(seqs)
         rows = batch.rows
@@ -342,6 +345,8 @@ class BlockTableStore:
             self._token_counts[rows] = new_counts
             return []
         grown, shared = self._plan_in_order(growth, writes_last, last)
+        if atomic and not grown.all():
+            return [s for s, ok in zip(batch.seq_ids, grown.tolist(), strict=True) if not ok]
         keep = grown.nonzero()[0]
         rows, lengths, growth, shared = rows[keep], lengths[keep], growth[keep], shared[keep]
         total = int(growth.sum() + shared.sum())

@@ -231,6 +231,7 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         admitted: list[Sequence] = []
+        self._grow_visited_at_once(budget)
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
@@ -300,6 +301,24 @@ class Scheduler:
     def _new_seq_id(self) -> int:
         self._next_seq_id += 1
         return self._next_seq_id - 1
+
+    def _grow_visited_at_once(self, budget: int) -> None:
+        """Grow every running sequence this step visits in one batched, atomic ``grow``.
+
+        When all of them fit, that is exactly what growing them one by one does (no preemption
+        is needed); otherwise nothing changes and :meth:`_make_room` grows them one at a time,
+        preempting as it goes.
+        """
+        seq_ids: list[int] = []
+        missing: list[int] = []
+        for seq in self.running:  # the same sequences, in the same order, as schedule() visits
+            if budget <= 0:
+                break
+            seq_ids.append(seq.seq_id)
+            missing.append(seq.num_tokens - self.store.token_count(seq.seq_id))
+            budget -= min(seq.num_pending, budget)
+        if any(missing):
+            self.store.grow(seq_ids, missing, atomic=True)
 
     def _make_room(self, seq: Sequence, preempted: list[Sequence]) -> bool:
         """Grow ``seq``'s table to hold all its tokens, preempting the most recently admitted

@@ -14,6 +14,7 @@ the rows no sequence holds), the free queue and every reference count agree with
 
 from __future__ import annotations
 
+import copy
 from typing import Any, ClassVar
 
 import numpy as np
@@ -175,7 +176,8 @@ class StoreMachine(RuleBasedStateMachine):
     def check_grow(
         self, data: st.DataObject, ids: list[int], steps: list[int], argument: Any
     ) -> None:
-        """``grow`` equals the spec's ``append_slot`` per sequence, in order."""
+        """``grow`` equals the spec's ``append_slot`` per sequence, in order; an ``atomic`` grow
+        that some sequence cannot make changes nothing."""
         batch = self.as_batch(data, ids)
         fits = all(
             spec_bm.blocks_needed(self.seqs[s][1] + k, self.block_size) <= self.max_blocks
@@ -184,15 +186,19 @@ class StoreMachine(RuleBasedStateMachine):
         if not fits:
             self.expect_error(CapacityError, self.store.grow, batch, argument)
             return
+        trial, seqs = copy.deepcopy(self.spec), dict(self.seqs)
         failed = []
         for seq_id, k in zip(ids, steps, strict=True):
-            table, count = self.seqs[seq_id]
+            table, count = seqs[seq_id]
             try:
-                grown = self.spec.append_slot(table, count + k, new_tokens=k)
-                self.seqs[seq_id] = (grown, count + k)
+                seqs[seq_id] = (trial.append_slot(table, count + k, new_tokens=k), count + k)
             except spec_bm.OutOfBlocksError:
                 failed.append(seq_id)
-        assert self.store.grow(batch, argument) == failed
+        atomic = data.draw(st.booleans(), label="atomic")
+        assert self.store.grow(batch, argument, atomic=atomic) == failed
+        if atomic and failed:
+            return  # nothing changed: the invariants compare the store with the untouched spec
+        self.spec, self.seqs = trial, seqs
         self.pairs()
         grown_ids = [(s, k) for s, k in zip(ids, steps, strict=True) if s not in failed]
         self.check_slot_mapping(data, grown_ids)

@@ -73,6 +73,12 @@ BUGS: dict[str, tuple[types.ModuleType, str, str, str]] = {
         "        return self._take(min(num_blocks, len(self._free)))",
         "differential",
     ),
+    "an atomic grow applies the sequences that fit": (
+        impl.block_tables,
+        "if atomic and not grown.all():",
+        "if False:",
+        "store",
+    ),
     "stale padding: a removed row keeps its block ids": (
         impl.block_tables,
         "        self._tables[rows] = PAD\n",

@@ -50,9 +50,10 @@ class SpyStore(BlockTableStore):
         super().__init__(*args)
         self.log: list[tuple[str, int, bool]] = []
 
-    def grow(self, seqs, new_tokens=1):  # type: ignore[no-untyped-def]
-        failed = super().grow(seqs, new_tokens)
-        self.log.extend(("grow", seq_id, seq_id not in failed) for seq_id in seqs)
+    def grow(self, seqs, new_tokens=1, *, atomic=False):  # type: ignore[no-untyped-def]
+        failed = super().grow(seqs, new_tokens, atomic=atomic)
+        if not atomic:  # an atomic attempt either grew everyone or changed nothing
+            self.log.extend(("grow", seq_id, seq_id not in failed) for seq_id in seqs)
         return failed
 
     def remove(self, seqs):  # type: ignore[no-untyped-def]
