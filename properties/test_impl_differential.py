@@ -68,6 +68,14 @@ def outcome(call: Any, *args: Any) -> tuple[str, Any]:
         return "raised", type(error)
 
 
+def assert_same_construction(spec_cls: type, impl_cls: type, *args: object) -> None:
+    """Both constructors succeed on ``args``, or both raise the same exception class."""
+    expected, actual = outcome(spec_cls, *args), outcome(impl_cls, *args)
+    assert expected[0] == actual[0]
+    if expected[0] == "raised":
+        assert expected[1] is actual[1]
+
+
 def same_types(expected: Any, actual: Any) -> bool:
     """Equal and of the same types, element by element (so no numpy ints slip through)."""
     if type(expected) is not type(actual):
@@ -296,11 +304,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         block_size=st.one_of(st.integers(-1, 3), bad_scalars()),  # builds one object a block
     )
     def construct(self, total_blocks: object, block_size: object) -> None:
-        expected = outcome(spec_bm.BlockManager, total_blocks, block_size)
-        actual = outcome(self.IMPL, total_blocks, block_size)
-        assert expected[0] == actual[0]
-        if expected[0] == "raised":
-            assert expected[1] is actual[1]
+        assert_same_construction(spec_bm.BlockManager, self.IMPL, total_blocks, block_size)
 
     # ----------------------------------------------------------------- invariants
 

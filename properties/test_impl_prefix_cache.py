@@ -41,7 +41,7 @@ from properties.prefix_cache_machine import (
     prefix_cache_machine,
 )
 from properties.test_block_table_store import StoreMachine
-from properties.test_impl_differential import IntSubclass, outcome
+from properties.test_impl_differential import IntSubclass, assert_same_construction, outcome
 from spec import BlockTableError, OutOfBlocksError, blocks_needed
 
 FILLER = 9  # the token a sequence holds where no rule chose one (outside ALPHABET)
@@ -285,11 +285,9 @@ class PrefixDifferentialMachine(RuleBasedStateMachine):
         block_size=st.one_of(st.integers(-1, 3), st.sampled_from([2.0, None, False])),
     )
     def construct(self, total_blocks: object, block_size: object) -> None:
-        expected = outcome(spec_pc.PrefixCachingBlockManager, total_blocks, block_size)
-        actual = outcome(self.IMPL, total_blocks, block_size)
-        assert expected[0] == actual[0]
-        if expected[0] == "raised":
-            assert expected[1] is actual[1]
+        assert_same_construction(
+            spec_pc.PrefixCachingBlockManager, self.IMPL, total_blocks, block_size
+        )
 
     # ----------------------------------------------------------------- invariants
 
