@@ -6,8 +6,8 @@ character. Every number is computed by ``spec``; only the demo's parameters are 
 
 from __future__ import annotations
 
-from spec.block_manager import BlockManager
-from spec.utilization import contiguous_usage, paged_usage
+from pagedkv.spec.block_manager import BlockManager
+from pagedkv.spec.utilization import contiguous_usage, paged_usage
 
 TOTAL_BLOCKS = 10
 BLOCK_SIZE = 4

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import torch
 
-import kernels
-from kernels.backend import resolve_backend
+from pagedkv import kernels
+from pagedkv.kernels.backend import resolve_backend
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -28,9 +28,9 @@ import numpy as np
 import pytest
 import torch
 
-import spec.block_manager as spec_bm
-from impl.block_manager import BlockManager
-from impl.block_tables import BlockTableStore, SeqBatch
+import pagedkv.spec.block_manager as spec_bm
+from pagedkv.impl.blocks.manager import BlockManager
+from pagedkv.impl.blocks.table_store import BlockTableStore, SeqBatch
 
 BLOCK_SIZES = (1, 4, 16, 64, 256)
 BATCHES = (1, 32, 256)

@@ -1,12 +1,12 @@
 """Engine decode-step latency by block size and batch, on the CPU torch path.
 
-Each case builds an ``impl.engine.PagedAttentionEngine`` over the seeded default
-``impl.model.ModelConfig`` (a 2-layer Llama-style model), submits ``batch`` requests of
-``CONTEXT`` prompt tokens and runs their prefill and one warm-up step (untimed). Each of the
+Each case builds an ``pagedkv.impl.serving.engine.PagedAttentionEngine`` over the seeded default
+``pagedkv.impl.serving.model.ModelConfig`` (a 2-layer Llama-style model), submits ``batch`` requests
+of ``CONTEXT`` prompt tokens and runs their prefill and one warm-up step (untimed). Each of the
 ``ROUNDS`` timed rounds is then one ``engine.step()`` in which every sequence decodes one token:
-scheduling and block-table growth, slot mapping, K/V writes and paged attention through the
-tables, sampling, metrics. The kernels run their torch reference on CPU
-(``bench/gpu_kernels.py`` times the Triton kernels on a GPU).
+scheduling and block-table growth, slot mapping, K/V writes and paged attention through the tables,
+sampling, metrics. The kernels run their torch reference on CPU (``bench/gpu_kernels.py`` times the
+Triton kernels on a GPU).
 
 Groups: ``engine-decode-bs{B}``, one row per batch (1, 32, 128). Paged against contiguous
 attention is ``bench/bench_attention.py``; the engine has no batched contiguous twin.
@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 import torch
 
-from impl.engine import PagedAttentionEngine
-from impl.model import CausalLM, ModelConfig
-from spec.block_manager import blocks_needed
+from pagedkv.impl.serving.engine import PagedAttentionEngine
+from pagedkv.impl.serving.model import CausalLM, ModelConfig
+from pagedkv.spec.block_manager import blocks_needed
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 BATCHES = (1, 32, 128)

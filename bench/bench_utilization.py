@@ -29,7 +29,7 @@ from bench.utilization_policies import (
     next_power_of_two,
 )
 from bench.workloads import WORKLOADS, Workload, chapter_toy
-from spec.utilization import contiguous_usage, paged_usage
+from pagedkv.spec.utilization import contiguous_usage, paged_usage
 
 POLICIES: dict[str, Policy] = {
     policy.name: policy for policy in (*(Paged(b) for b in PAPER_BLOCK_SIZES), *PAPER_CONTIGUOUS)

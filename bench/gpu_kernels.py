@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make the repository's packages importable
     sys.path.insert(0, str(ROOT))
 
-import kernels  # noqa: E402 - after the path fix; sets TRITON_INTERPRET before triton loads
+from pagedkv import kernels  # noqa: E402 - after the path fix; sets TRITON_INTERPRET before triton loads
 
 FULL = {
     "dtypes": ("float16", "bfloat16"),

@@ -1,21 +1,21 @@
 """A serving simulator: discrete steps, no model, impl's scheduler and block tables.
 
-Each step calls :meth:`impl.scheduler.Scheduler.schedule`, pretends the model computed the
-scheduled tokens and sampled the next ones (the trace says how long each sample is), calls
-:meth:`~impl.scheduler.Scheduler.update`, and measures where the KV memory went. The KV budget
-is fixed, in slots. Memory is one of:
+Each step calls :meth:`pagedkv.impl.serving.scheduler.Scheduler.schedule`, pretends the model
+computed the scheduled tokens and sampled the next ones (the trace says how long each sample is),
+calls :meth:`~pagedkv.impl.serving.scheduler.Scheduler.update`, and measures where the KV memory
+went. The KV budget is fixed, in slots. Memory is one of:
 
-* **paged**: :class:`impl.block_tables.BlockTableStore` over ``budget_slots // block_size``
-  blocks of an :class:`impl.block_manager.BlockManager` (with ``share=True``, a
-  :class:`impl.prefix_cache.PrefixCachingBlockManager`: a shared system prompt is served from the
-  prefix cache, and parallel samples fork the prompt's blocks);
+* **paged**: :class:`pagedkv.impl.blocks.table_store.BlockTableStore` over ``budget_slots //
+  block_size`` blocks of an :class:`pagedkv.impl.blocks.manager.BlockManager` (with ``share=True``,
+  a :class:`pagedkv.impl.blocks.prefix_cache.PrefixCachingBlockManager`: a shared system prompt is
+  served from the prefix cache, and parallel samples fork the prompt's blocks);
 * **contiguous** (the paper's Orca baselines): :class:`ContiguousStore`, which offers the
   scheduler the same methods but reserves a policy's slots per sequence at admission and never
   grows. Contiguous memory cannot be shared, so every sample runs as its own request.
 
-The same :class:`~impl.scheduler.Scheduler` drives all of them: FCFS admission under the
-token budget, ``max_num_seqs`` and (paged) the watermark, chunked prefill, and preemption of
-the most recently admitted sequence by recompute. Only the memory differs.
+The same :class:`~pagedkv.impl.serving.scheduler.Scheduler` drives all of them: FCFS admission under
+the token budget, ``max_num_seqs`` and (paged) the watermark, chunked prefill, and preemption of the
+most recently admitted sequence by recompute. Only the memory differs.
 
 Token ids mean nothing to the scheduler except as prefix-cache keys, so the simulator uses them
 to name sequences: the system prompt is tokens ``1..P``; every other token of sample ``s`` of
@@ -23,16 +23,16 @@ request ``r`` is :meth:`TokenCodec.token` ``(r, s)``; ``EOS`` (0) ends a sample 
 its output length. Samples' tokens differ, so a preempted sample re-admitted with its output
 never hits another sample's blocks in the prefix cache.
 
-Measurements, per step, of the memory while the step computes (after ``schedule``, before
-``update`` frees the sequences it finishes): the batch (sequences computed), tokens computed,
-preemptions, and a :class:`bench.utilization_policies.MemoryBreakdown` of the budget: token
-states (slots whose K/V exist once the step has run), reservation (slots a sequence will still
-fill), internal fragmentation (slots it never will), unallocated. Without preemption a sequence
-is measured exactly as ``lifetime_breakdown`` accounts it. Blocks shared by several tables count
-once; their token states are ``impl.metrics.kv_occupancy``'s filled slots. Summaries average
-over the **saturated** steps, those in which an arrived request waits: there memory, not
-arrivals, bounds the batch, which is the regime the paper's batch-size comparison is about.
-Idle steps (nothing arrived yet) are skipped and not counted.
+Measurements, per step, of the memory while the step computes (after ``schedule``, before ``update``
+frees the sequences it finishes): the batch (sequences computed), tokens computed, preemptions, and
+a :class:`bench.utilization_policies.MemoryBreakdown` of the budget: token states (slots whose K/V
+exist once the step has run), reservation (slots a sequence will still fill), internal fragmentation
+(slots it never will), unallocated. Without preemption a sequence is measured exactly as
+``lifetime_breakdown`` accounts it. Blocks shared by several tables count once; their token states
+are ``pagedkv.impl.serving.metrics.kv_occupancy``'s filled slots. Summaries average over the
+**saturated** steps, those in which an arrived request waits: there memory, not arrivals, bounds the
+batch, which is the regime the paper's batch-size comparison is about. Idle steps (nothing arrived
+yet) are skipped and not counted.
 """
 
 from __future__ import annotations
@@ -46,13 +46,13 @@ from numpy.typing import NDArray
 
 from bench.utilization_policies import Contiguous, MemoryBreakdown, Paged, split_slots
 from bench.workloads import Request, Workload
-from impl.block_manager import BlockManager, OutOfBlocksError
-from impl.block_tables import BlockTableStore
-from impl.metrics import kv_occupancy
-from impl.prefix_cache import PrefixCachingBlockManager
-from impl.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from impl.scheduler import Sequence as Seq
-from spec.block_manager import blocks_needed, check_int
+from pagedkv.impl.blocks.manager import BlockManager, OutOfBlocksError
+from pagedkv.impl.blocks.prefix_cache import PrefixCachingBlockManager
+from pagedkv.impl.blocks.table_store import BlockTableStore
+from pagedkv.impl.serving.metrics import kv_occupancy
+from pagedkv.impl.serving.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedkv.impl.serving.scheduler import Sequence as Seq
+from pagedkv.spec.block_manager import blocks_needed, check_int
 
 EOS = 0
 
@@ -112,7 +112,8 @@ class _SlotPool:
 
 class ContiguousStore:
     """Contiguous KV regions, one per sequence, behind the ``BlockTableStore`` methods that
-    :class:`impl.scheduler.Scheduler` calls (``fork`` excepted). A "block" is one slot.
+    :class:`pagedkv.impl.serving.scheduler.Scheduler` calls (``fork`` excepted). A "block" is one
+    slot.
 
     ``add_prompt`` reserves ``reservation_of(tokens)`` slots at once; ``grow`` only moves the
     token count inside the reservation. A growth past it means the policy under-reserved, which

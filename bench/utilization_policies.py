@@ -13,11 +13,11 @@ Policies (Kwon et al., SOSP 2023, §6.1; the contiguous three are the paper's Or
 
 A contiguous policy reserves at admission and never grows; a paged one grows with its tokens.
 
-Lifetime accounting (:func:`lifetime_breakdown`). A sequence with prompt ``p`` and output ``o``
-is alive for ``o`` steps, as ``impl.scheduler`` runs it without preemption: after step ``j``
-(``j = 0`` is the prefill, which samples the first output token) the cache holds ``p + j``
-tokens, ending at ``L = p + o - 1`` (the last sampled token finishes the sequence uncomputed).
-Each step, the slots ``A`` allocated to it split into
+Lifetime accounting (:func:`lifetime_breakdown`). A sequence with prompt ``p`` and output ``o`` is
+alive for ``o`` steps, as ``pagedkv.impl.serving.scheduler`` runs it without preemption: after step
+``j`` (``j = 0`` is the prefill, which samples the first output token) the cache holds ``p + j``
+tokens, ending at ``L = p + o - 1`` (the last sampled token finishes the sequence uncomputed). Each
+step, the slots ``A`` allocated to it split into
 
 * **token states** ``p + j``: slots holding a token's K/V;
 * **reservation** ``min(A, L) - (p + j)``: slots it will fill later, idle until then;
@@ -40,7 +40,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from bench.workloads import Workload
-from spec.block_manager import blocks_needed, check_int
+from pagedkv.spec.block_manager import blocks_needed, check_int
 
 IntArray = NDArray[np.int64]
 

@@ -26,7 +26,7 @@ from statistics import NormalDist
 import numpy as np
 from numpy.typing import NDArray
 
-from spec.block_manager import check_int
+from pagedkv.spec.block_manager import check_int
 
 _NORMAL = NormalDist()
 
@@ -93,7 +93,7 @@ class Request:
     ``output_lens`` has one entry per sample; more than one is parallel sampling (every sample
     continues the same prompt). A sample ends with ``prompt_len + output_len`` tokens, of which
     ``prompt_len + output_len - 1`` have K/V: the last sampled token finishes the sequence and is
-    never computed (as in ``impl.scheduler``).
+    never computed (as in ``pagedkv.impl.serving.scheduler``).
     """
 
     request_id: int

@@ -1,26 +1,13 @@
-"""pagedkv's optimized block manager: the spec's behaviour, array-backed and batched.
+"""pagedkv's optimized implementation, in two layers.
 
-The package namespace holds the block-management API, which needs only numpy (and torch for the
-tensor exports). The engine lives in its own modules: ``impl.model``, ``impl.scheduler``,
-``impl.engine`` (``PagedAttentionEngine``; ``python -m impl.engine`` runs the demo) and
-``impl.dense`` (the dense oracle).
+* :mod:`pagedkv.impl.blocks`: block management with the spec's behaviour, on numpy arrays (no
+  torch): the free queue, the block manager, prefix caching and the batched block-table store.
+* :mod:`pagedkv.impl.serving`: what serves a model from the paged cache: the scheduler (no
+  torch), the model, the paged KV cache, sampling, metrics, the engine and the dense oracle.
+
+Serving builds on block management, never the other way round. This package's namespace holds
+nothing of its own: import from the layer.
 """
 
-from impl.block_manager import BlockManager, BlockTableError, OutOfBlocksError
-from impl.block_tables import PAD, BlockTableStore, CapacityError, SeqBatch
-from impl.free_queue import FreeBlockQueue
-from impl.prefix_cache import BlockKey, PrefixCacheStats, PrefixCachingBlockManager
-
-__all__ = [
-    "PAD",
-    "BlockKey",
-    "BlockManager",
-    "BlockTableError",
-    "BlockTableStore",
-    "CapacityError",
-    "FreeBlockQueue",
-    "OutOfBlocksError",
-    "PrefixCacheStats",
-    "PrefixCachingBlockManager",
-    "SeqBatch",
-]
+if __name__ != "pagedkv.impl":  # the repository root is on sys.path: refuse a second name
+    raise ImportError(f"import pagedkv.impl, not {__name__}: one module, one name")

@@ -8,18 +8,21 @@ anything imports ``triton``: Triton reads the variable when it decorates functio
 included. ``kernels.backend`` does it, so it is imported first, on its own, below.
 """
 
-from kernels import backend
+if __name__ != "pagedkv.kernels":  # the repository root is on sys.path: refuse a second name
+    raise ImportError(f"import pagedkv.kernels, not {__name__}: one module, one name")
+
+from pagedkv.kernels import backend
 
 backend.configure_interpreter()  # idempotent; the first import above already did it
 
-from kernels.api import (  # noqa: E402 - must follow configure_interpreter()
+from pagedkv.kernels.api import (  # noqa: E402 - must follow configure_interpreter()
     contiguous_decode_attention,
     copy_blocks,
     paged_decode_attention,
     slot_mapping,
     store_kv,
 )
-from kernels.backend import INTERPRETED, Backend, BackendChoice, resolve_backend  # noqa: E402
+from pagedkv.kernels.backend import INTERPRETED, Backend, BackendChoice, resolve_backend  # noqa: E402
 
 __all__ = [
     "INTERPRETED",

@@ -14,15 +14,15 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels import (
+from pagedkv.kernels import (
     reference,
     triton_copy_blocks,
     triton_decode,
     triton_slot_mapping,
     triton_store_kv,
 )
-from kernels.backend import resolve_backend
-from kernels.validation import (
+from pagedkv.kernels.backend import resolve_backend
+from pagedkv.kernels.validation import (
     check_block_tables,
     check_caches,
     check_context_lens,

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.validation import MAX_SPLITS
+from pagedkv.kernels.validation import MAX_SPLITS
 
 MIN_TOKENS_PER_SPLIT = 512
 PROGRAMS_PER_SM = 4  # enough resident programs per SM to keep loads in flight

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spec.block_manager import check_int
+from pagedkv.spec.block_manager import check_int
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)

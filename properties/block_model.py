@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spec import BlockTableError, OutOfBlocksError
+from pagedkv.spec import BlockTableError, OutOfBlocksError
 
 
 @dataclass

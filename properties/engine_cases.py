@@ -20,10 +20,10 @@ import torch
 from hypothesis import currently_in_test_context, event
 from hypothesis import strategies as st
 
-from impl.dense import DenseOutput, dense_generate
-from impl.engine import PagedAttentionEngine, RequestOutput
-from impl.model import CausalLM, ModelConfig
-from spec.block_manager import blocks_needed
+from pagedkv.impl.serving.dense import DenseOutput, dense_generate
+from pagedkv.impl.serving.engine import PagedAttentionEngine, RequestOutput
+from pagedkv.impl.serving.model import CausalLM, ModelConfig
+from pagedkv.spec.block_manager import blocks_needed
 
 CONFIG = ModelConfig()  # vocab 128, hidden 64, 2 layers, 4 query heads over 2 KV heads, dim 16
 MODEL = CausalLM.from_seed(CONFIG, seed=0)

@@ -22,8 +22,8 @@ import torch
 from hypothesis import currently_in_test_context, event, settings
 from hypothesis import strategies as st
 
-import kernels
-from spec.block_manager import BlockManager, OutOfBlocksError, blocks_needed, translate_slot
+from pagedkv import kernels
+from pagedkv.spec.block_manager import BlockManager, OutOfBlocksError, blocks_needed, translate_slot
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)

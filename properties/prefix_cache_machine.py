@@ -15,9 +15,9 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from pagedkv.spec import OutOfBlocksError
+from pagedkv.spec.prefix_cache import PrefixCacheStats
 from properties.block_model import observe
-from spec import OutOfBlocksError
-from spec.prefix_cache import PrefixCacheStats
 
 SYSTEM_PROMPTS = [[], [7, 7, 8, 9, 7, 8], [7, 7, 8, 9, 1, 2, 3, 4, 5], [5, 5, 5, 5, 5, 5, 5, 5]]
 ALPHABET = st.integers(0, 2)

@@ -22,9 +22,9 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import spec.block_manager as spec_bm
-from impl.block_manager import BlockManager
-from impl.block_tables import BlockTableStore, CapacityError, SeqBatch
+import pagedkv.spec.block_manager as spec_bm
+from pagedkv.impl.blocks.manager import BlockManager
+from pagedkv.impl.blocks.table_store import BlockTableStore, CapacityError, SeqBatch
 
 SEQ_IDS = st.integers(0, 11)
 

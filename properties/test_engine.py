@@ -1,12 +1,12 @@
 """``PagedAttentionEngine`` against the dense oracle: the paging changes nothing in the output.
 
 The engine keeps K/V only in the paged cache and reads them through block tables; the oracle
-(``impl.dense.dense_generate``) decodes each sequence alone with a contiguous cache, through the
-same layers. Hypothesis draws the workload (``properties/engine_cases.py``): block sizes 1..256,
-prefix caching on and off, pools tight enough to preempt, chunked prompts, parallel sampling,
-staggered arrivals, an EOS token the model emits. Greedy samples must equal the oracle token for
-token and sampled ones must have the oracle's logits for their own tokens, within
-``LOGIT_ATOL``/``LOGIT_RTOL``. After the run every block is free and no request is lost.
+(``pagedkv.impl.serving.dense.dense_generate``) decodes each sequence alone with a contiguous
+cache, through the same layers. Hypothesis draws the workload (``properties/engine_cases.py``):
+block sizes 1..256, prefix caching on and off, pools tight enough to preempt, chunked prompts,
+parallel sampling, staggered arrivals, an EOS token the model emits. Greedy samples must equal
+the oracle token for token and sampled ones must have the oracle's logits for their own tokens,
+within ``LOGIT_ATOL``/``LOGIT_RTOL``. After the run every block is free and no request is lost.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import given, settings
 
-from impl.engine import PagedAttentionEngine, main
-from impl.paged_kv import PagedKVCache
-from impl.scheduler import RequestTooLargeError
+from pagedkv.impl.serving.engine import PagedAttentionEngine, main
+from pagedkv.impl.serving.paged_kv import PagedKVCache
+from pagedkv.impl.serving.scheduler import RequestTooLargeError
 from properties.engine_cases import (
     MODEL,
     Request,

@@ -1,10 +1,10 @@
 """The paged engine against Hugging Face ``transformers`` on the same tiny Llama.
 
-A ``LlamaForCausalLM`` is built locally from a small config with seeded random weights (nothing
-is downloaded) and its weights are loaded into ``impl.model.CausalLM``. The engine, batching the
-prompts over a small paged pool (chunked prefill, prefix caching, preemption, forked samples),
-must produce the greedy tokens of ``transformers``' own ``generate(do_sample=False)`` for each
-prompt, stopping at the same EOS, and the logits of ``transformers``' forward pass over the
+A ``LlamaForCausalLM`` is built locally from a small config with seeded random weights (nothing is
+downloaded) and its weights are loaded into ``pagedkv.impl.serving.model.CausalLM``. The engine,
+batching the prompts over a small paged pool (chunked prefill, prefix caching, preemption, forked
+samples), must produce the greedy tokens of ``transformers``' own ``generate(do_sample=False)`` for
+each prompt, stopping at the same EOS, and the logits of ``transformers``' forward pass over the
 same tokens within ``LOGIT_ATOL``/``LOGIT_RTOL``. Skipped when ``transformers`` is absent (the
 ``hf`` extra; CI installs it).
 """
@@ -16,8 +16,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from impl.engine import PagedAttentionEngine
-from impl.model import CausalLM
+from pagedkv.impl.serving.engine import PagedAttentionEngine
+from pagedkv.impl.serving.model import CausalLM
 from properties.engine_cases import assert_logits_close, one_thread
 
 transformers = pytest.importorskip("transformers")

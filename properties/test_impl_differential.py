@@ -25,8 +25,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-import spec.block_manager as spec_bm
-from impl.block_manager import BlockManager as ImplBlockManager
+import pagedkv.spec.block_manager as spec_bm
+from pagedkv.impl.blocks.manager import BlockManager as ImplBlockManager
 from properties.block_manager_machine import block_manager_machine
 
 BLOCK_SIZES = st.sampled_from([1, 2, 3, 4, 5, 8, 16])

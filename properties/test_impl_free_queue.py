@@ -1,4 +1,5 @@
-"""``impl.free_queue.FreeBlockQueue`` against a Python list, including removal from the middle.
+"""``pagedkv.impl.blocks.free_queue.FreeBlockQueue`` against a Python list, including removal from
+the middle.
 
 The block manager only pops and pushes; ``remove`` (for the prefix cache) and the compaction it
 can trigger are exercised here. Pools are small so the ring wraps and compacts often.
@@ -13,7 +14,7 @@ import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from impl.free_queue import FreeBlockQueue
+from pagedkv.impl.blocks.free_queue import FreeBlockQueue
 
 
 class FreeQueueMachine(RuleBasedStateMachine):

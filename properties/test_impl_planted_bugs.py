@@ -1,11 +1,11 @@
 """impl's property tests have teeth: each bug planted in a copy of an ``impl`` module is caught.
 
 A mutant is the module's source with one snippet replaced (``properties.mutants``). Bugs in
-``impl.free_queue`` and ``impl.block_manager`` run against the differential machine (spec vs
-impl in lockstep) or the free-queue machine; bugs in ``impl.block_tables`` run against the store
-machine. The control cases load unmodified copies the same way and must pass, so a mutant can
-only fail because of its bug. Settings are explicit, so the result does not depend on the
-Hypothesis profile.
+``pagedkv.impl.blocks.free_queue`` and ``pagedkv.impl.blocks.manager`` run against the differential
+machine (spec vs impl in lockstep) or the free-queue machine; bugs in
+``pagedkv.impl.blocks.table_store`` run against the store machine. The control cases load unmodified
+copies the same way and must pass, so a mutant can only fail because of its bug. Settings are
+explicit, so the result does not depend on the Hypothesis profile.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import types
 import pytest
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
-import impl.block_manager
-import impl.block_tables
-import impl.free_queue
+import pagedkv.impl.blocks.free_queue
+import pagedkv.impl.blocks.manager
+import pagedkv.impl.blocks.table_store
 from properties.mutants import FIND, load_mutant
 from properties.test_block_table_store import StoreMachine
 from properties.test_impl_differential import DifferentialMachine
@@ -26,85 +26,85 @@ from properties.test_impl_free_queue import FreeQueueMachine
 # (module, snippet, replacement, machine that must catch it)
 BUGS: dict[str, tuple[types.ModuleType, str, str, str]] = {
     "ring buffer: head advances without wrapping around": (
-        impl.free_queue,
+        pagedkv.impl.blocks.free_queue,
         "self._head = (self._head + count) % self._capacity",
         "self._head = self._head + count",
         "differential",
     ),
     "ring buffer: a wrapped push records positions past the end": (
-        impl.free_queue,
+        pagedkv.impl.blocks.free_queue,
         "np.arange(tail, end, dtype=np.int32) % self._capacity",
         "np.arange(tail, end, dtype=np.int32)",
         "queue",
     ),
     "pops hand out tombstones": (
-        impl.free_queue,
+        pagedkv.impl.blocks.free_queue,
         "live = window[window != TOMBSTONE]",
         "live = window",
         "queue",
     ),
     "compaction forgets the new positions": (
-        impl.free_queue,
+        pagedkv.impl.blocks.free_queue,
         "self._pos[live] = np.arange(live.size, dtype=np.int32)",
         "pass",
         "queue",
     ),
     "repeated ids go unnoticed": (
-        impl.free_queue,
+        pagedkv.impl.blocks.free_queue,
         "return np.count_nonzero(self._pos[block_ids] != stamps) > 0",
         "return False",
         "differential",
     ),
     "free pushes a table's blocks first-to-last": (
-        impl.block_manager,
+        pagedkv.impl.blocks.manager,
         "self._free.extend(freed[::-1].copy())",
         "self._free.extend(freed.copy())",
         "differential",
     ),
     "append_slot takes growth blocks before copy-on-write blocks": (
-        impl.block_manager,
+        pagedkv.impl.blocks.manager,
         "src, dst = ids[shared], fresh[: shared.size]",
         "src, dst = ids[shared], fresh[fresh.size - shared.size :]",
         "differential",
     ),
     "allocate takes what is left instead of raising OutOfBlocksError": (
-        impl.block_manager,
+        pagedkv.impl.blocks.manager,
         "        self._check_available(num_blocks)\n        return self._take(num_blocks)",
         "        return self._take(min(num_blocks, len(self._free)))",
         "differential",
     ),
     "an atomic grow applies the sequences that fit": (
-        impl.block_tables,
+        pagedkv.impl.blocks.table_store,
         "if atomic and not grown.all():",
         "if False:",
         "store",
     ),
     "stale padding: a removed row keeps its block ids": (
-        impl.block_tables,
+        pagedkv.impl.blocks.table_store,
         "        self._tables[rows] = PAD\n",
         "",
         "store",
     ),
     "grow copies on write only from three owners up": (
-        impl.block_tables,
+        pagedkv.impl.blocks.table_store,
         "shared = writes_last & (self.manager._ref.take(last) > 1)",
         "shared = writes_last & (self.manager._ref.take(last) > 2)",
         "store",
     ),
     "fast path ignores a shared block written twice in one batch": (
-        impl.block_tables,
+        pagedkv.impl.blocks.table_store,
         "any_shared and _has_repeats(last[shared])",
         "False",
         "store",
     ),
     "decode slot_mapping maps the position after the last": (
-        impl.block_tables,
+        pagedkv.impl.blocks.table_store,
         "            positions = counts - 1\n",
         "            positions = counts - 1 + (counts % self.block_size != 0)\n",
         "store",
     ),
     "FlashInfer last page length is 0 for a full page": (
-        impl.block_tables,
+        pagedkv.impl.blocks.table_store,
         "counts - (lengths - 1) * self.block_size",
         "counts % self.block_size",
         "store",
@@ -112,9 +112,9 @@ BUGS: dict[str, tuple[types.ModuleType, str, str, str]] = {
 }
 
 SHARED = {
-    impl.free_queue: (),
-    impl.block_manager: ("BlockTableError", "OutOfBlocksError"),
-    impl.block_tables: ("CapacityError", "OutOfBlocksError"),
+    pagedkv.impl.blocks.free_queue: (),
+    pagedkv.impl.blocks.manager: ("BlockTableError", "OutOfBlocksError"),
+    pagedkv.impl.blocks.table_store: ("CapacityError", "OutOfBlocksError"),
 }
 
 
@@ -128,12 +128,14 @@ def machine_with(module: types.ModuleType, old: str, new: str, kind: str) -> typ
         attrs, base = {"STORE": mutant.BlockTableStore}, StoreMachine
     else:
         manager = mutant
-        if module is impl.free_queue:  # a faithful copy of block_manager over the mutant queue
+        if (
+            module is pagedkv.impl.blocks.free_queue
+        ):  # a faithful copy of block_manager over the mutant queue
             manager = load_mutant(
-                impl.block_manager,
+                pagedkv.impl.blocks.manager,
                 "class BlockManager:",
                 "class BlockManager:",
-                SHARED[impl.block_manager],
+                SHARED[pagedkv.impl.blocks.manager],
             )
             manager.FreeBlockQueue = mutant.FreeBlockQueue
         attrs, base = {"IMPL": manager.BlockManager}, DifferentialMachine
@@ -143,10 +145,14 @@ def machine_with(module: types.ModuleType, old: str, new: str, kind: str) -> typ
 @pytest.mark.parametrize(
     ("module", "snippet", "kind"),
     [
-        (impl.free_queue, "self._head = (self._head + count) % self._capacity", "differential"),
-        (impl.free_queue, "live = window[window != TOMBSTONE]", "queue"),
-        (impl.block_manager, "self._free.extend(freed[::-1].copy())", "differential"),
-        (impl.block_tables, "        self._tables[rows] = PAD\n", "store"),
+        (
+            pagedkv.impl.blocks.free_queue,
+            "self._head = (self._head + count) % self._capacity",
+            "differential",
+        ),
+        (pagedkv.impl.blocks.free_queue, "live = window[window != TOMBSTONE]", "queue"),
+        (pagedkv.impl.blocks.manager, "self._free.extend(freed[::-1].copy())", "differential"),
+        (pagedkv.impl.blocks.table_store, "        self._tables[rows] = PAD\n", "store"),
     ],
     ids=["queue-in-manager", "queue", "manager", "store"],
 )

@@ -28,11 +28,12 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+import pagedkv.spec.prefix_cache as spec_pc
 import properties.test_prefix_cache_spec as spec_scenarios
-import spec.prefix_cache as spec_pc
-from impl.block_manager import BlockManager
-from impl.block_tables import BlockTableStore, CapacityError
-from impl.prefix_cache import PrefixCachingBlockManager
+from pagedkv.impl.blocks.manager import BlockManager
+from pagedkv.impl.blocks.prefix_cache import PrefixCachingBlockManager
+from pagedkv.impl.blocks.table_store import BlockTableStore, CapacityError
+from pagedkv.spec import BlockTableError, OutOfBlocksError, blocks_needed
 from properties.prefix_cache_machine import (
     ALPHABET,
     SALTS,
@@ -42,7 +43,6 @@ from properties.prefix_cache_machine import (
 )
 from properties.test_block_table_store import StoreMachine
 from properties.test_impl_differential import IntSubclass, assert_same_construction, outcome
-from spec import BlockTableError, OutOfBlocksError, blocks_needed
 
 FILLER = 9  # the token a sequence holds where no rule chose one (outside ALPHABET)
 BAD_TOKEN_LISTS = st.one_of(

@@ -1,12 +1,12 @@
 """impl's prefix-cache tests have teeth: each bug planted in a copy of impl source is caught.
 
-Bugs in ``impl.prefix_cache`` run against the spec-vs-impl differential machine; bugs in
-``impl.block_tables`` against the prefix store machine. impl reuses the spec's ``BlockKey``, so
-"no token comparison on lookup" is planted in a copy of ``spec.prefix_cache``'s ``BlockKey``
-(the spec's own planted bug) and handed to a faithful copy of ``impl.prefix_cache``, as
-``test_impl_planted_bugs`` hands a mutant queue to a faithful block manager. The control cases
-load unmodified copies along both paths and must pass. Settings are explicit, so the result does
-not depend on the Hypothesis profile.
+Bugs in ``pagedkv.impl.blocks.prefix_cache`` run against the spec-vs-impl differential machine; bugs
+in ``pagedkv.impl.blocks.table_store`` against the prefix store machine. impl reuses the spec's
+``BlockKey``, so "no token comparison on lookup" is planted in a copy of ``spec.prefix_cache``'s
+``BlockKey`` (the spec's own planted bug) and handed to a faithful copy of
+``pagedkv.impl.blocks.prefix_cache``, as ``test_impl_planted_bugs`` hands a mutant queue to a
+faithful block manager. The control cases load unmodified copies along both paths and must pass.
+Settings are explicit, so the result does not depend on the Hypothesis profile.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import types
 import pytest
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
-import impl.block_tables
-import impl.prefix_cache
-import spec.prefix_cache
+import pagedkv.impl.blocks.prefix_cache
+import pagedkv.impl.blocks.table_store
+import pagedkv.spec.prefix_cache as spec_prefix_cache
 from properties.mutants import FIND, load_mutant
 from properties.test_impl_planted_bugs import SHARED
 from properties.test_impl_prefix_cache import PrefixDifferentialMachine, PrefixStoreMachine
@@ -29,37 +29,37 @@ IDENTITY = "class PrefixCachingBlockManager(BlockManager):"
 # (module, snippet, replacement); spec.prefix_cache mutants reach impl through BlockKey.
 BUGS: dict[str, tuple[types.ModuleType, str, str]] = {
     "no token comparison on lookup": (
-        spec.prefix_cache,
+        spec_prefix_cache,
         *PREFIX_BUGS["no token comparison on lookup"],
     ),
     "revival moves the queue's head to its tail": (
-        impl.prefix_cache,
+        pagedkv.impl.blocks.prefix_cache,
         "self._free.remove(block_id)  # O(1); the rest of the queue keeps its order",
         "self._free.remove(block_id)\n"
         "            self._free.extend(self._free.popleft(min(1, len(self._free))))",
     ),
     "eviction keeps the stale key": (
-        impl.prefix_cache,
+        pagedkv.impl.blocks.prefix_cache,
         "del self._block_of[self._key_of.pop(block_id)]",
         "pass",
     ),
     "re-registration trusts a cached block without comparing its tokens": (
-        impl.prefix_cache,
+        pagedkv.impl.blocks.prefix_cache,
         "and held.tokens == chunk",
         "",
     ),
     "revived blocks are not counted as consumed": (
-        impl.prefix_cache,
+        pagedkv.impl.blocks.prefix_cache,
         "return self.num_blocks - self.hits.size + self.revived.size",
         "return self.num_blocks - self.hits.size",
     ),
     "duplicate content is cached twice": (
-        impl.prefix_cache,
+        pagedkv.impl.blocks.prefix_cache,
         "if holder is None and block_id not in self._key_of:",
         "if block_id not in self._key_of:",
     ),
     "add_prompt counts only the computed tokens": (
-        impl.block_tables,
+        pagedkv.impl.blocks.table_store,
         "np.concatenate((plan.hits, fresh)), len(token_ids))",
         "np.concatenate((plan.hits, fresh)), len(token_ids) - plan.cached_tokens)",
     ),
@@ -68,11 +68,13 @@ BUGS: dict[str, tuple[types.ModuleType, str, str]] = {
 
 def machine_with(module: types.ModuleType, old: str, new: str) -> type[RuleBasedStateMachine]:
     """The machine that must catch a bug planted in ``module``, running the mutant."""
-    if module is impl.block_tables:
+    if module is pagedkv.impl.blocks.table_store:
         mutant = load_mutant(module, old, new, SHARED[module])
         return type("PlantedStore", (PrefixStoreMachine,), {"STORE": mutant.BlockTableStore})
-    if module is spec.prefix_cache:  # a faithful impl copy over the mutant key class
-        manager = load_mutant(impl.prefix_cache, IDENTITY, IDENTITY, ("BlockTableError",))
+    if module is spec_prefix_cache:  # a faithful impl copy over the mutant key class
+        manager = load_mutant(
+            pagedkv.impl.blocks.prefix_cache, IDENTITY, IDENTITY, ("BlockTableError",)
+        )
         manager.BlockKey = load_mutant(module, old, new, ()).BlockKey
     else:
         manager = load_mutant(module, old, new, ("BlockTableError",))
@@ -82,7 +84,7 @@ def machine_with(module: types.ModuleType, old: str, new: str) -> type[RuleBased
 
 @pytest.mark.parametrize(
     ("module", "snippet"),
-    [(spec.prefix_cache, "class BlockKey:"), (impl.block_tables, "def add_prompt(")],
+    [(spec_prefix_cache, "class BlockKey:"), (pagedkv.impl.blocks.table_store, "def add_prompt(")],
     ids=["impl-over-copied-key", "store"],
 )
 def test_control_unmutated_copy_passes(module: types.ModuleType, snippet: str) -> None:

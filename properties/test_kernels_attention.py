@@ -18,8 +18,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels
-from kernels import triton_decode
+from pagedkv import kernels
+from pagedkv.kernels import triton_decode
 from properties.kernel_cases import (
     BLOCK_SIZES,
     DEVICE,

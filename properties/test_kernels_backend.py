@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.backend import BACKEND_ENV, INTERPRET_ENV, resolve_backend
+from pagedkv.kernels.backend import BACKEND_ENV, INTERPRET_ENV, resolve_backend
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")
@@ -24,7 +24,7 @@ CUDA = torch.device("cuda")
 PROBE = """
 import os, torch
 {before}
-import kernels
+from pagedkv import kernels
 tables = torch.tensor([[2, 0]], dtype=torch.int32)
 print("env", os.environ.get("TRITON_INTERPRET"))
 print("reference", kernels.slot_mapping(tables, torch.tensor([5]), 4, backend="reference").item())

@@ -16,9 +16,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels
-from kernels import triton_copy_blocks
-from kernels.triton_copy_blocks import hazard_free_waves
+from pagedkv import kernels
+from pagedkv.kernels import triton_copy_blocks
+from pagedkv.kernels.triton_copy_blocks import hazard_free_waves
 from properties.kernel_cases import BLOCK_SIZES, DEVICE, DTYPES, kernel_examples, load_mutant
 
 

@@ -14,8 +14,9 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-import kernels
-from kernels import triton_slot_mapping, triton_store_kv
+from pagedkv import kernels
+from pagedkv.kernels import triton_slot_mapping, triton_store_kv
+from pagedkv.spec.block_manager import translate_slot
 from properties.kernel_cases import (
     BLOCK_SIZES,
     DEVICE,
@@ -26,7 +27,6 @@ from properties.kernel_cases import (
     load_mutant,
     scenarios,
 )
-from spec.block_manager import translate_slot
 
 BACKENDS = ("triton", "reference")
 

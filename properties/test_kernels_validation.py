@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels
+from pagedkv import kernels
 from properties.kernel_cases import DEVICE, kernel_examples
 
 NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 6, 4, 2, 8

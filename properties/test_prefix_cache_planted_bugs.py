@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis.stateful import run_state_machine_as_test
 
-import spec.prefix_cache
+import pagedkv.spec.prefix_cache as spec_prefix_cache
 from properties.mutants import FIND, load_mutant
 from properties.prefix_cache_machine import prefix_cache_machine
 
@@ -34,7 +34,7 @@ PREFIX_BUGS = {
 
 
 def variant(old: str, new: str) -> type:
-    return load_mutant(spec.prefix_cache, old, new, shared=()).PrefixCachingBlockManager
+    return load_mutant(spec_prefix_cache, old, new, shared=()).PrefixCachingBlockManager
 
 
 def test_control_unmutated_copy_passes() -> None:

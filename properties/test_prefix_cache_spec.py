@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
+from pagedkv.spec import BlockTableError, OutOfBlocksError
+from pagedkv.spec.prefix_cache import PrefixCachingBlockManager, default_block_hash
 from properties.prefix_cache_machine import colliding_hash, prefix_cache_machine
-from spec import BlockTableError, OutOfBlocksError
-from spec.prefix_cache import PrefixCachingBlockManager, default_block_hash
 
 TestSpecPrefixCache = prefix_cache_machine(PrefixCachingBlockManager).TestCase
 

@@ -1,4 +1,5 @@
-"""The continuous-batching policy (``impl.scheduler``) on its own: no model, no tensors.
+"""The continuous-batching policy (``pagedkv.impl.serving.scheduler``) on its own: no model, no
+tensors.
 
 A driver plays a drawn workload on a ``Scheduler`` over a real ``BlockTableStore`` (plain or
 prefix-caching manager), with a fake sampler that emits end-of-sequence tokens now and then. An
@@ -27,18 +28,18 @@ import pytest
 from hypothesis import event, example, given
 from hypothesis import strategies as st
 
-from impl.block_manager import BlockManager
-from impl.block_tables import BlockTableStore
-from impl.metrics import kv_occupancy
-from impl.prefix_cache import PrefixCachingBlockManager
-from impl.scheduler import (
+from pagedkv.impl.blocks.manager import BlockManager
+from pagedkv.impl.blocks.prefix_cache import PrefixCachingBlockManager
+from pagedkv.impl.blocks.table_store import BlockTableStore
+from pagedkv.impl.serving.metrics import kv_occupancy
+from pagedkv.impl.serving.scheduler import (
     RequestTooLargeError,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
     SeqStatus,
 )
-from spec.block_manager import blocks_needed
+from pagedkv.spec.block_manager import blocks_needed
 
 EOS = 0
 

@@ -6,7 +6,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from spec import BlockManager, BlockTableError, OutOfBlocksError, blocks_needed, translate_slot
+from pagedkv.spec import (
+    BlockManager,
+    BlockTableError,
+    OutOfBlocksError,
+    blocks_needed,
+    translate_slot,
+)
 
 
 def test_chapter_translation_example() -> None:

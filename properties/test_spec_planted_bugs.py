@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from hypothesis.stateful import run_state_machine_as_test
 
-import spec.block_manager
+import pagedkv.spec.block_manager as spec_block_manager
 from properties.block_manager_machine import block_manager_machine
 from properties.mutants import FIND, load_mutant
 
@@ -56,7 +56,7 @@ SHARED_NAMES = ("OutOfBlocksError", "BlockTableError")
 
 
 def spec_variant(old: str, new: str) -> type:
-    return load_mutant(spec.block_manager, old, new, SHARED_NAMES).BlockManager
+    return load_mutant(spec_block_manager, old, new, SHARED_NAMES).BlockManager
 
 
 def test_control_unmutated_copy_passes() -> None:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from spec.utilization import contiguous_usage, paged_usage
+from pagedkv.spec.utilization import contiguous_usage, paged_usage
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).with_name("golden") / "run_output.txt"

@@ -1,6 +1,9 @@
 """pagedkv's executable specification: the semantics every other package is checked against."""
 
-from spec.block_manager import (
+if __name__ != "pagedkv.spec":  # the repository root is on sys.path: refuse a second name
+    raise ImportError(f"import pagedkv.spec, not {__name__}: one module, one name")
+
+from pagedkv.spec.block_manager import (
     Block,
     BlockManager,
     BlockTableError,

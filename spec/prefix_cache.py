@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-from spec.block_manager import BlockManager, BlockTableError, check_int
+from pagedkv.spec.block_manager import BlockManager, BlockTableError, check_int
 
 
 def default_block_hash(parent: BlockKey | None, tokens: tuple[int, ...], extra: Hashable) -> int:

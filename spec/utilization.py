@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from spec.block_manager import blocks_needed, check_int
+from pagedkv.spec.block_manager import blocks_needed, check_int
 
 
 @dataclass(frozen=True)

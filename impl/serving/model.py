@@ -7,10 +7,11 @@ conventions (parameter names, ``rotate_half`` RoPE layout, ``rope_theta``, ``rms
 ``transformers.LlamaForCausalLM``'s weights unchanged.
 
 The model works on a *flat* step: the tokens of every sequence in the step, concatenated
-(``input_ids`` and ``positions`` are ``[T]``). It never holds K/V itself. Each attention layer
-hands its new K/V and queries to a :class:`KVAttention` and gets the attention output back; the
-paged store (``impl.paged_kv``) and the dense oracle's contiguous store (``impl.dense``) are two
-implementations of that one method, so both run the very same layers.
+(``input_ids`` and ``positions`` are ``[T]``). It never holds K/V itself. Each attention layer hands
+its new K/V and queries to a :class:`KVAttention` and gets the attention output back; the paged
+store (``pagedkv.impl.serving.paged_kv``) and the dense oracle's contiguous store
+(``pagedkv.impl.serving.dense``) are two implementations of that one method, so both run the very
+same layers.
 """
 
 from __future__ import annotations

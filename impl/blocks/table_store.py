@@ -1,8 +1,8 @@
 """Every live sequence's block table in one padded int32 array, driven a scheduler step at a time.
 
 :class:`BlockTableStore` owns the tables of sequences keyed by caller-chosen int ids and drives a
-:class:`impl.block_manager.BlockManager` with whole batches: grow every running sequence by its
-new tokens, compute the step's ``slot_mapping``, and export the tables in the layouts attention
+:class:`pagedkv.impl.blocks.manager.BlockManager` with whole batches: grow every running sequence by
+its new tokens, compute the step's ``slot_mapping``, and export the tables in the layouts attention
 kernels read (a padded ``[batch, max_blocks_per_seq]`` table as FlashAttention takes it, and
 FlashInfer's CSR page table). Each batch operation is equivalent to calling the spec once per
 sequence, in batch order, and costs a fixed number of numpy calls.
@@ -16,9 +16,9 @@ State, for ``S = max_seqs`` rows and ``M = max_blocks_per_seq`` columns:
   ``ceil(token_counts[r] / block_size)`` blocks (the store never over-allocates).
 * a dict from sequence id to row; rows of removed sequences are reused.
 
-With a :class:`impl.prefix_cache.PrefixCachingBlockManager`, ``add_prompt`` reuses a prompt's
-cached prefix and ``cache_blocks`` registers a sequence's full blocks once their K/V is written;
-with a plain manager ``add_prompt`` is ``add`` and ``cache_blocks`` does nothing.
+With a :class:`pagedkv.impl.blocks.prefix_cache.PrefixCachingBlockManager`, ``add_prompt`` reuses a
+prompt's cached prefix and ``cache_blocks`` registers a sequence's full blocks once their K/V is
+written; with a plain manager ``add_prompt`` is ``add`` and ``cache_blocks`` does nothing.
 
 Errors: ``TypeError`` for an argument of the wrong type; ``KeyError`` for an unknown sequence
 id; ``ValueError`` for a repeated id in one batch, an id that is already live, or a count out of
@@ -36,9 +36,13 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
-from impl.block_manager import BlockManager, IdArray, OutOfBlocksError
-from impl.prefix_cache import PrefixCacheStats, PrefixCachingBlockManager, check_tokens
-from spec.block_manager import blocks_needed, check_int
+from pagedkv.impl.blocks.manager import BlockManager, IdArray, OutOfBlocksError
+from pagedkv.impl.blocks.prefix_cache import (
+    PrefixCacheStats,
+    PrefixCachingBlockManager,
+    check_tokens,
+)
+from pagedkv.spec.block_manager import blocks_needed, check_int
 
 __all__ = ["PAD", "BlockTableStore", "CapacityError", "SeqBatch"]
 

@@ -1,11 +1,12 @@
 """The dense oracle: the same model decoding one sequence alone with a contiguous KV cache.
 
-:class:`ContiguousKVCache` is the other implementation of ``impl.model.KVAttention``: one
-``[1, max_len, num_kv_heads, head_dim]`` K and V per layer, written at the sequence's next
-positions. A prompt attends with the same ``kernels.reference.causal_attention`` as the paged
-prefill, and a single token with ``kernels.contiguous_decode_attention``, the unpaged twin of
-``paged_decode_attention``. So the oracle and the engine share every layer and every attention
-formula; only where K/V live, and how they are found, differs.
+:class:`ContiguousKVCache` is the other implementation of
+``pagedkv.impl.serving.model.KVAttention``: one ``[1, max_len, num_kv_heads, head_dim]`` K and V per
+layer, written at the sequence's next positions. A prompt attends with the same
+``kernels.reference.causal_attention`` as the paged prefill, and a single token with
+``kernels.contiguous_decode_attention``, the unpaged twin of ``paged_decode_attention``. So the
+oracle and the engine share every layer and every attention formula; only where K/V live, and how
+they are found, differs.
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
-from impl.model import CausalLM
-from impl.sampling import sample_token
-from kernels.reference import causal_attention
+from pagedkv import kernels
+from pagedkv.impl.serving.model import CausalLM
+from pagedkv.impl.serving.sampling import sample_token
+from pagedkv.kernels.reference import causal_attention
 
 
 class ContiguousKVCache:
-    """One sequence's K/V, contiguous: ``impl.model.KVAttention`` for the dense oracle.
+    """One sequence's K/V, contiguous: ``pagedkv.impl.serving.model.KVAttention`` for the dense
+    oracle.
 
     ``length`` tokens are stored. ``attend`` writes the step's tokens at positions ``length ..
     length + T - 1`` of every layer; the caller adds ``T`` to ``length`` after the forward.

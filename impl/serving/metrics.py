@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from impl.block_tables import BlockTableStore
-    from impl.scheduler import Scheduler, SchedulerOutput
+    from pagedkv.impl.blocks.table_store import BlockTableStore
+    from pagedkv.impl.serving.scheduler import Scheduler, SchedulerOutput
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Continuous batching: which sequences compute which tokens each step, and who is preempted.
 
-:class:`Scheduler` is a policy over a :class:`impl.block_tables.BlockTableStore`. It needs no
-model and no tensors: it allocates, grows, forks and frees block tables and tells the caller
-(an engine, or a serving simulator) what to compute. The caller computes it and reports the
+:class:`Scheduler` is a policy over a :class:`pagedkv.impl.blocks.table_store.BlockTableStore`. It
+needs no model and no tensors: it allocates, grows, forks and frees block tables and tells the
+caller (an engine, or a serving simulator) what to compute. The caller computes it and reports the
 sampled tokens with :meth:`Scheduler.update`.
 
 A sequence holds ``tokens`` (prompt, then output) of which the first ``num_computed`` have their
@@ -43,11 +43,11 @@ from collections import abc, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from impl.prefix_cache import check_tokens
-from spec.block_manager import blocks_needed, check_int
+from pagedkv.impl.blocks.prefix_cache import check_tokens
+from pagedkv.spec.block_manager import blocks_needed, check_int
 
 if TYPE_CHECKING:
-    from impl.block_tables import BlockTableStore
+    from pagedkv.impl.blocks.table_store import BlockTableStore
 
 
 class RequestTooLargeError(ValueError):

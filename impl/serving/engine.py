@@ -1,11 +1,11 @@
 """PagedAttentionEngine: continuous batching over a real paged KV cache.
 
-K/V live only in the paged cache (``impl.paged_kv``) and are read back through block tables;
-there is no ``past_key_values``. One :meth:`PagedAttentionEngine.step`:
+K/V live only in the paged cache (``pagedkv.impl.serving.paged_kv``) and are read back through block
+tables; there is no ``past_key_values``. One :meth:`PagedAttentionEngine.step`:
 
-1. **schedule**: ``impl.scheduler`` picks each sequence's tokens to compute (decodes and prompt
-   chunks), growing block tables, admitting requests (prefix-cache hits skip their cached
-   tokens) and preempting by recompute when memory runs out;
+1. **schedule**: ``pagedkv.impl.serving.scheduler`` picks each sequence's tokens to compute
+   (decodes and prompt chunks), growing block tables, admitting requests (prefix-cache hits skip
+   their cached tokens) and preempting by recompute when memory runs out;
 2. **copy-on-write**: the copy pairs the growth produced are applied with
    ``kernels.copy_blocks``, before anything is written;
 3. **block tables -> slot mapping**: the batch's tables go to ``kernels.slot_mapping``, which
@@ -16,9 +16,10 @@ there is no ``past_key_values``. One :meth:`PagedAttentionEngine.step`:
 5. **sample**: the logits of each sequence whose known tokens are now all computed give its next
    token (greedy or seeded sampling; ``n`` tokens fork a parallel-sampling request);
 6. **free**: finished sequences free their blocks at once; full blocks are registered with the
-   prefix cache. The step's :class:`impl.metrics.StepMetrics` are recorded.
+   prefix cache. The step's :class:`pagedkv.impl.serving.metrics.StepMetrics` are recorded.
 
-``python -m impl.engine`` runs a small generation and prints the metrics of every step.
+``python -m pagedkv.impl.serving.engine`` runs a small generation and prints the metrics of every
+step.
 """
 
 from __future__ import annotations
@@ -31,16 +32,16 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from impl.block_manager import BlockManager
-from impl.block_tables import BlockTableStore
-from impl.metrics import StepMetrics, step_metrics
-from impl.model import CausalLM, ModelConfig
-from impl.paged_kv import PagedKVCache
-from impl.prefix_cache import PrefixCachingBlockManager, check_tokens
-from impl.sampling import sample_token
-from impl.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Sequence
-from kernels import resolve_backend
-from spec.block_manager import check_int
+from pagedkv.impl.blocks.manager import BlockManager
+from pagedkv.impl.blocks.prefix_cache import PrefixCachingBlockManager, check_tokens
+from pagedkv.impl.blocks.table_store import BlockTableStore
+from pagedkv.impl.serving.metrics import StepMetrics, step_metrics
+from pagedkv.impl.serving.model import CausalLM, ModelConfig
+from pagedkv.impl.serving.paged_kv import PagedKVCache
+from pagedkv.impl.serving.sampling import sample_token
+from pagedkv.impl.serving.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Sequence
+from pagedkv.kernels import resolve_backend
+from pagedkv.spec.block_manager import check_int
 
 
 @dataclass
@@ -73,13 +74,14 @@ class StepOutput:
 
 
 class PagedAttentionEngine:
-    """Serve a :class:`impl.model.CausalLM` from a pool of ``total_blocks`` KV blocks.
+    """Serve a :class:`pagedkv.impl.serving.model.CausalLM` from a pool of ``total_blocks`` KV
+    blocks.
 
-    ``max_num_seqs``, ``max_num_batched_tokens`` and ``watermark_blocks`` configure the
-    scheduler (``impl.scheduler.SchedulerConfig``). ``enable_prefix_caching`` chooses the
+    ``max_num_seqs``, ``max_num_batched_tokens`` and ``watermark_blocks`` configure the scheduler
+    (``pagedkv.impl.serving.scheduler.SchedulerConfig``). ``enable_prefix_caching`` chooses the
     prefix-caching block manager; the engine's code is the same either way. ``backend`` is the
-    kernels' backend (``None``: ``PAGEDKV_BACKEND`` or auto). With ``keep_logits`` each output
-    keeps the logits of every step, for comparison with an oracle.
+    kernels' backend (``None``: ``PAGEDKV_BACKEND`` or auto). With ``keep_logits`` each output keeps
+    the logits of every step, for comparison with an oracle.
     """
 
     def __init__(
@@ -273,7 +275,9 @@ class PagedAttentionEngine:
 
 def main(argv: abc.Sequence[str] | None = None) -> None:
     """A small generation with a tiny seeded model, printing every step's metrics."""
-    parser = argparse.ArgumentParser(prog="python -m impl.engine", description=main.__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m pagedkv.impl.serving.engine", description=main.__doc__
+    )
     parser.add_argument("--blocks", type=int, default=24, help="KV blocks in the pool")
     parser.add_argument("--block-size", type=int, default=4)
     parser.add_argument("--requests", type=int, default=8)

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
-from impl.model import ModelConfig
-from kernels.reference import causal_attention, gather_kv
+from pagedkv import kernels
+from pagedkv.impl.serving.model import ModelConfig
+from pagedkv.kernels.reference import causal_attention, gather_kv
 
 
 class PagedKVCache:
@@ -97,7 +97,8 @@ class PagedKVCache:
 
 @dataclass(frozen=True)
 class PagedStep:
-    """One step's view of a :class:`PagedKVCache`: implements ``impl.model.KVAttention``."""
+    """One step's view of a :class:`PagedKVCache`: implements
+    ``pagedkv.impl.serving.model.KVAttention``."""
 
     cache: PagedKVCache
     positions: torch.Tensor  # int64 [T]: each flat token's position in its sequence

@@ -4,7 +4,7 @@ For any sequence of calls, :class:`BlockManager` returns what the spec returns (
 same order, same result types), raises the spec's exception classes in the spec's precedence,
 and leaves the same free queue and reference counts. No Python object exists per block:
 reference counts are one ``int32`` array and the free queue is a
-:class:`impl.free_queue.FreeBlockQueue`.
+:class:`pagedkv.impl.blocks.free_queue.FreeBlockQueue`.
 
 Besides the spec's API it offers :meth:`BlockManager.allocate_array` and
 :meth:`BlockManager.free_array` (the same operations on numpy id arrays, skipping the conversion
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from impl.free_queue import FreeBlockQueue
-from spec.block_manager import (
+from pagedkv.impl.blocks.free_queue import FreeBlockQueue
+from pagedkv.spec.block_manager import (
     BlockTableError,
     OutOfBlocksError,
     blocks_needed,
@@ -48,7 +48,7 @@ class BlockManager:
     Python work per call is O(1) and the array work O(1) per block. A call that raises changes
     nothing.
 
-    ``impl.block_tables`` drives the same state through the package-private ``_take``,
+    ``pagedkv.impl.blocks.table_store`` drives the same state through the package-private ``_take``,
     ``_release_table``, ``_release_tables``, ``_drop_refs`` and ``_record_copies``, which trust
     their arguments.
     """

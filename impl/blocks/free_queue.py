@@ -33,7 +33,7 @@ class FreeBlockQueue:
     """A FIFO queue of distinct block ids in ``[0, num_blocks)``, initially ``0, 1, ..., n-1``.
 
     Callers guarantee the preconditions stated on each method; they are not re-checked here
-    (``impl.block_manager`` validates its arguments before it touches the queue).
+    (``pagedkv.impl.blocks.manager`` validates its arguments before it touches the queue).
     """
 
     def __init__(self, num_blocks: int) -> None:

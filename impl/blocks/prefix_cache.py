@@ -8,8 +8,8 @@ queue, reference counts, cached keys and counters. Keys are the spec's own
 
 What differs is cost:
 
-* *Revival* is :meth:`impl.free_queue.FreeBlockQueue.remove`, O(1) (a tombstone), where the
-  spec's ``deque.remove`` scans the queue.
+* *Revival* is :meth:`pagedkv.impl.blocks.free_queue.FreeBlockQueue.remove`, O(1) (a tombstone),
+  where the spec's ``deque.remove`` scans the queue.
 * *Lookup* is O(prompt length). ``BlockKey.__eq__`` walks both parent chains until they reach
   the same object; the spec builds a fresh chain per prompt, so comparing block ``i`` walks ``i``
   levels and a prompt of ``n`` blocks costs O(n^2) comparisons. Here each computed key takes the
@@ -18,8 +18,9 @@ What differs is cost:
 * *Registration* (``cache_blocks``, called again whenever decode fills a block) takes a block's
   own key without hashing when the block already carries it: a tuple comparison per block.
 * *Eviction* hooks the block manager's ``_take``, which every allocation path uses (``allocate``,
-  ``append_slot``, and ``impl.block_tables.BlockTableStore``'s ``add``/``add_prompt``/``grow``):
-  per taken block one C-level set membership test, a dict deletion only for cached blocks.
+  ``append_slot``, and ``pagedkv.impl.blocks.table_store.BlockTableStore``'s
+  ``add``/``add_prompt``/``grow``): per taken block one C-level set membership test, a dict deletion
+  only for cached blocks.
 
 State beyond the block manager's arrays: two dicts over cached blocks only (block id -> key,
 key -> block id), and the counters. A manager with nothing cached costs what a plain one does.
@@ -32,9 +33,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from impl.block_manager import BlockManager, BlockTableError, IdArray
-from spec.block_manager import blocks_needed, check_int
-from spec.prefix_cache import BlockKey, PrefixCacheStats, default_block_hash
+from pagedkv.impl.blocks.manager import BlockManager, BlockTableError, IdArray
+from pagedkv.spec.block_manager import blocks_needed, check_int
+from pagedkv.spec.prefix_cache import BlockKey, PrefixCacheStats, default_block_hash
 
 __all__ = ["BlockKey", "PrefixCacheStats", "PrefixCachingBlockManager", "check_tokens"]
 
@@ -82,7 +83,7 @@ class PrefixCachingBlockManager(BlockManager):
     impl passes it a cached parent key where the spec passes an equal fresh one, and does not
     call it again for a key a block of the table being registered already carries.
 
-    ``impl.block_tables.BlockTableStore`` drives it through the package-private
+    ``pagedkv.impl.blocks.table_store.BlockTableStore`` drives it through the package-private
     ``_plan_prompt``, ``_apply_prompt`` and ``_cache_ids``.
     """
 
