@@ -6,7 +6,8 @@ Suites (``benchmark.group`` names them; ``extra_info`` says which side and which
   by one token, compute the step's ``slot_mapping`` and the int32 block-tables tensor. ``spec``
   loops ``append_slot`` + ``translate_slot`` per sequence and builds the tensors from lists;
   ``impl`` makes a ``SeqBatch`` and calls ``grow``, ``slot_mapping`` and
-  ``block_tables_tensor`` once each. Every ``DECODE_STEPS`` rounds the trace restarts (untimed).
+  ``page_tables.block_tables`` once each. Every ``DECODE_STEPS`` rounds the trace restarts
+  (untimed).
 * ``pool-{allocate,free}-n{n}``: vLLM-style pool microbenchmarks on a 100k-block pool. ``spec``
   and ``impl`` use the spec's list API; ``impl-array`` uses ``allocate_array``/``free_array``.
 * ``test_impl_memory_1m_blocks``: tracemalloc footprint of a 1,000,000-block ``impl`` manager,
@@ -30,6 +31,7 @@ import torch
 
 import pagedkv.spec.block_manager as spec_bm
 from pagedkv.impl.blocks.manager import BlockManager
+from pagedkv.impl.blocks.page_tables import block_tables
 from pagedkv.impl.blocks.table_store import BlockTableStore, SeqBatch
 
 BLOCK_SIZES = (1, 4, 16, 64, 256)
@@ -109,7 +111,10 @@ class ImplDecode:
         batch = self.store.batch(self.seq_ids) if self.resolve_each_step else self.batch
         failed = self.store.grow(batch, 1)
         assert not failed
-        return self.store.slot_mapping(batch), self.store.block_tables_tensor(batch)
+        return (
+            torch.from_numpy(self.store.slot_mapping(batch)),
+            torch.from_numpy(block_tables(self.store, batch)),
+        )
 
 
 DECODE_SIDES = {

@@ -102,18 +102,10 @@ class TokenCodec:
         )
 
 
-class _SlotPool:
-    """The part of a block manager the scheduler reads, for slots instead of blocks."""
-
-    def __init__(self, total_slots: int) -> None:
-        self.total_blocks = total_slots
-        self.num_free_blocks = total_slots
-
-
 class ContiguousStore:
-    """Contiguous KV regions, one per sequence, behind the ``BlockTableStore`` methods that
-    :class:`pagedkv.impl.serving.scheduler.Scheduler` calls (``fork`` excepted). A "block" is one
-    slot.
+    """Contiguous KV regions, one per sequence, behind the scheduler's
+    :class:`pagedkv.impl.serving.block_store.BlockStore` protocol (``fork`` raises: contiguous
+    memory cannot be shared). A "block" is one slot.
 
     ``add_prompt`` reserves ``reservation_of(tokens)`` slots at once; ``grow`` only moves the
     token count inside the reservation. A growth past it means the policy under-reserved, which
@@ -129,7 +121,8 @@ class ContiguousStore:
         max_len: int,
         reservation_of: Callable[[Sequence[int]], int],
     ) -> None:
-        self.manager = _SlotPool(budget_slots)
+        self.total_blocks = budget_slots
+        self.num_free_blocks = budget_slots
         self.max_seqs = max_seqs
         self.max_blocks_per_seq = max_len
         self._reservation_of = reservation_of
@@ -142,13 +135,13 @@ class ContiguousStore:
     def add_prompt(self, seq_id: int, token_ids: Sequence[int]) -> int:
         """Reserve the sequence's region and hold its prompt; nothing is ever cached (0)."""
         reserved = self._reservation_of(token_ids)
-        if reserved > self.manager.num_free_blocks:
+        if reserved > self.num_free_blocks:
             raise OutOfBlocksError(
-                f"asked for {reserved} slots but only {self.manager.num_free_blocks} are free"
+                f"asked for {reserved} slots but only {self.num_free_blocks} are free"
             )
         if len(token_ids) > reserved:
             raise RuntimeError(f"sequence {seq_id} outgrows its reservation of {reserved}")
-        self.manager.num_free_blocks -= reserved
+        self.num_free_blocks -= reserved
         self.reserved[seq_id] = reserved
         self.counts[seq_id] = len(token_ids)
         return 0
@@ -170,8 +163,12 @@ class ContiguousStore:
 
     def remove(self, seq_ids: Sequence[int]) -> None:
         for seq_id in seq_ids:
-            self.manager.num_free_blocks += self.reserved.pop(seq_id)
+            self.num_free_blocks += self.reserved.pop(seq_id)
             del self.counts[seq_id]
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """Contiguous memory cannot be shared: the simulator runs every sample as a request."""
+        raise NotImplementedError("a contiguous reservation cannot be shared by a fork")
 
     def cache_blocks(self, seq_id: int, token_ids: Sequence[int]) -> int:
         return 0
@@ -377,7 +374,7 @@ def _measure(
         num_blocks = store.num_blocks[store.batch(ids).rows].astype(np.int64)
         allocated = num_blocks * store.block_size
         logical_blocks = int(num_blocks.sum())
-        physical_blocks = store.manager.total_blocks - store.manager.num_free_blocks
+        physical_blocks = store.total_blocks - store.num_free_blocks
     token, reservation, internal = split_slots(allocated, counts, final)
     held = int(allocated.sum())
     if physical_blocks != logical_blocks:  # shared blocks: count each once
@@ -388,7 +385,7 @@ def _measure(
         # parts add up to the slots held.
         reservation = min(reservation, held - token)
         internal = held - token - reservation
-    budget = store.manager.total_blocks * store.block_size
+    budget = store.total_blocks * store.block_size
     return (
         len(output.scheduled),
         output.num_batched_tokens,

@@ -8,6 +8,8 @@ import pytest
 from bench.simulator import ContiguousStore, ServingConfig, TokenCodec, simulate
 from bench.utilization_policies import PAPER_CONTIGUOUS, Paged, lifetime_breakdown
 from bench.workloads import Request, Workload, alpaca_like, chapter_toy, shared_prefix
+from pagedkv.impl.blocks import BlockManager, BlockTableStore
+from pagedkv.impl.serving.block_store import BlockStore
 
 SMALL = alpaca_like(30)
 ROOMY = ServingConfig(budget_slots=30 * 2048, max_num_seqs=30, max_num_batched_tokens=10**6)
@@ -76,6 +78,16 @@ def test_sharing_counts_shared_blocks_once() -> None:
     assert shared.tokens_per_step < copied.tokens_per_step  # cached prompt blocks are skipped
 
 
+def test_both_stores_are_what_the_scheduler_needs() -> None:
+    """The paged store and the contiguous one both implement the scheduler's protocol, with no
+    block manager behind the contiguous one."""
+    contiguous = ContiguousStore(100, 4, 50, reservation_of=lambda tokens: 8)
+    assert isinstance(contiguous, BlockStore) and not hasattr(contiguous, "manager")
+    assert isinstance(BlockTableStore(BlockManager(8, 4), 2, 4), BlockStore)
+    with pytest.raises(NotImplementedError, match="cannot be shared"):
+        contiguous.fork(0, 1)
+
+
 def test_contiguous_store_refuses_to_outgrow_a_reservation() -> None:
     store = ContiguousStore(100, 4, 50, reservation_of=lambda tokens: 8)
     assert store.add_prompt(0, [1] * 6) == 0
@@ -85,7 +97,7 @@ def test_contiguous_store_refuses_to_outgrow_a_reservation() -> None:
     with pytest.raises(RuntimeError, match="outgrows its reservation"):
         store.add_prompt(1, [1] * 9)
     store.remove([0])
-    assert store.manager.num_free_blocks == 100
+    assert store.num_free_blocks == 100
 
 
 def test_token_codec_names_every_sample() -> None:

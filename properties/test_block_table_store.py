@@ -9,7 +9,8 @@ FlashAttention exports round-trip to the same tables and counts. Bad input raise
 error and changes nothing. After every step the table array (including its ``-1`` padding and
 the rows no sequence holds), the free queue and every reference count agree with the model.
 
-``STORE`` is a class attribute so that ``test_impl_planted_bugs`` can swap in broken copies.
+``STORE`` and ``PAGE_TABLES`` are class attributes so that ``test_impl_planted_bugs`` can swap in
+broken copies.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ import copy
 from typing import Any, ClassVar
 
 import numpy as np
-import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import pagedkv.spec.block_manager as spec_bm
+from pagedkv.impl.blocks import page_tables
 from pagedkv.impl.blocks.manager import BlockManager
 from pagedkv.impl.blocks.table_store import BlockTableStore, CapacityError, SeqBatch
 
@@ -33,6 +34,7 @@ class StoreMachine(RuleBasedStateMachine):
     """A BlockTableStore on an impl manager, and the spec driven sequence by sequence."""
 
     STORE: ClassVar[type] = BlockTableStore
+    PAGE_TABLES: ClassVar[Any] = page_tables
 
     @initialize(
         total_blocks=st.integers(1, 24),
@@ -94,7 +96,7 @@ class StoreMachine(RuleBasedStateMachine):
     def pairs(self) -> None:
         expected = self.spec.pop_copy_pairs()
         actual = self.store.pop_copy_pairs()
-        assert actual.dtype == torch.int32 and actual.shape == (len(expected), 2)
+        assert actual.dtype == np.int32 and actual.shape == (len(expected), 2)
         assert [tuple(pair) for pair in actual.tolist()] == expected
 
     # ----------------------------------------------------------------- lifecycle
@@ -218,7 +220,7 @@ class StoreMachine(RuleBasedStateMachine):
         if uniform and not counts:
             argument = data.draw(st.integers(0, 3))
         slots = self.store.slot_mapping(self.as_batch(data, ids), argument, len(expected) + pad)
-        assert slots.dtype == torch.int32
+        assert slots.dtype == np.int32
         assert slots.tolist() == expected + [-1] * pad
 
     @precondition(lambda self: self.seqs)
@@ -246,15 +248,16 @@ class StoreMachine(RuleBasedStateMachine):
         tables = [self.seqs[s][0] for s in ids]
         counts = [self.seqs[s][1] for s in ids]
         padded = [t + [-1] * (self.max_blocks - len(t)) for t in tables]
-        block_tables = self.store.block_tables_tensor(batch)
-        assert block_tables.dtype == torch.int32
+        layouts = self.PAGE_TABLES
+        block_tables = layouts.block_tables(self.store, batch)
+        assert block_tables.dtype == np.int32
         assert block_tables.reshape(len(ids), self.max_blocks).tolist() == padded
-        assert self.store.context_lens_tensor(batch).tolist() == counts
-        block_table, seqlens = self.store.flash_attention_page_table(batch)
+        assert layouts.context_lens(self.store, batch).tolist() == counts
+        block_table, seqlens = layouts.flash_attention_page_table(self.store, batch)
         assert block_table.reshape(len(ids), self.max_blocks).tolist() == padded
         assert seqlens.tolist() == counts
-        indptr, indices, last_page_len = self.store.flashinfer_page_table(batch)
-        assert {indptr.dtype, indices.dtype, last_page_len.dtype} == {torch.int32}
+        indptr, indices, last_page_len = layouts.flashinfer_page_table(self.store, batch)
+        assert {indptr.dtype, indices.dtype, last_page_len.dtype} == {np.dtype(np.int32)}
         assert indptr.tolist()[0] == 0 and len(indptr) == len(ids) + 1
         for i, (table, count) in enumerate(zip(tables, counts, strict=True)):
             pages = indices[indptr[i] : indptr[i + 1]].tolist()
@@ -270,14 +273,21 @@ class StoreMachine(RuleBasedStateMachine):
         live = sorted(self.seqs)
         unknown = [s for s in range(12) if s not in self.seqs]
         store = self.store
+
+        def block_tables(seqs: Any) -> object:
+            return self.PAGE_TABLES.block_tables(store, seqs)
+
+        def flashinfer_page_table(seqs: Any) -> object:
+            return self.PAGE_TABLES.flashinfer_page_table(store, seqs)
+
         call = data.draw(
             st.sampled_from(
                 [
                     store.grow,
                     store.remove,
                     store.slot_mapping,
-                    store.block_tables_tensor,
-                    store.flashinfer_page_table,
+                    block_tables,
+                    flashinfer_page_table,
                     store.batch,
                 ]
             )
@@ -351,9 +361,9 @@ def test_stale_batch_is_resolved_again() -> None:
     both, only_nine = store.batch([7, 9]), store.batch([9])
     store.remove([7])
     store.add(10, 1)  # reuses row 0, where 7 was
-    assert store.context_lens_tensor(only_nine).tolist() == [5]
+    assert page_tables.context_lens(store, only_nine).tolist() == [5]
     try:
-        store.context_lens_tensor(both)
+        page_tables.context_lens(store, both)
     except KeyError:
         pass
     else:

@@ -17,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
 import pagedkv.impl.blocks.free_queue
 import pagedkv.impl.blocks.manager
+import pagedkv.impl.blocks.page_tables
 import pagedkv.impl.blocks.table_store
 from properties.mutants import FIND, load_mutant
 from properties.test_block_table_store import StoreMachine
@@ -69,13 +70,13 @@ BUGS: dict[str, tuple[types.ModuleType, str, str, str]] = {
     ),
     "allocate takes what is left instead of raising OutOfBlocksError": (
         pagedkv.impl.blocks.manager,
-        "        self._check_available(num_blocks)\n        return self._take(num_blocks)",
-        "        return self._take(min(num_blocks, len(self._free)))",
+        "        self._check_available(num_blocks)\n        return self.take_blocks(num_blocks)",
+        "        return self.take_blocks(min(num_blocks, len(self._free)))",
         "differential",
     ),
     "an atomic grow applies the sequences that fit": (
         pagedkv.impl.blocks.table_store,
-        "if atomic and not grown.all():",
+        "if atomic and failed:",
         "if False:",
         "store",
     ),
@@ -87,13 +88,13 @@ BUGS: dict[str, tuple[types.ModuleType, str, str, str]] = {
     ),
     "grow copies on write only from three owners up": (
         pagedkv.impl.blocks.table_store,
-        "shared = writes_last & (self.manager._ref.take(last) > 1)",
-        "shared = writes_last & (self.manager._ref.take(last) > 2)",
+        "shared = writes_last & (last_refs > 1)",
+        "shared = writes_last & (last_refs > 2)",
         "store",
     ),
     "fast path ignores a shared block written twice in one batch": (
         pagedkv.impl.blocks.table_store,
-        "any_shared and _has_repeats(last[shared])",
+        "shared.any() and has_repeats(last[shared])",
         "False",
         "store",
     ),
@@ -104,10 +105,10 @@ BUGS: dict[str, tuple[types.ModuleType, str, str, str]] = {
         "store",
     ),
     "FlashInfer last page length is 0 for a full page": (
-        pagedkv.impl.blocks.table_store,
-        "counts - (lengths - 1) * self.block_size",
-        "counts % self.block_size",
-        "store",
+        pagedkv.impl.blocks.page_tables,
+        "counts - (lengths - 1) * store.block_size",
+        "counts % store.block_size",
+        "page tables",
     ),
 }
 
@@ -115,6 +116,7 @@ SHARED = {
     pagedkv.impl.blocks.free_queue: (),
     pagedkv.impl.blocks.manager: ("BlockTableError", "OutOfBlocksError"),
     pagedkv.impl.blocks.table_store: ("CapacityError", "OutOfBlocksError"),
+    pagedkv.impl.blocks.page_tables: (),
 }
 
 
@@ -126,6 +128,8 @@ def machine_with(module: types.ModuleType, old: str, new: str, kind: str) -> typ
         base: type[RuleBasedStateMachine] = FreeQueueMachine
     elif kind == "store":
         attrs, base = {"STORE": mutant.BlockTableStore}, StoreMachine
+    elif kind == "page tables":
+        attrs, base = {"PAGE_TABLES": mutant}, StoreMachine
     else:
         manager = mutant
         if (
@@ -153,8 +157,9 @@ def machine_with(module: types.ModuleType, old: str, new: str, kind: str) -> typ
         (pagedkv.impl.blocks.free_queue, "live = window[window != TOMBSTONE]", "queue"),
         (pagedkv.impl.blocks.manager, "self._free.extend(freed[::-1].copy())", "differential"),
         (pagedkv.impl.blocks.table_store, "        self._tables[rows] = PAD\n", "store"),
+        (pagedkv.impl.blocks.page_tables, "def flashinfer_page_table(", "page tables"),
     ],
-    ids=["queue-in-manager", "queue", "manager", "store"],
+    ids=["queue-in-manager", "queue", "manager", "store", "page-tables"],
 )
 def test_control_unmutated_copy_passes(module: types.ModuleType, snippet: str, kind: str) -> None:
     """The loading path itself is sound: an identity 'mutation' passes each machine."""

@@ -48,9 +48,8 @@ class BlockManager:
     Python work per call is O(1) and the array work O(1) per block. A call that raises changes
     nothing.
 
-    ``pagedkv.impl.blocks.table_store`` drives the same state through the package-private ``_take``,
-    ``_release_table``, ``_release_tables``, ``_drop_refs`` and ``_record_copies``, which trust
-    their arguments.
+    :class:`pagedkv.impl.blocks.table_store.BlockTableStore` drives the same state through the
+    trusted API at the end of the class, which skips the checks (its contract is written there).
     """
 
     def __init__(self, total_blocks: int, block_size: int = 16) -> None:
@@ -91,7 +90,7 @@ class BlockManager:
         The caller must copy block ``src`` into block ``dst`` for every pair, in order, before
         writing new KV data. (``BlockTableStore.pop_copy_pairs`` drains the same pairs.)
         """
-        return [(src, dst) for src, dst in self._pop_copy_pairs_array().tolist()]
+        return [(src, dst) for src, dst in self.pop_copy_pairs_array().tolist()]
 
     # ----------------------------------------------------------------- the spec's operations
 
@@ -130,11 +129,10 @@ class BlockManager:
         table = list(block_table)
         if num_fresh == 0:
             return table
-        fresh = self._take(num_fresh)
+        fresh = self.take_blocks(num_fresh)
         if shared.size:
             src, dst = ids[shared], fresh[: shared.size]
-            self._drop_refs(src, distinct=True)
-            self._record_copies(src, dst)
+            self.copy_on_write(src, dst)
             for index, fresh_id in zip(shared.tolist(), dst.tolist(), strict=True):
                 table[index] = fresh_id
         return table + fresh[shared.size :].tolist()
@@ -152,7 +150,7 @@ class BlockManager:
         block first. Unknown, repeated or already-free ids raise ``BlockTableError`` before
         anything changes.
         """
-        self._release_table(*self._live_table(block_table))
+        self._release_held(*self._live_table(block_table))
 
     def translate_slot(self, block_table: Sequence[int], token_pos: int) -> int:
         """Physical slot of ``token_pos`` in a live table (module-level ``translate_slot``)."""
@@ -165,14 +163,14 @@ class BlockManager:
         """``allocate``, returning the ids as a new ``intp`` array instead of a list."""
         check_int("num_blocks", num_blocks, 0)
         self._check_available(num_blocks)
-        return self._take(num_blocks)
+        return self.take_blocks(num_blocks)
 
     def free_array(self, block_ids: NDArray[np.integer]) -> None:
         """``free`` for a table given as a 1-D integer numpy array: same order, same errors.
 
         Raises ``TypeError`` for anything but a 1-D array of an integer dtype.
         """
-        self._release_table(*self._live_array(block_ids))
+        self._release_held(*self._live_array(block_ids))
 
     # ----------------------------------------------------------------- validation
 
@@ -248,28 +246,50 @@ class BlockManager:
                 f"asked for {num_blocks} blocks but only {len(self._free)} are free"
             )
 
-    # ----------------------------------------------------------------- trusted internals
+    # ----------------------------------------------------------------- trusted API
+    #
+    # Contract. These methods do what the checked operations above do, on numpy id arrays, and
+    # check NOTHING about their arguments: not the ids' range, not that a table's ids are
+    # distinct, not that a released or shared block is held, not that enough blocks are free.
+    # A caller that breaks a precondition corrupts the pool (a block in two tables, or freed
+    # twice) without an error. They exist for a caller that owns its tables and keeps these
+    # invariants itself, as BlockTableStore does, which makes them safe there:
+    #
+    # * every id it passes is read from its own tables, which hold exactly blocks this manager
+    #   handed out (``take_blocks``/``share_blocks``) and not yet released, so ids are in range,
+    #   distinct within a table, and each table's hold is counted in ``ref_counts_of``;
+    # * it compares with ``num_free_blocks`` before it takes, and validates every argument of
+    #   its own public methods before it calls any of these, so a call never fails halfway.
+    #
+    # Everyone else uses the checked API, which raises before anything changes.
 
-    def _take(self, num_blocks: int) -> IdArray:
-        """Pop ``num_blocks`` (<= free) ids from the head, each now with ``ref_count`` 1."""
+    def take_blocks(self, num_blocks: int) -> IdArray:
+        """Pop ``num_blocks`` (``<= num_free_blocks``) ids from the head of the free queue for
+        a new owner, each now with ``ref_count`` 1. The trusted ``allocate_array``."""
         taken = self._free.popleft(num_blocks)
         self._ref[taken] = 1
         return taken
 
-    def _release_table(self, ids: IdArray, held: NDArray[np.int32]) -> None:
-        """Drop one reference from each block of one table (``ids`` in table order, ``held``
-        their counts); blocks that reach 0 join the free queue's tail, the LAST one first.
-        """
-        remaining = held - 1
-        self._ref[ids] = remaining
-        freed = ids[remaining == 0] if np.count_nonzero(remaining) else ids
-        self._free.extend(freed[::-1].copy())  # contiguous: faster scatters in extend
+    def share_blocks(self, ids: IdArray) -> None:
+        """Give each block of a live table (distinct, held ids) one more owner: ``fork``."""
+        self._ref[ids] += 1
 
-    def _release_tables(self, ids: IdArray) -> None:
-        """Drop one reference per occurrence in ``ids`` (several tables' ids), in order.
+    def ref_counts_of(self, ids: IdArray) -> NDArray[np.int32]:
+        """The reference counts of ``ids`` (in range), as a new array."""
+        return self._ref.take(ids)
+
+    def release_blocks(self, ids: IdArray) -> None:
+        """Drop one owner's hold on one live table (``ids`` in table order): ``free``.
+
+        Blocks that reach 0 join the free queue's tail, the table's LAST block first.
+        """
+        self._release_held(ids, self._ref[ids])
+
+    def release_blocks_in_order(self, ids: IdArray) -> None:
+        """Drop one reference per occurrence in ``ids``, in order (several tables' ids).
 
         A block joins the free queue's tail when its count reaches 0, at its last occurrence.
-        Requires every count to cover its occurrences.
+        Every block's count must cover its occurrences.
         """
         unique, first_in_reverse, counts = np.unique(
             ids[::-1], return_index=True, return_counts=True
@@ -280,21 +300,23 @@ class BlockManager:
         last_occurrence = ids.size - 1 - first_in_reverse[freed]
         self._free.extend(unique[freed][np.argsort(last_occurrence)])
 
-    def _drop_refs(self, ids: IdArray, *, distinct: bool) -> None:
-        """Drop one reference per occurrence (copy-on-write sources, whose counts stay >= 1)."""
-        if distinct:
-            self._ref[ids] -= 1
-            return
-        unique, counts = np.unique(ids, return_counts=True)
-        self._ref[unique] -= counts.astype(np.int32)
-
-    def _record_copies(self, src: IdArray, dst: IdArray) -> None:
-        """Queue the copy-on-write pairs ``(src[i], dst[i])``, in order."""
+    def copy_on_write(self, src: IdArray, dst: IdArray) -> None:
+        """Record that block ``dst[i]`` (freshly taken) replaces the shared ``src[i]`` in one
+        table, for every ``i`` in order: each ``src`` occurrence loses that table's hold (its
+        count stays >= 1) and ``(src[i], dst[i])`` is queued for :meth:`pop_copy_pairs`."""
+        np.subtract.at(self._ref, src, 1)
         self._copy_pairs.append(np.stack((src, dst), axis=1).astype(np.int32))
 
-    def _pop_copy_pairs_array(self) -> NDArray[np.int32]:
-        """The pending copy-on-write pairs as a new ``int32[P, 2]`` array; forgets them."""
+    def pop_copy_pairs_array(self) -> NDArray[np.int32]:
+        """:meth:`pop_copy_pairs` as a new ``int32[P, 2]`` array of ``(src, dst)`` rows."""
         pairs, self._copy_pairs = self._copy_pairs, []
         if not pairs:
             return np.empty((0, 2), dtype=np.int32)
         return pairs[0] if len(pairs) == 1 else np.concatenate(pairs)
+
+    def _release_held(self, ids: IdArray, held: NDArray[np.int32]) -> None:
+        """``release_blocks`` given the table's counts ``held`` (already read by a check)."""
+        remaining = held - 1
+        self._ref[ids] = remaining
+        freed = ids[remaining == 0] if np.count_nonzero(remaining) else ids
+        self._free.extend(freed[::-1].copy())  # contiguous: faster scatters in extend

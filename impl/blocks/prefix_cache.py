@@ -17,10 +17,9 @@ What differs is cost:
   registered keys chain to cached key objects too, so a hit compares one level.
 * *Registration* (``cache_blocks``, called again whenever decode fills a block) takes a block's
   own key without hashing when the block already carries it: a tuple comparison per block.
-* *Eviction* hooks the block manager's ``_take``, which every allocation path uses (``allocate``,
-  ``append_slot``, and ``pagedkv.impl.blocks.table_store.BlockTableStore``'s
-  ``add``/``add_prompt``/``grow``): per taken block one C-level set membership test, a dict deletion
-  only for cached blocks.
+* *Eviction* hooks the block manager's ``take_blocks``, which every allocation path uses
+  (``allocate``, ``append_slot``, and ``BlockTableStore``'s ``add``/``add_prompt``/``grow``):
+  per taken block one C-level set membership test, a dict deletion only for cached blocks.
 
 State beyond the block manager's arrays: two dicts over cached blocks only (block id -> key,
 key -> block id), and the counters. A manager with nothing cached costs what a plain one does.
@@ -107,7 +106,7 @@ class PrefixCachingBlockManager(BlockManager):
 
         At most ``max_hit_blocks(len(token_ids))`` blocks; the search stops at the first miss.
         """
-        return self._plan_prompt(token_ids, extra_key).hits.tolist()
+        return self.plan_prompt(token_ids, extra_key).hits.tolist()
 
     def max_hit_blocks(self, prompt_len: int) -> int:
         """Rule: the last prompt token is always recomputed, so at most this many blocks hit."""
@@ -115,7 +114,7 @@ class PrefixCachingBlockManager(BlockManager):
 
     def blocks_to_allocate(self, token_ids: Sequence[int], extra_key: Hashable = None) -> int:
         """Free blocks ``allocate_prompt`` would consume: fresh blocks plus revived cached ones."""
-        return self._plan_prompt(token_ids, extra_key).needed
+        return self.plan_prompt(token_ids, extra_key).needed
 
     def key_of(self, block_id: int) -> BlockKey | None:
         """The key a block is cached under, or None."""
@@ -130,6 +129,18 @@ class PrefixCachingBlockManager(BlockManager):
         """Blocks that currently carry a key (held or free)."""
         return len(self._key_of)
 
+    def plan_prompt(self, token_ids: Sequence[int], extra_key: Hashable = None) -> PromptPlan:
+        """Validate a prompt and find its hits: what ``allocate_prompt`` would do, changing
+        nothing. ``TypeError``/``ValueError`` for token ids that are not non-negative ints."""
+        tokens = check_tokens(token_ids)
+        queried = self.max_hit_blocks(len(tokens))
+        cached = self._chain(tokens, extra_key)[1][:queried]
+        num_hits = cached.index(None) if None in cached else len(cached)
+        hits = np.array(cached[:num_hits], dtype=np.intp)
+        revived = hits[self._ref[hits] == 0]
+        num_blocks = blocks_needed(len(tokens), self.block_size)
+        return PromptPlan(hits, revived, num_blocks, queried, num_hits * self.block_size)
+
     # ----------------------------------------------------------------- operations
 
     def allocate_prompt(
@@ -142,9 +153,9 @@ class PrefixCachingBlockManager(BlockManager):
         queue, evicting their keys. All-or-nothing: ``OutOfBlocksError`` if ``blocks_to_allocate``
         exceeds the free blocks, and nothing changes (counters included).
         """
-        plan = self._plan_prompt(token_ids, extra_key)
+        plan = self.plan_prompt(token_ids, extra_key)
         self._check_available(plan.needed)
-        fresh = self._apply_prompt(plan)
+        fresh = self.apply_prompt_plan(plan)
         return plan.hits.tolist() + fresh.tolist(), plan.cached_tokens
 
     def cache_blocks(
@@ -157,7 +168,7 @@ class PrefixCachingBlockManager(BlockManager):
         raise ``ValueError``; nothing changes on error.
         """
         ids, _ = self._live_table(block_table)
-        return self._cache_ids(ids, check_tokens(token_ids), extra_key)
+        return self.cache_table_blocks(ids, check_tokens(token_ids), extra_key)
 
     # ----------------------------------------------------------------- internals
 
@@ -196,28 +207,27 @@ class PrefixCachingBlockManager(BlockManager):
             parent = key
         return keys, cached
 
-    def _plan_prompt(self, token_ids: Sequence[int], extra_key: Hashable) -> PromptPlan:
-        """Validate a prompt and find its hits; changes nothing."""
-        tokens = check_tokens(token_ids)
-        queried = self.max_hit_blocks(len(tokens))
-        cached = self._chain(tokens, extra_key)[1][:queried]
-        num_hits = cached.index(None) if None in cached else len(cached)
-        hits = np.array(cached[:num_hits], dtype=np.intp)
-        revived = hits[self._ref[hits] == 0]
-        num_blocks = blocks_needed(len(tokens), self.block_size)
-        return PromptPlan(hits, revived, num_blocks, queried, num_hits * self.block_size)
+    # ----------------------------------------------------------------- trusted API
+    #
+    # Contract, as for the block manager's trusted API: no argument is checked. Safe for
+    # BlockTableStore because it applies a plan in the same call that made it (nothing changes
+    # in between), after comparing ``plan.needed`` with ``num_free_blocks``, and registers only
+    # ids read from one of its own live tables, with token ids that ``check_tokens`` passed.
 
-    def _apply_prompt(self, plan: PromptPlan) -> IdArray:
-        """Carry out a plan (``plan.needed`` must be free); return the fresh blocks."""
+    def apply_prompt_plan(self, plan: PromptPlan) -> IdArray:
+        """Carry out the plan just made by :meth:`plan_prompt`, with no change to the manager
+        since and ``plan.needed <= num_free_blocks``; return the fresh blocks, in table order."""
         self.stats.queried_blocks += plan.queried
         self.stats.hit_blocks += plan.hits.size
         for block_id in plan.revived.tolist():
             self._free.remove(block_id)  # O(1); the rest of the queue keeps its order
         self._ref[plan.hits] += 1  # distinct: one block per key
-        return self._take(plan.num_blocks - plan.hits.size)
+        return self.take_blocks(plan.num_blocks - plan.hits.size)
 
-    def _cache_ids(self, ids: IdArray, tokens: Sequence[int], extra_key: Hashable) -> int:
-        """``cache_blocks`` for a live table given as ids and validated tokens."""
+    def cache_table_blocks(self, ids: IdArray, tokens: Sequence[int], extra_key: Hashable) -> int:
+        """``cache_blocks`` for a live table given as ids, with checked tokens. Still raises,
+        changing nothing, what depends on the cache's state: ``ValueError`` for more tokens than
+        the table holds, ``BlockTableError`` for a block cached with other tokens."""
         table = ids.tolist()
         keys, cached = self._chain(tokens, extra_key, table)
         if len(tokens) > len(table) * self.block_size:
@@ -237,9 +247,9 @@ class PrefixCachingBlockManager(BlockManager):
                 newly_cached += 1
         return newly_cached
 
-    def _take(self, num_blocks: int) -> IdArray:
+    def take_blocks(self, num_blocks: int) -> IdArray:
         """Rule: a block handed to a new owner loses its key (LRU eviction via the FIFO queue)."""
-        taken = super()._take(num_blocks)
+        taken = super().take_blocks(num_blocks)
         if self._key_of:
             for block_id in self._key_of.keys() & taken.tolist():
                 del self._block_of[self._key_of.pop(block_id)]

@@ -2,10 +2,13 @@
 
 :class:`BlockTableStore` owns the tables of sequences keyed by caller-chosen int ids and drives a
 :class:`pagedkv.impl.blocks.manager.BlockManager` with whole batches: grow every running sequence by
-its new tokens, compute the step's ``slot_mapping``, and export the tables in the layouts attention
-kernels read (a padded ``[batch, max_blocks_per_seq]`` table as FlashAttention takes it, and
-FlashInfer's CSR page table). Each batch operation is equivalent to calling the spec once per
-sequence, in batch order, and costs a fixed number of numpy calls.
+its new tokens and compute the step's ``slot_mapping``. Each batch operation is equivalent to
+calling the spec once per sequence, in batch order, and costs a fixed number of numpy calls.
+Results are numpy arrays (``torch.from_numpy`` shares them without a copy);
+:mod:`pagedkv.impl.blocks.page_tables` lays the tables out as attention kernels read them, and
+:mod:`pagedkv.impl.blocks.growth` decides, sequence by sequence, a batch the pool cannot serve
+whole. The store drives its manager through the manager's trusted API, under the contract
+written there: it validates every argument before it calls it.
 
 State, for ``S = max_seqs`` rows and ``M = max_blocks_per_seq`` columns:
 
@@ -33,9 +36,9 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
-import torch
 from numpy.typing import NDArray
 
+from pagedkv.impl.blocks.growth import has_repeats, plan_in_order
 from pagedkv.impl.blocks.manager import BlockManager, IdArray, OutOfBlocksError
 from pagedkv.impl.blocks.prefix_cache import (
     PrefixCacheStats,
@@ -122,6 +125,16 @@ class BlockTableStore:
         return self._tables.shape[1]
 
     @property
+    def total_blocks(self) -> int:
+        """Blocks in the manager's pool."""
+        return self.manager.total_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks in the manager's free queue (with prefix caching, cached free ones too)."""
+        return self.manager.num_free_blocks
+
+    @property
     def tables(self) -> NDArray[np.int32]:
         """Read-only view of the ``int32[max_seqs, max_blocks_per_seq]`` table array."""
         return _read_only(self._tables)
@@ -189,7 +202,7 @@ class BlockTableStore:
         check_int("prompt_len", prompt_len, 0)
         needed = blocks_needed(prompt_len, self.block_size)
         self._check_room(seq_id, needed, needed)
-        self._place(seq_id, self.manager._take(needed), prompt_len)
+        self._place(seq_id, self.manager.take_blocks(needed), prompt_len)
 
     def add_prompt(self, seq_id: int, token_ids: Sequence[int], extra_key: Hashable = None) -> int:
         """Add a sequence holding the prompt ``token_ids``; return how many of its tokens are
@@ -210,9 +223,9 @@ class BlockTableStore:
         if self._prefix is None:
             self.add(seq_id, len(check_tokens(token_ids)))
             return 0
-        plan = self._prefix._plan_prompt(token_ids, extra_key)
+        plan = self._prefix.plan_prompt(token_ids, extra_key)
         self._check_room(seq_id, plan.num_blocks, plan.needed)
-        fresh = self._prefix._apply_prompt(plan)
+        fresh = self._prefix.apply_prompt_plan(plan)
         self._place(seq_id, np.concatenate((plan.hits, fresh)), len(token_ids))
         return plan.cached_tokens
 
@@ -237,7 +250,7 @@ class BlockTableStore:
         if self._prefix is None:
             return 0
         blocks = self._tables[row, : self._num_blocks[row]].astype(np.intp)
-        return self._prefix._cache_ids(blocks, tokens, extra_key)
+        return self._prefix.cache_table_blocks(blocks, tokens, extra_key)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """Add ``child_id`` sharing ``parent_id``'s blocks and token count: ``manager.fork``."""
@@ -248,7 +261,7 @@ class BlockTableStore:
         row = self._free_rows.pop()
         length = self._num_blocks[parent_row]
         blocks = self._tables[parent_row, :length]
-        self.manager._ref[blocks] += 1  # one table: distinct ids
+        self.manager.share_blocks(blocks.astype(np.intp))
         self._tables[row, :length] = blocks
         self._num_blocks[row] = length
         self._token_counts[row] = self._token_counts[parent_row]
@@ -260,15 +273,16 @@ class BlockTableStore:
         Blocks that reach ``ref_count == 0`` join the free queue's tail in the order those
         calls would put them there (each table's last block first).
         """
-        batch = self._resolve(seqs)
+        batch = self.resolve(seqs)
         rows = batch.rows
         if rows.size == 1:
             row = int(rows[0])
-            blocks = self._tables[row, : self._num_blocks[row]].astype(np.intp)
-            self.manager._release_table(blocks, self.manager._ref[blocks])
+            self.manager.release_blocks(self._tables[row, : self._num_blocks[row]].astype(np.intp))
         elif rows.size > 1:
             reversed_tables = self._tables[rows, ::-1]  # padding first, then last block first
-            self.manager._release_tables(reversed_tables[reversed_tables != PAD].astype(np.intp))
+            self.manager.release_blocks_in_order(
+                reversed_tables[reversed_tables != PAD].astype(np.intp)
+            )
         self._tables[rows] = PAD
         self._num_blocks[rows] = 0
         self._token_counts[rows] = 0
@@ -314,7 +328,7 @@ class BlockTableStore:
         (changing nothing) ``CapacityError`` if any sequence would need more than
         ``max_blocks_per_seq`` blocks. Copy-on-write pairs go to :meth:`pop_copy_pairs`.
         """
-        batch = self._resolve(seqs)
+        batch = self.resolve(seqs)
         rows = batch.rows
         step = self._token_array("new_tokens", new_tokens, rows.size)
         if rows.size == 0:
@@ -336,38 +350,41 @@ class BlockTableStore:
         if not isinstance(step, int):
             writes_last &= step > 0
         last = self._tables.take(batch._base + lengths - 1)  # index -1 only if not writes_last
-        shared = writes_last & (self.manager._ref.take(last) > 1)
-        any_shared = np.count_nonzero(shared) > 0
-        num_fresh = growth + shared
-        total = int(num_fresh.sum())
-        # Fast path: every sequence grows, and no shared block is written twice in the batch.
-        if total <= self.manager.num_free_blocks and not (
-            any_shared and _has_repeats(last[shared])
+        last_refs = self.manager.ref_counts_of(last)
+        shared = writes_last & (last_refs > 1)
+        # Every sequence grows at once unless the pool runs short or two sequences write one
+        # shared block (the first writers copy it; once one owner is left it writes in place).
+        if int(growth.sum() + shared.sum()) > self.manager.num_free_blocks or (
+            shared.any() and has_repeats(last[shared])
         ):
-            self._apply_growth(batch._base, lengths, growth, shared, any_shared, last, total)
-            self._num_blocks[rows] = needed
-            self._token_counts[rows] = new_counts
-            return []
-        grown, shared = self._plan_in_order(growth, writes_last, last)
-        if atomic and not grown.all():
-            return [s for s, ok in zip(batch.seq_ids, grown.tolist(), strict=True) if not ok]
-        keep = grown.nonzero()[0]
-        rows, lengths, growth, shared = rows[keep], lengths[keep], growth[keep], shared[keep]
-        total = int(growth.sum() + shared.sum())
-        self._apply_growth(
-            batch._base[keep], lengths, growth, shared, bool(shared.any()), last[keep], total
-        )
-        self._num_blocks[rows] = needed[keep]
-        self._token_counts[rows] = new_counts[keep]
-        return [s for s, ok in zip(batch.seq_ids, grown.tolist(), strict=True) if not ok]
+            grown, shared = plan_in_order(
+                growth, writes_last, last, last_refs, self.manager.num_free_blocks
+            )
+            failed = [s for s, ok in zip(batch.seq_ids, grown.tolist(), strict=True) if not ok]
+            if atomic and failed:
+                return failed
+            keep = grown.nonzero()[0]
+            rows, base, lengths, growth = rows[keep], batch._base[keep], lengths[keep], growth[keep]
+            shared, last, needed, new_counts = (
+                shared[keep],
+                last[keep],
+                needed[keep],
+                new_counts[keep],
+            )
+        else:
+            failed, base = [], batch._base
+        self._apply_growth(rows, base, lengths, growth, shared, last)
+        self._num_blocks[rows] = needed
+        self._token_counts[rows] = new_counts
+        return failed
 
     def slot_mapping(
         self,
         seqs: SeqBatch | SeqIds | None = None,
         num_tokens: int | SeqIds = 1,
         pad_to: int | None = None,
-    ) -> torch.Tensor:
-        """Physical slots of each sequence's last ``num_tokens`` positions, as int32.
+    ) -> NDArray[np.int32]:
+        """Physical slots of each sequence's last ``num_tokens`` positions, as a new int32 array.
 
         For sequence ``i`` in batch order, positions ``count - k .. count - 1`` map to
         ``translate_slot(table, pos)``; the sequences' runs are concatenated. After
@@ -376,7 +393,7 @@ class BlockTableStore:
         the result is padded with ``PAD`` (-1) to that length. ``ValueError`` if some ``k``
         exceeds its sequence's count or the slots exceed ``pad_to``.
         """
-        batch = self._resolve(seqs)
+        batch = self.resolve(seqs)
         rows = batch.rows
         step = self._token_array("num_tokens", num_tokens, rows.size)
         if pad_to is not None:
@@ -399,63 +416,29 @@ class BlockTableStore:
             positions % self.block_size
         )
         if pad_to is None:
-            return torch.from_numpy(slots.astype(np.int32, copy=False))
+            return slots.astype(np.int32, copy=False)
         if pad_to < slots.size:
             raise ValueError(f"{slots.size} slots do not fit pad_to={pad_to}")
         padded = np.full(pad_to, PAD, dtype=np.int32)
         padded[: slots.size] = slots
-        return torch.from_numpy(padded)
+        return padded
 
-    def pop_copy_pairs(self) -> torch.Tensor:
-        """The manager's pending copy-on-write pairs as an int32 ``[P, 2]`` tensor of
+    def pop_copy_pairs(self) -> NDArray[np.int32]:
+        """The manager's pending copy-on-write pairs as an int32 ``[P, 2]`` array of
         ``(src, dst)`` rows, in order; forgets them (see ``BlockManager.pop_copy_pairs``)."""
-        return torch.from_numpy(self.manager._pop_copy_pairs_array())
+        return self.manager.pop_copy_pairs_array()
 
-    # ----------------------------------------------------------------- kernel exports
-
-    def block_tables_tensor(self, seqs: SeqBatch | SeqIds | None = None) -> torch.Tensor:
-        """The batch's tables as an int32 ``[batch, max_blocks_per_seq]`` tensor, -1 padded."""
-        return torch.from_numpy(self._tables.take(self._resolve(seqs).rows, axis=0))
-
-    def context_lens_tensor(self, seqs: SeqBatch | SeqIds | None = None) -> torch.Tensor:
-        """The batch's token counts as an int32 ``[batch]`` tensor."""
-        return torch.from_numpy(self._token_counts.take(self._resolve(seqs).rows))
-
-    def flash_attention_page_table(
-        self, seqs: SeqBatch | SeqIds | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """FlashAttention's paged-KV arguments: ``(block_table, cache_seqlens)``.
-
-        ``block_table`` is int32 ``[batch, max_blocks_per_seq]`` (entries past a sequence's
-        blocks are -1 and never read); ``cache_seqlens`` is int32 ``[batch]``.
-        """
-        rows = self._resolve(seqs).rows
-        return (
-            torch.from_numpy(self._tables.take(rows, axis=0)),
-            torch.from_numpy(self._token_counts.take(rows)),
-        )
-
-    def flashinfer_page_table(
-        self, seqs: SeqBatch | SeqIds | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """FlashInfer's CSR page table: ``(kv_indptr, kv_indices, kv_last_page_len)``, int32.
-
-        Sequence ``i``'s pages are ``kv_indices[kv_indptr[i]:kv_indptr[i + 1]]``, its table; its
-        last page holds ``kv_last_page_len[i]`` tokens (in ``1..block_size``; 0 for no page).
-        """
-        rows = self._resolve(seqs).rows
-        lengths = self._num_blocks[rows]
-        indptr = np.zeros(rows.size + 1, dtype=np.int32)
-        np.cumsum(lengths, out=indptr[1:])
-        tables = self._tables[rows]
-        indices = tables[np.arange(self.max_blocks_per_seq) < lengths[:, None]]
-        counts = self._token_counts[rows]
-        last_page_len = np.where(lengths > 0, counts - (lengths - 1) * self.block_size, 0)
-        return (
-            torch.from_numpy(indptr),
-            torch.from_numpy(indices),
-            torch.from_numpy(last_page_len.astype(np.int32)),
-        )
+    def resolve(self, seqs: SeqBatch | SeqIds | None) -> SeqBatch:
+        """``seqs`` as a current :class:`SeqBatch`: ``None`` is every live sequence in the order
+        added, ids are resolved with :meth:`batch`, and a batch made before the last ``remove``
+        is re-resolved from its ids (``KeyError`` if one is gone)."""
+        if seqs is None:
+            return self.batch(tuple(self._row_of))
+        if isinstance(seqs, SeqBatch):
+            if seqs._store is not self:
+                raise ValueError("the batch belongs to another BlockTableStore")
+            return seqs if seqs._epoch == self._epoch else self.batch(seqs.seq_ids)
+        return self.batch(seqs)
 
     # ----------------------------------------------------------------- internals
 
@@ -496,15 +479,6 @@ class BlockTableStore:
                 f"max_blocks_per_seq={self.max_blocks_per_seq}"
             )
 
-    def _resolve(self, seqs: SeqBatch | SeqIds | None) -> SeqBatch:
-        if seqs is None:
-            return self.batch(tuple(self._row_of))
-        if isinstance(seqs, SeqBatch):
-            if seqs._store is not self:
-                raise ValueError("the batch belongs to another BlockTableStore")
-            return seqs if seqs._epoch == self._epoch else self.batch(seqs.seq_ids)
-        return self.batch(seqs)
-
     def _token_array(self, name: str, value: int | SeqIds, size: int) -> int | NDArray[np.int64]:
         """Validate a token count for all (an int) or one per sequence (returned as int64)."""
         if type(value) is int and 0 <= value <= INT32_MAX:
@@ -527,68 +501,41 @@ class BlockTableStore:
             raise CapacityError(f"{name} exceeds any sequence's capacity")
         return np.array(value, dtype=np.int64)
 
-    def _plan_in_order(
-        self,
-        growth: NDArray[np.int64],
-        writes_last: NDArray[np.bool_],
-        last: NDArray[np.int32],
-    ) -> tuple[NDArray[np.bool_], NDArray[np.bool_]]:
-        """Decide, sequence by sequence as the spec would, who grows and who copies on write.
-
-        The slow path, for a batch the pool cannot fully serve or where two sequences write the
-        same shared block (the first writers copy it; once one owner is left it writes in place).
-        """
-        free = self.manager.num_free_blocks
-        ref = self.manager._ref
-        owners_left: dict[int, int] = {}
-        grown = np.zeros(growth.size, dtype=np.bool_)
-        shared = np.zeros(growth.size, dtype=np.bool_)
-        for i, (blocks, writes, block) in enumerate(
-            zip(growth.tolist(), writes_last.tolist(), last.tolist(), strict=True)
-        ):
-            owners = owners_left.get(block, int(ref[block])) if writes else 1
-            need = blocks + (owners > 1)
-            if need <= free:
-                free -= need
-                grown[i] = True
-                if owners > 1:
-                    shared[i] = True
-                    owners_left[block] = owners - 1
-        return grown, shared
-
     def _apply_growth(
         self,
+        rows: NDArray[np.intp],
         base: NDArray[np.intp],
         lengths: NDArray[np.int32],
         growth: NDArray[np.int64],
         shared: NDArray[np.bool_],
-        any_shared: bool,
         last: NDArray[np.int32],
-        total: int,
     ) -> None:
-        """Take all ``total`` fresh blocks at once and place them in the rows at flat offsets
-        ``base``: per sequence its copy-on-write block first, then its ``growth`` blocks,
-        sequences in batch order (the order in which the spec's calls would take them)."""
-        if total == 0:
-            return
-        fresh = self.manager._take(total)
-        flat = self._tables.reshape(-1)  # a view
-        if not any_shared and total == np.count_nonzero(growth):  # decode: <= 1 block each
-            growing = growth.nonzero()[0]
-            flat[base.take(growing) + lengths.take(growing)] = fresh
-            return
+        """Grow the sequences in ``rows`` (flat row offsets ``base``), all of which fit.
+
+        All fresh blocks are taken at once and placed per sequence, in batch order, as the
+        spec's calls would take them: its copy-on-write block first (replacing its shared last
+        block), then its ``growth`` blocks.
+        """
         num_fresh = growth + shared
-        first_fresh = np.cumsum(num_fresh) - num_fresh
-        if any_shared:
-            copying = shared.nonzero()[0]
-            src = last[copying].astype(np.intp)
-            dst = fresh[first_fresh[copying]]
-            flat[base[copying] + lengths[copying] - 1] = dst
-            self.manager._drop_refs(src, distinct=not _has_repeats(src))
-            self.manager._record_copies(src, dst)
-        owner = np.repeat(np.arange(growth.size), growth)
-        within = np.arange(owner.size) - np.repeat(np.cumsum(growth) - growth, growth)
-        flat[base[owner] + lengths[owner] + within] = fresh[(first_fresh + shared)[owner] + within]
+        total = int(num_fresh.sum())
+        if total:
+            fresh = self.manager.take_blocks(total)
+            flat = self._tables.reshape(-1)  # a view
+            if total == np.count_nonzero(growth) and not shared.any():  # decode: <= 1 block each
+                growing = growth.nonzero()[0]
+                flat[base.take(growing) + lengths.take(growing)] = fresh
+            else:
+                first_fresh = np.cumsum(num_fresh) - num_fresh
+                copying = shared.nonzero()[0]
+                if copying.size:
+                    dst = fresh[first_fresh[copying]]
+                    flat[base[copying] + lengths[copying] - 1] = dst
+                    self.manager.copy_on_write(last[copying].astype(np.intp), dst)
+                owner = np.repeat(np.arange(growth.size), growth)
+                within = np.arange(owner.size) - np.repeat(np.cumsum(growth) - growth, growth)
+                flat[base[owner] + lengths[owner] + within] = fresh[
+                    (first_fresh + shared)[owner] + within
+                ]
 
 
 def _check_seq_id(seq_id: object) -> int:
@@ -596,13 +543,6 @@ def _check_seq_id(seq_id: object) -> int:
     if isinstance(seq_id, bool) or not isinstance(seq_id, int):
         raise TypeError(f"sequence id must be an int, got {type(seq_id).__name__}")
     return int(seq_id)
-
-
-def _has_repeats(values: NDArray[np.integer]) -> bool:
-    if values.size < 2:
-        return False
-    ordered = np.sort(values)
-    return bool((ordered[1:] == ordered[:-1]).any())
 
 
 def _repeats(values: Sequence[int]) -> list[int]:

@@ -33,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 from pagedkv.impl.blocks.manager import BlockManager
+from pagedkv.impl.blocks.page_tables import block_tables
 from pagedkv.impl.blocks.prefix_cache import PrefixCachingBlockManager, check_tokens
 from pagedkv.impl.blocks.table_store import BlockTableStore
 from pagedkv.impl.serving.metrics import StepMetrics, step_metrics
@@ -165,7 +166,7 @@ class PagedAttentionEngine:
     def step(self) -> StepOutput:
         """Run one scheduler step: schedule, copy-on-write, write K/V, attend, sample, free."""
         plan = self.scheduler.schedule()
-        self.kv.copy_blocks(self.store.pop_copy_pairs())
+        self.kv.copy_blocks(torch.from_numpy(self.store.pop_copy_pairs()))
         sampled = self._run(plan) if plan.scheduled else {}
         forked, finished = self.scheduler.update(plan, sampled)
         done = self._record(forked, finished)
@@ -223,7 +224,7 @@ class PagedAttentionEngine:
         device = self.model.device
         batch = self.store.batch([item.seq.seq_id for item in items])
         step = self.kv.step(
-            self.store.block_tables_tensor(batch),
+            torch.from_numpy(block_tables(self.store, batch)),
             [item.num_tokens for item in items],
             [item.end for item in items],
         )
@@ -317,7 +318,7 @@ def main(argv: abc.Sequence[str] | None = None) -> None:
     hits = sum(m.prefix_hit_tokens for m in engine.metrics)
     print(
         f"{len(engine.metrics)} steps, {total} preemptions, {hits} prompt tokens from the "
-        f"prefix cache; free blocks at the end: {engine.store.manager.num_free_blocks}/"
+        f"prefix cache; free blocks at the end: {engine.store.num_free_blocks}/"
         f"{args.blocks}"
     )
 

@@ -57,7 +57,7 @@ def kv_occupancy(store: BlockTableStore) -> tuple[int, int]:
         0,
         store.block_size,
     )
-    per_block = np.zeros(store.manager.total_blocks, dtype=np.int64)
+    per_block = np.zeros(store.total_blocks, dtype=np.int64)
     np.maximum.at(per_block, tables[held], fill[held])
     return int(per_block.sum()), int(np.count_nonzero(per_block))
 
@@ -75,7 +75,7 @@ def step_metrics(
         num_waiting=len(scheduler.waiting),
         num_batched_tokens=output.num_batched_tokens,
         num_decodes=sum(item.num_tokens == 1 for item in output.scheduled),
-        free_blocks=store.manager.num_free_blocks,
+        free_blocks=store.num_free_blocks,
         used_blocks=used,
         kv_utilization=filled / slots if slots else 1.0,
         tail_waste=slots - filled,

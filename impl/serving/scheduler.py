@@ -1,9 +1,10 @@
 """Continuous batching: which sequences compute which tokens each step, and who is preempted.
 
-:class:`Scheduler` is a policy over a :class:`pagedkv.impl.blocks.table_store.BlockTableStore`. It
-needs no model and no tensors: it allocates, grows, forks and frees block tables and tells the
-caller (an engine, or a serving simulator) what to compute. The caller computes it and reports the
-sampled tokens with :meth:`Scheduler.update`.
+:class:`Scheduler` is a policy over a :class:`pagedkv.impl.serving.block_store.BlockStore`, such as
+:class:`pagedkv.impl.blocks.table_store.BlockTableStore`. It needs no model and no tensors: it
+allocates, grows, forks and frees block tables and tells the caller (an engine, or a serving
+simulator) what to compute. The caller computes it and reports the sampled tokens with
+:meth:`Scheduler.update`.
 
 A sequence holds ``tokens`` (prompt, then output) of which the first ``num_computed`` have their
 K/V in the cache. A running sequence's table always holds its tokens up to the last one
@@ -41,13 +42,10 @@ from __future__ import annotations
 import enum
 from collections import abc, deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from pagedkv.impl.blocks.prefix_cache import check_tokens
+from pagedkv.impl.serving.block_store import BlockStore
 from pagedkv.spec.block_manager import blocks_needed, check_int
-
-if TYPE_CHECKING:
-    from pagedkv.impl.blocks.table_store import BlockTableStore
 
 
 class RequestTooLargeError(ValueError):
@@ -155,7 +153,7 @@ class SchedulerOutput:
 class Scheduler:
     """The continuous-batching policy over ``store`` (see the module docstring)."""
 
-    store: BlockTableStore
+    store: BlockStore
     config: SchedulerConfig = field(default_factory=SchedulerConfig)
     waiting: deque[Sequence] = field(default_factory=deque, init=False)
     running: list[Sequence] = field(default_factory=list, init=False)
@@ -201,7 +199,7 @@ class Scheduler:
             raise ValueError("the prompt must hold at least one token")
         max_len = len(prompt) + max_new_tokens - 1
         needed = blocks_needed(max_len, self.store.block_size)
-        capacity = min(self.store.manager.total_blocks, self.store.max_blocks_per_seq)
+        capacity = min(self.store.total_blocks, self.store.max_blocks_per_seq)
         if needed > capacity:
             raise RequestTooLargeError(
                 f"request {request_id} can never fit: its prompt of {len(prompt)} tokens plus "
@@ -339,7 +337,7 @@ class Scheduler:
             return False
         headroom = self.config.watermark_blocks if self.running else 0
         needed = self.store.blocks_to_allocate(seq.tokens)
-        return self.store.manager.num_free_blocks - needed >= headroom
+        return self.store.num_free_blocks - needed >= headroom
 
     def _fork(self, parent: Sequence, index: int, token: int) -> Sequence:
         """Sample ``index`` of ``parent``'s request: ``parent``'s tokens plus ``token``, sharing

@@ -1,0 +1,78 @@
+"""What the scheduler needs from a store of block tables: the :class:`BlockStore` protocol.
+
+:class:`pagedkv.impl.blocks.table_store.BlockTableStore` implements it over a paged pool; the
+serving simulator's contiguous store (``bench/simulator.py``) implements it over contiguous
+reservations. The scheduler calls nothing else, so any store with these members can be
+scheduled, and the scheduler never reaches a block manager.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class BlockStore(Protocol):
+    """Block tables of sequences keyed by int ids, over a pool of ``total_blocks`` blocks.
+
+    Contract (``BlockTableStore`` documents each in full): a call that raises changes nothing;
+    ``grow`` returns the ids that could not grow and, with ``atomic=True``, changes nothing
+    unless all can; ``blocks_to_allocate(tokens)`` is what ``add_prompt`` would take from
+    ``num_free_blocks`` now.
+    """
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        ...
+
+    @property
+    def max_seqs(self) -> int:
+        """Sequences the store can hold at once."""
+        ...
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Blocks one sequence's table can hold."""
+        ...
+
+    @property
+    def total_blocks(self) -> int:
+        """Blocks in the pool."""
+        ...
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks free now."""
+        ...
+
+    def token_count(self, seq_id: int) -> int:
+        """Tokens ``seq_id``'s table holds."""
+        ...
+
+    def blocks_to_allocate(self, token_ids: Sequence[int]) -> int:
+        """Free blocks ``add_prompt`` of these tokens would take now."""
+        ...
+
+    def add_prompt(self, seq_id: int, token_ids: Sequence[int]) -> int:
+        """Add a sequence holding the prompt; return how many leading tokens are cached."""
+        ...
+
+    def grow(
+        self, seqs: Sequence[int], new_tokens: int | Sequence[int] = 1, *, atomic: bool = False
+    ) -> list[int]:
+        """Append tokens to each sequence; return the ids that could not grow."""
+        ...
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """Add ``child_id`` sharing ``parent_id``'s blocks."""
+        ...
+
+    def remove(self, seqs: Sequence[int]) -> None:
+        """Free the sequences' tables and forget them."""
+        ...
+
+    def cache_blocks(self, seq_id: int, token_ids: Sequence[int]) -> int:
+        """Register the sequence's full blocks with a prefix cache; return how many were new."""
+        ...

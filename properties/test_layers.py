@@ -1,0 +1,276 @@
+"""The package's architecture, checked: layers import one way, no module uses another's private
+names, block management and the scheduler load without torch, and ``pagedkv.kernels`` lives
+beside Hugging Face's top-level ``kernels`` package.
+
+The layer contract reads every module of the package with :mod:`ast`, imports inside functions
+included, so a lazy import cannot slip past it. :func:`test_a_wrong_import_fails_the_contract`
+shows on a copy of the tree that a wrong import really fails it.
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+LAYER_FOLDERS = {  # layer -> the folder of the repository that holds it
+    "root": "pagedkv",
+    "spec": "spec",
+    "impl": "impl",
+    "blocks": "impl/blocks",
+    "serving": "impl/serving",
+    "kernels": "kernels",
+}
+MODULE_PREFIXES = {  # import name prefix -> layer; the longest prefix wins
+    "pagedkv": "root",
+    "pagedkv.spec": "spec",
+    "pagedkv.impl": "impl",
+    "pagedkv.impl.blocks": "blocks",
+    "pagedkv.impl.serving": "serving",
+    "pagedkv.kernels": "kernels",
+}
+ALLOWED_LAYERS = {  # the rule: spec <- blocks <- serving, and spec <- kernels <- serving
+    "root": set(),
+    "spec": {"spec"},
+    "impl": set(),
+    "blocks": {"spec", "blocks"},
+    "kernels": {"spec", "kernels"},
+    "serving": {"spec", "blocks", "kernels", "serving"},
+}
+ALLOWED_THIRD_PARTY = {  # besides the standard library
+    "root": set(),
+    "spec": set(),
+    "impl": set(),
+    "blocks": {"numpy"},
+    "kernels": {"numpy", "torch", "triton"},
+    "serving": {"numpy", "torch", "tqdm", "transformers"},
+}
+
+
+@dataclass(frozen=True)
+class Violation:
+    path: str
+    line: int
+    what: str
+
+
+def layer_of_module(name: str) -> str | None:
+    """The layer an absolute import name belongs to, or None outside the package."""
+    matches = [p for p in MODULE_PREFIXES if name == p or name.startswith(p + ".")]
+    return MODULE_PREFIXES[max(matches, key=len)] if matches else None
+
+
+def imported_names(tree: ast.AST) -> list[tuple[int, str]]:
+    """Every absolute module an import statement names, with its line (relative: ``"."``).
+
+    ``from pagedkv import kernels`` names ``pagedkv.kernels``: a package's submodule.
+    """
+    names: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.extend((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                names.append((node.lineno, "."))
+            elif node.module in MODULE_PREFIXES:
+                names.extend((node.lineno, f"{node.module}.{a.name}") for a in node.names)
+            else:
+                names.append((node.lineno, node.module or ""))
+    return names
+
+
+def defined_private_names(tree: ast.AST) -> set[str]:
+    """Underscore names a module defines itself: functions, classes, class fields, attributes
+    assigned on any object, module-level names."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return {name for name in names if name.startswith("_")}
+
+
+def private_uses(tree: ast.AST) -> list[tuple[int, str]]:
+    """Private names a module takes from elsewhere: ``from m import _x``, and ``obj._x`` where
+    the module does not define ``_x`` itself (dunders excepted). An object's own members
+    (``self._x``, ``super()._x``, inherited ones included) are its own business."""
+    own = defined_private_names(tree)
+    uses: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            uses.extend(
+                (node.lineno, f"{node.module}.{a.name}")
+                for a in node.names
+                if a.name.startswith("_") and not a.name.startswith("__")
+            )
+        elif isinstance(node, ast.Attribute):
+            private = node.attr.startswith("_") and not node.attr.startswith("__")
+            if private and node.attr not in own and not is_own_object(node.value):
+                uses.append((node.lineno, ast.unparse(node)))
+    return uses
+
+
+def is_own_object(node: ast.expr) -> bool:
+    """``self``, ``cls`` or ``super()``."""
+    if isinstance(node, ast.Call):
+        return isinstance(node.func, ast.Name) and node.func.id == "super"
+    return isinstance(node, ast.Name) and node.id in ("self", "cls")
+
+
+def check_tree(root: Path) -> list[Violation]:
+    """Every way the package under ``root`` breaks the layer contract or the private-name rule."""
+    violations: list[Violation] = []
+    stdlib = set(sys.stdlib_module_names)
+    for layer, folder in LAYER_FOLDERS.items():
+        directory = root / folder
+        for path in sorted(directory.glob("*.py")):
+            where = str(path.relative_to(root))
+            tree = ast.parse(path.read_text(), filename=where)
+            for line, name in imported_names(tree):
+                target = layer_of_module(name) if name != "." else None
+                top = name.split(".")[0]
+                if name == ".":
+                    violations.append(Violation(where, line, "relative import"))
+                elif target is not None and target not in ALLOWED_LAYERS[layer]:
+                    violations.append(Violation(where, line, f"{layer} imports {name}"))
+                elif target is None and top not in stdlib | ALLOWED_THIRD_PARTY[layer]:
+                    violations.append(Violation(where, line, f"{layer} imports {top}"))
+            violations.extend(
+                Violation(where, line, f"uses private {use}") for line, use in private_uses(tree)
+            )
+    return violations
+
+
+def test_the_package_keeps_its_layers_and_privates() -> None:
+    assert check_tree(ROOT) == []
+
+
+def test_every_package_module_is_in_a_checked_layer() -> None:
+    """A new subfolder cannot escape the contract: every package folder is a listed layer."""
+    package_dirs = {
+        str(init.parent.relative_to(ROOT))
+        for folder in ("pagedkv", "spec", "impl", "kernels")
+        for init in (ROOT / folder).rglob("__init__.py")
+    }
+    assert package_dirs == set(LAYER_FOLDERS.values())
+
+
+def test_a_wrong_import_fails_the_contract(tmp_path: Path) -> None:
+    """On a copy of the tree: block management importing torch, the serving layer or a private
+    name of the manager, and the spec importing numpy, are each reported."""
+    for folder in ("pagedkv", "spec", "impl", "kernels"):
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__py*"))
+    (tmp_path / "impl" / "blocks" / "wrong.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from pagedkv.impl.blocks.manager import BlockManager
+
+
+            def export(manager: BlockManager) -> object:
+                from pagedkv.impl.serving import engine
+
+                return engine, manager._ref, torch
+            """
+        )
+    )
+    (tmp_path / "spec" / "wrong.py").write_text("import numpy\n")
+    found = {(v.path, v.what) for v in check_tree(tmp_path)}
+    assert found == {
+        ("impl/blocks/wrong.py", "blocks imports torch"),
+        ("impl/blocks/wrong.py", "blocks imports pagedkv.impl.serving.engine"),
+        ("impl/blocks/wrong.py", "uses private manager._ref"),
+        ("spec/wrong.py", "spec imports numpy"),
+    }
+
+
+def run_python(source: str, cwd: Path) -> str:
+    """Run ``source`` in a fresh interpreter outside the repository root; return its stdout."""
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(source)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_block_management_and_the_scheduler_load_no_torch(tmp_path: Path) -> None:
+    """The block-management API and the scheduler import, and schedule a step, without torch."""
+    out = run_python(
+        """
+        import sys
+        from pagedkv.impl.blocks import BlockManager, BlockTableStore, PrefixCachingBlockManager
+        from pagedkv.impl.blocks import page_tables
+        from pagedkv.impl.serving.scheduler import Scheduler
+        from pagedkv import spec
+
+        store = BlockTableStore(PrefixCachingBlockManager(8, 4), 8, 8)
+        scheduler = Scheduler(store)
+        scheduler.add_request(0, [1, 2, 3, 4, 5], 3)
+        plan = scheduler.schedule()
+        tables = page_tables.block_tables(store)
+        print(len(plan.scheduled), tables.tolist(), BlockManager.__name__, spec.__name__)
+        print("torch" in sys.modules, "pagedkv.kernels" in sys.modules)
+        """,
+        tmp_path,
+    )
+    assert out.splitlines() == [
+        "1 [[0, 1, -1, -1, -1, -1, -1, -1]] BlockManager pagedkv.spec",
+        "False False",
+    ]
+
+
+def test_pagedkv_kernels_coexists_with_hugging_face_kernels(tmp_path: Path) -> None:
+    """Both packages import in one process, each under its own name, and both work."""
+    out = run_python(
+        """
+        import torch
+        import kernels as hf_kernels
+        from pagedkv import kernels as paged_kernels
+
+        @hf_kernels.use_kernel_forward_from_hub("RMSNorm")  # registers; downloads nothing
+        class Doubler(torch.nn.Module):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return 2 * x
+
+        tables = torch.tensor([[2, 0]], dtype=torch.int32)
+        slot = paged_kernels.slot_mapping(tables, torch.tensor([5]), 4, backend="reference")
+        print(hf_kernels.__name__, paged_kernels.__name__, hf_kernels is not paged_kernels)
+        print(Doubler()(torch.ones(2)).tolist(), slot.tolist())
+        """,
+        tmp_path,
+    )
+    assert out.splitlines() == ["kernels pagedkv.kernels True", "[2.0, 2.0] [1]"]
+
+
+def test_short_names_refuse_to_import(tmp_path: Path) -> None:
+    """With the repository root on ``sys.path`` the folders are importable by their short
+    names; each refuses, so no module is ever loaded under two names in one process."""
+    out = run_python(
+        f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        for name in ("spec", "impl", "kernels"):
+            try:
+                __import__(name)
+            except ImportError as error:
+                print(error)
+        """,
+        tmp_path,
+    )
+    assert out.splitlines() == [
+        f"import pagedkv.{name}, not {name}: one module, one name"
+        for name in ("spec", "impl", "kernels")
+    ]
