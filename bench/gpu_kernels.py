@@ -1,6 +1,7 @@
 """The kernels on a CUDA machine: property tests compiled, then a decode-attention latency sweep.
 
-Installs nothing. Run from the repository root::
+Installs nothing (``pagedkv`` must be installed, e.g. ``pip install -e .``); runs from any
+directory::
 
     python bench/gpu_kernels.py --out gpu_kernels.json           # on the GPU
     python bench/gpu_kernels.py --small --out /tmp/small.json    # on CPU, Triton interpreter
@@ -37,11 +38,9 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script: make the repository's packages importable
-    sys.path.insert(0, str(ROOT))
+from pagedkv import kernels
 
-from pagedkv import kernels  # noqa: E402 - after the path fix; sets TRITON_INTERPRET before triton loads
+ROOT = Path(__file__).resolve().parent.parent
 
 FULL = {
     "dtypes": ("float16", "bfloat16"),
@@ -89,7 +88,7 @@ def run_property_tests(selection: str) -> int:
 def time_ms(fn: Callable[[], object], device: torch.device, small: bool) -> float:
     """Median milliseconds per call (CUDA events via ``triton.testing.do_bench`` on a GPU)."""
     if device.type == "cuda":
-        import triton.testing  # kernels is imported, so TRITON_INTERPRET is settled
+        import triton.testing  # main() has loaded triton already, through resolve_backend
 
         return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
     fn()  # warm up (the interpreter has nothing to compile, but be fair)
@@ -284,6 +283,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if device.type != "cuda" and not args.small:
         print("no CUDA device: run with --small (Triton interpreter, tiny shapes)")
         return 2
+    # Load triton now, under the package's interpreter rule (on CPU: the interpreter), and fail
+    # here, before any work, if it cannot run on this device.
+    kernels.resolve_backend("triton", device)
     grid = dict(SMALL if args.small else FULL)
     for name in grid:
         if getattr(args, name) is not None:
@@ -295,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = {
         "complete": False,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "interpreter": kernels.INTERPRETED,
+        "interpreter": kernels.interpreter_active(),
         "small": args.small,
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -323,6 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _triton_version() -> str:
+    """The version of triton, which ``main`` has loaded by then."""
     import triton
 
     return triton.__version__

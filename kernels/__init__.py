@@ -3,35 +3,45 @@
 Cache layout: K and V each ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous.
 See ``docs/kernels.md``.
 
-Without CUDA, importing this package sets ``TRITON_INTERPRET=1`` (unless the user set it) before
-anything imports ``triton``: Triton reads the variable when it decorates functions, its own
-included. ``kernels.backend`` does it, so it is imported first, on its own, below.
+Importing this package has no process-wide side effect: it imports no ``triton`` and writes no
+environment variable. triton is optional; the torch reference backend needs only torch. Triton
+is imported when the triton backend is first needed (a call resolved to ``"triton"``, or an
+import of a ``pagedkv.kernels.triton_*`` module), and the interpreter is chosen at that moment,
+because Triton decides once, when it is imported: if ``triton`` is not imported yet,
+``TRITON_INTERPRET`` is unset and CUDA is absent, ``TRITON_INTERPRET=1`` is set first. A value
+the user set stands, and ``use_interpreter()`` asks for the interpreter explicitly; both work
+only before ``triton`` is imported. ``interpreter_active()`` says what was decided. The whole
+rule, and the errors a triton call on CPU tensors raises when it cannot run, are in
+``kernels.backend``.
 """
 
 if __name__ != "pagedkv.kernels":  # the repository root is on sys.path: refuse a second name
     raise ImportError(f"import pagedkv.kernels, not {__name__}: one module, one name")
 
-from pagedkv.kernels import backend
-
-backend.configure_interpreter()  # idempotent; the first import above already did it
-
-from pagedkv.kernels.api import (  # noqa: E402 - must follow configure_interpreter()
+from pagedkv.kernels.api import (
     contiguous_decode_attention,
     copy_blocks,
     paged_decode_attention,
     slot_mapping,
     store_kv,
 )
-from pagedkv.kernels.backend import INTERPRETED, Backend, BackendChoice, resolve_backend  # noqa: E402
+from pagedkv.kernels.backend import (
+    Backend,
+    BackendChoice,
+    interpreter_active,
+    resolve_backend,
+    use_interpreter,
+)
 
 __all__ = [
-    "INTERPRETED",
     "Backend",
     "BackendChoice",
     "contiguous_decode_attention",
     "copy_blocks",
+    "interpreter_active",
     "paged_decode_attention",
     "resolve_backend",
     "slot_mapping",
     "store_kv",
+    "use_interpreter",
 ]

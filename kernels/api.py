@@ -6,6 +6,10 @@ tensor values (block ids, context lengths, slots, positions), and so synchronize
 ``validate=False``; pass that only for arguments already known to be valid, because the kernels
 trust them and a bad block id would read or write outside the caches. Every check runs before
 anything is launched or written, so a call that raises leaves the caches untouched.
+
+The Triton kernel modules import triton, so each function imports its kernel module only on the
+triton branch, after ``resolve_backend`` has loaded triton under the interpreter rule: the
+reference backend never imports triton and works without it installed.
 """
 
 from __future__ import annotations
@@ -14,13 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedkv.kernels import (
-    reference,
-    triton_copy_blocks,
-    triton_decode,
-    triton_slot_mapping,
-    triton_store_kv,
-)
+from pagedkv.kernels import reference
 from pagedkv.kernels.backend import resolve_backend
 from pagedkv.kernels.validation import (
     check_block_tables,
@@ -72,6 +70,8 @@ def slot_mapping(
         check_position_values(pos, seq, tables, block_size, num_blocks)
     if resolve_backend(backend, device) == "reference":
         return reference.slot_mapping(tables, pos, seq, block_size)
+    from pagedkv.kernels import triton_slot_mapping
+
     return triton_slot_mapping.launch(tables, pos, seq, block_size)
 
 
@@ -100,6 +100,8 @@ def store_kv(
     if resolve_backend(backend, device) == "reference":
         reference.store_kv(key, value, k_cache, v_cache, slots)
     else:
+        from pagedkv.kernels import triton_store_kv
+
         triton_store_kv.launch(key, value, k_cache, v_cache, slots)
 
 
@@ -137,6 +139,8 @@ def paged_decode_attention(
         check_context_values(lens, tables, caches.block_size, caches.num_blocks)
     if resolve_backend(backend, device) == "reference":
         return reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    from pagedkv.kernels import triton_decode
+
     return triton_decode.launch(q, k_cache, v_cache, tables, lens, scale, num_splits)
 
 
@@ -172,6 +176,8 @@ def contiguous_decode_attention(
         check_context_values(lens, identity, caches.block_size, caches.num_blocks)
     if resolve_backend(backend, device) == "reference":
         return reference.contiguous_decode_attention(q, key, value, lens, scale)
+    from pagedkv.kernels import triton_decode
+
     return triton_decode.launch(q, key, value, None, lens, scale, num_splits)
 
 
@@ -195,4 +201,6 @@ def copy_blocks(
     if resolve_backend(backend, k_cache.device) == "reference":
         reference.copy_blocks(k_cache, v_cache, checked)
     else:
+        from pagedkv.kernels import triton_copy_blocks
+
         triton_copy_blocks.launch(k_cache, v_cache, checked)

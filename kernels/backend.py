@@ -1,27 +1,47 @@
-"""The one place that decides which backend runs a kernel call.
+"""The one place that decides which backend runs a kernel call, and when Triton is interpreted.
 
 Two backends compute the same functions:
 
-* ``"triton"``: the Triton kernels. Compiled on CUDA tensors; on a machine without CUDA the
-  package turns on the Triton interpreter, which runs the same kernels in numpy on CPU tensors
-  (slowly: it is for proving the kernels correct, not for speed).
-* ``"reference"``: plain torch (``kernels.reference``), obviously correct; the CPU fast path.
+* ``"triton"``: the Triton kernels. Compiled on CUDA tensors; on CPU tensors they run in the
+  Triton interpreter, which executes the same kernels in numpy (slowly: it is for proving the
+  kernels correct, not for speed).
+* ``"reference"``: plain torch (``kernels.reference``), obviously correct; the CPU fast path. It
+  needs only torch: triton is an optional dependency.
 
 Precedence, first match wins: the ``backend=`` argument of a call, the ``PAGEDKV_BACKEND``
-environment variable, then ``"auto"`` (``"triton"`` for CUDA tensors, ``"reference"`` otherwise).
+environment variable, then ``"auto"`` (``"triton"`` for CUDA tensors when triton is installed,
+``"reference"`` otherwise).
 
-Triton reads ``TRITON_INTERPRET`` when it *decorates* a function with ``@triton.jit``, and that
-includes its own helpers (``tl.sum``, ``tl.max``, ``tl.zeros``), decorated when ``triton`` is
-first imported. So the variable must be set before ``triton`` is imported at all. This module
-imports no Triton; importing it (``kernels/__init__.py`` does so first) sets
-``TRITON_INTERPRET=1`` when CUDA is absent and the user has not set the variable either way. If
-``triton`` was imported earlier without it, the interpreter cannot work in this process: the
-reference backend still does, and asking for ``"triton"`` on CPU raises an error that says why.
+**The interpreter rule.** Triton reads ``TRITON_INTERPRET`` when it *decorates* a function with
+``@triton.jit``, and that includes its own helpers (``tl.sum``, ``tl.max``, ``tl.zeros``),
+decorated when ``triton`` is first imported. So interpreter or compiler is decided once per
+process, by the value the variable has when ``triton`` is first imported. Hence:
+
+1. Importing ``pagedkv.kernels`` imports no triton and writes no environment variable.
+2. Triton is imported when the triton backend is first needed: by the first call (or
+   ``resolve_backend``) that resolves to ``"triton"``, or by importing one of the
+   ``pagedkv.kernels.triton_*`` kernel modules. All of them import it through
+   ``kernels.triton_import``, which applies step 3 first.
+3. At that moment, if ``triton`` is not imported yet, ``TRITON_INTERPRET`` is unset and CUDA is
+   absent, ``TRITON_INTERPRET=1`` is set (in ``os.environ``, so child processes inherit it).
+   Otherwise nothing is written: a value the user set stands (``TRITON_INTERPRET=0`` keeps the
+   interpreter off), and with CUDA present the kernels compile.
+4. ``use_interpreter()`` asks for the interpreter explicitly (even with CUDA present). Like
+   setting ``TRITON_INTERPRET=1`` yourself, it works only before ``triton`` is imported.
+
+A triton call on CPU tensors then runs only if ``triton`` was imported under the interpreter.
+Otherwise it raises ``RuntimeError``, with one of three reasons: triton is not installed; the
+interpreter is off (the user set ``TRITON_INTERPRET`` to a false value, or CUDA is present and
+nobody asked for it), the "needs CUDA tensors" error; or ``triton`` was imported, by someone else,
+before the rule could choose the interpreter. The reference backend works in every case.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
+import sys
 from typing import Literal
 
 import torch
@@ -32,45 +52,105 @@ BackendChoice = Literal["auto", "triton", "reference"]
 BACKEND_ENV = "PAGEDKV_BACKEND"
 INTERPRET_ENV = "TRITON_INTERPRET"
 _CHOICES: tuple[BackendChoice, ...] = ("auto", "triton", "reference")
-_TRUE = ("1", "true", "on", "yes")
+_TRUE = ("1", "true", "on", "yes", "y")  # Triton 3.9's getenv_bool, case-insensitive
+_TRITON_IMPORT = "pagedkv.kernels.triton_import"
 
 
-def interpreter_enabled() -> bool:
-    """Whether ``TRITON_INTERPRET`` is set to a true value (as Triton itself parses it)."""
-    return os.environ.get(INTERPRET_ENV, "0").strip().lower() in _TRUE
+def _triton_imported() -> bool:
+    """Whether ``triton`` is imported in this process (``None`` in ``sys.modules`` hides it)."""
+    return sys.modules.get("triton") is not None
 
 
-def configure_interpreter() -> bool:
-    """Turn on the Triton interpreter when CUDA is absent and the user has not decided.
+def _triton_installed() -> bool:
+    """Whether ``triton`` can be imported; imports nothing."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except ImportError:  # a meta-path finder that refuses triton, as tests hide it
+        return False
 
-    Idempotent. Returns whether the interpreter is on.
+
+def _interpreter_wanted() -> bool:
+    """What the rule asks for: the user's ``TRITON_INTERPRET`` if set, else CUDA's absence."""
+    value = os.environ.get(INTERPRET_ENV)
+    if value is not None:
+        return value.lower() in _TRUE
+    return not torch.cuda.is_available()
+
+
+def interpreter_active() -> bool:
+    """Whether ``triton`` is imported and runs in the interpreter in this process.
+
+    ``False`` before ``triton`` is imported: it is decided then (the rule in this module's
+    docstring), and cannot change afterwards.
     """
-    if INTERPRET_ENV not in os.environ and not torch.cuda.is_available():
-        os.environ[INTERPRET_ENV] = "1"
-    return interpreter_enabled()
-
-
-def _triton_is_interpreted() -> bool:
-    """Whether Triton's own ``@jit`` helpers were decorated for the interpreter."""
-    # Imported here, not at the top: this module must not import triton before it has set
-    # TRITON_INTERPRET.
+    if not _triton_imported():
+        return False
     import triton
     import triton.language as tl
 
-    return not isinstance(tl.sum, triton.JITFunction)
+    return not isinstance(tl.sum, triton.JITFunction)  # Triton's own helper, decorated on import
 
 
-# Decided once, on first import: kernels are decorated under this value, and changing the
-# environment afterwards cannot change how they run.
-INTERPRETED: bool = configure_interpreter()
-INTERPRETER_BROKEN: bool = INTERPRETED and not _triton_is_interpreted()
+def use_interpreter() -> None:
+    """Run the triton backend in the Triton interpreter in this process, even with CUDA present.
+
+    Sets ``TRITON_INTERPRET=1`` (over any value the user set). Must be called before ``triton``
+    is imported: afterwards it does nothing if the interpreter is already active, and raises
+    ``RuntimeError`` if it is not, because Triton cannot switch in a running process.
+    """
+    if not _triton_imported():
+        os.environ[INTERPRET_ENV] = "1"
+    elif not interpreter_active():
+        raise RuntimeError(
+            "use_interpreter() must be called before triton is imported, and triton is already "
+            "imported without the interpreter; Triton cannot switch in a running process. Call "
+            f"it first, or set {INTERPRET_ENV}=1 in the environment before starting Python"
+        )
+
+
+def choose_interpreter() -> None:
+    """Step 3 of the rule: set ``TRITON_INTERPRET=1`` if triton is not imported yet, the
+    variable is unset and CUDA is absent. ``kernels.triton_import`` calls it right before it
+    imports triton; nothing else should."""
+    if not _triton_imported() and INTERPRET_ENV not in os.environ and _interpreter_wanted():
+        os.environ[INTERPRET_ENV] = "1"
+
+
+def _load_triton(device: torch.device) -> None:
+    """Import triton under the rule; ``RuntimeError`` if its kernels cannot run on ``device``."""
+    if not _triton_installed():
+        raise RuntimeError(
+            "the triton backend needs the triton package, but triton is not installed (it ships "
+            "wheels for Linux only): install it with `pip install 'triton>=3.0'`, or use "
+            f"backend='reference' (or {BACKEND_ENV}=reference), which needs only torch"
+        )
+    importlib.import_module(_TRITON_IMPORT)
+    if device.type == "cuda" or interpreter_active():
+        return
+    if not _interpreter_wanted():
+        value = os.environ.get(INTERPRET_ENV)
+        why = f"{INTERPRET_ENV}={value}" if value is not None else "CUDA is present"
+        raise RuntimeError(
+            f"the triton backend needs CUDA tensors (got {device.type}) or the Triton "
+            f"interpreter, which is off in this process ({why}): set {INTERPRET_ENV}=1 or call "
+            f"pagedkv.kernels.use_interpreter() before triton is imported, or use "
+            f"backend='reference'"
+        )
+    raise RuntimeError(
+        "the Triton interpreter cannot run in this process: triton was imported before the "
+        "interpreter was chosen, and Triton decides when it is imported. pagedkv chooses it when "
+        "it first needs triton, and only if triton is not imported by then: import triton after "
+        f"the first triton-backend call, or set {INTERPRET_ENV}=1 (or call "
+        "pagedkv.kernels.use_interpreter()) before importing triton; or use backend='reference'"
+    )
 
 
 def resolve_backend(backend: str | None, device: torch.device) -> Backend:
     """Return the backend that runs a call on tensors living on ``device``.
 
+    Resolving to ``"triton"`` loads triton (choosing the interpreter per the rule above).
     Raises ``ValueError`` for an unknown name and ``RuntimeError`` when ``"triton"`` is asked for
-    where it cannot run (CPU tensors without a working interpreter).
+    where it cannot run: triton not installed, or CPU tensors without a working interpreter.
     """
     choice = backend if backend is not None else os.environ.get(BACKEND_ENV, "auto")
     choice = choice.strip().lower()
@@ -78,19 +158,7 @@ def resolve_backend(backend: str | None, device: torch.device) -> Backend:
         source = "backend" if backend is not None else BACKEND_ENV
         raise ValueError(f"{source} must be one of {_CHOICES}, got {choice!r}")
     if choice == "auto":
-        return "triton" if device.type == "cuda" else "reference"
-    if choice == "triton" and device.type != "cuda":
-        if not INTERPRETED:
-            raise RuntimeError(
-                f"the triton backend needs CUDA tensors (got {device.type}) or the Triton "
-                f"interpreter: set {INTERPRET_ENV}=1 before importing kernels, or use "
-                f"backend='reference'"
-            )
-        if INTERPRETER_BROKEN:
-            raise RuntimeError(
-                f"the Triton interpreter cannot run in this process: triton was imported "
-                f"before kernels, when {INTERPRET_ENV} was not set. Import kernels before "
-                f"triton, or set {INTERPRET_ENV}=1 in the environment; or use "
-                f"backend='reference'"
-            )
+        choice = "triton" if device.type == "cuda" and _triton_installed() else "reference"
+    if choice == "triton":
+        _load_triton(device)
     return choice  # type: ignore[return-value]

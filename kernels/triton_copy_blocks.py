@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import triton
-import triton.language as tl
+
+from pagedkv.kernels.triton_import import tl, triton
 
 ELEMENTS_PER_PROGRAM = 4096
 

@@ -23,9 +23,8 @@ checked are read. A sequence of length 0 gives zeros.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from pagedkv.kernels.triton_import import tl, triton
 from pagedkv.kernels.validation import MAX_SPLITS
 
 MIN_TOKENS_PER_SPLIT = 512

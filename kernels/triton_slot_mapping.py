@@ -7,8 +7,8 @@
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from pagedkv.kernels.triton_import import tl, triton
 
 TOKENS_PER_PROGRAM = 256
 

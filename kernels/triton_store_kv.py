@@ -9,8 +9,8 @@ a token whose slot is ``-1`` writes nothing.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from pagedkv.kernels.triton_import import tl, triton
 
 ELEMENTS_PER_PROGRAM = 4096
 

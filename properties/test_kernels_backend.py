@@ -1,11 +1,14 @@
-"""Properties of the backend choice: the interpreter switch cannot be got wrong by import order.
+"""Properties of the backend choice: the interpreter rule, import hygiene, and triton optional.
 
-Each import scenario runs in a fresh Python process, because Triton decides interpreter versus
-compiler once per process, when it decorates functions.
+Each import scenario runs in a fresh Python process (``sys.executable``), because Triton decides
+interpreter versus compiler once per process, when it is imported. The processes run in a
+temporary directory, not the repository root, whose top-level folders would shadow installed
+names.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,68 +19,209 @@ import torch
 
 from pagedkv.kernels.backend import BACKEND_ENV, INTERPRET_ENV, resolve_backend
 
-ROOT = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")
 
-# A tiny triton-backend call on CPU tensors, then a reference one; prints what it saw.
+# A reference call, then a tiny triton-backend call on CPU tensors; reports what it saw as JSON.
 PROBE = """
-import os, torch
+import json, os, sys, torch
 {before}
 from pagedkv import kernels
+seen = {{"env_at_import": os.environ.get("TRITON_INTERPRET")}}
 tables = torch.tensor([[2, 0]], dtype=torch.int32)
-print("env", os.environ.get("TRITON_INTERPRET"))
-print("reference", kernels.slot_mapping(tables, torch.tensor([5]), 4, backend="reference").item())
+seen["reference"] = kernels.slot_mapping(tables, torch.tensor([5]), 4, backend="reference").item()
+seen["triton_after_reference"] = "triton" in sys.modules
 try:
-    print("triton", kernels.slot_mapping(tables, torch.tensor([5]), 4, backend="triton").item())
+    seen["triton"] = kernels.slot_mapping(tables, torch.tensor([5]), 4, backend="triton").item()
 except RuntimeError as error:
-    print("error", error)
+    seen["error"] = str(error)
+seen["env"] = os.environ.get("TRITON_INTERPRET")
+seen["interpreter"] = kernels.interpreter_active()
+print(json.dumps(seen))
+"""
+
+# Every public kernel on small CPU inputs, returning its outputs and the caches it wrote.
+EVERY_KERNEL = """
+import torch
+from pagedkv import kernels
+
+def every_kernel(backend):
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = (torch.randn(3, 4, 2, 8, generator=gen) for _ in "kv")
+    key, value = (torch.randn(2, 2, 8, generator=gen) for _ in "kv")
+    query = torch.randn(2, 4, 8, generator=gen)
+    tables = torch.tensor([[2, 0], [1, -1]], dtype=torch.int32)
+    lens = torch.tensor([5, 3])
+    calls = {
+        "slot_mapping": lambda: kernels.slot_mapping(
+            tables, lens - 1, 4, num_blocks=3, backend=backend
+        ),
+        "store_kv": lambda: kernels.store_kv(
+            key, value, k_cache, v_cache, torch.tensor([4, 6]), backend=backend
+        ),
+        "paged_decode_attention": lambda: kernels.paged_decode_attention(
+            query, k_cache, v_cache, tables, lens, backend=backend
+        ),
+        "contiguous_decode_attention": lambda: kernels.contiguous_decode_attention(
+            query, k_cache[:2], v_cache[:2], lens - 1, backend=backend
+        ),
+        "copy_blocks": lambda: kernels.copy_blocks(k_cache, v_cache, [(2, 1)], backend=backend),
+    }
+    results = {}
+    for name, call in calls.items():
+        try:
+            results[name] = (call(), k_cache.clone(), v_cache.clone())
+        except Exception as error:
+            results[name] = error
+    return results
+"""
+
+# Hides triton from import, the two ways a test can: a finder that refuses it, or a None entry.
+HIDE_TRITON = {
+    "finder": """
+import importlib.abc, sys
+class HideTriton(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "triton":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, HideTriton())
+""",
+    "sys.modules": "import sys; sys.modules['triton'] = None",
+}
+
+WITHOUT_TRITON = """
+import json, sys, torch
+{hide}
+{every_kernel}
+reference, auto, triton = (every_kernel(b) for b in ("reference", "auto", "triton"))
+print(json.dumps({{
+    "reference_ran": [n for n, r in reference.items() if not isinstance(r, Exception)],
+    "auto_equals_reference": [
+        n for n, r in auto.items()
+        if not isinstance(r, Exception) and all(
+            (a is None and b is None) or torch.equal(a, b) for a, b in zip(r, reference[n])
+        )
+    ],
+    "triton_errors": {{n: [type(e).__name__, str(e)] for n, e in triton.items()}},
+    "triton_imported": "triton" in sys.modules and sys.modules["triton"] is not None,
+}}))
 """
 
 
-def probe(before: str = "", **env: str) -> dict[str, str]:
-    """Run ``PROBE`` in a fresh interpreter with ``env`` (and no inherited choices)."""
+def run_fresh(code: str, cwd: Path, **env: str) -> dict[str, object]:
+    """Run ``code`` in a fresh interpreter in ``cwd`` with ``env`` (and no inherited choices);
+    return the JSON object it prints last."""
     clean = {k: v for k, v in os.environ.items() if k not in (INTERPRET_ENV, BACKEND_ENV)}
     result = subprocess.run(
-        [sys.executable, "-c", PROBE.format(before=before)],
-        cwd=ROOT,
+        [sys.executable, "-c", code],
+        cwd=cwd,
         env={**clean, **env},
         capture_output=True,
         text=True,
         timeout=300,
-        check=True,
     )
-    return dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def probe(cwd: Path, before: str = "", **env: str) -> dict[str, object]:
+    """``PROBE`` in a fresh interpreter, after the statements ``before``."""
+    return run_fresh(PROBE.format(before=before), cwd, **env)
 
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only import behaviour")
 
 
-@cpu_only
-def test_fresh_import_on_cpu_turns_the_interpreter_on() -> None:
-    seen = probe()
-    assert seen == {"env": "1", "reference": "1", "triton": "1"}
+def test_importing_kernels_imports_no_triton_and_writes_no_environment(tmp_path: Path) -> None:
+    code = """
+import json, os, sys
+before = dict(os.environ)
+import pagedkv.kernels
+print(json.dumps({"triton": "triton" in sys.modules, "env_unchanged": dict(os.environ) == before}))
+"""
+    assert run_fresh(code, tmp_path) == {"triton": False, "env_unchanged": True}
 
 
 @cpu_only
-def test_triton_imported_first_still_works_when_the_user_set_the_variable() -> None:
-    seen = probe(before="import triton", TRITON_INTERPRET="1")
-    assert seen["triton"] == "1"
+def test_the_first_triton_call_on_cpu_turns_the_interpreter_on(tmp_path: Path) -> None:
+    assert probe(tmp_path) == {
+        "env_at_import": None,
+        "reference": 1,
+        "triton_after_reference": False,
+        "triton": 1,
+        "env": "1",
+        "interpreter": True,
+    }
 
 
 @cpu_only
-def test_triton_imported_first_gives_a_clear_error_not_a_crash() -> None:
-    seen = probe(before="import triton.language")
-    assert seen["reference"] == "1"
-    assert "triton was imported before kernels" in seen["error"]
+def test_triton_imported_first_still_works_when_the_user_set_the_variable(tmp_path: Path) -> None:
+    seen = probe(tmp_path, before="import triton", TRITON_INTERPRET="1")
+    assert seen["triton"] == 1
+    assert seen["interpreter"] is True
 
 
 @cpu_only
-def test_the_user_can_turn_the_interpreter_off() -> None:
-    seen = probe(TRITON_INTERPRET="0")
+def test_triton_imported_first_gives_a_clear_error_not_a_crash(tmp_path: Path) -> None:
+    seen = probe(tmp_path, before="import triton.language")
+    assert seen["reference"] == 1
+    assert "triton was imported before the interpreter was chosen" in str(seen["error"])
+    assert seen["env"] is None  # the rule writes nothing once triton is imported
+
+
+@cpu_only
+def test_the_user_can_turn_the_interpreter_off(tmp_path: Path) -> None:
+    seen = probe(tmp_path, TRITON_INTERPRET="0")
     assert seen["env"] == "0"
-    assert seen["reference"] == "1"
-    assert "needs CUDA tensors" in seen["error"]
+    assert seen["reference"] == 1
+    assert "needs CUDA tensors" in str(seen["error"])
+    assert seen["interpreter"] is False
+
+
+def test_use_interpreter_before_triton_is_imported_turns_it_on(tmp_path: Path) -> None:
+    before = "from pagedkv import kernels; kernels.use_interpreter(); import triton"
+    seen = probe(tmp_path, before=before, TRITON_INTERPRET="0")
+    assert seen["triton"] == 1
+    assert seen["interpreter"] is True
+
+
+def test_use_interpreter_after_triton_is_imported_raises(tmp_path: Path) -> None:
+    code = """
+import json, triton
+from pagedkv import kernels
+try:
+    kernels.use_interpreter()
+    print(json.dumps("no error"))
+except RuntimeError as error:
+    print(json.dumps(str(error)))
+"""
+    seen = run_fresh(code, tmp_path, TRITON_INTERPRET="0")
+    assert "must be called before triton is imported" in str(seen)
+
+
+@pytest.mark.parametrize("hide", sorted(HIDE_TRITON))
+def test_without_triton_the_reference_runs_and_triton_says_it_is_missing(
+    hide: str, tmp_path: Path
+) -> None:
+    code = WITHOUT_TRITON.format(hide=HIDE_TRITON[hide], every_kernel=EVERY_KERNEL)
+    seen = run_fresh(code, tmp_path)
+    names = [
+        "slot_mapping",
+        "store_kv",
+        "paged_decode_attention",
+        "contiguous_decode_attention",
+        "copy_blocks",
+    ]
+    assert seen["reference_ran"] == names
+    assert seen["auto_equals_reference"] == names
+    errors = seen["triton_errors"]
+    assert isinstance(errors, dict) and sorted(errors) == sorted(names)
+    for kind, message in errors.values():
+        assert kind == "RuntimeError"
+        assert "triton is not installed" in message
+        assert "backend='reference'" in message
+    assert seen["triton_imported"] is False
 
 
 def test_auto_picks_triton_for_cuda_tensors_and_the_reference_otherwise(

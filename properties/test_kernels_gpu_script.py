@@ -34,9 +34,10 @@ def test_small_sweep_writes_a_complete_report(tmp_path: Path) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script runs for real")
 def test_script_command_line_runs_tests_then_sweep(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
-    command = [sys.executable, "bench/gpu_kernels.py", "--small", "--out", str(out)]
+    command = [sys.executable, str(ROOT / "bench" / "gpu_kernels.py"), "--small", "--out", str(out)]
     command += ["--batches", "1", "--contexts", "16", "--block-sizes", "1,256"]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    # Not from the repository root, whose top-level folders would shadow installed names.
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
     assert report["property_tests"]["exit_code"] == 0
