@@ -1,0 +1,154 @@
+"""A pytest-benchmark run of ``pytest bench``, and the figures the report reads from it, by key.
+
+The report reads the ``extra_info`` of ``bench_utilization.py`` (``kind="lifetime"``),
+``bench_serving.py`` (``kind="serving"``) and ``bench_engine.py`` (``kind="engine"``), and the
+median timings of ``bench_attention.py`` (groups ``attention-bs{B}``) and ``bench_engine.py``.
+Every accessor returns an empty result when the run lacks those benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.reporting.labels import ORDER, PAGED, paged_block_size
+
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository root: a run's ``source`` is given relative to it where it can be."""
+
+Info = dict[str, Any]
+"""One benchmark's ``extra_info``, with its median time in seconds added as ``median``."""
+
+ServingKey = tuple[str, str, bool]
+"""``(workload, policy, shared)`` of a ``bench_serving.py`` run."""
+
+
+@dataclass(frozen=True)
+class Serving:
+    """The ``bench_serving.py`` runs of a :class:`Run`, by :data:`ServingKey`."""
+
+    rows: dict[ServingKey, Info]
+
+    def __bool__(self) -> bool:
+        return bool(self.rows)
+
+    def get(self, workload: str, policy: str, shared: bool = False) -> Info | None:
+        """The run of ``policy`` on ``workload``, or None if the run lacks it."""
+        return self.rows.get((workload, policy, shared))
+
+    def compared(self, workload: str) -> list[tuple[str, Info]]:
+        """``(policy, info)`` of the :data:`~bench.reporting.labels.ORDER` policies that ran on
+        ``workload`` without sharing, in that order."""
+        found = ((policy, self.get(workload, policy)) for policy in ORDER)
+        return [(policy, info) for policy, info in found if info is not None]
+
+    def compares_all(self, workload: str) -> bool:
+        """Whether every :data:`~bench.reporting.labels.ORDER` policy ran on ``workload``
+        without sharing (the paper's comparison)."""
+        return len(self.compared(workload)) == len(ORDER)
+
+    def sweep(self, workload: str = "sharegpt") -> list[Info]:
+        """The paged runs of ``workload`` without sharing, by increasing block size."""
+        runs = [
+            info
+            for (w, policy, shared), info in self.rows.items()
+            if w == workload and not shared and paged_block_size(policy) is not None
+        ]
+        return sorted(runs, key=lambda info: info["block_size"])
+
+    def sharing(self) -> dict[str, tuple[Info, Info]]:
+        """``workload: (on, off)``: the :data:`~bench.reporting.labels.PAGED` runs with and
+        without sharing, for every workload that has both, in the run's order."""
+        pairs: dict[str, tuple[Info, Info]] = {}
+        for workload, _, _ in self.rows:
+            on, off = self.get(workload, PAGED, True), self.get(workload, PAGED, False)
+            if on is not None and off is not None:
+                pairs[workload] = (on, off)
+        return pairs
+
+
+@dataclass(frozen=True)
+class Run:
+    """A pytest-benchmark JSON: its benchmarks, the machine and commit it ran on, the date
+    (``YYYY-MM-DD``) and where it was read from."""
+
+    benchmarks: list[dict[str, Any]]
+    machine: dict[str, Any]
+    commit: dict[str, Any]
+    when: str
+    source: str
+
+    @classmethod
+    def load(cls, path: Path) -> Run:
+        """The run saved at ``path`` (``--benchmark-json`` or ``--benchmark-save``)."""
+        data = json.loads(path.read_text())
+        return cls(
+            data["benchmarks"],
+            data.get("machine_info", {}),
+            data.get("commit_info", {}),
+            data.get("datetime", "")[:10],
+            str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path),
+        )
+
+    def of_kind(self, kind: str) -> list[Info]:
+        """``extra_info`` of every benchmark of that kind, with its median time added."""
+        return [
+            {**b["extra_info"], "median": b["stats"]["median"]}
+            for b in self.benchmarks
+            if b["extra_info"].get("kind") == kind
+        ]
+
+    def lifetime(self) -> dict[tuple[str, str], float]:
+        """Lifetime utilization by ``(workload, policy)``, from ``bench_utilization.py``."""
+        return {
+            (workload, info["policy"]): utilization
+            for info in self.of_kind("lifetime")
+            for workload, utilization in info["utilization"].items()
+        }
+
+    def serving(self) -> Serving:
+        """The ``bench_serving.py`` runs."""
+        return Serving(
+            {(i["workload"], i["policy"], i["shared"]): i for i in self.of_kind("serving")}
+        )
+
+    def engine(self) -> dict[tuple[int, int], Info]:
+        """The ``bench_engine.py`` steps by ``(block_size, batch)``."""
+        return {(i["block_size"], i["batch"]): i for i in self.of_kind("engine")}
+
+    def _attention_benchmarks(self) -> list[dict[str, Any]]:
+        return [b for b in self.benchmarks if (b["group"] or "").startswith("attention-bs")]
+
+    def attention(self) -> dict[tuple[str, int], dict[int, float]]:
+        """Median seconds of ``bench_attention.py`` by ``(layout, batch)``, then block size."""
+        medians: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
+        for b in self._attention_benchmarks():
+            info = b["extra_info"]
+            medians[info["layout"], info["batch"]][info["block_size"]] = b["stats"]["median"]
+        return dict(medians)
+
+    def attention_info(self) -> dict[str, Any]:
+        """The ``extra_info`` of the first ``bench_attention.py`` benchmark (the shapes, dtype,
+        backend and device all of them share); empty if there is none."""
+        return next((b["extra_info"] for b in self._attention_benchmarks()), {})
+
+    def attention_batches(self) -> list[int]:
+        """The batches at which both the paged and the contiguous attention were timed."""
+        attention = self.attention()
+        return sorted(
+            n for layout, n in attention if layout == "paged" and ("contiguous", n) in attention
+        )
+
+    def contiguous_spread(self) -> dict[int, tuple[float, float]]:
+        """``batch: (fastest, slowest)`` median seconds of the contiguous attention over the
+        block sizes, for each of :meth:`attention_batches`. The contiguous call does not depend
+        on the block size, so the spread is the machine's noise between benchmarks of the same
+        work."""
+        attention = self.attention()
+        return {
+            n: (min(attention["contiguous", n].values()), max(attention["contiguous", n].values()))
+            for n in self.attention_batches()
+        }
