@@ -94,7 +94,7 @@ BUGS: dict[str, tuple[types.ModuleType, str, str, str]] = {
     ),
     "fast path ignores a shared block written twice in one batch": (
         pagedkv.impl.blocks.table_store,
-        "shared.any() and has_repeats(last[shared])",
+        "self.shared.any() and has_repeats(self.last[self.shared])",
         "False",
         "store",
     ),

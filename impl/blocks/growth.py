@@ -46,6 +46,24 @@ def plan_in_order(
     return grown, shared
 
 
+def plan_preemption(growth: NDArray[np.int64], lengths: NDArray[np.int64], free: int) -> int:
+    """Where preemption from the tail stops, for sequences that own all their blocks alone.
+
+    Sequence ``i`` needs ``growth[i]`` new blocks and holds ``lengths[i]``; ``free`` are free.
+    The spec's order: sequence ``i`` grows once the blocks freed by removing the last ``k``
+    sequences cover what sequences ``0..i`` need, for the least such ``k``; if that takes
+    sequence ``i`` itself, it is removed too and nothing after it is left. Returns ``stop``:
+    sequences ``0 .. stop - 1`` grow, ``stop .. n - 1`` are removed. ``k`` only grows with
+    ``i``, so ``stop`` is the first ``i`` with ``i + k_i >= n``.
+    """
+    n = growth.size
+    freed = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths[::-1], out=freed[1:])  # freed[k]: blocks the last k sequences hold
+    victims = np.searchsorted(freed, np.cumsum(growth) - free, side="left")
+    cut = np.arange(n) + victims >= n
+    return int(cut.argmax()) if cut.any() else n
+
+
 def has_repeats(values: NDArray[np.integer]) -> bool:
     """Whether some value occurs twice."""
     if values.size < 2:

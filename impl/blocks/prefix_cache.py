@@ -109,8 +109,9 @@ class PrefixCachingBlockManager(BlockManager):
         return self.plan_prompt(token_ids, extra_key).hits.tolist()
 
     def max_hit_blocks(self, prompt_len: int) -> int:
-        """Rule: the last prompt token is always recomputed, so at most this many blocks hit."""
-        return max(0, prompt_len - 1) // self.block_size
+        """Rule: the last prompt token is always recomputed, so at most this many blocks hit.
+        ``prompt_len`` is an int >= 0 (``TypeError``/``ValueError`` otherwise), as in the spec."""
+        return max(0, check_int("prompt_len", prompt_len, 0) - 1) // self.block_size
 
     def blocks_to_allocate(self, token_ids: Sequence[int], extra_key: Hashable = None) -> int:
         """Free blocks ``allocate_prompt`` would consume: fresh blocks plus revived cached ones."""

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from numpy.typing import NDArray
 
-from pagedkv.impl.blocks.growth import has_repeats, plan_in_order
+from pagedkv.impl.blocks.growth import has_repeats, plan_in_order, plan_preemption
 from pagedkv.impl.blocks.manager import BlockManager, IdArray, OutOfBlocksError
 from pagedkv.impl.blocks.prefix_cache import (
     PrefixCacheStats,
@@ -113,6 +113,12 @@ class BlockTableStore:
         self._row_of: dict[int, int] = {}
         self._free_rows = list(range(max_seqs - 1, -1, -1))  # pop() yields the lowest row
         self._epoch = 0  # bumped by every remove: batches made before it must re-resolve
+        # Rows whose partly filled last block a fork shared: the only way a write can reach a
+        # block with other owners (prefix-cache hits are full blocks, and never a table's last
+        # one). Conservative: a flag outlives the sharing until the row's next growth.
+        self._tail_shared = np.zeros(max_seqs, dtype=np.bool_)
+        self._num_tail_shared = 0
+        self._live: SeqBatch | None = None  # every live sequence in the order added, cached
 
     # ----------------------------------------------------------------- introspection
 
@@ -264,8 +270,12 @@ class BlockTableStore:
         self.manager.share_blocks(blocks.astype(np.intp))
         self._tables[row, :length] = blocks
         self._num_blocks[row] = length
-        self._token_counts[row] = self._token_counts[parent_row]
+        count = self._token_counts[parent_row]
+        self._token_counts[row] = count
         self._row_of[child_id] = row
+        self._live = None
+        if count % self.block_size:  # the last block is partly filled: a write may copy it
+            self._flag_tail_shared(np.array([parent_row, row]))
 
     def remove(self, seqs: SeqBatch | SeqIds) -> None:
         """Free the sequences' tables and forget them: ``manager.free`` per sequence, in order.
@@ -274,22 +284,7 @@ class BlockTableStore:
         calls would put them there (each table's last block first).
         """
         batch = self.resolve(seqs)
-        rows = batch.rows
-        if rows.size == 1:
-            row = int(rows[0])
-            self.manager.release_blocks(self._tables[row, : self._num_blocks[row]].astype(np.intp))
-        elif rows.size > 1:
-            reversed_tables = self._tables[rows, ::-1]  # padding first, then last block first
-            self.manager.release_blocks_in_order(
-                reversed_tables[reversed_tables != PAD].astype(np.intp)
-            )
-        self._tables[rows] = PAD
-        self._num_blocks[rows] = 0
-        self._token_counts[rows] = 0
-        for seq_id in batch.seq_ids:
-            del self._row_of[seq_id]
-        self._free_rows.extend(rows[::-1].tolist())
-        self._epoch += 1
+        self._release_rows(batch.rows, batch.seq_ids)
 
     # ----------------------------------------------------------------- a scheduler step
 
@@ -315,7 +310,7 @@ class BlockTableStore:
         return SeqBatch(tuple(seq_ids), rows, rows * self._width, self, self._epoch)
 
     def grow(
-        self, seqs: SeqBatch | SeqIds, new_tokens: int | SeqIds = 1, *, atomic: bool = False
+        self, seqs: SeqBatch | SeqIds | None, new_tokens: int | SeqIds = 1, *, atomic: bool = False
     ) -> list[int]:
         """Append ``new_tokens`` tokens (one int for all, or one per sequence) to each sequence.
 
@@ -329,54 +324,58 @@ class BlockTableStore:
         ``max_blocks_per_seq`` blocks. Copy-on-write pairs go to :meth:`pop_copy_pairs`.
         """
         batch = self.resolve(seqs)
-        rows = batch.rows
-        step = self._token_array("new_tokens", new_tokens, rows.size)
-        if rows.size == 0:
+        step = self._token_array("new_tokens", new_tokens, len(batch))
+        if self._grow_decode(batch, step):
             return []
-        bs, width = self.block_size, self._width
-        counts = self._token_counts.take(rows).astype(np.int64)
-        lengths = self._num_blocks.take(rows)
-        new_counts = counts + step
-        needed = (new_counts + (bs - 1)) // bs
-        if needed.max() > width:
-            over = [s for s, n in zip(batch.seq_ids, needed.tolist(), strict=True) if n > width]
-            raise CapacityError(f"sequences {over} would need more than {width} blocks")
-        if isinstance(step, int) and step == 0:
+        g = self._growth(batch, step)
+        if g is None:
             return []
-        growth = needed - lengths
-        # A live table holds exactly ceil(count / block_size) blocks, so the only present block
-        # a write can reach is the last one, and only when it is partly filled.
-        writes_last = counts % bs != 0
-        if not isinstance(step, int):
-            writes_last &= step > 0
-        last = self._tables.take(batch._base + lengths - 1)  # index -1 only if not writes_last
-        last_refs = self.manager.ref_counts_of(last)
-        shared = writes_last & (last_refs > 1)
-        # Every sequence grows at once unless the pool runs short or two sequences write one
-        # shared block (the first writers copy it; once one owner is left it writes in place).
-        if int(growth.sum() + shared.sum()) > self.manager.num_free_blocks or (
-            shared.any() and has_repeats(last[shared])
-        ):
-            grown, shared = plan_in_order(
-                growth, writes_last, last, last_refs, self.manager.num_free_blocks
-            )
-            failed = [s for s, ok in zip(batch.seq_ids, grown.tolist(), strict=True) if not ok]
-            if atomic and failed:
-                return failed
-            keep = grown.nonzero()[0]
-            rows, base, lengths, growth = rows[keep], batch._base[keep], lengths[keep], growth[keep]
-            shared, last, needed, new_counts = (
-                shared[keep],
-                last[keep],
-                needed[keep],
-                new_counts[keep],
-            )
-        else:
-            failed, base = [], batch._base
-        self._apply_growth(rows, base, lengths, growth, shared, last)
-        self._num_blocks[rows] = needed
-        self._token_counts[rows] = new_counts
+        if g.fits_at_once(self.manager.num_free_blocks):
+            self._apply_growth(g, None, g.shared)
+            return []
+        grown, shared = plan_in_order(
+            g.growth, g.writes_last, g.last, g.last_refs, self.manager.num_free_blocks
+        )
+        failed = [s for s, ok in zip(batch.seq_ids, grown.tolist(), strict=True) if not ok]
+        if atomic and failed:
+            return failed
+        keep = grown.nonzero()[0]
+        self._apply_growth(g, keep, shared[keep])
         return failed
+
+    def grow_or_preempt(
+        self, seqs: SeqBatch | SeqIds | None, new_tokens: int | SeqIds = 1
+    ) -> list[int]:
+        """Grow every sequence, preempting from the batch's tail when the pool runs short.
+
+        Equivalent to, for each sequence in batch order: while it cannot grow by its
+        ``new_tokens`` (``append_slot`` raising ``OutOfBlocksError``), ``remove`` the batch's
+        last remaining sequence (preemption by recompute: its blocks are freed, last block
+        first), stopping once the sequence fits or was itself removed. Returns the removed ids,
+        in removal order (the batch's tail, last first); every other sequence grew. With no
+        shared last block to copy, the victims are planned from block counts and applied as one
+        batched free and one batched grow; otherwise sequence by sequence. ``CapacityError``
+        (changing nothing) as :meth:`grow`.
+        """
+        batch = self.resolve(seqs)
+        step = self._token_array("new_tokens", new_tokens, len(batch))
+        if self._grow_decode(batch, step):
+            return []
+        g = self._growth(batch, step)
+        if g is None:
+            return []
+        free = self.manager.num_free_blocks
+        if g.fits_at_once(free):
+            self._apply_growth(g, None, g.shared)
+            return []
+        if g.shared.any():  # a copy on write interleaves with the frees: replay in order
+            return self._grow_or_preempt_in_order(batch, step)
+        stop = self._plan_preemption(g, free)
+        victims = np.arange(g.rows.size - 1, stop - 1, -1)
+        self._release_rows(g.rows[victims], [batch.seq_ids[i] for i in victims.tolist()])
+        keep = np.arange(stop)
+        self._apply_growth(g, keep, g.shared[keep])
+        return [batch.seq_ids[i] for i in victims.tolist()]
 
     def slot_mapping(
         self,
@@ -433,7 +432,12 @@ class BlockTableStore:
         added, ids are resolved with :meth:`batch`, and a batch made before the last ``remove``
         is re-resolved from its ids (``KeyError`` if one is gone)."""
         if seqs is None:
-            return self.batch(tuple(self._row_of))
+            if self._live is None:
+                rows = np.fromiter(self._row_of.values(), dtype=np.intp, count=len(self._row_of))
+                rows.flags.writeable = False
+                ids = tuple(self._row_of)
+                self._live = SeqBatch(ids, rows, rows * self._width, self, self._epoch)
+            return self._live
         if isinstance(seqs, SeqBatch):
             if seqs._store is not self:
                 raise ValueError("the batch belongs to another BlockTableStore")
@@ -465,6 +469,7 @@ class BlockTableStore:
         self._num_blocks[row] = blocks.size
         self._token_counts[row] = token_count
         self._row_of[seq_id] = row
+        self._live = None
 
     def _check_live(self, seq_id: object) -> int:
         seq_id = _check_seq_id(seq_id)
@@ -501,21 +506,157 @@ class BlockTableStore:
             raise CapacityError(f"{name} exceeds any sequence's capacity")
         return np.array(value, dtype=np.int64)
 
+    def _grow_decode(self, batch: SeqBatch, step: int | NDArray[np.int64]) -> bool:
+        """The decode step: every sequence gains one token, and no written last block can be
+        shared. Only sequences at a block boundary touch the manager. Returns False, changing
+        nothing, when the general path must decide (another step, a possibly shared last
+        block, more sequences at a boundary than free blocks, a table at full width)."""
+        rows = batch.rows
+        if not (isinstance(step, int) and step == 1) or rows.size == 0:
+            return False
+        if self._num_tail_shared and self._tail_shared.take(rows).any():
+            return False
+        counts = self._token_counts.take(rows)
+        boundary = (counts % self.block_size == 0).nonzero()[0]  # a new block each
+        if boundary.size:
+            if boundary.size > self.manager.num_free_blocks:
+                return False
+            growing = rows.take(boundary)
+            lengths = self._num_blocks.take(growing)
+            if lengths.max() >= self._width:
+                return False
+            self._tables.reshape(-1)[batch._base.take(boundary) + lengths] = (
+                self.manager.take_blocks(boundary.size)
+            )
+            self._num_blocks[growing] = lengths + 1
+        self._token_counts[rows] = counts + 1
+        return True
+
+    def _growth(self, batch: SeqBatch, step: int | NDArray[np.int64]) -> _Growth | None:
+        """What growing ``batch`` by ``step`` needs, changing nothing; None if nothing grows.
+        ``CapacityError`` if a sequence would outgrow its table."""
+        rows = batch.rows
+        if rows.size == 0:
+            return None
+        bs, width = self.block_size, self._width
+        counts = self._token_counts.take(rows).astype(np.int64)
+        lengths = self._num_blocks.take(rows)
+        new_counts = counts + step
+        needed = (new_counts + (bs - 1)) // bs
+        if needed.max() > width:
+            over = [s for s, n in zip(batch.seq_ids, needed.tolist(), strict=True) if n > width]
+            raise CapacityError(f"sequences {over} would need more than {width} blocks")
+        if isinstance(step, int) and step == 0:
+            return None
+        # A live table holds exactly ceil(count / block_size) blocks, so the only present block
+        # a write can reach is the last one, and only when it is partly filled.
+        writes_last = counts % bs != 0
+        if not isinstance(step, int):
+            writes_last &= step > 0
+        last = self._tables.take(batch._base + lengths - 1)  # index -1 only if not writes_last
+        last_refs = self.manager.ref_counts_of(last)
+        shared = writes_last & (last_refs > 1)
+        return _Growth(
+            rows, batch._base, lengths, needed, new_counts, needed - lengths, writes_last, last,
+            last_refs, shared,
+        )  # fmt: skip
+
+    def _plan_preemption(self, g: _Growth, free: int) -> int:
+        """With no copy on write, the first batch index that :meth:`grow_or_preempt` removes:
+        sequences before it grow, it and all after it are removed (the last first)."""
+        tables = self._tables[g.rows]
+        held = tables[tables != PAD].astype(np.intp)
+        if held.size == 0 or self.manager.ref_counts_of(held).max() == 1:
+            return plan_preemption(g.growth, g.lengths.astype(np.int64), free)
+        # Shared blocks (prefix-cache hits): a victim frees only the blocks it held last.
+        refs: dict[int, int] = {}
+        tail, n = g.rows.size - 1, g.rows.size
+        for i, need in enumerate(g.growth.tolist()):
+            while need > free:
+                victim = tail
+                tail -= 1
+                blocks = tables[victim, : g.lengths[victim]].astype(np.intp)
+                for block, count in zip(
+                    blocks.tolist(), self.manager.ref_counts_of(blocks).tolist(), strict=True
+                ):
+                    left = refs.get(block, count) - 1
+                    refs[block] = left
+                    free += left == 0
+                if victim == i:
+                    return i
+            free -= need
+            if tail < i + 1:  # every later sequence was removed
+                return i + 1
+        return n
+
+    def _grow_or_preempt_in_order(
+        self, batch: SeqBatch, step: int | NDArray[np.int64]
+    ) -> list[int]:
+        """``grow_or_preempt`` replayed one sequence at a time (copies on write in play)."""
+        steps = [step] * len(batch) if isinstance(step, int) else step.tolist()
+        ids = list(batch.seq_ids)
+        victims: list[int] = []
+        for index, (seq_id, k) in enumerate(zip(batch.seq_ids, steps, strict=True)):
+            if index >= len(ids):
+                break
+            while self.grow([seq_id], k):
+                victim = ids.pop()
+                self.remove([victim])
+                victims.append(victim)
+                if victim == seq_id:
+                    return victims
+        return victims
+
+    def _release_rows(self, rows: NDArray[np.intp], seq_ids: Sequence[int]) -> None:
+        """``remove`` the sequences ``seq_ids`` held in ``rows``, in order."""
+        if rows.size == 1:
+            row = int(rows[0])
+            self.manager.release_blocks(self._tables[row, : self._num_blocks[row]].astype(np.intp))
+        elif rows.size > 1:
+            reversed_tables = self._tables[rows, ::-1]  # padding first, then last block first
+            self.manager.release_blocks_in_order(
+                reversed_tables[reversed_tables != PAD].astype(np.intp)
+            )
+        self._tables[rows] = PAD
+        self._num_blocks[rows] = 0
+        self._token_counts[rows] = 0
+        self._clear_tail_shared(rows)
+        for seq_id in seq_ids:
+            del self._row_of[seq_id]
+        self._free_rows.extend(rows[::-1].tolist())
+        self._epoch += 1
+        self._live = None
+
+    def _flag_tail_shared(self, rows: NDArray[np.intp]) -> None:
+        self._tail_shared[rows] = True
+        self._num_tail_shared = int(np.count_nonzero(self._tail_shared))
+
+    def _clear_tail_shared(self, rows: NDArray[np.intp]) -> None:
+        if self._num_tail_shared:
+            self._tail_shared[rows] = False
+            self._num_tail_shared = int(np.count_nonzero(self._tail_shared))
+
     def _apply_growth(
-        self,
-        rows: NDArray[np.intp],
-        base: NDArray[np.intp],
-        lengths: NDArray[np.int32],
-        growth: NDArray[np.int64],
-        shared: NDArray[np.bool_],
-        last: NDArray[np.int32],
+        self, g: _Growth, keep: NDArray[np.intp] | None, shared: NDArray[np.bool_]
     ) -> None:
-        """Grow the sequences in ``rows`` (flat row offsets ``base``), all of which fit.
+        """Grow the sequences ``keep`` of ``g`` (all with None), all of which fit; ``shared``
+        marks, among them, those that copy their last block on write.
 
         All fresh blocks are taken at once and placed per sequence, in batch order, as the
         spec's calls would take them: its copy-on-write block first (replacing its shared last
-        block), then its ``growth`` blocks.
+        block), then its growth blocks. After it no written sequence's last block is shared.
         """
+        if keep is None:
+            rows, base, lengths, growth, last = g.rows, g.base, g.lengths, g.growth, g.last
+            needed, new_counts = g.needed, g.new_counts
+        else:
+            rows, base, lengths, growth = (
+                g.rows[keep],
+                g.base[keep],
+                g.lengths[keep],
+                g.growth[keep],
+            )
+            last, needed, new_counts = g.last[keep], g.needed[keep], g.new_counts[keep]
         num_fresh = growth + shared
         total = int(num_fresh.sum())
         if total:
@@ -536,6 +677,37 @@ class BlockTableStore:
                 flat[base[owner] + lengths[owner] + within] = fresh[
                     (first_fresh + shared)[owner] + within
                 ]
+        self._num_blocks[rows] = needed
+        self._token_counts[rows] = new_counts
+        if self._num_tail_shared:  # a write copied or filled the last block, or passed it
+            wrote = (
+                (g.writes_last | (g.growth > 0))
+                if keep is None
+                else (g.writes_last[keep] | (growth > 0))
+            )
+            self._clear_tail_shared(rows[wrote])
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class _Growth:
+    """One batch's growth, decided before anything changes (arrays in batch order)."""
+
+    rows: NDArray[np.intp]
+    base: NDArray[np.intp]  # flat row offsets
+    lengths: NDArray[np.int32]  # blocks held now
+    needed: NDArray[np.int64]  # blocks held after
+    new_counts: NDArray[np.int64]
+    growth: NDArray[np.int64]  # needed - lengths
+    writes_last: NDArray[np.bool_]  # a write lands in the present last block
+    last: NDArray[np.int32]  # the present last block (garbage where nothing is held)
+    last_refs: NDArray[np.int32]
+    shared: NDArray[np.bool_]  # writes_last and the last block has other owners
+
+    def fits_at_once(self, free: int) -> bool:
+        """Every sequence grows, and no shared block is written twice: the order is moot."""
+        return int(self.growth.sum() + self.shared.sum()) <= free and not (
+            self.shared.any() and has_repeats(self.last[self.shared])
+        )
 
 
 def _check_seq_id(seq_id: object) -> int:
