@@ -149,6 +149,16 @@ class ContiguousStore:
     def token_count(self, seq_id: int) -> int:
         return self.counts[seq_id]
 
+    def token_counts_of(self, seq_ids: Sequence[int] | None) -> list[int]:
+        counts = self.counts
+        return list(counts.values()) if seq_ids is None else [counts[s] for s in seq_ids]
+
+    def grow_or_preempt(
+        self, seq_ids: Sequence[int] | None, new_tokens: int | Sequence[int] = 1
+    ) -> list[int]:
+        """A reservation always covers its sequence: nothing is ever preempted."""
+        return self.grow(list(self.counts) if seq_ids is None else seq_ids, new_tokens)
+
     def grow(
         self, seq_ids: Sequence[int], new_tokens: int | Sequence[int] = 1, *, atomic: bool = False
     ) -> list[int]:

@@ -21,6 +21,7 @@ step:
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,17 +46,23 @@ EOS = 0
 
 
 class SpyStore(BlockTableStore):
-    """A store that logs ``grow`` outcomes and removals, to check when preemption happens."""
+    """A store that logs removals and preemptions, to check when preemption happens.
+
+    Before each ``grow_or_preempt`` it tries the same growth on a copy of itself: if all of it
+    fits at once, preempting anyone would be needless (``grow_or_preempt`` itself is checked
+    against the spec in ``test_store_preemption``).
+    """
 
     def __init__(self, *args: object) -> None:
         super().__init__(*args)
         self.log: list[tuple[str, int, bool]] = []
 
-    def grow(self, seqs, new_tokens=1, *, atomic=False):  # type: ignore[no-untyped-def]
-        failed = super().grow(seqs, new_tokens, atomic=atomic)
-        if not atomic:  # an atomic attempt either grew everyone or changed nothing
-            self.log.extend(("grow", seq_id, seq_id not in failed) for seq_id in seqs)
-        return failed
+    def grow_or_preempt(self, seqs, new_tokens=1):  # type: ignore[no-untyped-def]
+        trial = copy.deepcopy(self)
+        fits = not BlockTableStore.grow(trial, seqs, new_tokens, atomic=True)
+        victims = super().grow_or_preempt(seqs, new_tokens)
+        self.log.extend(("preempt", seq_id, fits) for seq_id in victims)
+        return victims
 
     def remove(self, seqs):  # type: ignore[no-untyped-def]
         super().remove(seqs)
@@ -156,11 +163,8 @@ def check_step(
     victims = [seq.seq_id for seq in out.preempted]
     assert victims == running_before[::-1][: len(victims)]
     log = store.log[log_start:]
-    removed = [seq_id for kind, seq_id, _ in log if kind == "remove"]
-    assert removed == victims
-    for i, (kind, _, _) in enumerate(log):
-        if kind == "remove":  # right after a growth that failed: never a needless preemption
-            assert i > 0 and log[i - 1][0] == "grow" and not log[i - 1][2]
+    assert [seq_id for kind, seq_id, _ in log if kind == "preempt"] == victims
+    assert not any(fits for kind, _, fits in log if kind == "preempt"), "a needless preemption"
     for victim in out.preempted:
         assert victim.status is SeqStatus.WAITING and victim.num_computed == 0
         assert victim.seq_id not in store

@@ -175,6 +175,10 @@ class BlockTableStore:
         row = self.row(seq_id)
         return self._tables[row, : self._num_blocks[row]].tolist()
 
+    def token_counts_of(self, seqs: SeqBatch | SeqIds | None) -> list[int]:
+        """The token counts of ``seqs`` (see :meth:`resolve`), in batch order."""
+        return self._token_counts.take(self.resolve(seqs).rows).tolist()
+
     def token_count(self, seq_id: int) -> int:
         """How many tokens ``seq_id`` holds."""
         return int(self._token_counts[self.row(seq_id)])

@@ -17,9 +17,9 @@ class BlockStore(Protocol):
     """Block tables of sequences keyed by int ids, over a pool of ``total_blocks`` blocks.
 
     Contract (``BlockTableStore`` documents each in full): a call that raises changes nothing;
-    ``grow`` returns the ids that could not grow and, with ``atomic=True``, changes nothing
-    unless all can; ``blocks_to_allocate(tokens)`` is what ``add_prompt`` would take from
-    ``num_free_blocks`` now.
+    ``blocks_to_allocate(tokens)`` is what ``add_prompt`` would take from
+    ``num_free_blocks`` now. The live sequences keep the order they were added in (a removal
+    keeps the others' order), which is the scheduler's running order.
     """
 
     @property
@@ -47,8 +47,8 @@ class BlockStore(Protocol):
         """Blocks free now."""
         ...
 
-    def token_count(self, seq_id: int) -> int:
-        """Tokens ``seq_id``'s table holds."""
+    def token_counts_of(self, seqs: Sequence[int] | None) -> Sequence[int]:
+        """Tokens each of ``seqs`` holds; ``None`` is every live sequence in the order added."""
         ...
 
     def blocks_to_allocate(self, token_ids: Sequence[int]) -> int:
@@ -59,10 +59,12 @@ class BlockStore(Protocol):
         """Add a sequence holding the prompt; return how many leading tokens are cached."""
         ...
 
-    def grow(
-        self, seqs: Sequence[int], new_tokens: int | Sequence[int] = 1, *, atomic: bool = False
+    def grow_or_preempt(
+        self, seqs: Sequence[int] | None, new_tokens: int | Sequence[int] = 1
     ) -> list[int]:
-        """Append tokens to each sequence; return the ids that could not grow."""
+        """Grow each sequence in order, removing the last remaining one while one cannot grow
+        (until it fits or was itself removed); return the removed ids, in removal order.
+        ``None`` is every live sequence in the order added."""
         ...
 
     def fork(self, parent_id: int, child_id: int) -> None:

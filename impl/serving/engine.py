@@ -18,16 +18,18 @@ tables; there is no ``past_key_values``. One :meth:`PagedAttentionEngine.step`:
 6. **free**: finished sequences free their blocks at once; full blocks are registered with the
    prefix cache. The step's :class:`pagedkv.impl.serving.metrics.StepMetrics` are recorded.
 
-``python -m pagedkv.impl.serving.engine`` runs a small generation and prints the metrics of every
-step.
+``python -m pagedkv.impl.serving.engine`` (the ``pagedkv`` command) runs a small generation and
+prints the metrics of every step; ``--model DIR`` serves a model that ``save_pretrained`` wrote
+to DIR (``pagedkv.impl.serving.hf_loader``; local files only), its prompts given with
+``--prompt`` as text (DIR must hold a tokenizer) or, with ``--token-ids``, as token ids.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 from collections import abc
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -36,12 +38,14 @@ from pagedkv.impl.blocks.manager import BlockManager
 from pagedkv.impl.blocks.page_tables import block_tables
 from pagedkv.impl.blocks.prefix_cache import PrefixCachingBlockManager, check_tokens
 from pagedkv.impl.blocks.table_store import BlockTableStore
+from pagedkv.impl.serving.hf_loader import load_hf, load_tokenizer
 from pagedkv.impl.serving.metrics import StepMetrics, step_metrics
 from pagedkv.impl.serving.model import CausalLM, ModelConfig
 from pagedkv.impl.serving.paged_kv import PagedKVCache
-from pagedkv.impl.serving.sampling import sample_token
+from pagedkv.impl.serving.sampling import check_temperature, sample_token
 from pagedkv.impl.serving.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Sequence
 from pagedkv.kernels import resolve_backend
+from pagedkv.kernels.validation import check_bool
 from pagedkv.spec.block_manager import check_int
 
 
@@ -99,6 +103,11 @@ class PagedAttentionEngine:
         keep_logits: bool = False,
         seed: int = 0,
     ) -> None:
+        if not isinstance(model, CausalLM):
+            raise TypeError(f"model must be a CausalLM, got {type(model).__name__}")
+        check_bool("enable_prefix_caching", enable_prefix_caching)
+        check_bool("keep_logits", keep_logits)
+        check_int("seed", seed, 0)
         resolve_backend(backend, model.device)  # an unknown or unusable backend fails here
         manager_class = PrefixCachingBlockManager if enable_prefix_caching else BlockManager
         manager = manager_class(total_blocks, block_size)
@@ -134,18 +143,12 @@ class PagedAttentionEngine:
         tokens do not depend on batching or preemption. Raises what
         ``Scheduler.add_request`` raises (``RequestTooLargeError`` for a request that can
         never fit; ``TypeError``/``ValueError`` for a prompt that is not a list or tuple of
-        ints), and ``ValueError`` for a token outside the vocabulary or a temperature that is
-        negative or not finite. Nothing is queued when it raises.
+        ints, or a count that is not an int >= 1), ``ValueError`` for a token or
+        ``eos_token_id`` outside the vocabulary, and what ``sampling.check_temperature`` raises
+        for a temperature outside its rule. All-or-nothing: nothing is queued when it raises.
         """
-        vocab = self.model.config.vocab_size
-        if any(token >= vocab for token in check_tokens(prompt)):
-            raise ValueError(f"prompt tokens must lie in [0, {vocab})")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-            raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
-        if not math.isfinite(temperature) or temperature < 0:
-            raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
-        if seed is not None:
-            check_int("seed", seed, 0)
+        self._check_prompt(prompt)
+        temperature = self._check_options(temperature, eos_token_id, seed)
         request_id = self._next_request_id
         seq = self.scheduler.add_request(
             request_id, prompt, max_new_tokens, n=n, eos_token_id=eos_token_id
@@ -158,6 +161,22 @@ class PagedAttentionEngine:
         self._requests[request_id] = _Request(list(prompt), n, temperature, generators, {0: seq})
         self._logits[seq.seq_id] = []
         return request_id
+
+    def _check_prompt(self, prompt: abc.Sequence[int]) -> None:
+        """The engine's own check of a prompt (the scheduler's follow): ints in the vocabulary."""
+        vocab = self.model.config.vocab_size
+        if any(token >= vocab for token in check_tokens(prompt)):
+            raise ValueError(f"prompt tokens must lie in [0, {vocab})")
+
+    def _check_options(self, temperature: object, eos_token_id: object, seed: object) -> float:
+        """The engine's own checks of a request's options; returns the temperature as a float."""
+        vocab = self.model.config.vocab_size
+        temperature = check_temperature(temperature)
+        if seed is not None:
+            check_int("seed", seed, 0)
+        if eos_token_id is not None and check_int("eos_token_id", eos_token_id, 0) >= vocab:
+            raise ValueError(f"eos_token_id must lie in [0, {vocab}), got {eos_token_id}")
+        return temperature
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -190,9 +209,27 @@ class PagedAttentionEngine:
         Runs the engine until it is idle, so it must start idle (``RuntimeError`` otherwise: mix
         requests with ``add_request`` and ``step`` instead). With ``progress`` a tqdm bar counts
         finished requests and shows the latest metrics; ``on_step`` sees every step's metrics.
+        All-or-nothing: every prompt passes every check of :meth:`add_request` (run against a
+        scratch scheduler over the same store, which changes nothing) before any is queued, so
+        a bad prompt anywhere raises what ``add_request`` would and leaves the engine idle.
         """
         if self.has_unfinished_requests():
             raise RuntimeError("generate() needs an idle engine; drive it with step() instead")
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
+        check_bool("progress", progress)
+        if on_step is not None and not callable(on_step):
+            raise TypeError(f"on_step must be callable or None, got {type(on_step).__name__}")
+        self._check_options(temperature, eos_token_id, None)
+        check_int("max_new_tokens", max_new_tokens, 1)  # checked even with no prompts
+        check_int("n", n, 1)
+        scratch = Scheduler(self.store, self.scheduler.config)  # its queue is thrown away
+        for index, prompt in enumerate(prompts):
+            self._check_prompt(prompt)
+            scratch.add_request(
+                self._next_request_id + index, prompt, max_new_tokens, n=n,
+                eos_token_id=eos_token_id,
+            )  # fmt: skip
         ids = [
             self.add_request(
                 prompt, max_new_tokens, n=n, temperature=temperature, eos_token_id=eos_token_id
@@ -275,36 +312,53 @@ class PagedAttentionEngine:
 
 
 def main(argv: abc.Sequence[str] | None = None) -> None:
-    """A small generation with a tiny seeded model, printing every step's metrics."""
+    """A small generation, printing every step's metrics: a tiny seeded model by default, or with
+    ``--model DIR`` a ``transformers`` Llama or Mistral saved in DIR (local files only)."""
     parser = argparse.ArgumentParser(
         prog="python -m pagedkv.impl.serving.engine", description=main.__doc__
     )
     parser.add_argument("--blocks", type=int, default=24, help="KV blocks in the pool")
     parser.add_argument("--block-size", type=int, default=4)
-    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=8, help="demo requests (no --model)")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--n", type=int, default=2, help="samples per request")
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--backend", choices=("auto", "triton", "reference"), default=None)
+    parser.add_argument(
+        "--model", metavar="DIR", help="serve the model that save_pretrained wrote to DIR"
+    )
+    parser.add_argument(
+        "--prompt", action="append", default=[], metavar="PROMPT",
+        help="with --model, one prompt (repeatable): text, which needs a tokenizer in DIR",
+    )  # fmt: skip
+    parser.add_argument(
+        "--token-ids", action="store_true",
+        help="each --prompt is token ids separated by commas or spaces, not text",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)  # the model is tiny: more threads only add synchronization
-    config = ModelConfig()
-    model = CausalLM.from_seed(config, seed=0)
+    if args.model is None:
+        if args.prompt:
+            parser.error("--prompt needs --model")
+        model, tokenizer = CausalLM.from_seed(ModelConfig(), seed=0), None
+        prompts = _demo_prompts(model.config.vocab_size, args.requests)
+    else:
+        try:
+            model, tokenizer = load_hf(args.model), load_tokenizer(args.model)
+            prompts = [_parse_prompt(text, tokenizer, args.token_ids) for text in args.prompt]
+        except ValueError as error:
+            parser.error(str(error))
+        if not prompts:
+            parser.error("--model needs at least one --prompt")
     engine = PagedAttentionEngine(
         model, args.blocks, args.block_size,
         max_num_seqs=8, max_num_batched_tokens=64, watermark_blocks=1,
         enable_prefix_caching=not args.no_prefix_caching, backend=args.backend,
     )  # fmt: skip
-    generator = torch.Generator().manual_seed(0)
-    system = torch.randint(config.vocab_size, (9,), generator=generator).tolist()
-    prompts = [
-        system + torch.randint(config.vocab_size, (3 + i % 5,), generator=generator).tolist()
-        for i in range(args.requests)
-    ]
     print(
-        f"{args.requests} requests x {args.n} samples, {args.max_new_tokens} new tokens each; "
+        f"{len(prompts)} requests x {args.n} samples, {args.max_new_tokens} new tokens each; "
         f"{args.blocks} blocks of {args.block_size} tokens; prefix caching "
         f"{'off' if args.no_prefix_caching else 'on'}"
     )
@@ -314,6 +368,9 @@ def main(argv: abc.Sequence[str] | None = None) -> None:
     )  # fmt: skip
     for out in outputs:
         print(f"request {out.request_id}: prompt {len(out.prompt)} tokens -> {out.outputs}")
+        if tokenizer is not None:
+            for sample in out.outputs:
+                print(f"  {tokenizer.decode(sample)!r}")
     total = sum(m.preemptions for m in engine.metrics)
     hits = sum(m.prefix_hit_tokens for m in engine.metrics)
     print(
@@ -321,6 +378,29 @@ def main(argv: abc.Sequence[str] | None = None) -> None:
         f"prefix cache; free blocks at the end: {engine.store.num_free_blocks}/"
         f"{args.blocks}"
     )
+
+
+def _demo_prompts(vocab_size: int, requests: int) -> list[list[int]]:
+    """Seeded prompts that share a 9-token system prefix, of 12 to 16 tokens."""
+    generator = torch.Generator().manual_seed(0)
+    system = torch.randint(vocab_size, (9,), generator=generator).tolist()
+    return [
+        system + torch.randint(vocab_size, (3 + i % 5,), generator=generator).tolist()
+        for i in range(requests)
+    ]
+
+
+def _parse_prompt(prompt: str, tokenizer: Any | None, token_ids: bool) -> list[int]:
+    """A ``--prompt``'s tokens: its ids with ``token_ids``, else its text tokenized.
+    ``ValueError`` for ids that are not integers, or text without a tokenizer."""
+    if token_ids:
+        try:
+            return [int(token) for token in prompt.replace(",", " ").split()]
+        except ValueError:
+            raise ValueError(f"--token-ids: {prompt!r} is not integers") from None
+    if tokenizer is None:
+        raise ValueError("a text --prompt needs a tokenizer in the --model directory")
+    return list(tokenizer.encode(prompt))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 The blocks are the modern ones: token embedding, RMSNorm, rotary position embedding (RoPE),
 grouped-query attention, a SwiGLU MLP and a tied or untied LM head, with Hugging Face Llama's
 conventions (parameter names, ``rotate_half`` RoPE layout, ``rope_theta``, ``rms_norm_eps``,
-``scale = head_dim ** -0.5``), so :meth:`CausalLM.from_hf_llama` loads a
-``transformers.LlamaForCausalLM``'s weights unchanged.
+``scale = head_dim ** -0.5``), so ``pagedkv.impl.serving.hf_loader`` loads the weights of a
+``transformers`` Llama (or of a family that computes exactly what it computes) unchanged.
 
 The model works on a *flat* step: the tokens of every sequence in the step, concatenated
 (``input_ids`` and ``positions`` are ``[T]``). It never holds K/V itself. Each attention layer hands
@@ -17,10 +17,21 @@ same layers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
+
+from pagedkv.kernels.validation import (
+    check_bool,
+    check_float_dtype,
+    check_int_range,
+    check_number,
+    check_same_device,
+    check_shape,
+    check_tensor,
+)
+from pagedkv.spec.block_manager import check_int
 
 
 class KVAttention(Protocol):
@@ -34,6 +45,12 @@ class KVAttention(Protocol):
         token's causal context (every earlier token of its sequence, and itself):
         ``[T, num_heads, head_dim]``."""
         ...
+
+
+SIZE_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+    "head_dim",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -52,6 +69,14 @@ class ModelConfig:
     tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
+        """Every field checked: sizes are ints >= 1, ``rope_theta`` a finite number > 0,
+        ``rms_norm_eps`` a finite number >= 0, ``tie_word_embeddings`` a bool (``TypeError`` or
+        ``ValueError`` naming the field); heads must group evenly and ``head_dim`` be even."""
+        for name in SIZE_FIELDS:
+            check_int(name, getattr(self, name), 1)
+        check_number("rope_theta", self.rope_theta, allow_zero=False)
+        check_number("rms_norm_eps", self.rms_norm_eps, allow_zero=True)
+        check_bool("tie_word_embeddings", self.tie_word_embeddings)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
@@ -59,31 +84,6 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-
-    @classmethod
-    def from_hf(cls, config: Any) -> ModelConfig:
-        """The config of a ``transformers.LlamaConfig`` (default RoPE, no biases, SiLU)."""
-        # transformers 5 keeps RoPE in rope_parameters; 4.x in rope_theta and rope_scaling.
-        rope = getattr(config, "rope_parameters", None) or config.rope_scaling or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ValueError(f"only the default RoPE is supported, got {rope}")
-        if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-            raise ValueError("attention or MLP biases are not supported")
-        if config.hidden_act != "silu":
-            raise ValueError(f"only the SiLU (SwiGLU) MLP is supported, got {config.hidden_act}")
-        head_dim = getattr(config, "head_dim", None)
-        return cls(
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
-            head_dim=head_dim or config.hidden_size // config.num_attention_heads,
-            rope_theta=float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))),
-            rms_norm_eps=config.rms_norm_eps,
-            tie_word_embeddings=config.tie_word_embeddings,
-        )
 
 
 class RMSNorm(nn.Module):
@@ -208,8 +208,14 @@ class CausalLM(nn.Module):
         Matrices are drawn ``N(0, 1 / fan_in)`` and the embedding ``N(0, 1)``, so activations,
         attention scores and logits are of order 1: the attention is far from uniform (a wrong
         K/V changes the output) and greedy choices are rarely near-ties. Norm weights are drawn
-        around 1 so that they matter too.
+        around 1 so that they matter too. ``TypeError``/``ValueError`` for a ``config`` that is not
+        a :class:`ModelConfig`, a ``seed`` that is not an int in ``[0, 2**64)``, or a ``dtype``
+        that is not fp32, fp16 or bf16.
         """
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+        check_int_range("seed", seed, 0, 2**64 - 1)  # what torch.Generator.manual_seed takes
+        check_float_dtype("dtype", dtype)
         model = cls(config)
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
@@ -221,13 +227,6 @@ class CausalLM(nn.Module):
                 else:
                     values = torch.randn(param.shape, generator=generator) / param.shape[1] ** 0.5
                 param.copy_(values)
-        return model.to(dtype).eval()
-
-    @classmethod
-    def from_hf_llama(cls, hf_model: nn.Module, dtype: torch.dtype = torch.float32) -> CausalLM:
-        """The weights of a ``transformers.LlamaForCausalLM``, loaded strictly by name."""
-        model = cls(ModelConfig.from_hf(hf_model.config))
-        model.load_state_dict(hf_model.state_dict(), strict=True)
         return model.to(dtype).eval()
 
     @property
@@ -243,7 +242,15 @@ class CausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVAttention
     ) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` of a flat step (``input_ids``, ``positions``:
-        ``[T]``); every layer's K/V and attention go through ``kv``."""
+        int64 ``[T]`` on the model's device; the ids must lie in the vocabulary, which the
+        engine checks on admission); every layer's K/V and attention go through ``kv``.
+        ``TypeError``/``ValueError`` for other dtypes, shapes or devices."""
+        check_tensor("input_ids", input_ids, 1, (torch.int64,))
+        check_tensor("positions", positions, 1, (torch.int64,))
+        check_shape("positions", positions, input_ids.shape)
+        check_same_device(
+            model=self.lm_head.weight, input_ids=input_ids, positions=positions
+        )  # fmt: skip
         config = self.config
         rope = rotary_cos_sin(positions, config.head_dim, config.rope_theta, self.dtype)
         x = self.model.embed_tokens(input_ids)
@@ -253,5 +260,8 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits ``[N, vocab]`` of final hidden states ``[N, hidden]``."""
+        """Logits ``[N, vocab]`` of final hidden states ``[N, hidden]`` in the model's dtype
+        (``TypeError``/``ValueError`` otherwise)."""
+        check_tensor("hidden", hidden, 2, (self.dtype,))
+        check_shape("hidden", hidden, (hidden.shape[0], self.config.hidden_size))
         return self.lm_head(hidden)

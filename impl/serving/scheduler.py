@@ -227,17 +227,13 @@ class Scheduler:
         """
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
-        preempted: list[Sequence] = []
         admitted: list[Sequence] = []
-        self._grow_visited_at_once(budget)
-        index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
-            if not self._make_room(seq, preempted):
-                break  # seq preempted itself: it was the last running sequence
+        preempted = self._grow_or_preempt(budget)
+        for seq in self.running:  # the visited sequences that were not preempted
+            if budget <= 0:
+                break
             scheduled.append(ScheduledSeq(seq, seq.num_computed, min(seq.num_pending, budget)))
             budget -= scheduled[-1].num_tokens
-            index += 1
         # A step that preempted admits nothing: its victims would otherwise be readmitted at
         # once (prefix-cache hits on their own freed blocks make them cheap to admit).
         while not preempted and budget > 0 and self.waiting and self._can_admit(self.waiting[0]):
@@ -300,37 +296,33 @@ class Scheduler:
         self._next_seq_id += 1
         return self._next_seq_id - 1
 
-    def _grow_visited_at_once(self, budget: int) -> None:
-        """Grow every running sequence this step visits in one batched, atomic ``grow``.
+    def _grow_or_preempt(self, budget: int) -> list[Sequence]:
+        """Grow every running sequence the step visits to hold all its tokens, preempting the
+        most recently admitted running sequences while one does not fit; return the victims.
 
-        When all of them fit, that is exactly what growing them one by one does (no preemption
-        is needed); otherwise nothing changes and :meth:`_make_room` grows them one at a time,
-        preempting as it goes.
+        The visited sequences are the longest prefix of ``running`` whose pending tokens start
+        within the budget (what :meth:`schedule` then schedules). One ``store.grow_or_preempt``
+        over the whole running list (the store's live sequences, in the order added) decides
+        exactly what growing them one at a time, preempting from the tail, would: a victim
+        frees its blocks and goes back to the front of the waiting queue, its K/V forgotten.
         """
-        seq_ids: list[int] = []
-        missing: list[int] = []
-        for seq in self.running:  # the same sequences, in the same order, as schedule() visits
+        counts = self.store.token_counts_of(None)
+        missing = [0] * len(self.running)
+        for index, (seq, count) in enumerate(zip(self.running, counts, strict=True)):
             if budget <= 0:
                 break
-            seq_ids.append(seq.seq_id)
-            missing.append(seq.num_tokens - self.store.token_count(seq.seq_id))
+            missing[index] = seq.num_tokens - count
             budget -= min(seq.num_pending, budget)
-        if any(missing):
-            self.store.grow(seq_ids, missing, atomic=True)
-
-    def _make_room(self, seq: Sequence, preempted: list[Sequence]) -> bool:
-        """Grow ``seq``'s table to hold all its tokens, preempting the most recently admitted
-        running sequences until it fits. False if ``seq`` itself had to go."""
-        missing = seq.num_tokens - self.store.token_count(seq.seq_id)
-        while missing and self.store.grow([seq.seq_id], missing):
+        if not any(missing):
+            return []
+        preempted: list[Sequence] = []
+        for victim_id in self.store.grow_or_preempt(None, missing):
             victim = self.running.pop()
-            self.store.remove([victim.seq_id])
+            assert victim.seq_id == victim_id  # running is the store's live order
             victim.status, victim.num_computed = SeqStatus.WAITING, 0
             self.waiting.appendleft(victim)
             preempted.append(victim)
-            if victim is seq:
-                return False
-        return True
+        return preempted
 
     def _can_admit(self, seq: Sequence) -> bool:
         if self.num_running_seqs + seq.num_samples > self.config.max_num_seqs:
