@@ -21,12 +21,15 @@ import torch
 from pagedkv.kernels import reference
 from pagedkv.kernels.backend import resolve_backend
 from pagedkv.kernels.validation import (
+    MAX_BLOCK_SIZE,
+    MAX_NUM_BLOCKS,
     check_block_tables,
+    check_bool,
     check_caches,
     check_context_lens,
     check_context_values,
     check_decode_query,
-    check_int,
+    check_int_range,
     check_kv_rows,
     check_num_splits,
     check_pairs,
@@ -35,6 +38,7 @@ from pagedkv.kernels.validation import (
     check_scale,
     check_slot_values,
     check_slots,
+    check_sources_apart,
     check_tensor,
     check_token_index,
 )
@@ -57,18 +61,25 @@ def slot_mapping(
     per token (``[tokens]``). Position ``-1`` is padding and maps to ``-1``. Returns int64
     slots ``block_tables[seq, pos // block_size] * block_size + pos % block_size``.
 
+    ``block_size`` must lie in ``[1, MAX_BLOCK_SIZE]`` (``2**32``: the largest slot of an int32
+    block id then fits int64) and ``num_blocks`` in ``[0, MAX_NUM_BLOCKS]`` (``2**31``).
     Raises ``IndexError`` for a position beyond the table's capacity or one that reaches a
-    negative entry (or one ``>= num_blocks`` when ``num_blocks`` is given).
+    negative entry (or one ``>= num_blocks`` when ``num_blocks`` is given). A table with no
+    entries (``[0, M]`` or ``[B, 0]``) maps padding-only positions to ``-1``.
     """
-    check_int("block_size", block_size, 1)
+    check_int_range("block_size", block_size, 1, MAX_BLOCK_SIZE)
     if num_blocks is not None:
-        check_int("num_blocks", num_blocks, 0)
+        check_int_range("num_blocks", num_blocks, 0, MAX_NUM_BLOCKS)
+    check_bool("validate", validate)
     tables = check_tensor("block_tables", block_tables, 2, (torch.int32,))
     pos, seq = check_token_index(positions, seq_ids, tables.shape[0])
     device = check_same_device(block_tables=tables, positions=pos, seq_ids=seq)
     if validate:
         check_position_values(pos, seq, tables, block_size, num_blocks)
-    if resolve_backend(backend, device) == "reference":
+    backend_name = resolve_backend(backend, device)
+    if tables.numel() == 0:  # no entry to read: every (valid) position is padding
+        return torch.full_like(pos, -1)
+    if backend_name == "reference":
         return reference.slot_mapping(tables, pos, seq, block_size)
     from pagedkv.kernels import triton_slot_mapping
 
@@ -89,11 +100,14 @@ def store_kv(
 
     Slot ``s`` is row ``s % block_size`` of block ``s // block_size``. A slot of ``-1`` skips its
     token. Slots must be distinct and in ``[-1, num_blocks * block_size)``; the token tensors
-    must have the caches' dtype and device and may have any strides.
+    must have the caches' dtype and device, may have any strides, and must share no memory with
+    the caches (``ValueError``: the kernel would read rows it is overwriting).
     """
     caches = check_caches(k_cache, v_cache)
     key, value = check_kv_rows(key, value, caches, k_cache.dtype)
+    check_sources_apart(key, value, k_cache, v_cache)
     slots = check_slots(slot_mapping, key.shape[0])
+    check_bool("validate", validate)
     device = check_same_device(k_cache=k_cache, key=key, value=value, slot_mapping=slots)
     if validate:
         check_slot_values(slots, caches.num_blocks * caches.block_size)
@@ -135,7 +149,7 @@ def paged_decode_attention(
     device = check_same_device(query=q, k_cache=k_cache, block_tables=tables, context_lens=lens)
     scale = check_scale(scale, caches.head_dim)
     num_splits = check_num_splits(num_splits)
-    if validate:
+    if check_bool("validate", validate):
         check_context_values(lens, tables, caches.block_size, caches.num_blocks)
     if resolve_backend(backend, device) == "reference":
         return reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
@@ -171,7 +185,7 @@ def contiguous_decode_attention(
     device = check_same_device(query=q, key=key, context_lens=lens)
     scale = check_scale(scale, caches.head_dim)
     num_splits = check_num_splits(num_splits)
-    if validate:  # a contiguous cache is a paged one whose table for sequence b is [b]
+    if check_bool("validate", validate):  # contiguous: a paged cache whose table for b is [b]
         identity = torch.arange(q.shape[0], dtype=torch.int32, device=device)[:, None]
         check_context_values(lens, identity, caches.block_size, caches.num_blocks)
     if resolve_backend(backend, device) == "reference":
@@ -196,9 +210,10 @@ def copy_blocks(
     """
     caches = check_caches(k_cache, v_cache)
     checked = check_pairs(pairs, caches.num_blocks)
+    backend_name = resolve_backend(backend, k_cache.device)
     if not checked:
         return
-    if resolve_backend(backend, k_cache.device) == "reference":
+    if backend_name == "reference":
         reference.copy_blocks(k_cache, v_cache, checked)
     else:
         from pagedkv.kernels import triton_copy_blocks

@@ -149,9 +149,12 @@ def resolve_backend(backend: str | None, device: torch.device) -> Backend:
     """Return the backend that runs a call on tensors living on ``device``.
 
     Resolving to ``"triton"`` loads triton (choosing the interpreter per the rule above).
-    Raises ``ValueError`` for an unknown name and ``RuntimeError`` when ``"triton"`` is asked for
+    Raises ``TypeError`` for a ``backend`` that is neither ``None`` nor a ``str``,
+    ``ValueError`` for an unknown name and ``RuntimeError`` when ``"triton"`` is asked for
     where it cannot run: triton not installed, or CPU tensors without a working interpreter.
     """
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
     choice = backend if backend is not None else os.environ.get(BACKEND_ENV, "auto")
     choice = choice.strip().lower()
     if choice not in _CHOICES:

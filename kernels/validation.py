@@ -11,6 +11,7 @@ entries below ``ceil(context_len / block_size)``, and every such entry is checke
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,6 +22,13 @@ from pagedkv.spec.block_manager import check_int
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_SPLITS = 64  # split-K ranges per sequence, at most
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+# Block ids are int32, so a pool has at most 2**31 blocks; and slots are int64, so the largest
+# slot, (2**31 - 1) * block_size + block_size - 1 = 2**31 * block_size - 1, fits for block sizes
+# up to 2**32.
+MAX_NUM_BLOCKS = 2**31
+MAX_BLOCK_SIZE = 2**32
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,42 @@ class CacheShape:
     block_size: int
     num_kv_heads: int
     head_dim: int
+
+
+def check_int_range(name: str, value: object, minimum: int, maximum: int) -> int:
+    """An int in ``[minimum, maximum]``: ``check_int``'s rule, and ``ValueError`` above
+    ``maximum``."""
+    checked = check_int(name, value, minimum)
+    if checked > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {checked}")
+    return checked
+
+
+def check_bool(name: str, value: object) -> bool:
+    """A flag is a plain ``bool``: ``TypeError`` naming it otherwise (``0``/``1`` included)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``[start, end)`` that ``tensor``'s elements can occupy, from its strides."""
+    if tensor.numel() == 0:
+        return 0, 0
+    start = tensor.data_ptr()
+    strides = zip(tensor.shape, tensor.stride(), strict=True)
+    extent = sum((size - 1) * stride for size, stride in strides)
+    return start, start + (extent + 1) * tensor.element_size()
+
+
+def check_disjoint(first: str, a: torch.Tensor, second: str, b: torch.Tensor) -> None:
+    """``a`` and ``b`` share no memory: ``ValueError`` naming both when their byte spans overlap
+    (views of one buffer included). Meta tensors have no memory and never overlap."""
+    if a.device != b.device or a.device.type == "meta":
+        return
+    (a_start, a_end), (b_start, b_end) = _byte_span(a), _byte_span(b)
+    if a_start < b_end and b_start < a_end:
+        raise ValueError(f"{first} and {second} must not share memory, but they overlap")
 
 
 def check_tensor(
@@ -45,6 +89,13 @@ def check_tensor(
         allowed = ", ".join(str(dtype) for dtype in dtypes)
         raise TypeError(f"{name} must have dtype in ({allowed}), got {value.dtype}")
     return value
+
+
+def check_float_dtype(name: str, dtype: object) -> torch.dtype:
+    """One of :data:`FLOAT_DTYPES` (``TypeError`` naming ``name`` otherwise)."""
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be one of {FLOAT_DTYPES}, got {dtype!r}")
+    return dtype
 
 
 def check_same_device(**tensors: torch.Tensor) -> torch.device:
@@ -74,8 +125,7 @@ def check_caches(k_cache: object, v_cache: object) -> CacheShape:
     for name, cache in (("k_cache", k), ("v_cache", v)):
         if not cache.is_contiguous():
             raise ValueError(f"{name} must be contiguous [num_blocks, block_size, heads, dim]")
-    if k.data_ptr() == v.data_ptr() and k.numel():
-        raise ValueError("k_cache and v_cache must not share memory")
+    check_disjoint("k_cache", k, "v_cache", v)
     num_blocks, block_size, num_kv_heads, head_dim = k.shape
     for name, size in (("block_size", block_size), ("num_kv_heads", num_kv_heads)):
         if size < 1:
@@ -129,6 +179,10 @@ def check_context_values(
             f"context_lens[{b}] = {int(lens[b])} exceeds the block table's capacity of "
             f"{capacity} tokens ({max_blocks} blocks of {block_size})"
         )
+    beyond_int32 = lens > INT32_MAX  # the decode kernel counts tokens in int32
+    if bool(beyond_int32.any()):
+        (b,) = _first_true(beyond_int32)
+        raise ValueError(f"context_lens[{b}] = {int(lens[b])} exceeds {INT32_MAX} (int32)")
     used_blocks = (lens.to(torch.int64) + block_size - 1) // block_size
     columns = torch.arange(max_blocks, device=lens.device)
     read = columns[None, :] < used_blocks[:, None]
@@ -168,14 +222,25 @@ def check_num_splits(num_splits: object) -> int | None:
 
 
 def check_scale(scale: object, head_dim: int) -> float:
-    """The softmax scale: a finite positive number, by default ``1 / sqrt(head_dim)``."""
+    """The softmax scale, by default ``1 / sqrt(head_dim)``: a number that is finite and above 0
+    in fp32, where the kernels apply it (so ``1e-50`` and ``1e39``, 0 and inf there, are
+    refused; a subnormal fp32 scale is accepted)."""
     if scale is None:
         return head_dim**-0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
-    if not 0 < scale < float("inf"):
-        raise ValueError(f"scale must be finite and positive, got {scale}")
-    return float(scale)
+    value = check_number("scale", scale, allow_zero=False)
+    if not 0 < torch.tensor(value, dtype=torch.float32).item() < math.inf:
+        raise ValueError(f"scale must be finite and > 0 in fp32, got {scale}")
+    return value
+
+
+def check_number(name: str, value: object, *, allow_zero: bool) -> float:
+    """A finite ``int`` or ``float`` (``bool`` is not a number here) above 0, or at least 0 with
+    ``allow_zero``; returned as a float. ``TypeError``/``ValueError`` naming it otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must be finite and {'>=' if allow_zero else '>'} 0, got {value}")
+    return float(value)
 
 
 def check_kv_rows(
@@ -191,6 +256,16 @@ def check_kv_rows(
         if tensor.dtype != dtype:
             raise TypeError(f"{name} has dtype {tensor.dtype} but the caches have {dtype}")
     return k, v
+
+
+def check_sources_apart(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> None:
+    """The rows ``store_kv`` reads share no memory with the caches it writes (``key`` and
+    ``value`` may overlap each other: both are only read)."""
+    for source, tensor in (("key", key), ("value", value)):
+        for cache, target in (("k_cache", k_cache), ("v_cache", v_cache)):
+            check_disjoint(source, tensor, cache, target)
 
 
 def check_slots(slot_mapping: object, num_tokens: int) -> torch.Tensor:
@@ -247,25 +322,26 @@ def check_position_values(
     given, ``< num_blocks``; its ``seq_ids`` entry must name a row of the table.
     """
     batch, max_blocks = block_tables.shape
-    if pos.numel() == 0:
-        return
     below = pos < -1
     if bool(below.any()):
         (t,) = _first_true(below)
         raise ValueError(f"positions[{t}] = {int(pos[t])} is negative (-1 marks padding)")
     live = pos >= 0
+    if not bool(live.any()):  # padding only (or no tokens): no table entry is read
+        return
     bad_seq = live & ((seq < 0) | (seq >= batch))
     if bool(bad_seq.any()):
         (t,) = _first_true(bad_seq)
         raise IndexError(f"seq_ids[{t}] = {int(seq[t])} is outside the batch [0, {batch})")
     capacity = max_blocks * block_size
-    beyond = pos >= capacity
-    if bool(beyond.any()):
-        (t,) = _first_true(beyond)
-        raise IndexError(
-            f"positions[{t}] = {int(pos[t])} is beyond the block table's capacity of "
-            f"{capacity} slots"
-        )
+    if capacity <= INT64_MAX:  # a larger capacity holds every int64 position
+        beyond = pos >= capacity
+        if bool(beyond.any()):
+            (t,) = _first_true(beyond)
+            raise IndexError(
+                f"positions[{t}] = {int(pos[t])} is beyond the block table's capacity of "
+                f"{capacity} slots"
+            )
     safe_seq = torch.where(live, seq, 0)
     entries = block_tables[safe_seq, torch.where(live, pos, 0) // block_size].to(torch.int64)
     bad = live & (entries < 0)

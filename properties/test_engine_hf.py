@@ -1,7 +1,8 @@
-"""The paged engine against Hugging Face ``transformers`` on the same tiny Llama.
+"""The paged engine against Hugging Face ``transformers``, for every family the loader accepts.
 
-A ``LlamaForCausalLM`` is built locally from a small config with seeded random weights (nothing is
-downloaded) and its weights are loaded into ``pagedkv.impl.serving.model.CausalLM``. The engine,
+Each accepted family's ``<Family>ForCausalLM`` (Llama, with an untied and a tied head, and
+Mistral with no sliding window) is built locally from a small config with seeded random weights
+(nothing is downloaded) and loaded with ``pagedkv.impl.serving.hf_loader.load_hf``. The engine,
 batching the prompts over a small paged pool (chunked prefill, prefix caching, preemption, forked
 samples), must produce the greedy tokens of ``transformers``' own ``generate(do_sample=False)`` for
 each prompt, stopping at the same EOS, and the logits of ``transformers``' forward pass over the
@@ -17,10 +18,23 @@ import pytest
 import torch
 
 from pagedkv.impl.serving.engine import PagedAttentionEngine
-from pagedkv.impl.serving.model import CausalLM
+from pagedkv.impl.serving.hf_loader import ACCEPTED_MODEL_TYPES, load_hf
 from properties.engine_cases import assert_logits_close, one_thread
+from properties.hf_cases import hf_greedy, tiny_hf_model
 
 transformers = pytest.importorskip("transformers")
+
+# Every accepted family, each with the fields that make a model ignoring them fail.
+FAMILIES = {
+    "llama-untied-head": ("Llama", {"tie_word_embeddings": False}),
+    "llama-tied-head": ("Llama", {"tie_word_embeddings": True}),
+    "mistral-no-window": ("Mistral", {"sliding_window": None, "head_dim": 24}),
+}
+
+
+def test_every_accepted_family_is_tested() -> None:
+    tested = {tiny_hf_model(family).config.model_type for family, _ in FAMILIES.values()}
+    assert tested == set(ACCEPTED_MODEL_TYPES)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -29,30 +43,15 @@ def _one_thread() -> Iterator[None]:
         yield
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["untied-head", "tied-head"])
+@pytest.fixture(scope="module", params=list(FAMILIES.values()), ids=list(FAMILIES))
 def hf_model(request: pytest.FixtureRequest) -> torch.nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        rope_theta=500.0,  # not the default, so that a model ignoring it fails
-        tie_word_embeddings=request.param,
-        initializer_range=0.2,  # peaked attention: a wrong position or K/V row shows
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
+    family, fields = request.param
+    # rope_theta and rms_norm_eps are not the defaults, so that a model ignoring them fails.
+    return tiny_hf_model(family, rope_theta=500.0, rms_norm_eps=1e-5, **fields)
 
 
 def test_paged_engine_generates_what_transformers_generates(hf_model: torch.nn.Module) -> None:
-    model = CausalLM.from_hf_llama(hf_model)
+    model = load_hf(hf_model)
     assert model.config.rope_theta == 500.0 and model.config.rms_norm_eps == 1e-5
     generator = torch.Generator().manual_seed(1)
     system = torch.randint(3, 128, (9,), generator=generator).tolist()
@@ -62,16 +61,8 @@ def test_paged_engine_generates_what_transformers_generates(hf_model: torch.nn.M
     ]
     max_new_tokens = 16
 
-    def hf_generate(prompt: list[int], eos: int) -> list[int]:
-        ids = torch.tensor([prompt])
-        out = hf_model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-            do_sample=False, eos_token_id=eos, pad_token_id=0,
-        )  # fmt: skip
-        return out[0, len(prompt) :].tolist()
-
     # EOS: a token the model emits, for the first time, a few tokens into the first output.
-    first = hf_generate(prompts[0], 2)
+    first = hf_greedy(hf_model, prompts[0], max_new_tokens, 2)
     stop = next(i for i in range(3, len(first)) if first[i] not in first[:i])
     eos = first[stop]
     engine = PagedAttentionEngine(
@@ -83,7 +74,7 @@ def test_paged_engine_generates_what_transformers_generates(hf_model: torch.nn.M
     assert sum(m.preemptions for m in metrics) > 0 and sum(m.prefix_hit_tokens for m in metrics)
     assert len(outputs[0].outputs[0]) == stop + 1  # stopped at EOS
     for prompt, out in zip(prompts, outputs, strict=True):
-        expected = hf_generate(prompt, eos)
+        expected = hf_greedy(hf_model, prompt, max_new_tokens, eos)
         assert out.logits is not None
         for tokens, logits in zip(out.outputs, out.logits, strict=True):
             assert tokens == expected, f"prompt {prompt}: paged {tokens} != hf {expected}"

@@ -264,7 +264,72 @@ CASES: list[tuple[str, Call, type[Exception], str]] = [
     ("copy tensor shape", lambda s, b: copy(s, b, ints([[0, 1, 2]])), ValueError, "pairs"),
     # --- backend
     ("unknown backend", lambda s, b: attention(s, "gpu"), ValueError, "backend"),
+    ("backend not a str", lambda s, b: attention(s, 1), TypeError, "backend must be a str"),
+    # --- integer ranges, numeric edges, flags and aliasing
+    (
+        "block_size wraps int64",
+        lambda s, b: slots(s, b, block_size=2**61),
+        ValueError,
+        "<= 4294967296",
+    ),
+    (
+        "block_size beyond int64",
+        lambda s, b: slots(s, b, block_size=2**63),
+        ValueError,
+        "block_size",
+    ),
+    (
+        "num_blocks beyond int32",
+        lambda s, b: slots(s, b, num_blocks=2**31 + 1),
+        ValueError,
+        "num_blocks",
+    ),
+    ("scale is inf in fp32", lambda s, b: attention(s, b, scale=1e39), ValueError, "in fp32"),
+    ("scale is 0 in fp32", lambda s, b: attention(s, b, scale=1e-50), ValueError, "in fp32"),
+    ("validate not a bool", lambda s, b: store(s, b, validate=1), TypeError, "validate"),
+    (
+        "caches overlap",
+        lambda s, b: attention(s, b, **overlapping(s)),
+        ValueError,
+        "k_cache and v_cache must not share memory",
+    ),
+    (
+        "key is a view of the cache",
+        lambda s, b: store(s, b, key=s.k_cache.view(-1)[: s.key.numel()].view(s.key.shape)),
+        ValueError,
+        "key and k_cache must not share memory",
+    ),
+    (
+        "context beyond int32",
+        lambda s, b: long_context_attention(b, 2**31),
+        ValueError,
+        "context_lens[0] = 2147483648 exceeds 2147483647",
+    ),
 ]
+
+
+def overlapping(s: Setup) -> dict[str, torch.Tensor]:
+    """Caches that are two views of one buffer overlapping by half: what a caller slicing one
+    allocation into K and V wrongly would pass."""
+    numel, shape = s.k_cache.numel(), s.k_cache.shape
+    buffer = torch.cat([s.k_cache.view(-1), s.v_cache.view(-1)])
+    start = numel // 2
+    return {
+        "k_cache": buffer[:numel].view(shape),
+        "v_cache": buffer[start : start + numel].view(shape),
+    }
+
+
+def long_context_attention(backend: str, context_len: int) -> object:
+    """Attention over a table whose capacity (2**32 tokens) exceeds int32, cheaply: one block of
+    2**20 tokens, read 4096 times."""
+    cache = torch.zeros(1, 2**20, 1, 2, device=DEVICE)
+    tables = torch.zeros(1, 4096, dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([context_len], dtype=torch.int64, device=DEVICE)
+    query = torch.zeros(1, 1, 2, device=DEVICE)
+    return kernels.paged_decode_attention(
+        query, cache, cache.clone(), tables, lens, backend=backend
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -96,13 +96,21 @@ class PrefixCachingBlockManager(BlockManager):
     # ----------------------------------------------------------------- keys and lookup
 
     def block_keys(self, token_ids: Sequence[int], extra_key: Hashable = None) -> list[BlockKey]:
-        """Keys of the full blocks of ``token_ids``, in order (a partial last block has none)."""
+        """Keys of the full blocks of ``token_ids``, in order (a partial last block has none).
+
+        Rule: every key is built, and its hash checked, before anything uses one, so a
+        ``hash_fn`` that raises or returns a non-int (``TypeError``) fails the whole call
+        before it changes anything.
+        """
         tokens = self._check_tokens(token_ids)
         keys: list[BlockKey] = []
         parent = None
         for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
             chunk = tuple(tokens[start : start + self.block_size])
-            parent = BlockKey(parent, chunk, extra_key, self.hash_fn(parent, chunk, extra_key))
+            hash_value = self.hash_fn(parent, chunk, extra_key)
+            if not isinstance(hash_value, int):  # Rule: what __hash__ may return (bool too)
+                raise TypeError(f"hash_fn must return an int, got {type(hash_value).__name__}")
+            parent = BlockKey(parent, chunk, extra_key, hash_value)
             keys.append(parent)
         return keys
 
@@ -121,8 +129,11 @@ class PrefixCachingBlockManager(BlockManager):
         return hits
 
     def max_hit_blocks(self, prompt_len: int) -> int:
-        """Rule: the last prompt token is always recomputed, so at most this many blocks hit."""
-        return max(0, prompt_len - 1) // self.block_size
+        """Rule: the last prompt token is always recomputed, so at most this many blocks hit.
+
+        Rule: ``prompt_len`` is an int >= 0 (``TypeError``/``ValueError`` otherwise).
+        """
+        return max(0, check_int("prompt_len", prompt_len, 0) - 1) // self.block_size
 
     def blocks_to_allocate(self, token_ids: Sequence[int], extra_key: Hashable = None) -> int:
         """Free blocks ``allocate_prompt`` would consume: fresh blocks plus revived cached ones."""

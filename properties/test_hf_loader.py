@@ -1,0 +1,203 @@
+"""``hf_loader`` runs only what ``CausalLM`` computes exactly, and refuses the rest by name.
+
+Every family the issue names is built locally (tiny config, seeded weights; all of them exist
+in the ``transformers`` this project tests with, so none is skipped unless the installed
+version lacks its class). Each must be refused with a ``ValueError`` naming ``model_type``, and
+again naming a field of its own when its config is relabelled ``llama``: the field check, not
+only the family name, keeps out what ``CausalLM`` does not compute. Single Llama fields that
+change the computation are refused one by one. Accepted families are compared with
+``transformers`` in ``test_engine_hf.py``; here the directory path, the weight checks and the
+command line are checked too.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from pagedkv.impl.serving.engine import main
+from pagedkv.impl.serving.hf_loader import config_from_hf, load_hf, load_tokenizer
+from properties.hf_cases import hf_greedy, tiny_hf_model
+
+transformers = pytest.importorskip("transformers")
+
+# family -> (overrides, a field of its config that CausalLM does not compute)
+REFUSED_FAMILIES: dict[str, tuple[dict[str, Any], str]] = {
+    "Mistral": ({"sliding_window": 16}, "sliding_window"),
+    "Granite": ({"embedding_multiplier": 12.0}, "embedding_multiplier"),
+    "Ernie4_5": ({}, "use_bias"),  # and interleaved RoPE, which no field announces
+    "SmolLM3": ({}, "no_rope_layers"),
+    "Olmo": ({}, "clip_qkv"),  # and LayerNorm without weights
+    "Cohere": ({}, "layer_norm_eps"),
+    "StableLm": ({}, "layer_norm_eps"),
+}
+
+
+def _family(family: str) -> str:
+    if not hasattr(transformers, f"{family}ForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no {family}ForCausalLM")
+    return family
+
+
+def _relabelled(config: Any, **changes: Any) -> SimpleNamespace:
+    """A config whose ``to_dict`` is ``config``'s with ``changes``: what a checkpoint with an
+    edited ``config.json`` would hold."""
+    fields = {**config.to_dict(), **changes}
+    return SimpleNamespace(to_dict=lambda: fields)
+
+
+@pytest.mark.parametrize("family", list(REFUSED_FAMILIES))
+def test_each_named_family_is_refused_by_name_and_by_field(family: str) -> None:
+    overrides, field = REFUSED_FAMILIES[family]
+    model = tiny_hf_model(_family(family), **overrides)
+    expected = "sliding_window" if family == "Mistral" else "model_type"
+    with pytest.raises(ValueError, match=f"config field {expected}="):
+        load_hf(model)
+    # Relabelled llama, it is refused for a field a Llama config does not have (or for the
+    # window); and its characteristic field alone makes a Llama config refused.
+    own = set(model.config.to_dict()) - set(tiny_hf_model("Llama").config.to_dict())
+    with pytest.raises(ValueError, match="config field") as refused:
+        config_from_hf(_relabelled(model.config, model_type="llama"))
+    assert re.match(r"config field (\w+)=", str(refused.value))[1] in own | {"sliding_window"}
+    value = model.config.to_dict()[field]
+    with pytest.raises(ValueError, match=re.escape(f"config field {field}={value!r}")):
+        config_from_hf(_relabelled(tiny_hf_model("Llama").config, **{field: value}))
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "rope_parameters"),
+        ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "rope_parameters"),
+        ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quantization_config"),
+        ({"logits_scaling": 4.0}, "logits_scaling"),  # unknown to the loader
+        ({"sliding_window": 4096}, "sliding_window"),
+        ({"model_type": "llama4"}, "model_type"),
+    ],
+)
+def test_every_field_that_changes_the_computation_is_checked(
+    changes: dict[str, Any], field: str
+) -> None:
+    config = tiny_hf_model("Llama").config
+    config_from_hf(_relabelled(config))  # the base passes
+    with pytest.raises(ValueError, match=re.escape(f"config field {field}")):
+        config_from_hf(_relabelled(config, **changes))
+
+
+def test_the_config_is_read_exactly() -> None:
+    model = tiny_hf_model("Mistral", sliding_window=None, head_dim=24, rope_theta=500.0)
+    config = load_hf(model).config
+    assert (config.head_dim, config.rope_theta, config.num_kv_heads) == (24, 500.0, 2)
+
+
+def test_a_saved_directory_loads_the_same_weights(tmp_path: Path) -> None:
+    model = tiny_hf_model("Llama")
+    model.save_pretrained(tmp_path)
+    from_dir, from_object = load_hf(tmp_path), load_hf(model)
+    for (name, a), (_, b) in zip(
+        from_dir.state_dict().items(), from_object.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    assert load_tokenizer(tmp_path) is None
+
+
+def test_a_refused_directory_reads_no_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tiny_hf_model("Granite").save_pretrained(tmp_path)
+
+    def no_weights(*args: object, **kwargs: object) -> None:
+        raise AssertionError("weights were read before the config was checked")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    with pytest.raises(ValueError, match="model_type='granite'"):
+        load_hf(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("source", "kwargs", "error", "words"),
+    [
+        ("/nonexistent/model", {}, ValueError, "not a directory"),
+        ("/", {}, ValueError, "holds no config.json"),
+        (42, {}, TypeError, "source"),
+        (torch.nn.Linear(2, 2), {}, TypeError, "source"),
+        (None, {"dtype": torch.int32}, TypeError, "dtype"),
+    ],
+)
+def test_bad_sources_are_refused(source: object, kwargs: dict, error: type, words: str) -> None:
+    with pytest.raises(error, match=words):
+        load_hf(source if source is not None else tiny_hf_model("Llama"), **kwargs)  # type: ignore[arg-type]
+
+
+def test_weights_must_have_the_models_names_and_shapes() -> None:
+    model = tiny_hf_model("Llama")
+    headless = transformers.LlamaModel(model.config)  # no lm_head, no "model." prefix
+    with pytest.raises(ValueError, match=r"weight .* is (missing from|unexpected in)"):
+        load_hf(headless)
+
+
+def _save_with_tokenizer(directory: Path) -> Any:
+    """A tiny Llama and a word-level tokenizer (``w0`` .. ``w127``), saved in ``directory``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(3, 128)} | {"<pad>": 0, "<s>": 1, "</s>": 2}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<pad>")
+    fast.save_pretrained(directory)
+    model = tiny_hf_model("Llama")
+    model.save_pretrained(directory)
+    return model
+
+
+def test_the_command_line_serves_a_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = _save_with_tokenizer(tmp_path)
+    common = ["--model", str(tmp_path), "--max-new-tokens", "4", "--n", "1", "--temperature", "0"]
+    main([*common, "--prompt", "w5 w6 w7", "--prompt", "w9"])
+    text_out = capsys.readouterr().out
+    main([*common, "--token-ids", "--prompt", "5,6,7", "--prompt", "9"])
+    ids_out = capsys.readouterr().out
+    for prompt in ([5, 6, 7], [9]):
+        expected = hf_greedy(model, prompt, 4)
+        assert f"-> [{expected}]" in text_out and f"-> [{expected}]" in ids_out
+    assert "'w" in text_out  # the samples are decoded too
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--prompt", "w5"], "needs --model"),
+        (["--model", "{dir}"], "at least one --prompt"),
+        (["--model", "{dir}", "--token-ids", "--prompt", "5,x"], "not integers"),
+        (["--model", "{dir}", "--prompt", "some text"], "needs a tokenizer"),
+        (["--model", "{dir}/missing", "--prompt", "w5"], "not a directory"),
+    ],
+)
+def test_the_command_line_refuses_bad_arguments(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], words: str
+) -> None:
+    tiny_hf_model("Llama").save_pretrained(tmp_path)  # no tokenizer
+    with pytest.raises(SystemExit):
+        main([arg.format(dir=tmp_path) for arg in args])
+    assert words in capsys.readouterr().err
+
+
+def test_the_engine_imports_without_transformers() -> None:
+    """transformers is the ``hf`` extra: the loader imports it only when it loads."""
+    code = (
+        "import sys; sys.modules['transformers'] = None; "
+        "import pagedkv.impl.serving.engine, pagedkv.impl.serving.hf_loader"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,538 @@
+"""Every layer checks its input: four pools of arguments, the error class, and nothing changed.
+
+Each public function under test gives every argument four pools:
+
+* **valid**: ordinary values, which must work;
+* **edge**: degenerate but valid values (empty, padding only, boundaries, subnormal and huge
+  numbers), which must work too;
+* **wrong type**: ``TypeError``;
+* **out of range**: ``ValueError`` (``BlockTableError`` and ``RequestTooLargeError`` are
+  ``ValueError``\\ s), ``IndexError``, or ``OutOfBlocksError`` for a count beyond the free blocks.
+
+Hypothesis picks up to two arguments to break and a pool for each (the others come from valid
+or edge), then a value from each pool. A call with no broken argument must succeed. Otherwise it
+must raise a class of a broken argument's pool and leave everything it could change as it was:
+it is compared with a twin built the same way that never saw the call. One property per layer:
+spec, blocks (the same calls on spec and impl, which must agree exactly), kernels, serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedkv import kernels
+from pagedkv.impl.blocks.prefix_cache import PrefixCachingBlockManager as ImplManager
+from pagedkv.impl.serving.engine import PagedAttentionEngine
+from pagedkv.impl.serving.model import CausalLM, ModelConfig
+from pagedkv.impl.serving.sampling import sample_token
+from pagedkv.spec.block_manager import OutOfBlocksError
+from pagedkv.spec.prefix_cache import PrefixCachingBlockManager as SpecManager
+from properties.engine_cases import MODEL, check_all_freed, one_thread
+
+VALID, EDGE, WRONG_TYPE, OUT_OF_RANGE = "valid", "edge", "wrong type", "out of range"
+ERRORS: dict[str, tuple[type[Exception], ...]] = {
+    WRONG_TYPE: (TypeError,),
+    OUT_OF_RANGE: (ValueError, IndexError, OutOfBlocksError),
+}
+TINY = 5e-324  # the smallest subnormal double
+HUGE = sys.float_info.max
+NOT_NUMBERS = ["1", True, None, 1j, torch.tensor(1.0)]
+BAD_NUMBERS = [-1.0, -TINY, math.inf, -math.inf, math.nan]
+
+
+@dataclass(frozen=True)
+class Arg:
+    """The four pools of one argument (an empty pool is never drawn)."""
+
+    valid: list[Any]
+    edge: list[Any] = dataclasses.field(default_factory=list)
+    wrong_type: list[Any] = dataclasses.field(default_factory=list)
+    out_of_range: list[Any] = dataclasses.field(default_factory=list)
+
+
+def draw_call(data: st.DataObject, args: dict[str, Arg]) -> tuple[dict[str, Any], tuple]:
+    """Values for ``args``, and the error classes the call may raise (none: it must work)."""
+    broken = data.draw(st.sets(st.sampled_from(sorted(args)), max_size=2), label="broken")
+    values: dict[str, Any] = {}
+    expected: tuple[type[Exception], ...] = ()
+    for name, arg in args.items():
+        pools = {VALID: arg.valid, EDGE: arg.edge}
+        if name in broken:
+            pools = {WRONG_TYPE: arg.wrong_type, OUT_OF_RANGE: arg.out_of_range}
+        pools = {pool: items for pool, items in pools.items() if items} or {VALID: arg.valid}
+        pool = data.draw(st.sampled_from(sorted(pools)), label=f"{name} pool")
+        values[name] = data.draw(st.sampled_from(pools[pool]), label=name)
+        expected += ERRORS.get(pool, ())
+    return values, expected
+
+
+def outcome(call: Callable[[], object], expected: tuple) -> object:
+    """The call's result, or the exception it raised, which must be one of ``expected``; with no
+    ``expected`` the call must succeed, with some it must fail."""
+    try:
+        result = call()
+    except Exception as error:
+        assert expected, f"valid arguments raised {error!r}"
+        assert isinstance(error, expected), f"{error!r} is not one of {expected}"
+        return error
+    assert not expected, f"bad arguments were accepted, returning {result!r}"
+    return result
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    with one_thread():
+        yield
+
+
+# ------------------------------------------------------------------ spec and blocks
+
+PROMPT = [5, 6, 7, 8, 9]  # block size 2: two full blocks, cached, and a partial one
+
+
+def build_manager(cls: type) -> tuple[Any, dict[str, list[int]]]:
+    """A prefix-caching manager of 16 blocks of 2 with a cached, forked table and a stale one."""
+    manager = cls(16, 2)
+    live, _ = manager.allocate_prompt(PROMPT)
+    manager.cache_blocks(live, PROMPT)
+    manager.fork(live)
+    stale = manager.allocate(2)
+    manager.free(stale)
+    return manager, {"live": live, "stale": stale}
+
+
+def snapshot(manager: Any) -> tuple:
+    """Everything a caller can observe (pending copy pairs are popped: compare twins)."""
+    ids = range(manager.total_blocks)
+    return (
+        manager.free_block_ids(),
+        [manager.ref_count(b) for b in ids],
+        [manager.key_of(b) for b in ids],
+        dataclasses.astuple(manager.stats),
+        [tuple(pair) for pair in manager.pop_copy_pairs()],
+    )
+
+
+def manager_calls(manager: Any, tables: dict[str, list[int]]) -> dict[str, dict[str, Arg]]:
+    """The public methods under test and their arguments' pools, for ``build_manager``'s state."""
+    live, stale = tables["live"], tables["stale"]
+    counts = Arg([0, 3], [1], [1.0, True, "2", None], [-1])
+    tokens = Arg(
+        [[5, 6, 7, 8, 9], [1, 2, 3]],
+        [[], (5, 6), [0] * 4],
+        ["123", [1, 2.0], [True], None, {1, 2}],
+        [[1, -2]],
+    )
+    table_types = ["ab", [0.0], None, {0}, (True,)]
+    bad_tables = [stale, [99], [live[0], live[0]]]
+    block_id = Arg([0, live[0]], [manager.total_blocks - 1], [1.0, True, "0", None], [-1, 16])
+    return {
+        "max_hit_blocks": {"prompt_len": Arg([3, 7], [0, 1, 2**62], [4.5, True, "3"], [-1, -5])},
+        "block_keys": {"token_ids": tokens},
+        "lookup": {"token_ids": tokens},
+        "blocks_to_allocate": {"token_ids": tokens},
+        "allocate_prompt": {"token_ids": tokens},
+        "cache_blocks": {
+            "block_table": Arg([live], [tuple(live)], table_types, bad_tables),
+            "token_ids": Arg(
+                [PROMPT, PROMPT[:2]],
+                [[], PROMPT[:1], [*PROMPT, 1]],
+                ["x", [1.5]],
+                [[-1], list(range(20)), [7, 7, 7, 7]],
+            ),
+        },
+        "allocate": {
+            "num_blocks": Arg([0, 3], [manager.num_free_blocks], counts.wrong_type, [-1, 99])
+        },
+        "can_allocate": {"num_blocks": Arg([0, 3], [2**62], counts.wrong_type, [-1])},
+        "fork": {"block_table": Arg([live], [[]], table_types, bad_tables)},
+        "free": {"block_table": Arg([live], [[]], table_types, bad_tables)},
+        "append_slot": {
+            "block_table": Arg([live], [tuple(live)], table_types, bad_tables),
+            "token_count": Arg([5, 6, 9], [len(live) * 2], counts.wrong_type, [-1]),
+            "new_tokens": Arg([1], [0], counts.wrong_type, [-1]),
+        },
+        "translate_slot": {
+            "block_table": Arg([live], [tuple(live)], table_types, bad_tables),
+            "token_pos": Arg([0, 3], [len(live) * 2 - 1], [1.0, None], [-1, len(live) * 2]),
+        },
+        "ref_count": {"block_id": block_id},
+        "key_of": {"block_id": block_id},
+    }
+
+
+def _call_manager(data: st.DataObject, classes: tuple[type, ...]) -> None:
+    method = data.draw(st.sampled_from(sorted(manager_calls(*build_manager(SpecManager)))))
+    values, expected = draw_call(data, manager_calls(*build_manager(SpecManager))[method])
+    results = []
+    for cls in classes:
+        manager, _ = build_manager(cls)
+        result = outcome(lambda: getattr(manager, method)(**values), expected)  # noqa: B023
+        twin, _ = build_manager(cls)
+        if isinstance(result, Exception):
+            assert snapshot(manager) == snapshot(twin), f"{cls.__module__}.{method} changed state"
+        results.append((type(result) if isinstance(result, Exception) else result, manager))
+    if len(results) == 2:  # spec and impl: the same result or error class, the same state
+        (spec_result, spec), (impl_result, impl) = results
+        assert spec_result == impl_result
+        assert snapshot(spec) == snapshot(impl)
+
+
+@given(st.data())
+def test_spec_checks_its_input(data: st.DataObject) -> None:
+    _call_manager(data, (SpecManager,))
+
+
+@given(st.data())
+def test_blocks_check_their_input_as_the_spec_does(data: st.DataObject) -> None:
+    _call_manager(data, (SpecManager, ImplManager))
+
+
+@pytest.mark.parametrize("returned", ["x", 1.5, None])
+@pytest.mark.parametrize("cls", [SpecManager, ImplManager])
+def test_a_hash_fn_failing_for_a_later_block_registers_nothing(cls: type, returned: object) -> None:
+    """The spec used to register the first block before the second block's bad hash raised."""
+
+    def hash_fn(parent: object, tokens: tuple[int, ...], extra: object) -> object:
+        return returned if tokens == (3, 4) else hash((parent, tokens, extra))
+
+    manager = cls(4, 2, hash_fn=hash_fn)
+    table = manager.allocate(2)
+    with pytest.raises(TypeError):
+        manager.cache_blocks(table, [1, 2, 3, 4])
+    assert manager.num_cached_blocks == 0 and manager.key_of(table[0]) is None
+
+
+# ------------------------------------------------------------------ kernels
+
+SHAPE = (6, 4, 2, 8)  # num_blocks, block_size, kv heads, head_dim
+NUMEL = math.prod(SHAPE)
+
+
+@dataclass
+class KernelState:
+    """The caches, views of larger buffers so that overlapping views can be made."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+    @classmethod
+    def build(cls) -> KernelState:
+        generator = torch.Generator().manual_seed(0)
+        buffers = [torch.randn(2 * NUMEL, generator=generator) for _ in range(2)]
+        return cls(*(buffer[:NUMEL].view(SHAPE) for buffer in buffers))
+
+    def overlapping(self, cache: torch.Tensor) -> torch.Tensor:
+        """A cache-shaped view that overlaps half of ``cache``'s memory."""
+        return cache.view(-1).as_strided(SHAPE, cache.stride(), NUMEL // 2)
+
+
+def ints(values: object, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype)
+
+
+def kernel_calls(s: KernelState) -> dict[str, tuple[Callable[..., object], dict[str, Arg]]]:
+    generator = torch.Generator().manual_seed(1)
+    query = torch.randn(2, 4, 8, generator=generator)
+    key, value = (torch.randn(3, 2, 8, generator=generator) for _ in range(2))
+    tables = ints([[3, 0, -1], [5, -1, -1]])
+    backend = Arg(["reference"], [" Reference ", None], [1, b"reference"], ["gpu"])
+    validate = Arg([True], [], [1, "yes", None])
+    k_cache = Arg([s.k_cache], [], [s.k_cache.double(), s.k_cache.tolist()], [])
+    v_cache = Arg([s.v_cache], [], [s.v_cache.double()], [s.overlapping(s.k_cache)])
+    return {
+        "slot_mapping": (
+            kernels.slot_mapping,
+            {
+                "block_tables": Arg(
+                    [tables],
+                    [ints([[3, 0, -1, -1], [5, -1, -1, -1]])],
+                    [tables.tolist(), tables.long(), tables.float()],
+                    [tables[:1]],
+                ),
+                "positions": Arg(
+                    [ints([5, 1])],
+                    [ints([-1, -1]), ints([4, 3], torch.int64)],
+                    [[5, 1], ints([5, 1]).float()],
+                    [ints([12, 0]), ints([-2, 0]), ints([5, 4])],
+                ),
+                "block_size": Arg(
+                    [4], [], [4.0, True, "4", None], [0, -3, 2**32 + 1, 2**61, 2**63]
+                ),
+                "num_blocks": Arg([None, 6, 100], [2**31], [6.0, True], [-1, 2**31 + 1]),
+                "backend": backend,
+                "validate": validate,
+            },
+        ),
+        "store_kv": (
+            kernels.store_kv,
+            {
+                "key": Arg(
+                    [key],
+                    [key.transpose(0, 1).contiguous().transpose(0, 1)],
+                    [key.double(), key.tolist()],
+                    [key[:, :1], s.k_cache.view(-1)[:48].view(3, 2, 8)],
+                ),
+                "value": Arg([value], [], [value.half()], [s.v_cache[0, :3]]),
+                "k_cache": k_cache,
+                "v_cache": v_cache,
+                "slot_mapping": Arg(
+                    [ints([0, 7, 23], torch.int64)],
+                    [ints([-1, -1, -1])],
+                    [[0, 7, -1]],
+                    [ints([0, 24, -1]), ints([0, -2, 1]), ints([3, 3, -1]), ints([0, 1])],
+                ),
+                "backend": backend,
+                "validate": validate,
+            },
+        ),
+        "paged_decode_attention": (
+            kernels.paged_decode_attention,
+            {
+                "query": Arg(
+                    [query],
+                    [query.transpose(0, 1).contiguous().transpose(0, 1)],
+                    [query.half(), query.tolist()],
+                    [query[:, :3], query[..., :4]],
+                ),
+                "k_cache": k_cache,
+                "v_cache": v_cache,
+                "block_tables": Arg(
+                    [tables],
+                    [ints([[3, 0, -1, -1], [5, -1, -1, -1]])],
+                    [tables.long()],
+                    [tables[:1]],
+                ),
+                "context_lens": Arg(
+                    [ints([6, 2])],
+                    [ints([0, 0]), ints([8, 4], torch.int64)],
+                    [ints([6, 2]).float(), [6, 2]],
+                    [ints([13, 2]), ints([6, -1]), ints([9, 2])],
+                ),
+                "scale": Arg(
+                    [None, 0.3],
+                    [2.0**-149, 1e30],
+                    ["1", True, 1j, torch.tensor(1.0)],
+                    [0.0, 1e-50, 1e39, *BAD_NUMBERS],
+                ),
+                "num_splits": Arg([None, 2], [1, 64], [2.0, True], [0, 65, -1]),
+                "backend": backend,
+                "validate": validate,
+            },
+        ),
+        "copy_blocks": (
+            kernels.copy_blocks,
+            {
+                "k_cache": k_cache,
+                "v_cache": v_cache,
+                "pairs": Arg(
+                    [[(0, 1)], ints([[2, 3], [3, 4]], torch.int64)],
+                    [[], torch.empty(0, 2, dtype=torch.int64), [(2, 2)], [(5, 0)]],
+                    ["ab", [(0.0, 1)], ints([[0, 1]]).float()],
+                    [[(0, 6)], [(-1, 0)], [(0, 1, 2)]],
+                ),
+                "backend": backend,
+            },
+        ),
+    }
+
+
+@settings(max_examples=100)
+@given(st.data())
+def test_kernels_check_their_input(data: st.DataObject) -> None:
+    state = KernelState.build()
+    name = data.draw(st.sampled_from(sorted(kernel_calls(state))))
+    function, args = kernel_calls(state)[name]
+    values, expected = draw_call(data, args)
+    tensors = {k: v.clone() for k, v in values.items() if isinstance(v, torch.Tensor)}
+    buffers = [state.k_cache.clone(), state.v_cache.clone()]
+    result = outcome(lambda: function(**values), expected)
+    if isinstance(result, Exception) or name in ("slot_mapping", "paged_decode_attention"):
+        assert torch.equal(state.k_cache, buffers[0]) and torch.equal(state.v_cache, buffers[1])
+        for key, before in tensors.items():
+            assert torch.equal(values[key], before), f"{name} changed {key}"
+    if name == "paged_decode_attention" and not isinstance(result, Exception):
+        assert isinstance(result, torch.Tensor) and bool(torch.isfinite(result).all())
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_padding_only_on_an_empty_table_maps_to_padding(backend: str) -> None:
+    for shape in ((0, 3), (2, 0)):
+        tables = torch.zeros(shape, dtype=torch.int32)
+        slots = kernels.slot_mapping(tables, ints([-1, -1]), 2, ints([0, 0]), backend=backend)
+        assert slots.tolist() == [-1, -1]
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_slots_never_wrap_around(backend: str) -> None:
+    """``2**61`` used to return a negative slot; the largest block size keeps slots in int64."""
+    tables, positions = ints([[5, 2**31 - 1]]), ints([1])
+    with pytest.raises(ValueError, match="block_size"):
+        kernels.slot_mapping(tables, positions, 2**61, backend=backend)
+    with pytest.raises(ValueError, match="block_size"):
+        kernels.slot_mapping(tables, positions, 2**63, backend=backend)
+    largest = kernels.slot_mapping(tables, ints([2**32], torch.int64), 2**32, backend=backend)
+    assert largest.tolist() == [(2**31 - 1) * 2**32] and largest.tolist()[0] <= 2**63 - 1
+
+
+# ------------------------------------------------------------------ serving
+
+PROMPT_TYPES = ["123", [1, 2.0], [True], None, (1, None)]
+ENGINE_ARGS = {"total_blocks": 16, "block_size": 4, "max_num_seqs": 4}
+TEMPERATURE = Arg([0.0, 0.7, 1], [TINY, 1e-300, 1e300, HUGE, -0.0], NOT_NUMBERS, BAD_NUMBERS)
+
+
+def engine_state(engine: PagedAttentionEngine) -> tuple:
+    waiting = [(seq.request_id, seq.tokens) for seq in engine.scheduler.waiting]
+    running = [(seq.request_id, seq.tokens) for seq in engine.scheduler.running]
+    return waiting, running, engine.store.num_free_blocks, len(engine.metrics)
+
+
+def serving_calls(engine: PagedAttentionEngine) -> dict[str, tuple[Callable, dict[str, Arg]]]:
+    logits = torch.randn(128, generator=torch.Generator().manual_seed(2))
+    one_hot = torch.full((128,), -math.inf).index_fill(0, torch.tensor([7]), 0.0)
+    count = Arg([2], [1], [2.0, True, "2"], [0, -1])
+    return {
+        "sample_token": (
+            sample_token,
+            {
+                "logits": Arg(
+                    [logits],
+                    [logits[:1], one_hot, logits.half()],
+                    [logits.tolist(), logits.long(), None],
+                    [logits.view(2, 64), logits[:0]],
+                ),
+                "temperature": TEMPERATURE,
+                "generator": Arg([None, torch.Generator().manual_seed(1)], [], [1, "g"]),
+            },
+        ),
+        "add_request": (
+            engine.add_request,
+            {
+                "prompt": Arg(
+                    [[1, 2, 3], (4, 5)],
+                    [[0], [127] * 4, [9] * 50],
+                    PROMPT_TYPES,
+                    [[], [1, 128], [-1]],
+                ),
+                "max_new_tokens": Arg([2, 5], [1], count.wrong_type, [0, -1, 10**6]),
+                "n": Arg([1, 2], [4], count.wrong_type, [0, 5]),
+                "temperature": TEMPERATURE,
+                "eos_token_id": Arg([None, 2], [0, 127], [2.0, True, "2"], [-1, 128]),
+                "seed": Arg([None, 7], [0, 2**64], [1.0, True], [-1]),
+            },
+        ),
+        "generate": (
+            engine.generate,
+            {
+                "prompts": Arg(
+                    [[[1, 2, 3], [4, 5]]],
+                    [[], ([7],)],
+                    ["abc", [[1, 2], "x"], iter([[1]])],
+                    [[[1, 2, 3], [4, 5], [], [7]], [[1, 200]]],
+                ),
+                "max_new_tokens": Arg([2], [1], count.wrong_type, [0]),
+                "n": Arg([1, 2], [], count.wrong_type, [0]),
+                "temperature": TEMPERATURE,
+                "eos_token_id": Arg([None], [0], [True], [128]),
+                "progress": Arg([False], [], [0, "yes", None]),
+                "on_step": Arg([None, lambda metrics: None], [], [1, "f"]),
+            },
+        ),
+        "PagedAttentionEngine": (
+            lambda **kwargs: PagedAttentionEngine(MODEL, **kwargs),
+            {
+                "total_blocks": Arg([8], [1], [8.0, "8"], [0, -1]),
+                "block_size": Arg([4], [1], [4.0, None], [0]),
+                "enable_prefix_caching": Arg([True, False], [], [1, "yes"]),
+                "keep_logits": Arg([False], [True], [0, None]),
+                "seed": Arg([0], [2**70], [1.5, True], [-1]),
+                "backend": Arg(["reference", None], [" Reference "], [1, b"x"], ["gpu"]),
+            },
+        ),
+        "CausalLM.from_seed": (
+            CausalLM.from_seed,
+            {
+                "config": Arg([ModelConfig(num_layers=1)], [], [{"vocab_size": 128}, None]),
+                "seed": Arg([0, 3], [2**64 - 1], [1.0, "0"], [-1, 2**64]),
+                "dtype": Arg([torch.float32], [torch.bfloat16], [torch.int64, "float32"]),
+            },
+        ),
+        "CausalLM.compute_logits": (
+            MODEL.compute_logits,
+            {
+                "hidden": Arg(
+                    [torch.randn(3, 64)],
+                    [torch.randn(0, 64)],
+                    [torch.randn(3, 64).double(), [[0.0] * 64]],
+                    [torch.randn(64), torch.randn(3, 65)],
+                ),
+            },
+        ),
+        "ModelConfig": (
+            ModelConfig,
+            {
+                "vocab_size": Arg([128], [1], [128.0, True], [0]),
+                "num_kv_heads": Arg([2], [4], ["2"], [0, 3]),
+                "head_dim": Arg([16], [2], [16.0], [0, 15]),
+                "rope_theta": Arg([500.0], [TINY, HUGE], ["1e4", None], [0.0, -1.0, math.inf]),
+                "rms_norm_eps": Arg([1e-6], [0.0, TINY], [True, "x"], [-1e-6, math.nan]),
+                "tie_word_embeddings": Arg([False], [True], [0, "yes"]),
+            },
+        ),
+    }
+
+
+@settings(max_examples=100)
+@given(st.data())
+def test_serving_checks_its_input(data: st.DataObject) -> None:
+    engine = PagedAttentionEngine(MODEL, **ENGINE_ARGS)
+    name = data.draw(st.sampled_from(sorted(serving_calls(engine))))
+    function, args = serving_calls(engine)[name]
+    values, expected = draw_call(data, args)
+    generator = values.get("generator")
+    state = generator.get_state() if isinstance(generator, torch.Generator) else None
+    result = outcome(lambda: function(**values), expected)
+    if isinstance(result, Exception):
+        twin = PagedAttentionEngine(MODEL, **ENGINE_ARGS)
+        assert engine_state(engine) == engine_state(twin)
+        assert engine.add_request([1, 2, 3], 2) == twin.add_request([1, 2, 3], 2)
+        if state is not None:
+            assert torch.equal(generator.get_state(), state)
+    elif name == "sample_token":
+        assert isinstance(result, int) and 0 <= result < values["logits"].numel()
+    # Whatever happened, the engine serves every request it holds, and a sampled one, to the end.
+    engine.add_request([4, 5], 3, temperature=0.5)
+    while engine.has_unfinished_requests():
+        engine.step()
+    check_all_freed(engine)
+
+
+def test_a_tiny_temperature_samples_the_greedy_tokens() -> None:
+    """``1e-300`` used to give NaN probabilities, and every later step raised."""
+    engine = PagedAttentionEngine(MODEL, **ENGINE_ARGS)
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    greedy = [out.outputs for out in engine.generate(prompts, 6)]
+    for temperature in (TINY, 1e-300, 1e-30):
+        sampled = engine.generate(prompts, 6, temperature=temperature, n=2)
+        assert [out.outputs[:1] for out in sampled] == greedy
+        assert all(out.outputs[0] == out.outputs[1] for out in sampled)
+
+
+def test_a_bad_prompt_anywhere_in_generate_queues_nothing() -> None:
+    engine = PagedAttentionEngine(MODEL, **ENGINE_ARGS)
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.generate([[1, 2, 3], [4, 5], [], [7]], 3)
+    assert not engine.has_unfinished_requests()
+    outputs = engine.generate([[1, 2, 3]], 3)
+    assert outputs[0].request_id == 0 and len(outputs[0].outputs[0]) == 3
