@@ -46,7 +46,7 @@ from pagedkv.impl.serving.sampling import check_temperature, sample_token
 from pagedkv.impl.serving.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Sequence
 from pagedkv.kernels import resolve_backend
 from pagedkv.kernels.validation import check_bool
-from pagedkv.spec.block_manager import check_int
+from pagedkv.spec.block_manager import blocks_needed, check_int
 
 
 @dataclass
@@ -86,7 +86,10 @@ class PagedAttentionEngine:
     (``pagedkv.impl.serving.scheduler.SchedulerConfig``). ``enable_prefix_caching`` chooses the
     prefix-caching block manager; the engine's code is the same either way. ``backend`` is the
     kernels' backend (``None``: ``PAGEDKV_BACKEND`` or auto). With ``keep_logits`` each output keeps
-    the logits of every step, for comparison with an oracle.
+    the logits of every step, for comparison with an oracle. ``max_model_len`` is the longest
+    sequence (prompt plus output) served: each block table is ``ceil(max_model_len /
+    block_size)`` blocks wide, so per-step costs follow the model, not the pool, and a request
+    that could outgrow it is refused (``RequestTooLargeError``).
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class PagedAttentionEngine:
         max_num_seqs: int = 8,
         max_num_batched_tokens: int = 512,
         watermark_blocks: int = 0,
+        max_model_len: int = 2048,
         enable_prefix_caching: bool = False,
         backend: str | None = None,
         keep_logits: bool = False,
@@ -108,11 +112,14 @@ class PagedAttentionEngine:
         check_bool("enable_prefix_caching", enable_prefix_caching)
         check_bool("keep_logits", keep_logits)
         check_int("seed", seed, 0)
+        check_int("max_model_len", max_model_len, 1)
         resolve_backend(backend, model.device)  # an unknown or unusable backend fails here
         manager_class = PrefixCachingBlockManager if enable_prefix_caching else BlockManager
         manager = manager_class(total_blocks, block_size)
         self.model = model
-        self.store = BlockTableStore(manager, max_num_seqs, total_blocks)
+        self.store = BlockTableStore(
+            manager, max_num_seqs, blocks_needed(max_model_len, block_size)
+        )
         config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, watermark_blocks)
         self.scheduler = Scheduler(self.store, config)
         self.kv = PagedKVCache(

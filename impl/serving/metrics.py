@@ -48,18 +48,28 @@ class StepMetrics:
 
 
 def kv_occupancy(store: BlockTableStore) -> tuple[int, int]:
-    """``(filled slots, used blocks)`` over the live tables, each physical block once."""
-    tables, num_blocks = store.tables, store.num_blocks
-    columns = np.arange(tables.shape[1])
-    held = columns[None, :] < num_blocks[:, None]  # [rows, cols]
-    fill = np.clip(
-        store.token_counts[:, None].astype(np.int64) - columns[None, :] * store.block_size,
-        0,
-        store.block_size,
-    )
-    per_block = np.zeros(store.total_blocks, dtype=np.int64)
-    np.maximum.at(per_block, tables[held], fill[held])
-    return int(per_block.sum()), int(np.count_nonzero(per_block))
+    """``(filled slots, used blocks)`` over the live tables, each physical block once.
+
+    O(live sequences), whatever the pool size, table width or sequence length, from three facts
+    of a store that is its manager's only user: every block not in the free queue is held by a
+    live table; a table's blocks before its last are full; and a partly filled last block is
+    never an earlier block of another table (prefix hits are full blocks, and a fork shares a
+    last block only until the first write copies it). So only the distinct partly filled last
+    blocks fall short of ``block_size``, each by its most-filled holder's shortfall.
+    """
+    bs = store.block_size
+    rows = store.resolve(None).rows
+    lengths = store.num_blocks.take(rows)
+    held = lengths > 0
+    rows, lengths = rows[held], lengths[held]
+    fill = store.token_counts.take(rows) - (lengths - 1) * bs
+    partial = fill < bs
+    last = store.tables[rows[partial], lengths[partial] - 1]
+    unique, inverse = np.unique(last, return_inverse=True)
+    most = np.zeros(unique.size, dtype=np.int64)
+    np.maximum.at(most, inverse, fill[partial])
+    used = store.total_blocks - store.num_free_blocks
+    return (used - unique.size) * bs + int(most.sum()), used
 
 
 def step_metrics(
