@@ -32,7 +32,8 @@ Sweeps: ``store-pool`` times the store's decode step on pools of 1k, 10k and 100
 so a cost that grows with either shows up. ``trusted-block`` times one trusted single-block
 take plus release on a 100k-block pool.
 
-``python bench/bench_trace.py`` runs the suite and prints each ratio to the floor.
+``python -m bench.bench_trace`` (from the repository root) runs the suite and prints each ratio
+to the floor.
 """
 
 from __future__ import annotations
@@ -562,7 +563,7 @@ def test_trusted_single_block(benchmark: Any) -> None:
     benchmark.extra_info.update(system="manager", total_blocks=100_000)
 
     def take_and_release() -> None:
-        manager.release_blocks(manager.take_blocks(1))
+        manager.release_block(manager.take_block())
 
     benchmark(take_and_release)
     assert manager.num_free_blocks == 100_000

@@ -84,6 +84,30 @@ class FreeBlockQueue:
             count -= live.size
         return np.concatenate(pieces) if pieces else np.empty(0, dtype=np.intp)
 
+    def pop_one(self) -> int:
+        """``popleft(1)`` as an int, without array work. Requires a non-empty queue."""
+        ring, capacity = self._ring, self._capacity
+        head = self._head
+        block = int(ring[head])
+        while block == TOMBSTONE:  # each tombstone is skipped once
+            head = (head + 1) % capacity
+            self._used -= 1
+            block = int(ring[head])
+        self._head = (head + 1) % capacity
+        self._used -= 1
+        self._len -= 1
+        return block
+
+    def push_one(self, block_id: int) -> None:
+        """``extend`` of one id, without array work: distinct, in range, not queued."""
+        if self._used == self._capacity:
+            self._compact()
+        tail = (self._head + self._used) % self._capacity
+        self._ring[tail] = block_id
+        self._pos[block_id] = tail
+        self._used += 1
+        self._len += 1
+
     def extend(self, block_ids: NDArray[np.intp]) -> None:
         """Append ``block_ids`` (``intp``, numpy's fast index type) at the tail, in order.
 

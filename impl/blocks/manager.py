@@ -270,6 +270,21 @@ class BlockManager:
         self._ref[taken] = 1
         return taken
 
+    def take_block(self) -> int:
+        """``take_blocks(1)`` as an int, without array work: the single-block fast path
+        (``num_free_blocks >= 1``)."""
+        block = self._free.pop_one()
+        self._ref[block] = 1
+        return block
+
+    def release_block(self, block_id: int) -> None:
+        """Drop one hold on one held block; at 0 it joins the free queue's tail. The
+        single-block ``release_blocks``."""
+        left = int(self._ref[block_id]) - 1
+        self._ref[block_id] = left
+        if left == 0:
+            self._free.push_one(block_id)
+
     def share_blocks(self, ids: IdArray) -> None:
         """Give each block of a live table (distinct, held ids) one more owner: ``fork``."""
         self._ref[ids] += 1

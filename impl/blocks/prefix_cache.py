@@ -248,6 +248,15 @@ class PrefixCachingBlockManager(BlockManager):
                 newly_cached += 1
         return newly_cached
 
+    def take_block(self) -> int:
+        """``take_blocks(1)`` as an int, with the same eviction."""
+        block = super().take_block()
+        key = self._key_of.pop(block, None)
+        if key is not None:
+            del self._block_of[key]
+            self.stats.evictions += 1
+        return block
+
     def take_blocks(self, num_blocks: int) -> IdArray:
         """Rule: a block handed to a new owner loses its key (LRU eviction via the FIFO queue)."""
         taken = super().take_blocks(num_blocks)

@@ -529,9 +529,12 @@ class BlockTableStore:
             lengths = self._num_blocks.take(growing)
             if lengths.max() >= self._width:
                 return False
-            self._tables.reshape(-1)[batch._base.take(boundary) + lengths] = (
-                self.manager.take_blocks(boundary.size)
+            fresh = (
+                self.manager.take_block()  # the single-block fast path
+                if boundary.size == 1
+                else self.manager.take_blocks(boundary.size)
             )
+            self._tables.reshape(-1)[batch._base.take(boundary) + lengths] = fresh
             self._num_blocks[growing] = lengths + 1
         self._token_counts[rows] = counts + 1
         return True

@@ -1,0 +1,180 @@
+"""The single-block trusted fast path against the spec, and the queue's one-id operations
+against a Python list.
+
+``take_block``/``release_block``/``share_blocks`` must do exactly what the spec's
+``allocate(1)``/``free([b])``/``fork([b])`` do (ids, free-queue order, reference counts); with
+prefix caching, ``take_block`` must evict as ``allocate`` does. ``FreeBlockQueue.pop_one`` and
+``push_one`` must keep the list model's order through removals from the middle (tombstones),
+compaction included. Planted bugs in copies of both paths are caught; controls pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+import pagedkv.impl.blocks.free_queue
+import pagedkv.impl.blocks.manager
+from pagedkv.impl.blocks import FreeBlockQueue, PrefixCachingBlockManager
+from pagedkv.spec.prefix_cache import PrefixCachingBlockManager as SpecPrefixManager
+from properties.mutants import FIND, load_mutant
+from properties.test_store_preemption import outcome
+
+
+class SingleBlockMachine(RuleBasedStateMachine):
+    """One-block tables through the trusted API (impl) and the checked API (spec)."""
+
+    IMPL: ClassVar[type] = PrefixCachingBlockManager
+    held = Bundle("held")
+
+    @initialize(total_blocks=st.integers(1, 8))
+    def start(self, total_blocks: int) -> None:
+        self.spec = SpecPrefixManager(total_blocks, 1)
+        self.impl = self.IMPL(total_blocks, 1)
+
+    @precondition(lambda self: self.spec.num_free_blocks > 0)
+    @rule(target=held)
+    def take(self) -> int:
+        (block,) = self.spec.allocate(1)
+        assert self.impl.take_block() == block
+        return block
+
+    @rule(block=held)
+    def share(self, block: int) -> None:
+        """One more owner of a held block (a fork of a one-block table)."""
+        if self.spec.ref_count(block) > 0:
+            self.spec.fork([block])
+            self.impl.share_blocks(np.array([block], dtype=np.intp))
+
+    @rule(block=consumes(held))
+    def release(self, block: int) -> None:
+        if self.spec.ref_count(block) > 0:
+            self.spec.free([block])
+            self.impl.release_block(block)
+
+    @rule(block=held, token=st.integers(0, 1))
+    def cache(self, block: int, token: int) -> None:
+        """Give a held block a key, so a later take must evict it."""
+        if self.spec.ref_count(block) > 0:
+            assert outcome(self.impl.cache_blocks, [block], [token]) == outcome(
+                self.spec.cache_blocks, [block], [token]
+            )
+
+    @rule(token=st.integers(0, 1), data=st.data())
+    def revive(self, token: int, data: st.DataObject) -> None:
+        """A prompt whose first block is cached and free: revived from the queue's middle."""
+        prompt = [token, data.draw(st.integers(0, 1))]
+        if self.spec.blocks_to_allocate(prompt) <= self.spec.num_free_blocks:
+            table, _ = self.spec.allocate_prompt(prompt)
+            assert self.impl.allocate_prompt(prompt)[0] == table
+            self.spec.free(table)
+            self.impl.free(table)
+
+    @invariant()
+    def agrees(self) -> None:
+        assert self.impl.free_block_ids() == self.spec.free_block_ids()
+        assert self.impl.ref_counts().tolist() == [b.ref_count for b in self.spec.blocks]
+        assert self.impl.stats == self.spec.stats
+        for block in range(self.spec.total_blocks):
+            assert self.impl.key_of(block) == self.spec.key_of(block)
+
+
+TestSingleBlock = SingleBlockMachine.TestCase
+
+
+class OneIdQueueMachine(RuleBasedStateMachine):
+    """``pop_one``/``push_one`` and ``remove`` against a list."""
+
+    QUEUE: ClassVar[type] = FreeBlockQueue
+
+    @initialize(size=st.integers(1, 12))
+    def start(self, size: int) -> None:
+        self.queue = self.QUEUE(size)
+        self.model = list(range(size))
+        self.size = size
+
+    @precondition(lambda self: self.model)
+    @rule()
+    def pop_one(self) -> None:
+        assert self.queue.pop_one() == self.model.pop(0)
+
+    @precondition(lambda self: len(self.model) < self.size)
+    @rule(data=st.data())
+    def push_one(self, data: st.DataObject) -> None:
+        out = [b for b in range(self.size) if b not in self.model]
+        block = data.draw(st.sampled_from(out))
+        self.queue.push_one(block)
+        self.model.append(block)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def remove(self, data: st.DataObject) -> None:
+        block = data.draw(st.sampled_from(self.model))
+        self.queue.remove(block)
+        self.model.remove(block)
+
+    @invariant()
+    def agrees(self) -> None:
+        assert self.queue.to_array().tolist() == self.model
+        assert len(self.queue) == len(self.model)
+
+
+TestOneIdQueue = OneIdQueueMachine.TestCase
+
+
+PLANTED = {
+    "pop_one returns a tombstone": (
+        pagedkv.impl.blocks.free_queue,
+        "        while block == TOMBSTONE:  # each tombstone is skipped once\n",
+        "        while False:\n",
+        OneIdQueueMachine,
+    ),
+    "release_block frees a block that still has owners": (
+        pagedkv.impl.blocks.manager,
+        "        if left == 0:\n            self._free.push_one(block_id)",
+        "        if left <= 1:\n            self._free.push_one(block_id)",
+        SingleBlockMachine,
+    ),
+}
+
+
+def planted(module: Any, old: str, new: str, base: type) -> type:
+    """``base`` over a copy of ``module`` with ``old`` replaced by ``new``."""
+    if module is pagedkv.impl.blocks.free_queue:
+        queue = load_mutant(module, old, new, ())
+        return type("PlantedQueue", (base,), {"QUEUE": queue.FreeBlockQueue})
+    mutant = load_mutant(module, old, new, ("BlockTableError", "OutOfBlocksError"))
+    impl = type(  # the real prefix manager over the mutant's single-block release
+        "PlantedPrefixManager",
+        (PrefixCachingBlockManager,),
+        {"release_block": mutant.BlockManager.release_block},
+    )
+    return type("PlantedManager", (base,), {"IMPL": impl})
+
+
+def test_control_unmutated_copies_pass() -> None:
+    for module, snippet, base in (
+        (pagedkv.impl.blocks.free_queue, "class FreeBlockQueue:", OneIdQueueMachine),
+        (pagedkv.impl.blocks.manager, "class BlockManager:", SingleBlockMachine),
+    ):
+        run_state_machine_as_test(planted(module, snippet, snippet, base), settings=FIND)
+
+
+@pytest.mark.parametrize("bug", sorted(PLANTED))
+def test_planted_trusted_path_bug_is_caught(bug: str) -> None:
+    machine = planted(*PLANTED[bug])
+    with pytest.raises(Exception):  # noqa: B017 - an assertion or a crash inside a rule
+        run_state_machine_as_test(machine, settings=FIND)
