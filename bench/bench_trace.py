@@ -17,7 +17,8 @@ Systems (``extra_info["system"]``):
 * ``manager``: ``pagedkv.impl.blocks.BlockManager``'s checked per-call API: ``append_slot`` and
   ``translate_slot`` once per sequence.
 * ``store``: ``BlockTableStore.grow_or_preempt`` + ``slot_mapping`` + the block-tables tensor,
-  once per step for the whole batch; ``store-prefix`` adds ``add_prompt``/``cache_blocks``.
+  once per step for the whole batch, and ``admit`` per admission; ``store-prefix`` adds
+  ``cache_blocks`` for each filled block.
 * ``scheduler``: ``pagedkv.impl.serving.scheduler.Scheduler`` (``schedule`` + ``update``) over
   the store, with an unbounded token budget (so it follows the same policy);
   ``scheduler-prefix`` with prefix caching. Prefix variants prepend a shared 64-token system
@@ -75,10 +76,11 @@ class TraceRequest:
         """The K/V a finished sequence holds: its last sampled token is never computed."""
         return self.prompt_len + self.output_len - 1
 
-    def tokens(self, count: int, prefix: bool) -> list[int]:
-        """The first ``count`` token ids: the shared system prompt, then the request's own."""
+    def tokens(self, count: int, prefix: bool, start: int = 0) -> list[int]:
+        """Token ids ``start .. count - 1``: the shared system prompt, then the request's own."""
         shared = min(count, SYSTEM_PROMPT_LEN) if prefix else 0
-        return list(range(1, shared + 1)) + [1000 + self.request_id] * (count - shared)
+        own = [1000 + self.request_id] * (count - max(start, shared))
+        return list(range(start + 1, shared + 1)) + own
 
 
 def trace(prefix: bool) -> tuple[TraceRequest, ...]:
@@ -237,10 +239,12 @@ class PrefixFloor(DequeFloor):
         self.requests: dict[int, TraceRequest] = {}
         self.filled: list[int] = []  # sequences whose last block filled this step
 
-    def _chain(self, request: TraceRequest, count: int) -> list[int]:
-        tokens, hashes, parent = request.tokens(count, True), [], 0
-        for start in range(0, count - BLOCK_SIZE + 1, BLOCK_SIZE):
-            parent = hash((parent, tuple(tokens[start : start + BLOCK_SIZE])))
+    def _chain(self, request: TraceRequest, count: int, hashes: list[int]) -> list[int]:
+        """``hashes`` (the first blocks' chained hashes) extended to ``count`` tokens."""
+        start = len(hashes) * BLOCK_SIZE
+        tokens, parent = request.tokens(count, True, start), hashes[-1] if hashes else 0
+        for offset in range(0, count - start - BLOCK_SIZE + 1, BLOCK_SIZE):
+            parent = hash((parent, tuple(tokens[offset : offset + BLOCK_SIZE])))
             hashes.append(parent)
         return hashes
 
@@ -283,7 +287,7 @@ class PrefixFloor(DequeFloor):
     def computed(self, admitted: list[int]) -> None:
         for seq_id in self.filled:  # a block filled: register it
             count = self.counts[seq_id]
-            self.hashes[seq_id] = self._chain(self.requests[seq_id], count)
+            self._chain(self.requests[seq_id], count, self.hashes[seq_id])
             self._register(seq_id, count // BLOCK_SIZE - 1, self.tables[seq_id][-1])
         for seq_id in admitted:
             for index, block in enumerate(self.tables[seq_id][: len(self.hashes[seq_id])]):
@@ -291,7 +295,7 @@ class PrefixFloor(DequeFloor):
         self.filled = []
 
     def admit(self, request: TraceRequest, tokens: int) -> bool:
-        hashes = self._chain(request, tokens)
+        hashes = self._chain(request, tokens, [])
         hits = []
         for key in hashes[: (tokens - 1) // BLOCK_SIZE]:
             if key not in self.block_of:
@@ -389,6 +393,7 @@ class BatchedStore:
         self.store = BlockTableStore(manager, MAX_BATCH, width)
         self.prefix = prefix
         self.requests: dict[int, TraceRequest] = {}
+        self.tokens: dict[int, list[int]] = {}  # with prefix caching: tokens up to a boundary
 
     def decode(self, running: list[int]) -> list[int]:
         store = self.store
@@ -410,12 +415,11 @@ class BatchedStore:
             )
 
     def admit(self, request: TraceRequest, tokens: int) -> bool:
-        store = self.store
         token_ids = request.tokens(tokens, self.prefix)
-        if store.blocks_to_allocate(token_ids) > store.num_free_blocks:
+        if self.store.admit(request.request_id, token_ids) is None:
             return False
-        store.add_prompt(request.request_id, token_ids)
         self.requests[request.request_id] = request
+        self.tokens[request.request_id] = token_ids
         return True
 
     def finish(self, seq_ids: list[int]) -> None:

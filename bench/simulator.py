@@ -146,6 +146,12 @@ class ContiguousStore:
         self.counts[seq_id] = len(token_ids)
         return 0
 
+    def admit(self, seq_id: int, token_ids: Sequence[int], headroom: int = 0) -> int | None:
+        """Reserve the region if at least ``headroom`` slots stay free; None otherwise."""
+        if self.num_free_blocks - self._reservation_of(token_ids) < headroom:
+            return None
+        return self.add_prompt(seq_id, token_ids)
+
     def token_count(self, seq_id: int) -> int:
         return self.counts[seq_id]
 

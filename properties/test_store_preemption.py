@@ -32,6 +32,7 @@ from hypothesis.stateful import (
 )
 
 import pagedkv.impl.blocks.growth
+import pagedkv.impl.blocks.prefix_cache
 import pagedkv.impl.blocks.table_store
 from pagedkv.impl.blocks import BlockManager, BlockTableStore, PrefixCachingBlockManager
 from pagedkv.spec.block_manager import BlockManager as SpecBlockManager
@@ -46,6 +47,7 @@ class PreemptionMachine(RuleBasedStateMachine):
     """A store and the spec, with sequences in a bundle."""
 
     STORE: ClassVar[type] = BlockTableStore
+    PREFIX_MANAGER: ClassVar[type] = PrefixCachingBlockManager
     seqs = Bundle("seqs")
 
     @initialize(
@@ -54,7 +56,7 @@ class PreemptionMachine(RuleBasedStateMachine):
         prefix=st.booleans(),
     )
     def start(self, total_blocks: int, block_size: int, prefix: bool) -> None:
-        impl_class = PrefixCachingBlockManager if prefix else BlockManager
+        impl_class = self.PREFIX_MANAGER if prefix else BlockManager
         self.spec: Any = (SpecPrefixManager if prefix else SpecBlockManager)(
             total_blocks, block_size
         )
@@ -80,6 +82,37 @@ class PreemptionMachine(RuleBasedStateMachine):
             assert self.store.num_free_blocks == before
             return multiple()
         self.store.add_prompt(seq_id, tokens)
+        self.next_id += 1
+        self.model[seq_id] = (table, list(tokens))
+        return seq_id
+
+    @precondition(lambda self: len(self.model) < 8)
+    @rule(target=seqs, tokens=st.lists(VOCAB, min_size=1, max_size=12), headroom=st.integers(0, 3))
+    def admit(self, tokens: list[int], headroom: int) -> Any:
+        """``admit``: ``add_prompt`` if ``headroom`` blocks stay free; tried twice on refusal
+        (the second plan reuses the first's keys), after a drawn change of the cache."""
+        seq_id = self.next_id
+        for _ in range(2):
+            if self.prefix:
+                needed = self.spec.blocks_to_allocate(tokens)
+            else:
+                needed = -(-len(tokens) // self.block_size)
+            fits = self.spec.num_free_blocks - needed >= headroom
+            cached = self.store.admit(seq_id, tokens, headroom)
+            if fits:
+                break
+            assert cached is None
+            for other, (table, keyed) in list(self.model.items())[:1]:
+                if self.prefix:  # the cache changes between the two tries
+                    self.store.cache_blocks(other, keyed)
+                    self.spec.cache_blocks(table, keyed)
+        if not fits:
+            return multiple()
+        if self.prefix:
+            table, spec_cached = self.spec.allocate_prompt(tokens)
+        else:
+            table, spec_cached = self.spec.allocate(needed), 0
+        assert cached == spec_cached
         self.next_id += 1
         self.model[seq_id] = (table, list(tokens))
         return seq_id
@@ -196,6 +229,21 @@ PLANTED = {
         "reversed_tables = self._tables[rows, ::-1]  # padding first, then last block first",
         "reversed_tables = self._tables[rows]",
     ),
+    "incremental registration never retries a block left uncached": (
+        pagedkv.impl.blocks.table_store,
+        "indices = [i for i in state.retry if i < full] + list(range(state.done, full))",
+        "indices = list(range(state.done, full))",
+    ),
+    "extended keys restart the chain": (
+        pagedkv.impl.blocks.prefix_cache,
+        "parent = keys[-1] if keys else None",
+        "parent = None",
+    ),
+    "a refused prompt's keys are reused for another prompt": (
+        pagedkv.impl.blocks.table_store,
+        "same = refused_id == seq_id and list(token_ids) == refused_tokens",
+        "same = refused_id == seq_id",
+    ),
     "the decode fast path ignores a forked last block": (
         pagedkv.impl.blocks.table_store,
         "        if self._num_tail_shared and self._tail_shared.take(rows).any():\n"
@@ -206,6 +254,15 @@ PLANTED = {
 
 
 def planted_machine(module: Any, old: str, new: str) -> type:
+    if module is pagedkv.impl.blocks.prefix_cache:
+        mutant = load_mutant(module, old, new, ("BlockTableError",))
+        store = load_mutant(
+            pagedkv.impl.blocks.table_store, "class BlockTableStore:", "class BlockTableStore:",
+            ("CapacityError", "OutOfBlocksError"),
+        )  # fmt: skip
+        store.PrefixCachingBlockManager = mutant.PrefixCachingBlockManager  # its isinstance
+        attrs = {"PREFIX_MANAGER": mutant.PrefixCachingBlockManager, "STORE": store.BlockTableStore}
+        return type("PlantedPreemption", (PreemptionMachine,), attrs)
     shared = () if module is pagedkv.impl.blocks.growth else ("CapacityError", "OutOfBlocksError")
     mutant = load_mutant(module, old, new, shared)
     if module is pagedkv.impl.blocks.growth:
@@ -223,6 +280,7 @@ def test_control_unmutated_copies_pass() -> None:
     for module, snippet in (
         (pagedkv.impl.blocks.table_store, "class BlockTableStore:"),
         (pagedkv.impl.blocks.growth, "def plan_preemption("),
+        (pagedkv.impl.blocks.prefix_cache, "class PrefixCachingBlockManager("),
     ):
         run_state_machine_as_test(planted_machine(module, snippet, snippet), settings=FIND)
 

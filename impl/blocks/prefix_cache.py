@@ -63,6 +63,7 @@ class PromptPlan:
     num_blocks: int  # the prompt's table length, ceil(len / block_size)
     queried: int  # full blocks that count as looked up (max_hit_blocks)
     cached_tokens: int  # len(hits) * block_size
+    keys: tuple[BlockKey, ...]  # every full block's key, cached objects where cached
 
     @property
     def needed(self) -> int:
@@ -130,17 +131,34 @@ class PrefixCachingBlockManager(BlockManager):
         """Blocks that currently carry a key (held or free)."""
         return len(self._key_of)
 
-    def plan_prompt(self, token_ids: Sequence[int], extra_key: Hashable = None) -> PromptPlan:
+    def plan_prompt(
+        self,
+        token_ids: Sequence[int],
+        extra_key: Hashable = None,
+        keys: Sequence[BlockKey] | None = None,
+    ) -> PromptPlan:
         """Validate a prompt and find its hits: what ``allocate_prompt`` would do, changing
-        nothing. ``TypeError``/``ValueError`` for token ids that are not non-negative ints."""
+        nothing. ``TypeError``/``ValueError`` for token ids that are not non-negative ints.
+
+        ``keys``, from an earlier plan of the same tokens and ``extra_key``, skips hashing:
+        the lookup is then one dict probe per block (a trusted argument: they must be that
+        plan's keys).
+        """
         tokens = check_tokens(token_ids)
         queried = self.max_hit_blocks(len(tokens))
-        cached = self._chain(tokens, extra_key)[1][:queried]
+        if keys is None:
+            chain, cached = self._chain(tokens, extra_key)
+            keys = tuple(chain)
+        else:
+            cached = [self._block_of.get(key) for key in keys[:queried]]
+        cached = cached[:queried]
         num_hits = cached.index(None) if None in cached else len(cached)
         hits = np.array(cached[:num_hits], dtype=np.intp)
         revived = hits[self._ref[hits] == 0]
         num_blocks = blocks_needed(len(tokens), self.block_size)
-        return PromptPlan(hits, revived, num_blocks, queried, num_hits * self.block_size)
+        return PromptPlan(
+            hits, revived, num_blocks, queried, num_hits * self.block_size, tuple(keys)
+        )
 
     # ----------------------------------------------------------------- operations
 
@@ -247,6 +265,45 @@ class PrefixCachingBlockManager(BlockManager):
                 self._block_of[key] = block_id
                 newly_cached += 1
         return newly_cached
+
+    def extend_block_keys(
+        self, keys: Sequence[BlockKey], tokens: Sequence[int], extra_key: Hashable
+    ) -> list[BlockKey]:
+        """The keys of ``tokens``' full blocks after the first ``len(keys)``, chained from
+        ``keys[-1]`` (``keys``: the keys of those first blocks, for the same ``extra_key``;
+        ``tokens``: checked). A key found in the cache is the cached object. Changes nothing."""
+        size = self.block_size
+        parent = keys[-1] if keys else None
+        new: list[BlockKey] = []
+        for start in range(len(keys) * size, len(tokens) - size + 1, size):
+            chunk = tuple(tokens[start : start + size])
+            key = BlockKey(parent, chunk, extra_key, self.hash_fn(parent, chunk, extra_key))
+            holder = self._block_of.get(key)
+            parent = key if holder is None else self._key_of[holder]
+            new.append(parent)
+        return new
+
+    def register_table_blocks(
+        self, blocks: Sequence[int], keys: Sequence[BlockKey]
+    ) -> tuple[int, list[int]]:
+        """``cache_blocks``'s rule for the held blocks ``blocks[i]``, whose content is
+        ``keys[i]``: a block cached under its key already stays; one whose key is cached in
+        another block stays uncached (its index is returned, to retry when that block is
+        evicted); any other is registered. ``BlockTableError``, changing nothing, if a block
+        is cached under another key. Returns (blocks newly cached, indices left uncached)."""
+        holders = [self._block_of.get(key) for key in keys]
+        for block_id, holder in zip(blocks, holders, strict=True):
+            if holder != block_id and block_id in self._key_of:
+                raise BlockTableError(f"block {block_id} is cached with other tokens")
+        newly_cached, skipped = 0, []
+        for index, (block_id, key, holder) in enumerate(zip(blocks, keys, holders, strict=True)):
+            if holder is None:
+                self._key_of[block_id] = key
+                self._block_of[key] = block_id
+                newly_cached += 1
+            elif holder != block_id:
+                skipped.append(index)
+        return newly_cached, skipped
 
     def take_block(self) -> int:
         """``take_blocks(1)`` as an int, with the same eviction."""

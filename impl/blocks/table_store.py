@@ -41,8 +41,10 @@ from numpy.typing import NDArray
 from pagedkv.impl.blocks.growth import has_repeats, plan_in_order, plan_preemption
 from pagedkv.impl.blocks.manager import BlockManager, IdArray, OutOfBlocksError
 from pagedkv.impl.blocks.prefix_cache import (
+    BlockKey,
     PrefixCacheStats,
     PrefixCachingBlockManager,
+    PromptPlan,
     check_tokens,
 )
 from pagedkv.spec.block_manager import blocks_needed, check_int
@@ -119,6 +121,10 @@ class BlockTableStore:
         self._tail_shared = np.zeros(max_seqs, dtype=np.bool_)
         self._num_tail_shared = 0
         self._live: SeqBatch | None = None  # every live sequence in the order added, cached
+        # With prefix caching: each live sequence's block keys, extended as its blocks fill,
+        # and the keys of the last prompt admit() refused.
+        self._keys: dict[int, _SeqKeys] = {}
+        self._refused: tuple[int, list[int], tuple[BlockKey, ...]] = _NOT_REFUSED
 
     # ----------------------------------------------------------------- introspection
 
@@ -235,9 +241,34 @@ class BlockTableStore:
             return 0
         plan = self._prefix.plan_prompt(token_ids, extra_key)
         self._check_room(seq_id, plan.num_blocks, plan.needed)
-        fresh = self._prefix.apply_prompt_plan(plan)
-        self._place(seq_id, np.concatenate((plan.hits, fresh)), len(token_ids))
-        return plan.cached_tokens
+        return self._add_planned(seq_id, token_ids, extra_key, plan)
+
+    def admit(self, seq_id: int, token_ids: Sequence[int], headroom: int = 0) -> int | None:
+        """``add_prompt(seq_id, token_ids)`` if it leaves at least ``headroom`` blocks free and
+        a row is free; otherwise None, changing nothing. Plans the prompt once.
+
+        A refused prompt's block keys are kept for the next call with the same ``seq_id`` and
+        equal tokens (a waiting request retried every step), which then skips hashing.
+        Raises what ``add_prompt`` raises for bad arguments (``CapacityError`` only for a
+        prompt longer than a table).
+        """
+        seq_id = self._check_new(seq_id)
+        check_int("headroom", headroom, 0)
+        if self._prefix is None:
+            needed = blocks_needed(len(check_tokens(token_ids)), self.block_size)
+            self._check_fits(needed, seq_id)
+            if not self._free_rows or self.manager.num_free_blocks - needed < headroom:
+                return None
+            self._place(seq_id, self.manager.take_blocks(needed), len(token_ids))
+            return 0
+        refused_id, refused_tokens, refused_keys = self._refused
+        same = refused_id == seq_id and list(token_ids) == refused_tokens  # one C-level compare
+        plan = self._prefix.plan_prompt(token_ids, None, refused_keys if same else None)
+        self._check_fits(plan.num_blocks, seq_id)
+        if not self._free_rows or self.manager.num_free_blocks - plan.needed < headroom:
+            self._refused = (seq_id, list(token_ids), plan.keys)
+            return None
+        return self._add_planned(seq_id, token_ids, None, plan)
 
     def cache_blocks(
         self, seq_id: int, token_ids: Sequence[int], extra_key: Hashable = None
@@ -251,16 +282,37 @@ class BlockTableStore:
         extra_key)``. Raises, changing nothing: ``KeyError`` for an unknown sequence,
         ``TypeError``/``ValueError`` for bad token ids, ``ValueError`` for more tokens than the
         sequence holds, ``BlockTableError`` if one of its blocks is cached with other tokens.
+
+        Incremental: the store keeps each sequence's block keys, so a call whose tokens extend
+        the previous call's (checked by one list comparison) hashes and registers only the
+        blocks filled since, plus any earlier block left uncached because its content was
+        cached elsewhere. Any other call starts over, exactly as the spec walks every block.
         """
         row = self.row(seq_id)
-        tokens = check_tokens(token_ids)
+        if not isinstance(token_ids, (list, tuple)):
+            check_tokens(token_ids)  # the TypeError
+        state = self._keys.get(seq_id)
+        if state is None or state.extra is not extra_key or not state.extends(token_ids):
+            state = _SeqKeys(extra_key)  # start over: every block is hashed and checked
+        check_tokens(token_ids[len(state.tokens) :])  # the keyed tokens were checked before
         count = int(self._token_counts[row])
-        if len(tokens) > count:
-            raise ValueError(f"{len(tokens)} tokens, but sequence {seq_id} holds {count}")
+        if len(token_ids) > count:
+            raise ValueError(f"{len(token_ids)} tokens, but sequence {seq_id} holds {count}")
         if self._prefix is None:
             return 0
-        blocks = self._tables[row, : self._num_blocks[row]].astype(np.intp)
-        return self._prefix.cache_table_blocks(blocks, tokens, extra_key)
+        bs = self.block_size
+        keys = state.keys + self._prefix.extend_block_keys(state.keys, token_ids, extra_key)
+        full = len(token_ids) // bs
+        indices = [i for i in state.retry if i < full] + list(range(state.done, full))
+        blocks = self._tables[row].take(indices).tolist()
+        newly_cached, skipped = self._prefix.register_table_blocks(
+            blocks, [keys[i] for i in indices]
+        )
+        retry = [indices[i] for i in skipped] + [i for i in state.retry if i >= full]
+        self._keys[seq_id] = _SeqKeys(
+            extra_key, keys, max(state.done, full), sorted(retry), list(token_ids[: len(keys) * bs])
+        )
+        return newly_cached
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """Add ``child_id`` sharing ``parent_id``'s blocks and token count: ``manager.fork``."""
@@ -278,6 +330,8 @@ class BlockTableStore:
         self._token_counts[row] = count
         self._row_of[child_id] = row
         self._live = None
+        if parent_id in self._keys:
+            self._keys[child_id] = self._keys[parent_id].copy()
         if count % self.block_size:  # the last block is partly filled: a write may copy it
             self._flag_tail_shared(np.array([parent_row, row]))
 
@@ -466,6 +520,17 @@ class BlockTableStore:
                 f"asked for {free_blocks} blocks but only {self.manager.num_free_blocks} are free"
             )
 
+    def _add_planned(
+        self, seq_id: int, token_ids: Sequence[int], extra_key: Hashable, plan: PromptPlan
+    ) -> int:
+        """Carry out a prompt plan just made (room checked); return the cached tokens."""
+        fresh = self._prefix.apply_prompt_plan(plan)  # type: ignore[union-attr]
+        self._place(seq_id, np.concatenate((plan.hits, fresh)), len(token_ids))
+        keyed = list(token_ids[: len(plan.keys) * self.block_size])
+        self._keys[seq_id] = _SeqKeys(extra_key, list(plan.keys), tokens=keyed)
+        self._refused = _NOT_REFUSED
+        return plan.cached_tokens
+
     def _place(self, seq_id: int, blocks: IdArray, token_count: int) -> None:
         """Give ``seq_id`` a free row holding ``blocks`` and ``token_count`` tokens."""
         row = self._free_rows.pop()
@@ -630,6 +695,7 @@ class BlockTableStore:
         self._clear_tail_shared(rows)
         for seq_id in seq_ids:
             del self._row_of[seq_id]
+            self._keys.pop(seq_id, None)
         self._free_rows.extend(rows[::-1].tolist())
         self._epoch += 1
         self._live = None
@@ -693,6 +759,32 @@ class BlockTableStore:
                 else (g.writes_last[keep] | (growth > 0))
             )
             self._clear_tail_shared(rows[wrote])
+
+
+@dataclass(eq=False, slots=True)
+class _SeqKeys:
+    """A sequence's block keys so far (prefix caching): ``keys[i]`` is full block ``i``'s
+    content, for ``extra``, made from ``tokens``; blocks ``0 .. done - 1`` went through
+    registration, and those in ``retry`` stayed uncached because their content was cached in
+    another block."""
+
+    extra: Hashable
+    keys: list[BlockKey] = field(default_factory=list)
+    done: int = 0
+    retry: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # the keyed blocks' tokens
+
+    def extends(self, token_ids: Sequence[int]) -> bool:
+        """Whether ``token_ids`` start with the keyed tokens (one C-level list comparison), so
+        the keys still hold and only what follows needs hashing."""
+        known = len(self.tokens)
+        return len(token_ids) >= known and list(token_ids[:known]) == self.tokens
+
+    def copy(self) -> _SeqKeys:
+        return _SeqKeys(self.extra, list(self.keys), self.done, list(self.retry), self.tokens)
+
+
+_NOT_REFUSED: tuple[int, list[int], tuple[BlockKey, ...]] = (-1, [], ())
 
 
 @dataclass(frozen=True, eq=False, slots=True)

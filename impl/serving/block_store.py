@@ -17,9 +17,9 @@ class BlockStore(Protocol):
     """Block tables of sequences keyed by int ids, over a pool of ``total_blocks`` blocks.
 
     Contract (``BlockTableStore`` documents each in full): a call that raises changes nothing;
-    ``blocks_to_allocate(tokens)`` is what ``add_prompt`` would take from
-    ``num_free_blocks`` now. The live sequences keep the order they were added in (a removal
-    keeps the others' order), which is the scheduler's running order.
+    ``admit`` counts what the prompt takes from ``num_free_blocks`` after prefix-cache hits.
+    The live sequences keep the order they were added in (a removal keeps the others' order),
+    which is the scheduler's running order.
     """
 
     @property
@@ -51,12 +51,9 @@ class BlockStore(Protocol):
         """Tokens each of ``seqs`` holds; ``None`` is every live sequence in the order added."""
         ...
 
-    def blocks_to_allocate(self, token_ids: Sequence[int]) -> int:
-        """Free blocks ``add_prompt`` of these tokens would take now."""
-        ...
-
-    def add_prompt(self, seq_id: int, token_ids: Sequence[int]) -> int:
-        """Add a sequence holding the prompt; return how many leading tokens are cached."""
+    def admit(self, seq_id: int, token_ids: Sequence[int], headroom: int = 0) -> int | None:
+        """Add a sequence holding the prompt if at least ``headroom`` blocks stay free; return
+        how many leading tokens are cached, or None (nothing changed)."""
         ...
 
     def grow_or_preempt(

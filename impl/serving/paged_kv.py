@@ -4,16 +4,12 @@
 num_kv_heads, head_dim]`` (the layout of ``kernels``). For one engine step,
 :meth:`PagedKVCache.step` returns a :class:`PagedStep`, the model's :class:`KVAttention` for that
 step. Per layer it writes the step's new K/V with ``kernels.store_kv`` at the step's slot
-mapping, then attends:
+mapping, then attends with one ``kernels.paged_prefill_attention`` call over the whole step:
+decodes (one new token), prompts, prompt chunks over a cached prefix and preempted sequences
+being recomputed are all variable-length query chunks of one batch, each reading its whole
+context, cached prefix included, through its block table.
 
-* a sequence with one new token (decode) reads its context with
-  ``kernels.paged_decode_attention``, all such sequences in one call;
-* a sequence with several new tokens (a prompt, a prompt chunk, or a preempted sequence being
-  recomputed) gathers its whole context, cached prefix included, through its block table
-  (``kernels.reference.gather_kv``) and runs causal attention over it
-  (``kernels.reference.causal_attention``).
-
-Either way every K/V row a query reads comes out of the cache through the block table; nothing
+Every K/V row a query reads comes out of the cache through the block table; nothing
 is kept on the side. The caches start as NaN, so reading a slot no token was written to poisons
 the output instead of passing unnoticed.
 """
@@ -27,7 +23,6 @@ import torch
 
 from pagedkv import kernels
 from pagedkv.impl.serving.model import ModelConfig
-from pagedkv.kernels.reference import causal_attention, gather_kv
 
 
 class PagedKVCache:
@@ -81,18 +76,8 @@ class PagedKVCache:
         slots = kernels.slot_mapping(
             block_tables, positions, self.block_size, rows, backend=self.backend
         )
-        decode = lens == 1
-        prefills = [
-            (end - n, end, block_tables[b], context_len)
-            for b, (n, end, context_len) in enumerate(
-                zip(query_lens, ends.tolist(), context_lens, strict=True)
-            )
-            if n > 1
-        ]
-        return PagedStep(
-            self, positions, slots, (ends - 1)[decode], block_tables[decode], contexts[decode],
-            prefills,
-        )  # fmt: skip
+        cu_seqlens = torch.cat([ends.new_zeros(1), ends])
+        return PagedStep(self, positions, slots, block_tables, cu_seqlens, contexts)
 
 
 @dataclass(frozen=True)
@@ -103,28 +88,23 @@ class PagedStep:
     cache: PagedKVCache
     positions: torch.Tensor  # int64 [T]: each flat token's position in its sequence
     slot_mapping: torch.Tensor  # int64 [T]
-    decode_tokens: torch.Tensor  # flat index of each one-token sequence's token
-    decode_tables: torch.Tensor  # int32 [D, max_blocks]: their block tables
-    decode_context_lens: torch.Tensor  # [D]
-    prefills: list[tuple[int, int, torch.Tensor, int]]  # (first token, end, table, context len)
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    cu_seqlens_q: torch.Tensor  # int64 [B + 1]: sequence b's flat tokens start at [b]
+    context_lens: torch.Tensor  # int64 [B]
 
     def attend(
         self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> torch.Tensor:
-        cache = self.cache
+        """Write the step's K/V for ``layer``, then attend through the block tables. The step's
+        slots, tables and lengths are the same in every layer, so their values are checked in
+        layer 0 only (``validate=``)."""
+        cache, validate = self.cache, layer == 0
         k_cache, v_cache = cache.k[layer], cache.v[layer]
-        kernels.store_kv(key, value, k_cache, v_cache, self.slot_mapping, backend=cache.backend)
-        out = torch.empty_like(query)
-        if self.decode_tokens.numel():
-            out[self.decode_tokens] = kernels.paged_decode_attention(
-                query[self.decode_tokens], k_cache, v_cache, self.decode_tables,
-                self.decode_context_lens, cache.scale, backend=cache.backend,
-            )  # fmt: skip
-        for start, end, table, context_len in self.prefills:
-            out[start:end] = causal_attention(
-                query[start:end],
-                gather_kv(k_cache, table, context_len),
-                gather_kv(v_cache, table, context_len),
-                cache.scale,
-            )
-        return out
+        kernels.store_kv(
+            key, value, k_cache, v_cache, self.slot_mapping,
+            backend=cache.backend, validate=validate,
+        )  # fmt: skip
+        return kernels.paged_prefill_attention(
+            query, k_cache, v_cache, self.block_tables, self.cu_seqlens_q, self.context_lens,
+            cache.scale, backend=cache.backend, validate=validate,
+        )  # fmt: skip

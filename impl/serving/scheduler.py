@@ -18,7 +18,7 @@ scheduled. Every step, in order:
    growth fits. A preempted sequence keeps its tokens, so it resumes exactly where it was.
 2. **Waiting sequences, in order** (first come, first served; no overtaking), are admitted while
    the token budget, the sequence limit and the memory allow. Memory allows when the blocks the
-   prompt consumes *after prefix-cache hits* (``store.blocks_to_allocate``) leave at least
+   prompt consumes *after prefix-cache hits* (``store.admit`` plans it once) leave at least
    ``watermark_blocks`` free, the headroom that lets running sequences grow; with nothing
    running the watermark is waived, so a request that fits the pool on its own is always
    admitted eventually. A step that preempted admits nothing: with prefix caching, a victim's
@@ -236,9 +236,12 @@ class Scheduler:
             budget -= scheduled[-1].num_tokens
         # A step that preempted admits nothing: its victims would otherwise be readmitted at
         # once (prefix-cache hits on their own freed blocks make them cheap to admit).
-        while not preempted and budget > 0 and self.waiting and self._can_admit(self.waiting[0]):
-            seq = self.waiting.popleft()
-            cached = self.store.add_prompt(seq.seq_id, seq.tokens)
+        while not preempted and budget > 0 and self.waiting:
+            seq = self.waiting[0]
+            cached = self._admit(seq)
+            if cached is None:
+                break
+            self.waiting.popleft()  # only once its blocks are held: a failed admit loses nothing
             seq.status, seq.num_computed = SeqStatus.RUNNING, cached
             self.running.append(seq)
             admitted.append(seq)
@@ -324,12 +327,14 @@ class Scheduler:
             preempted.append(victim)
         return preempted
 
-    def _can_admit(self, seq: Sequence) -> bool:
+    def _admit(self, seq: Sequence) -> int | None:
+        """Give ``seq`` its prompt's blocks if its samples fit ``max_num_seqs`` and the blocks
+        leave the watermark free (waived with nothing running); return its cached tokens, or
+        None (nothing changed). The store plans the prompt once."""
         if self.num_running_seqs + seq.num_samples > self.config.max_num_seqs:
-            return False
+            return None
         headroom = self.config.watermark_blocks if self.running else 0
-        needed = self.store.blocks_to_allocate(seq.tokens)
-        return self.store.num_free_blocks - needed >= headroom
+        return self.store.admit(seq.seq_id, seq.tokens, headroom)
 
     def _fork(self, parent: Sequence, index: int, token: int) -> Sequence:
         """Sample ``index`` of ``parent``'s request: ``parent``'s tokens plus ``token``, sharing
