@@ -406,13 +406,16 @@ class BatchedStore:
         if not self.prefix:
             return
         store, fresh = self.store, set(admitted)
-        for seq_id, count in zip(store.seq_ids, store.token_counts_of(None), strict=True):
-            if seq_id not in fresh and count % BLOCK_SIZE == 0:  # a decode filled a block
-                store.cache_blocks(seq_id, self.requests[seq_id].tokens(count, True))
+        live = store.resolve(None)
+        counts = store.token_counts.take(live.rows)
+        for i in np.flatnonzero(counts % BLOCK_SIZE == 0).tolist():
+            seq_id = live.seq_ids[i]
+            if seq_id not in fresh:  # a decode filled a block: its tokens catch up to it
+                tokens = self.tokens[seq_id]
+                tokens += self.requests[seq_id].tokens(int(counts[i]), True, len(tokens))
+                store.cache_blocks(seq_id, tokens)
         for seq_id in admitted:
-            store.cache_blocks(
-                seq_id, self.requests[seq_id].tokens(store.token_count(seq_id), True)
-            )
+            store.cache_blocks(seq_id, self.tokens[seq_id])
 
     def admit(self, request: TraceRequest, tokens: int) -> bool:
         token_ids = request.tokens(tokens, self.prefix)

@@ -301,17 +301,20 @@ class BlockTableStore:
         if self._prefix is None:
             return 0
         bs = self.block_size
-        keys = state.keys + self._prefix.extend_block_keys(state.keys, token_ids, extra_key)
+        new_keys = self._prefix.extend_block_keys(state.keys, token_ids, extra_key)
         full = len(token_ids) // bs
+        keys = state.keys + new_keys if new_keys else state.keys
         indices = [i for i in state.retry if i < full] + list(range(state.done, full))
         blocks = self._tables[row].take(indices).tolist()
         newly_cached, skipped = self._prefix.register_table_blocks(
             blocks, [keys[i] for i in indices]
         )
-        retry = [indices[i] for i in skipped] + [i for i in state.retry if i >= full]
-        self._keys[seq_id] = _SeqKeys(
-            extra_key, keys, max(state.done, full), sorted(retry), list(token_ids[: len(keys) * bs])
-        )
+        # Registered: record what the keys now cover (in place: O(new blocks)).
+        state.tokens.extend(token_ids[len(state.tokens) : len(keys) * bs])
+        state.keys = keys
+        state.retry = sorted([indices[i] for i in skipped] + [i for i in state.retry if i >= full])
+        state.done = max(state.done, full)
+        self._keys[seq_id] = state
         return newly_cached
 
     def fork(self, parent_id: int, child_id: int) -> None:
@@ -778,10 +781,14 @@ class _SeqKeys:
         """Whether ``token_ids`` start with the keyed tokens (one C-level list comparison), so
         the keys still hold and only what follows needs hashing."""
         known = len(self.tokens)
-        return len(token_ids) >= known and list(token_ids[:known]) == self.tokens
+        if len(token_ids) < known:
+            return False
+        return (token_ids if len(token_ids) == known else token_ids[:known]) == (
+            self.tokens if isinstance(token_ids, list) else tuple(self.tokens)
+        )
 
     def copy(self) -> _SeqKeys:
-        return _SeqKeys(self.extra, list(self.keys), self.done, list(self.retry), self.tokens)
+        return _SeqKeys(self.extra, list(self.keys), self.done, list(self.retry), list(self.tokens))
 
 
 _NOT_REFUSED: tuple[int, list[int], tuple[BlockKey, ...]] = (-1, [], ())
