@@ -13,17 +13,35 @@ attention is ``bench/bench_attention.py``; the engine has no batched contiguous 
 
 Under ``--benchmark-disable`` (CI) each case runs one step, except batch 128, which is skipped:
 its prefill and step cost seconds per block size on CPU.
+
+``python bench/bench_engine.py`` is the comparison with Hugging Face ``transformers``: one random
+fp32 Llama (:data:`HF_SHAPE`), served by the engine and by ``generate`` (one batch, left padding)
+on the same prompts in one run, greedy, one thread. It prints each side's output tokens/s (median
+of ``--repeats`` interleaved runs, after a warm-up of each), their ratio, whether the engine's
+tokens equal ``generate``'s, and the engine's decode step at full batch split into model math,
+attention (``store_kv`` and ``paged_prefill_attention``) and bookkeeping (the rest of
+``engine.step()``: scheduling, tables, slot mapping, sampling, metrics).
+``test_engine_against_hf_smoke`` runs a small version as a test.
 """
 
 from __future__ import annotations
 
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 
 from pagedkv.impl.serving.engine import PagedAttentionEngine
+from pagedkv.impl.serving.hf_loader import load_hf
 from pagedkv.impl.serving.model import CausalLM, ModelConfig
+from pagedkv.impl.serving.paged_kv import PagedStep
 from pagedkv.spec.block_manager import blocks_needed
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -72,3 +90,195 @@ def test_engine_decode_step(benchmark: Any, block_size: int, batch: int) -> None
     )
     assert metrics.num_decodes == metrics.num_batched_tokens == batch
     assert metrics.preemptions == 0
+
+
+# ----------------------------------------------------------------- against transformers
+
+HF_SHAPE: dict[str, Any] = {
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+HF_BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Output tokens/s of the engine and of ``generate`` (medians), and the engine's decode step
+    at full batch, in median milliseconds: whole step, model math, attention, bookkeeping."""
+
+    engine_tokens_per_s: float
+    hf_tokens_per_s: float
+    tokens_equal: int  # prompts whose engine tokens equal generate's
+    prompts: int
+    step_ms: float
+    model_ms: float
+    attention_ms: float
+    bookkeeping_ms: float
+
+    @property
+    def ratio(self) -> float:
+        """Engine tokens/s over ``generate``'s."""
+        return self.engine_tokens_per_s / self.hf_tokens_per_s
+
+
+def hf_llama(seed: int, **overrides: Any) -> torch.nn.Module:
+    """A ``transformers.LlamaForCausalLM`` of :data:`HF_SHAPE` (with ``overrides``), seeded random
+    weights, eval mode; nothing is downloaded."""
+    import transformers
+
+    config = transformers.LlamaConfig(**{**HF_SHAPE, **overrides})
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def bench_prompts(count: int, shortest: int, longest: int, vocab: int) -> list[list[int]]:
+    """``count`` seeded prompts of ``shortest .. longest`` tokens, ids in ``[3, vocab)``."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(shortest, longest + 1, (count,), generator=generator).tolist()
+    return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+def hf_generate(model: torch.nn.Module, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """``generate(do_sample=False)`` on all prompts as one left-padded batch, no EOS stop."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+            do_sample=False, pad_token_id=0, eos_token_id=None,
+        )  # fmt: skip
+    return out[:, width:].tolist()
+
+
+def engine_for(model: CausalLM, prompts: list[list[int]], new: int) -> PagedAttentionEngine:
+    """An engine whose pool holds every prompt and its ``new`` tokens, all running at once, with
+    a step budget that prefills every prompt in one step."""
+    longest = max(map(len, prompts)) + new
+    return PagedAttentionEngine(
+        model, len(prompts) * blocks_needed(longest, HF_BLOCK_SIZE), HF_BLOCK_SIZE,
+        max_num_seqs=len(prompts), max_num_batched_tokens=sum(map(len, prompts)),
+        max_model_len=longest,
+    )  # fmt: skip
+
+
+def engine_generate(model: CausalLM, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """The engine's greedy tokens for every prompt (a fresh engine)."""
+    return [out.outputs[0] for out in engine_for(model, prompts, new).generate(prompts, new)]
+
+
+def tokens_per_s(fn: Callable[[], list[list[int]]]) -> tuple[float, list[list[int]]]:
+    """Output tokens per second of one call of ``fn``, and its tokens."""
+    start = time.perf_counter()
+    tokens = fn()
+    return sum(map(len, tokens)) / (time.perf_counter() - start), tokens
+
+
+@contextmanager
+def timed(target: object, name: str, totals: dict[str, float]) -> Iterator[None]:
+    """While active, every call of ``target.name`` adds its seconds to ``totals[name]``."""
+    original = getattr(target, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            totals[name] += time.perf_counter() - start
+
+    with mock.patch.object(target, name, wrapper):
+        yield
+
+
+def decode_split(model: CausalLM, prompts: list[list[int]], new: int) -> list[float]:
+    """Median milliseconds of the engine's decode steps with every prompt running: ``[step,
+    model math, attention, bookkeeping]``, from one instrumented generation."""
+    engine = engine_for(model, prompts, new)
+    for prompt in prompts:
+        engine.add_request(prompt, new)
+    splits: list[list[float]] = []
+    with (
+        timed(PagedStep, "attend", totals := dict.fromkeys(("attend", "forward"), 0.0)),
+        timed(CausalLM, "forward", totals),
+        timed(CausalLM, "compute_logits", logits := {"compute_logits": 0.0}),
+    ):
+        while engine.has_unfinished_requests():
+            totals.update(attend=0.0, forward=0.0)
+            logits["compute_logits"] = 0.0
+            start = time.perf_counter()
+            metrics = engine.step().metrics
+            step = time.perf_counter() - start
+            if metrics.num_decodes == metrics.num_batched_tokens == len(prompts):
+                math = totals["forward"] + logits["compute_logits"]
+                splits.append([step, math - totals["attend"], totals["attend"], step - math])
+    return [statistics.median(column) * 1e3 for column in zip(*splits, strict=True)]
+
+
+def compare(
+    count: int = 32, shortest: int = 16, longest: int = 128, new: int = 96, repeats: int = 3,
+    **overrides: Any,
+) -> Comparison:  # fmt: skip
+    """The engine against batched ``generate`` on one model and one set of prompts (see the
+    module docstring); ``overrides`` change :data:`HF_SHAPE`."""
+    hf_model = hf_llama(0, **overrides)
+    model = load_hf(hf_model)
+    prompts = bench_prompts(count, shortest, longest, hf_model.config.vocab_size)
+    hf_generate(hf_model, prompts[:4], 4)  # warm-up
+    engine_generate(model, prompts[:4], 4)
+    engine_rates, hf_rates = [], []
+    for _ in range(repeats):  # interleaved, so a noisy stretch hits both sides
+        hf_rate, expected = tokens_per_s(lambda: hf_generate(hf_model, prompts, new))
+        engine_rate, actual = tokens_per_s(lambda: engine_generate(model, prompts, new))
+        hf_rates.append(hf_rate)
+        engine_rates.append(engine_rate)
+    equal = sum(a == e for a, e in zip(actual, expected, strict=True))
+    step, math, attention, bookkeeping = decode_split(model, prompts, new)
+    return Comparison(
+        statistics.median(engine_rates), statistics.median(hf_rates), equal, count,
+        step, math, attention, bookkeeping,
+    )  # fmt: skip
+
+
+def test_engine_against_hf_smoke() -> None:
+    """The comparison runs end to end on a small case, and the engine's tokens are ``generate``'s
+    (a smaller model, so greedy ties stay unlikely)."""
+    pytest.importorskip("transformers")
+    result = compare(
+        count=4, shortest=3, longest=12, new=6, repeats=1,
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=256,
+    )  # fmt: skip
+    assert result.tokens_equal == result.prompts
+    assert result.engine_tokens_per_s > 0 and result.hf_tokens_per_s > 0
+    assert result.step_ms >= result.attention_ms > 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=compare.__doc__)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    result = compare(count=args.prompts, new=args.new_tokens, repeats=args.repeats)
+    print(
+        f"engine {result.engine_tokens_per_s:.0f} tok/s, transformers generate "
+        f"{result.hf_tokens_per_s:.0f} tok/s: {result.ratio:.2f}x; tokens equal for "
+        f"{result.tokens_equal}/{result.prompts} prompts"
+    )
+    print(
+        f"decode step at batch {args.prompts}: {result.step_ms:.2f} ms = model math "
+        f"{result.model_ms:.2f} + attention {result.attention_ms:.2f} + bookkeeping "
+        f"{result.bookkeeping_ms:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

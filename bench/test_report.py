@@ -91,7 +91,7 @@ def small_run() -> Run:
     attention = [
         benchmark(
             {"layout": layout, "block_size": b, "batch": 8, "context": 1024, "heads": "8q/2kv",
-             "dtype": "float32", "backend": "reference", "device": "cpu"},
+             "dtype": "float16", "backend": "triton", "device": "cuda"},
             group=f"attention-bs{b}",
         )
         for layout in ("paged", "contiguous")
@@ -323,6 +323,20 @@ def test_noise_and_latency_sentences_follow_the_timings() -> None:
     assert "the paged call is the slower one at 0 of the 2 points" in even
     faster = rendered(latency_section, slower_contiguous(small_run(), 0.5))
     assert "from 1.00x to 2.00x (median 1.50x): the paged call is the slower one at 1 of" in faster
+
+
+def test_reference_attention_timings_are_not_tabulated() -> None:
+    """On the torch reference the paged and contiguous calls share one gather: no table."""
+    run = small_run()
+    benchmarks = [
+        {**b, "extra_info": {**b["extra_info"], "backend": "reference", "device": "cpu"}}
+        if b["group"].startswith("attention-bs")
+        else b
+        for b in run.benchmarks
+    ]
+    text = rendered(latency_section, dataclasses.replace(run, benchmarks=benchmarks))
+    assert "Not tabulated for this run: its backend was the torch reference on `cpu`" in text
+    assert "paged / contiguous" not in text
 
 
 def test_engine_sentence_names_the_fastest_block_size() -> None:

@@ -22,6 +22,7 @@ from pagedkv.kernels.api import (
     contiguous_decode_attention,
     copy_blocks,
     paged_decode_attention,
+    paged_prefill_attention,
     slot_mapping,
     store_kv,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "copy_blocks",
     "interpreter_active",
     "paged_decode_attention",
+    "paged_prefill_attention",
     "resolve_backend",
     "slot_mapping",
     "store_kv",

@@ -28,6 +28,8 @@ from pagedkv.kernels.validation import (
     check_caches,
     check_context_lens,
     check_context_values,
+    check_cu_seqlens,
+    check_cu_seqlens_values,
     check_decode_query,
     check_int_range,
     check_kv_rows,
@@ -156,6 +158,51 @@ def paged_decode_attention(
     from pagedkv.kernels import triton_decode
 
     return triton_decode.launch(q, k_cache, v_cache, tables, lens, scale, num_splits)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float | None = None,
+    *,
+    backend: str | None = None,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Causal attention of a variable-length batch of query chunks over paged K/V (chunked
+    prefill over a cached prefix; a decode is a chunk of one token).
+
+    ``query`` ``[tokens, num_heads, head_dim]`` holds the sequences' query tokens back to back:
+    sequence ``b``'s are rows ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1`` (``cu_seqlens_q``
+    int32/int64 ``[batch + 1]``, from 0 to ``tokens``, non-decreasing: FlashAttention's varlen
+    offsets). They are the last ``q_b`` of its ``context_lens[b]`` tokens, whose K/V (its cached
+    prefix and the chunk itself) must already be in the caches, read through row ``b`` of
+    ``block_tables`` (int32 ``[batch, max_blocks]``): query ``i`` sits at position
+    ``context_lens[b] - q_b + i`` and attends keys ``0 ..`` that position. ``q_b <=
+    context_lens[b] <= max_blocks * block_size``; a sequence may have no queries. Caches, dtypes,
+    GQA and ``scale`` follow ``paged_decode_attention``. Returns ``[tokens, num_heads,
+    head_dim]`` in the query's dtype; all arithmetic is fp32.
+    """
+    caches = check_caches(k_cache, v_cache)
+    q = check_decode_query(query, caches, k_cache.dtype)
+    tables = check_tensor("block_tables", block_tables, 2, (torch.int32,))
+    lens = check_context_lens(context_lens, tables.shape[0])
+    starts = check_cu_seqlens(cu_seqlens_q, tables.shape[0])
+    device = check_same_device(
+        query=q, k_cache=k_cache, block_tables=tables, cu_seqlens_q=starts, context_lens=lens
+    )
+    scale = check_scale(scale, caches.head_dim)
+    if check_bool("validate", validate):
+        check_context_values(lens, tables, caches.block_size, caches.num_blocks)
+        check_cu_seqlens_values(starts, lens, q.shape[0])
+    if resolve_backend(backend, device) == "reference":
+        return reference.paged_prefill_attention(q, k_cache, v_cache, tables, starts, lens, scale)
+    from pagedkv.kernels import triton_prefill
+
+    return triton_prefill.launch(q, k_cache, v_cache, tables, starts, lens, scale)
 
 
 def contiguous_decode_attention(

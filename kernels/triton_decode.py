@@ -139,6 +139,12 @@ def _merge_kernel(
     tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s precision for a cache dtype: IEEE fp32 for fp32 caches; TF32 for fp16 and
+    bf16, whose upcast values TF32 holds exactly (docs/kernels.md, Tolerances)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def choose_num_splits(num_programs: int, max_tokens: int, device: torch.device) -> int:
     """Splits per sequence (flash-decoding): enough programs for about four per SM, each
     covering at least ``MIN_TOKENS_PER_SPLIT`` tokens. Always 1 off CUDA."""
@@ -210,7 +216,7 @@ def launch(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         PAGED=paged,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT_PRECISION=dot_precision(query.dtype),
         BLOCK_G=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
         BLOCK_D=block_d,
         BLOCK_N=block_n,

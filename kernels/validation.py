@@ -386,3 +386,40 @@ def check_pairs(pairs: object, num_blocks: int) -> list[tuple[int, int]]:
                 )
         checked.append((pair[0], pair[1]))
     return checked
+
+
+def check_cu_seqlens(cu_seqlens_q: object, batch: int) -> torch.Tensor:
+    """An integer ``[batch + 1]`` tensor of query offsets (values: ``check_cu_seqlens_values``)."""
+    starts = check_tensor("cu_seqlens_q", cu_seqlens_q, 1, INDEX_DTYPES)
+    check_shape("cu_seqlens_q", starts, (batch + 1,))
+    return starts
+
+
+def check_cu_seqlens_values(starts: torch.Tensor, lens: torch.Tensor, num_tokens: int) -> None:
+    """Offsets that cut the ``num_tokens`` flat queries into the batch's sequences, in order.
+
+    ``starts[0] == 0``, ``starts[-1] == num_tokens``, non-decreasing, and each sequence's query
+    count ``starts[b + 1] - starts[b]`` at most its ``context_lens[b]`` (its queries are its last
+    tokens). ``ValueError`` naming the first bad index otherwise.
+    """
+    first, last = int(starts[0]), int(starts[-1])
+    if first != 0 or last != num_tokens:
+        raise ValueError(
+            f"cu_seqlens_q must run from 0 to the query's {num_tokens} tokens, got {first} .. "
+            f"{last}"
+        )
+    query_lens = starts[1:].to(torch.int64) - starts[:-1].to(torch.int64)
+    negative = query_lens < 0
+    if bool(negative.any()):
+        (b,) = _first_true(negative)
+        raise ValueError(
+            f"cu_seqlens_q must not decrease: cu_seqlens_q[{b + 1}] = {int(starts[b + 1])} < "
+            f"cu_seqlens_q[{b}] = {int(starts[b])}"
+        )
+    beyond = query_lens > lens.to(torch.int64)
+    if bool(beyond.any()):
+        (b,) = _first_true(beyond)
+        raise ValueError(
+            f"sequence {b} has {int(query_lens[b])} query tokens (cu_seqlens_q) but "
+            f"context_lens[{b}] = {int(lens[b])}: its queries are its last tokens"
+        )

@@ -39,7 +39,8 @@ def noise_sentence(run: Run) -> str:
     batch, (fastest, slowest) = max(spread.items(), key=lambda item: item[1][1] / item[1][0])
     ratio, threshold = slowest / fastest, f"{COMPARE_FAIL:.0%}"
     measured = (
-        "the contiguous decode attention medians below, which do not depend on the block size,"
+        "the contiguous decode attention medians of `bench/bench_attention.py`, which do not depend"
+        " on the block size,"
         f" span up to {times(ratio)} (batch {batch})"
     )
     if compare(ratio - 1, COMPARE_FAIL, 4) > 0:
@@ -163,6 +164,15 @@ def attention_part(run: Run) -> str:
     if not batches:
         return ""
     attention, info = run.attention(), run.attention_info()
+    if info["backend"] == "reference":
+        return f"""#### Decode attention, paged against contiguous (`bench/bench_attention.py`)
+
+Not tabulated for this run: its backend was the torch reference on `{info["device"]}`, which runs
+the paged and the contiguous call through the same batched gather (`kernels/reference.py`; the
+contiguous cache is read through the identity table `[b]`), so the ratio says nothing about
+paging, and its medians move with this shared machine's load. `bench/gpu_kernels.py` times the
+Triton kernel on a GPU, and a CUDA run of `pytest bench` fills this table.
+"""
     sizes = sorted(set.intersection(*(set(attention["paged", n]) for n in batches)))
     if not sizes:
         return ""
@@ -189,20 +199,13 @@ def attention_part(run: Run) -> str:
         f" {times(statistics.median(ratios))}): the paged call is the slower one at {slower} of"
         f" the {len(ratios)} points."
     )
-    reference_note = ""
-    if info["backend"] == "reference":
-        reference_note = (
-            " The torch reference gathers each sequence's K/V through its block table into a"
-            " dense copy before attending (`kernels/reference.py`), which only the paged call"
-            " does; `bench/gpu_kernels.py` times the Triton kernel on a GPU."
-        )
     return f"""#### Decode attention, paged against contiguous (`bench/bench_attention.py`)
 
 Batch {", ".join(map(str, batches))}; context {info["context"]}, heads {info["heads"]},
 {info["dtype"]}, backend `{info["backend"]}` on `{info["device"]}`; median milliseconds per call.
 The contiguous call does not depend on the block size, so the spread of its column
 ({"; ".join(spreads)}) is this machine's noise between benchmarks of the same work.
-{verdict}{reference_note}
+{verdict}
 
 {table(headers, body)}
 """

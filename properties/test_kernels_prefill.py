@@ -1,0 +1,297 @@
+"""Properties: ``paged_prefill_attention`` (varlen chunked prefill) equals causal dense attention.
+
+Caches are filled by spec runs (``properties.kernel_cases``: shuffled ids, forks sharing blocks,
+copy-on-write, frees and reuse). Each live sequence then asks for attention of its last ``q``
+tokens, ``0 <= q <= length`` (a chunk over a cached prefix; ``q = length`` is a whole prompt, ``q
+= 1`` a decode, ``q = 0`` a sequence with nothing to compute this step), all in one flat batch cut
+by ``cu_seqlens_q``. The Triton kernel (compiled on a GPU, interpreted on CPU), the torch
+reference and the spec's meaning, fp32 causal ``scaled_dot_product_attention`` of each query over
+its sequence's logical K/V up to its own position, must agree within ``TOLERANCES``. Every block
+size from 1 to 256 is a parametrized case; dtype, GQA ratio and head dim are drawn. A step of
+decodes only equals ``paged_decode_attention``. Invalid calls raise the documented errors, and
+planted bugs in both implementations are caught by the same check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedkv import kernels
+from pagedkv.kernels import reference, triton_prefill
+from properties.kernel_cases import (
+    BLOCK_SIZES,
+    DEVICE,
+    DTYPES,
+    GQA_RATIOS,
+    HEAD_DIMS,
+    KVCache,
+    Seq,
+    Shape,
+    assert_close,
+    fixed_scenario,
+    kernel_examples,
+    load_mutant,
+    scenarios,
+)
+
+MAX_CHUNK = 64  # longest drawn query chunk: the interpreter runs every query tile
+
+# prefill(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale) -> output
+Prefill = Callable[..., torch.Tensor]
+
+
+def triton_prefill_api(*args: torch.Tensor | float) -> torch.Tensor:
+    """The public function on the triton backend."""
+    return kernels.paged_prefill_attention(*args, backend="triton")
+
+
+def dense_prefill(
+    query: torch.Tensor, seqs: list[Seq | None], query_lens: list[int], scale: float
+) -> torch.Tensor:
+    """The spec: each query token attends, in fp32, its sequence's logical K/V at positions up to
+    its own (``length - q + i`` for the chunk's ``i``-th token)."""
+    out = torch.zeros_like(query)
+    start = 0
+    for seq, count in zip(seqs, query_lens, strict=True):
+        if count:
+            assert seq is not None
+            key, value = seq.logical_kv()
+            group = query.shape[1] // key.shape[1]
+            k = key.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, L, dim]
+            v = value.float().repeat_interleave(group, dim=1).transpose(0, 1)
+            q = query[start : start + count].float().transpose(0, 1)  # [heads, count, dim]
+            positions = torch.arange(seq.length - count, seq.length, device=query.device)
+            mask = torch.arange(seq.length, device=query.device)[None, :] <= positions[:, None]
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, mask, scale=scale)
+            out[start : start + count] = o.transpose(0, 1).to(query.dtype)
+        start += count
+    return out
+
+
+def check_prefill(
+    cache: KVCache,
+    query_lens: list[int],
+    prefill: Prefill,
+    extra_columns: int = 0,
+    padding_row: bool = False,
+    pad: int = -1,
+) -> None:
+    """``prefill``, the torch reference and the spec agree; ``query_lens`` is one count per
+    sequence of ``cache.batch(...)`` (0 for the padding row)."""
+    seqs, tables, lens = cache.batch(extra_columns, pad, padding_row)
+    shape = cache.shape
+    query = cache.randn(sum(query_lens), shape.num_heads, shape.head_dim)
+    offsets = torch.tensor([0, *query_lens], device=DEVICE).cumsum(0).to(torch.int32)
+    scale = shape.head_dim**-0.5
+    args = (query, cache.k_cache, cache.v_cache, tables, offsets, lens, scale)
+    expected = dense_prefill(query, seqs, query_lens, scale)
+    ref = kernels.paged_prefill_attention(*args, backend="reference")
+    actual = prefill(*args)
+    assert actual.dtype == query.dtype and actual.shape == query.shape
+    assert_close(ref, expected, "reference vs spec")
+    assert_close(actual, expected, "prefill vs spec")
+    assert_close(actual, ref, "prefill vs reference")
+
+
+def draw_query_lens(data: st.DataObject, seqs: list[Seq | None], block_size: int) -> list[int]:
+    """A chunk length per sequence: edge lengths (0, 1, a block, the whole sequence) are likely."""
+    counts = []
+    for seq in seqs:
+        length = 0 if seq is None else seq.length
+        cap = min(length, MAX_CHUNK)
+        edges = sorted({n for n in (0, 1, block_size, block_size + 1, length) if n <= cap})
+        counts.append(data.draw(st.sampled_from(edges) | st.integers(0, cap), label="query_len"))
+    return counts
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@settings(max_examples=kernel_examples(10), deadline=None)
+@given(data=st.data())
+def test_prefill_matches_spec_for_every_block_size(block_size: int, data: st.DataObject) -> None:
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    group = data.draw(st.sampled_from(GQA_RATIOS), label="group")
+    head_dim = data.draw(st.sampled_from(HEAD_DIMS), label="head_dim")
+    num_kv_heads = data.draw(st.sampled_from([1, 2]), label="num_kv_heads")
+    scenario = data.draw(scenarios(block_size), label="scenario")
+    cache = KVCache(scenario, Shape(block_size, num_kv_heads, group, head_dim, dtype))
+    padding_row = data.draw(st.booleans(), label="padding_row")
+    seqs, _, _ = cache.batch(padding_row=padding_row)
+    query_lens = draw_query_lens(data, seqs, block_size)
+    extra_columns = data.draw(st.integers(0, 2), label="extra_columns")
+    check_prefill(cache, query_lens, triton_prefill_api, extra_columns, padding_row)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_a_step_of_decodes_equals_decode_attention(block_size: int, backend: str) -> None:
+    """Query length 1 everywhere: the prefill function is the decode function."""
+    cache = KVCache(fixed_scenario(block_size), Shape(block_size, 2, 4, 64, torch.float32))
+    seqs, tables, lens = cache.batch(extra_columns=1, padding_row=True)
+    query = cache.randn(len(seqs), cache.shape.num_heads, cache.shape.head_dim)
+    offsets = torch.arange(len(seqs) + 1, device=DEVICE)
+    offsets[-1] -= 1  # the padding row (length 0) has no query
+    live = query[:-1]
+    args = (cache.k_cache, cache.v_cache, tables)
+    prefill = kernels.paged_prefill_attention(live, *args, offsets, lens, backend=backend)
+    decode = kernels.paged_decode_attention(query, *args, lens, backend=backend)
+    assert_close(prefill, decode[:-1], f"{backend} prefill vs decode")
+
+
+def test_fixed_run_matches_spec() -> None:
+    """The fixed run the planted-bug tests use passes with the real kernel."""
+    cache = KVCache(fixed_scenario(16), Shape(16, 2, 4, 80, torch.float32))
+    check_prefill(cache, MUTANT_QUERY_LENS, triton_prefill_api, extra_columns=1, pad=0)
+
+
+def test_empty_batches_give_empty_outputs() -> None:
+    cache = KVCache(fixed_scenario(4), Shape(4, 2, 2, 64, torch.float32))
+    query = cache.randn(0, 4, 64)
+    for backend in ("triton", "reference"):
+        for batch in (0, 2):  # no sequences; sequences with no queries
+            out = kernels.paged_prefill_attention(
+                query, cache.k_cache, cache.v_cache,
+                torch.zeros(batch, 3, dtype=torch.int32, device=DEVICE),
+                torch.zeros(batch + 1, dtype=torch.int32, device=DEVICE),
+                torch.zeros(batch, dtype=torch.int32, device=DEVICE), backend=backend,
+            )  # fmt: skip
+            assert out.shape == (0, 4, 64)
+
+
+# ----------------------------------------------------------------------- validation
+
+
+def valid_call() -> dict[str, object]:
+    """Arguments of a valid call: two sequences of 5 and 3 tokens computing 2 and 3 of them."""
+    generator = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(4, 4, 2, 8, generator=generator)
+    return {
+        "query": torch.randn(5, 4, 8, generator=generator),
+        "k_cache": k_cache,
+        "v_cache": torch.randn(4, 4, 2, 8, generator=generator),
+        "block_tables": torch.tensor([[2, 0], [3, -1]], dtype=torch.int32),
+        "cu_seqlens_q": torch.tensor([0, 2, 5]),
+        "context_lens": torch.tensor([5, 3]),
+    }
+
+
+INVALID = {
+    "cu_seqlens_q float": ("cu_seqlens_q", torch.tensor([0.0, 2.0, 5.0]), TypeError),
+    "cu_seqlens_q not batch + 1": ("cu_seqlens_q", torch.tensor([0, 5]), ValueError),
+    "cu_seqlens_q not from 0": ("cu_seqlens_q", torch.tensor([1, 2, 5]), ValueError),
+    "cu_seqlens_q short of the tokens": ("cu_seqlens_q", torch.tensor([0, 2, 4]), ValueError),
+    "cu_seqlens_q decreasing": ("cu_seqlens_q", torch.tensor([0, 6, 5]), ValueError),
+    "more queries than context": ("cu_seqlens_q", torch.tensor([0, 1, 5]), ValueError),
+    "context_lens wrong length": ("context_lens", torch.tensor([5, 3, 1]), ValueError),
+    "context beyond the table": ("context_lens", torch.tensor([9, 3]), IndexError),
+    "negative context": ("context_lens", torch.tensor([5, -3]), ValueError),
+    "block id outside the cache": ("block_tables", torch.tensor([[2, 4], [3, -1]]), TypeError),
+    "block id outside the cache (int32)": (
+        "block_tables",
+        torch.tensor([[2, 4], [3, -1]], dtype=torch.int32),
+        IndexError,
+    ),
+    "reached padding entry": (
+        "block_tables",
+        torch.tensor([[2, -1], [3, -1]], dtype=torch.int32),
+        IndexError,
+    ),
+    "query 2-d": ("query", torch.zeros(5, 32), ValueError),
+    "query heads not a multiple": ("query", torch.zeros(5, 3, 8), ValueError),
+    "query dtype": ("query", torch.zeros(5, 4, 8, dtype=torch.float16), TypeError),
+}
+
+
+def test_the_valid_call_passes_on_both_backends() -> None:
+    call = valid_call()
+    outputs = [kernels.paged_prefill_attention(**call, backend=b) for b in ("triton", "reference")]
+    assert_close(outputs[0], outputs[1], "triton vs reference")
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("case", list(INVALID), ids=list(INVALID))
+def test_invalid_calls_raise(case: str, backend: str) -> None:
+    name, value, error = INVALID[case]
+    call = {**valid_call(), name: value}
+    with pytest.raises(error, match=name.split("_")[0] if error is not IndexError else None):
+        kernels.paged_prefill_attention(**call, backend=backend)
+
+
+# ----------------------------------------------------------------------- planted bugs
+
+MUTANT_QUERY_LENS = [17, 1, 19]  # fixed_scenario's live sequences hold 50, 51 and 19 tokens
+
+TRITON_MUTANTS = {
+    "table read off by one": (
+        "block_tables_ptr + seq * table_stride + n // BLOCK_SIZE, mask=n_mask, other=0",
+        "block_tables_ptr + seq * table_stride + n // BLOCK_SIZE + 1, mask=n_mask, other=0",
+    ),
+    "wrong row inside a block": (
+        "rows = block_id * BLOCK_SIZE + n % BLOCK_SIZE",
+        "rows = block_id * BLOCK_SIZE + (n + 1) % BLOCK_SIZE",
+    ),
+    "query heads interleaved over KV heads": (
+        "heads = kv_head * group + g",
+        "heads = kv_head + g * NUM_KV_HEADS",
+    ),
+    "causal mask lets a query see the next token": (
+        "(n[None, :] <= positions[:, None])",
+        "(n[None, :] <= positions[:, None] + 1)",
+    ),
+    "chunk positions ignore the cached prefix": (
+        "positions = context_len - q_len + i",
+        "positions = i",
+    ),
+}
+REFERENCE_MUTANTS = {
+    "table read off by one": (
+        "block_tables[:, n // block_size] * block_size + n % block_size, 0)",
+        "block_tables[:, n // block_size + 1] * block_size + n % block_size, 0)",
+    ),
+    "wrong row inside a block": (
+        "block_tables[:, n // block_size] * block_size + n % block_size, 0)",
+        "block_tables[:, n // block_size] * block_size + (n + 1) % block_size, 0)",
+    ),
+    "query heads interleaved over KV heads": (
+        "q = query.float().view(batch, num_queries, num_kv_heads, group, head_dim)",
+        "q = query.float().view(batch, num_queries, group, num_kv_heads, head_dim).transpose(2, 3)",
+    ),
+    "causal mask lets a query see the next token": (
+        "> positions.clamp(min=0)[:, :, None]",
+        "> positions.clamp(min=0)[:, :, None] + 1",
+    ),
+    "chunk positions ignore the cached prefix": (
+        "first = lens - query_lens  # position of each sequence's first query token",
+        "first = lens * 0",
+    ),
+}
+
+
+def planted_cache() -> KVCache:
+    """The fixed run at block size 16, GQA 4, with chunks over cached prefixes."""
+    return KVCache(fixed_scenario(16), Shape(16, 2, 4, 80, torch.float32))
+
+
+@pytest.mark.parametrize("mutation", list(TRITON_MUTANTS), ids=list(TRITON_MUTANTS))
+def test_check_catches_planted_triton_bug(mutation: str, tmp_path: Path) -> None:
+    """Tables get one extra column holding a real block id (``pad=0``), so the off-by-one read
+    stays inside the caches."""
+    mutant = load_mutant(triton_prefill, *TRITON_MUTANTS[mutation], tmp_path)
+    with pytest.raises(AssertionError):
+        check_prefill(planted_cache(), MUTANT_QUERY_LENS, mutant.launch, extra_columns=1, pad=0)
+
+
+@pytest.mark.parametrize("mutation", list(REFERENCE_MUTANTS), ids=list(REFERENCE_MUTANTS))
+def test_check_catches_planted_reference_bug(mutation: str, tmp_path: Path) -> None:
+    """The same check, with the broken torch reference in the place of the kernel under test."""
+    mutant = load_mutant(reference, *REFERENCE_MUTANTS[mutation], tmp_path)
+    with pytest.raises(AssertionError):
+        check_prefill(
+            planted_cache(), MUTANT_QUERY_LENS, mutant.paged_prefill_attention,
+            extra_columns=1, pad=0,
+        )  # fmt: skip
