@@ -324,10 +324,19 @@ class BlockManager:
 
     def pop_copy_pairs_array(self) -> NDArray[np.int32]:
         """:meth:`pop_copy_pairs` as a new ``int32[P, 2]`` array of ``(src, dst)`` rows."""
-        pairs, self._copy_pairs = self._copy_pairs, []
+        pairs = self.pending_copy_pairs_array()
+        self._copy_pairs = []
+        return pairs
+
+    def pending_copy_pairs_array(self) -> NDArray[np.int32]:
+        """The pending pairs, as :meth:`pop_copy_pairs_array` gives them, without forgetting
+        them: a caller copies, then pops, so a failed copy loses no pair."""
+        pairs = self._copy_pairs
         if not pairs:
             return np.empty((0, 2), dtype=np.int32)
-        return pairs[0] if len(pairs) == 1 else np.concatenate(pairs)
+        if len(pairs) > 1:
+            self._copy_pairs = pairs = [np.concatenate(pairs)]
+        return pairs[0].copy()
 
     def _release_held(self, ids: IdArray, held: NDArray[np.int32]) -> None:
         """``release_blocks`` given the table's counts ``held`` (already read by a check)."""

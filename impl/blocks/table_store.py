@@ -483,6 +483,11 @@ class BlockTableStore:
         padded[: slots.size] = slots
         return padded
 
+    def pending_copy_pairs(self) -> NDArray[np.int32]:
+        """The pending copy-on-write pairs, as :meth:`pop_copy_pairs` would return them, still
+        pending: copy them, then pop them, and a failed copy loses nothing."""
+        return self.manager.pending_copy_pairs_array()
+
     def pop_copy_pairs(self) -> NDArray[np.int32]:
         """The manager's pending copy-on-write pairs as an int32 ``[P, 2]`` array of
         ``(src, dst)`` rows, in order; forgets them (see ``BlockManager.pop_copy_pairs``)."""

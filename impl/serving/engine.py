@@ -131,6 +131,7 @@ class PagedAttentionEngine:
         self.metrics: list[StepMetrics] = []
         self._requests: dict[int, _Request] = {}
         self._logits: dict[int, list[torch.Tensor]] = {}  # seq id -> rows, with keep_logits
+        self._unreturned: list[RequestOutput] = []  # finished, not yet returned by a step
         self._next_request_id = 0
 
     def add_request(
@@ -190,14 +191,28 @@ class PagedAttentionEngine:
 
     @torch.no_grad()
     def step(self) -> StepOutput:
-        """Run one scheduler step: schedule, copy-on-write, write K/V, attend, sample, free."""
+        """Run one scheduler step: schedule, copy-on-write, write K/V, attend, sample, free.
+
+        Transactional (docs/design.md, "Failure semantics"): if anything it calls raises, the
+        step raises and the engine is left able to run the next step correctly: no request is
+        lost or duplicated, no block leaks, no copy-on-write pair is dropped, no sampler draws
+        twice. A request that finished in a step whose metrics then failed is returned by the
+        next step.
+        """
         plan = self.scheduler.schedule()
-        self.kv.copy_blocks(torch.from_numpy(self.store.pop_copy_pairs()))
-        sampled = self._run(plan) if plan.scheduled else {}
+        pairs = self.store.pending_copy_pairs()
+        if len(pairs):
+            self.kv.copy_blocks(torch.from_numpy(pairs))
+        self.store.pop_copy_pairs()  # forgotten only once copied: copying again is harmless
+        sampled, rows = self._run(plan) if plan.scheduled else ({}, {})
         forked, finished = self.scheduler.update(plan, sampled)
-        done = self._record(forked, finished)
+        if self.keep_logits:
+            for seq_id, row in rows.items():
+                self._logits[seq_id].append(row)
+        self._unreturned.extend(self._record(forked, finished))
         metrics = step_metrics(len(self.metrics), self.scheduler, plan, len(finished))
         self.metrics.append(metrics)
+        done, self._unreturned = self._unreturned, []
         return StepOutput(metrics, done)
 
     def generate(
@@ -261,9 +276,11 @@ class PagedAttentionEngine:
 
     # ----------------------------------------------------------------- internals
 
-    def _run(self, plan: SchedulerOutput) -> dict[int, list[int]]:
+    def _run(self, plan: SchedulerOutput) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
         """Compute the planned tokens through the paged cache; sample where a step completes a
-        sequence's known tokens. Returns the sampled tokens by sequence id."""
+        sequence's known tokens. Returns the sampled tokens and the logits rows they came from,
+        by sequence id. Changes nothing outside the K/V cache, whose slots a retry rewrites: a
+        failed draw puts back every generator state it advanced."""
         items = plan.scheduled
         device = self.model.device
         batch = self.store.batch([item.seq.seq_id for item in items])
@@ -282,16 +299,25 @@ class PagedAttentionEngine:
         last_token = torch.tensor([item.num_tokens for item in items]).cumsum(0) - 1
         logits = self.model.compute_logits(hidden[last_token[sampling].to(device)]).float().cpu()
         sampled: dict[int, list[int]] = {}
-        for row, i in zip(logits, sampling, strict=True):
-            seq = items[i].seq
-            request = self._requests[seq.request_id]
-            sampled[seq.seq_id] = [
-                sample_token(row, request.temperature, request.generators[seq.sample_index + j])
-                for j in range(seq.num_samples)
-            ]
-            if self.keep_logits:
-                self._logits[seq.seq_id].append(row)
-        return sampled
+        rows: dict[int, torch.Tensor] = {}
+        advanced: list[tuple[torch.Generator, torch.Tensor]] = []
+        try:
+            for row, i in zip(logits, sampling, strict=True):
+                seq = items[i].seq
+                request = self._requests[seq.request_id]
+                tokens = []
+                for j in range(seq.num_samples):
+                    generator = request.generators[seq.sample_index + j]
+                    if request.temperature:
+                        advanced.append((generator, generator.get_state()))
+                    tokens.append(sample_token(row, request.temperature, generator))
+                sampled[seq.seq_id] = tokens
+                rows[seq.seq_id] = row
+        except BaseException:
+            for generator, state in reversed(advanced):
+                generator.set_state(state)
+            raise
+        return sampled, rows
 
     def _record(self, forked: list[Sequence], finished: list[Sequence]) -> list[RequestOutput]:
         """Track forked samples; return the requests whose every sample has finished."""

@@ -110,6 +110,12 @@ class Sequence:
         )
 
 
+def _done_with(seq: Sequence, token: int) -> bool:
+    """Whether ``seq`` is done once ``token`` is appended to it (``Sequence.done``'s rule)."""
+    output = len(seq.tokens) + 1 - seq.prompt_len
+    return output >= seq.max_new_tokens or token == seq.eos_token_id
+
+
 @dataclass(frozen=True)
 class ScheduledSeq:
     """``num_tokens`` tokens of ``seq`` to compute this step, from position ``start``."""
@@ -261,6 +267,10 @@ class Scheduler:
         new sequences, and the sequences that finished, in batch order. ``KeyError``,
         ``TypeError`` or ``ValueError`` (changing nothing) for a missing entry, a wrong number of
         tokens, or a token that is not a non-negative int.
+
+        Transactional: if a store call raises, the forks made are undone and the scheduler is
+        as it was (only idempotent prefix-cache registrations of written K/V remain), so the
+        same ``update`` can be retried.
         """
         for item in output.scheduled:  # check everything before changing anything
             if not item.samples:
@@ -271,27 +281,56 @@ class Scheduler:
                     f"sequence {item.seq.seq_id} needs {item.seq.num_samples} sampled tokens, "
                     f"got {len(tokens)}"
                 )
-        forked: list[Sequence] = []
-        finished: list[Sequence] = []
+        bs = self.store.block_size
+        for item in output.scheduled:  # idempotent: a retried update registers nothing twice
+            if item.end // bs > item.start // bs:  # filled a block: its K/V is written
+                seq = item.seq
+                written = seq.tokens if item.end == len(seq.tokens) else seq.tokens[: item.end]
+                self.store.cache_blocks(seq.seq_id, written)
+        # The store calls that can fail come first, each atomic, and are undone on failure;
+        # the scheduler's own state changes only after all of them succeeded.
+        first_id = self._next_seq_id
+        children: list[Sequence] = []
+        finishing: list[Sequence] = []
+        finished: list[Sequence] = []  # in batch order: children born done, then the parent
+        try:
+            for item in output.scheduled:
+                if item.samples:
+                    seq, tokens = item.seq, sampled[item.seq.seq_id]
+                    for index, token in enumerate(tokens[1:], start=1):
+                        child = self._child(seq, item.end, index, token)
+                        if child.done:  # a child that is already done holds no blocks
+                            finished.append(child)
+                        else:
+                            self.store.fork(seq.seq_id, child.seq_id)
+                        children.append(child)
+                    if _done_with(seq, tokens[0]):
+                        finishing.append(seq)
+                        finished.append(seq)
+            if finishing:
+                self.store.remove([seq.seq_id for seq in finishing])
+        except BaseException:
+            forks = [child.seq_id for child in children if not child.done]
+            if forks:
+                self.store.remove(forks)
+            self._next_seq_id = first_id
+            raise
         for item in output.scheduled:
             seq = item.seq
             seq.num_computed = item.end
-            if item.end // self.store.block_size > item.start // self.store.block_size:
-                self.store.cache_blocks(seq.seq_id, seq.tokens[: item.end])  # filled a block
-            if not item.samples:
-                continue
-            tokens = sampled[seq.seq_id]
-            seq.num_samples = 1
-            for index, token in enumerate(tokens[1:], start=1):
-                child = self._fork(seq, index, token)
-                forked.append(child)
-                if child.done:
-                    finished.append(child)
-            seq.tokens.append(tokens[0])
-            if seq.done:
-                self._finish(seq)
-                finished.append(seq)
-        return forked, finished
+            if item.samples:
+                seq.num_samples = 1
+                seq.tokens.append(sampled[seq.seq_id][0])
+        for child in children:
+            child.status = SeqStatus.FINISHED if child.done else SeqStatus.RUNNING
+            if not child.done:
+                self.running.append(child)
+        if finishing:
+            done = set(map(id, finishing))
+            self.running = [seq for seq in self.running if id(seq) not in done]
+            for seq in finishing:
+                seq.status = SeqStatus.FINISHED
+        return children, finished
 
     # ----------------------------------------------------------------- internals
 
@@ -336,23 +375,11 @@ class Scheduler:
         headroom = self.config.watermark_blocks if self.running else 0
         return self.store.admit(seq.seq_id, seq.tokens, headroom)
 
-    def _fork(self, parent: Sequence, index: int, token: int) -> Sequence:
-        """Sample ``index`` of ``parent``'s request: ``parent``'s tokens plus ``token``, sharing
-        ``parent``'s blocks (a child that is already done never holds any)."""
-        child = Sequence(
+    def _child(self, parent: Sequence, computed: int, index: int, token: int) -> Sequence:
+        """Sample ``index`` of ``parent``'s request: ``parent``'s tokens plus ``token``, with
+        the K/V of ``parent``'s first ``computed`` tokens (shared blocks)."""
+        return Sequence(
             self._new_seq_id(), parent.request_id, [*parent.tokens, token], parent.prompt_len,
             parent.max_new_tokens, parent.eos_token_id, sample_index=index,
-            num_computed=parent.num_computed,
+            num_computed=computed,
         )  # fmt: skip
-        if child.done:
-            child.status = SeqStatus.FINISHED
-        else:
-            self.store.fork(parent.seq_id, child.seq_id)
-            child.status = SeqStatus.RUNNING
-            self.running.append(child)
-        return child
-
-    def _finish(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.store.remove([seq.seq_id])
-        seq.status = SeqStatus.FINISHED
