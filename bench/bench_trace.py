@@ -17,8 +17,8 @@ Systems (``extra_info["system"]``):
 * ``manager``: ``pagedkv.impl.blocks.BlockManager``'s checked per-call API: ``append_slot`` and
   ``translate_slot`` once per sequence.
 * ``store``: ``BlockTableStore.grow_or_preempt`` + ``slot_mapping`` + the block-tables tensor,
-  once per step for the whole batch, and ``admit`` per admission; ``store-prefix`` adds
-  ``cache_blocks`` for each filled block.
+  once per step for the whole batch, and ``add`` per admission; ``store-prefix`` admits with
+  ``admit`` (the prompt's tokens) and adds ``cache_blocks`` for each filled block.
 * ``scheduler``: ``pagedkv.impl.serving.scheduler.Scheduler`` (``schedule`` + ``update``) over
   the store, with an unbounded token budget (so it follows the same policy);
   ``scheduler-prefix`` with prefix caching. Prefix variants prepend a shared 64-token system
@@ -418,8 +418,14 @@ class BatchedStore:
             store.cache_blocks(seq_id, self.tokens[seq_id])
 
     def admit(self, request: TraceRequest, tokens: int) -> bool:
-        token_ids = request.tokens(tokens, self.prefix)
-        if self.store.admit(request.request_id, token_ids) is None:
+        store = self.store
+        if not self.prefix:  # no cache: a count is all a table needs
+            if blocks_needed(tokens, BLOCK_SIZE) > store.num_free_blocks:
+                return False
+            store.add(request.request_id, tokens)
+            return True
+        token_ids = request.tokens(tokens, True)
+        if store.admit(request.request_id, token_ids) is None:
             return False
         self.requests[request.request_id] = request
         self.tokens[request.request_id] = token_ids

@@ -272,21 +272,27 @@ class Scheduler:
         as it was (only idempotent prefix-cache registrations of written K/V remain), so the
         same ``update`` can be retried.
         """
+        draws: list[tuple[ScheduledSeq, abc.Sequence[int]]] = []  # the sampling items
         for item in output.scheduled:  # check everything before changing anything
-            if not item.samples:
-                continue
-            tokens = check_tokens(sampled[item.seq.seq_id])
-            if len(tokens) != item.seq.num_samples:
-                raise ValueError(
-                    f"sequence {item.seq.seq_id} needs {item.seq.num_samples} sampled tokens, "
-                    f"got {len(tokens)}"
-                )
+            seq = item.seq
+            if item.start + item.num_tokens == len(seq.tokens):  # item.samples
+                tokens = sampled[seq.seq_id]
+                if not isinstance(tokens, (list, tuple)) or len(tokens) != seq.num_samples:
+                    check_tokens(tokens)  # the TypeError first
+                    raise ValueError(
+                        f"sequence {seq.seq_id} needs {seq.num_samples} sampled tokens, "
+                        f"got {len(tokens)}"
+                    )
+                draws.append((item, tokens))
+        check_tokens([token for _, tokens in draws for token in tokens])  # in one pass
         bs = self.store.block_size
         for item in output.scheduled:  # idempotent: a retried update registers nothing twice
-            if item.end // bs > item.start // bs:  # filled a block: its K/V is written
+            end = item.start + item.num_tokens
+            if end // bs > item.start // bs:  # filled a block: its K/V is written
                 seq = item.seq
-                written = seq.tokens if item.end == len(seq.tokens) else seq.tokens[: item.end]
-                self.store.cache_blocks(seq.seq_id, written)
+                self.store.cache_blocks(
+                    seq.seq_id, seq.tokens if end == len(seq.tokens) else seq.tokens[:end]
+                )
         # The store calls that can fail come first, each atomic, and are undone on failure;
         # the scheduler's own state changes only after all of them succeeded.
         first_id = self._next_seq_id
@@ -294,19 +300,18 @@ class Scheduler:
         finishing: list[Sequence] = []
         finished: list[Sequence] = []  # in batch order: children born done, then the parent
         try:
-            for item in output.scheduled:
-                if item.samples:
-                    seq, tokens = item.seq, sampled[item.seq.seq_id]
-                    for index, token in enumerate(tokens[1:], start=1):
-                        child = self._child(seq, item.end, index, token)
-                        if child.done:  # a child that is already done holds no blocks
-                            finished.append(child)
-                        else:
-                            self.store.fork(seq.seq_id, child.seq_id)
-                        children.append(child)
-                    if _done_with(seq, tokens[0]):
-                        finishing.append(seq)
-                        finished.append(seq)
+            for item, tokens in draws:
+                seq = item.seq
+                for index, token in enumerate(tokens[1:], start=1):
+                    child = self._child(seq, item.end, index, token)
+                    if child.done:  # a child that is already done holds no blocks
+                        finished.append(child)
+                    else:
+                        self.store.fork(seq.seq_id, child.seq_id)
+                    children.append(child)
+                if _done_with(seq, tokens[0]):
+                    finishing.append(seq)
+                    finished.append(seq)
             if finishing:
                 self.store.remove([seq.seq_id for seq in finishing])
         except BaseException:
@@ -316,11 +321,10 @@ class Scheduler:
             self._next_seq_id = first_id
             raise
         for item in output.scheduled:
-            seq = item.seq
-            seq.num_computed = item.end
-            if item.samples:
-                seq.num_samples = 1
-                seq.tokens.append(sampled[seq.seq_id][0])
+            item.seq.num_computed = item.start + item.num_tokens
+        for item, tokens in draws:
+            item.seq.num_samples = 1
+            item.seq.tokens.append(tokens[0])
         for child in children:
             child.status = SeqStatus.FINISHED if child.done else SeqStatus.RUNNING
             if not child.done:
