@@ -180,7 +180,7 @@ class DequeFloor:
         self.slots: list[int] = []
 
     def decode(self, running: list[int]) -> list[int]:
-        tables, counts, free, bs = self.tables, self.counts, self.free, BLOCK_SIZE
+        tables, counts, bs = self.tables, self.counts, BLOCK_SIZE
         slots: list[int] = []
         victims: list[int] = []
         end = len(running)
@@ -189,13 +189,13 @@ class DequeFloor:
                 break
             count = counts[seq_id]
             if count % bs == 0:
-                while not free and end > index:
+                while not self.free_blocks() and end > index:
                     end -= 1
                     victims.append(running[end])
                     self._release(running[end])
                 if end == index:  # the sequence preempted itself
                     break
-                tables[seq_id].append(free.popleft())
+                tables[seq_id].append(self._take_one())
             counts[seq_id] = count + 1
             slots.append(tables[seq_id][count // bs] * bs + count % bs)
         self.slots = slots
@@ -218,6 +218,9 @@ class DequeFloor:
 
     def free_blocks(self) -> int:
         return len(self.free)
+
+    def _take_one(self) -> int:
+        return self.free.popleft()
 
     def _release(self, seq_id: int) -> None:
         self.free.extend(reversed(self.tables.pop(seq_id)))
@@ -265,24 +268,13 @@ class PrefixFloor(DequeFloor):
             self.hash_of[block] = key
 
     def decode(self, running: list[int]) -> list[int]:
-        tables, counts, bs = self.tables, self.counts, BLOCK_SIZE
-        victims: list[int] = []
-        end = len(running)
-        for index, seq_id in enumerate(running):
-            if index >= end:
-                break
-            count = counts[seq_id]
-            if count % bs == 0:
-                while not self.queue and end > index:
-                    end -= 1
-                    victims.append(running[end])
-                    self._release(running[end])
-                if end == index:
-                    break
-                tables[seq_id] += self._take(1)
-            counts[seq_id] = count + 1
-        self.filled = [s for s in running[:end] if counts[s] % bs == 0]
+        victims = super().decode(running)
+        survivors = running[: len(running) - len(victims)]
+        self.filled = [s for s in survivors if self.counts[s] % BLOCK_SIZE == 0]
         return victims
+
+    def _take_one(self) -> int:
+        return self._take(1)[0]
 
     def computed(self, admitted: list[int]) -> None:
         for seq_id in self.filled:  # a block filled: register it

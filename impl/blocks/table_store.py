@@ -384,15 +384,8 @@ class BlockTableStore:
         (changing nothing) ``CapacityError`` if any sequence would need more than
         ``max_blocks_per_seq`` blocks. Copy-on-write pairs go to :meth:`pop_copy_pairs`.
         """
-        batch = self.resolve(seqs)
-        step = self._token_array("new_tokens", new_tokens, len(batch))
-        if self._grow_decode(batch, step):
-            return []
-        g = self._growth(batch, step)
+        batch, _, g = self._grow_at_once(seqs, new_tokens)
         if g is None:
-            return []
-        if g.fits_at_once(self.manager.num_free_blocks):
-            self._apply_growth(g, None, g.shared)
             return []
         grown, shared = plan_in_order(
             g.growth, g.writes_last, g.last, g.last_refs, self.manager.num_free_blocks
@@ -418,17 +411,10 @@ class BlockTableStore:
         batched free and one batched grow; otherwise sequence by sequence. ``CapacityError``
         (changing nothing) as :meth:`grow`.
         """
-        batch = self.resolve(seqs)
-        step = self._token_array("new_tokens", new_tokens, len(batch))
-        if self._grow_decode(batch, step):
-            return []
-        g = self._growth(batch, step)
+        batch, step, g = self._grow_at_once(seqs, new_tokens)
         if g is None:
             return []
         free = self.manager.num_free_blocks
-        if g.fits_at_once(free):
-            self._apply_growth(g, None, g.shared)
-            return []
         if g.shared.any():  # a copy on write interleaves with the frees: replay in order
             return self._grow_or_preempt_in_order(batch, step)
         stop = self._plan_preemption(g, free)
@@ -582,6 +568,22 @@ class BlockTableStore:
         if value and max(value) > INT32_MAX:
             raise CapacityError(f"{name} exceeds any sequence's capacity")
         return np.array(value, dtype=np.int64)
+
+    def _grow_at_once(
+        self, seqs: SeqBatch | SeqIds | None, new_tokens: int | SeqIds
+    ) -> tuple[SeqBatch, int | NDArray[np.int64], _Growth | None]:
+        """Check a growth and carry it out when the order cannot matter (the decode fast path,
+        or every sequence fitting at once). Returns the batch, the checked step, and the
+        growth still to decide in batch order (None: done)."""
+        batch = self.resolve(seqs)
+        step = self._token_array("new_tokens", new_tokens, len(batch))
+        if self._grow_decode(batch, step):
+            return batch, step, None
+        g = self._growth(batch, step)
+        if g is not None and g.fits_at_once(self.manager.num_free_blocks):
+            self._apply_growth(g, None, g.shared)
+            return batch, step, None
+        return batch, step, g
 
     def _grow_decode(self, batch: SeqBatch, step: int | NDArray[np.int64]) -> bool:
         """The decode step: every sequence gains one token, and no written last block can be
