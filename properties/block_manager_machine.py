@@ -11,20 +11,39 @@ user-visible meaning of "no two sequences ever write the same physical slot".
 
 from __future__ import annotations
 
+import copy
 import itertools
 from dataclasses import dataclass, field
 
 from hypothesis import event
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    multiple,
+    rule,
+)
 
+from pagedkv.spec import BlockTableError
 from properties.block_model import BlockModel, Outcome, observe
 
 BLOCK_SIZES = [1, 2, 3, 4, 8, 16]
+BAD_COUNTS = st.one_of(
+    st.tuples(st.integers(-3, -1), st.integers(-3, 50)),
+    st.tuples(st.integers(0, 50), st.integers(-3, -1)),
+    st.integers(0, 49).flatmap(lambda count: st.tuples(st.just(count), st.integers(count + 1, 50))),
+)
+"""``(token_count, new_tokens)`` that ``append_slot`` refuses: a negative count, or more new
+tokens than tokens."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
+    """A live sequence: its table and the value stored at each of its positions."""
+
     table: list[int]
     tokens: list[int] = field(default_factory=list)  # the value stored for each position
 
@@ -33,13 +52,14 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
     """Return a state machine class checking ``manager_cls`` against the model."""
 
     class BlockManagerMachine(RuleBasedStateMachine):
+        seqs = Bundle("seqs")  # live sequences
+        freed = Bundle("freed")  # sequences already freed: their tables are stale
+
         def __init__(self) -> None:
             super().__init__()
-            self.seqs: dict[int, Sequence] = {}
-            self.dead_tables: list[list[int]] = []
+            self.live: list[Sequence] = []
             self.cache: dict[int, int] = {}  # physical slot -> stored token value
             self.pending_pairs: list[tuple[int, int]] = []  # copy pairs not yet taken
-            self.names = itertools.count()
             self.values = itertools.count(1)
 
         @initialize(total_blocks=st.integers(1, 32), block_size=st.sampled_from(BLOCK_SIZES))
@@ -50,9 +70,11 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
 
         # ------------------------------------------------------------ helpers
 
-        def snapshot(self) -> tuple:
+        def snapshot(self) -> tuple[object, ...]:
+            """Every observable, pending copy pairs included (read from a copy)."""
             refs = tuple(self.manager.ref_count(b) for b in range(self.model.total_blocks))
-            return (self.manager.free_block_ids(), refs, self.manager.num_free_blocks)
+            pending = copy.deepcopy(self.manager).pop_copy_pairs()
+            return (self.manager.free_block_ids(), refs, self.manager.num_free_blocks, pending)
 
         def check_same(self, actual: Outcome, expected: Outcome, before: tuple) -> None:
             """The call did what the model says; if it raised, it changed nothing."""
@@ -80,13 +102,10 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
                 if slot in self.cache:
                     self.cache[dst * self.size + offset] = self.cache[slot]
 
-        def pick(self, data: st.DataObject) -> int:
-            return data.draw(st.sampled_from(sorted(self.seqs)), label="sequence")
-
         # ------------------------------------------------------------ rules
 
-        @rule(prompt_len=st.integers(0, 40))
-        def new_sequence(self, prompt_len: int) -> None:
+        @rule(target=seqs, prompt_len=st.integers(0, 40))
+        def new_sequence(self, prompt_len: int) -> object:
             blocks = -(-prompt_len // self.size)
             before = self.snapshot()
             expected = self.model.allocate(blocks)
@@ -96,17 +115,17 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
                 seq = Sequence(table=actual.value)
                 seq.tokens = [next(self.values) for _ in range(prompt_len)]
                 self.write(seq, 0, seq.tokens)
-                self.seqs[next(self.names)] = seq
+                self.live.append(seq)
+                return seq
+            return multiple()
 
-        @precondition(lambda self: self.seqs)
         @rule(
-            data=st.data(),
+            seq=seqs,
             new_tokens=st.one_of(st.just(1), st.integers(0, 40)),
             lookahead=st.one_of(st.just(0), st.integers(0, 20)),
         )
-        def append(self, data: st.DataObject, new_tokens: int, lookahead: int) -> None:
+        def append(self, seq: Sequence, new_tokens: int, lookahead: int) -> None:
             """Write ``new_tokens`` tokens; ``lookahead`` extra slots are reserved, not written."""
-            seq = self.seqs[self.pick(data)]
             count = len(seq.tokens)
             before = self.snapshot()
             # Reserve lookahead slots without writing, then write the new tokens.
@@ -138,32 +157,29 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             assert self.manager.pop_copy_pairs() == []
             self.pending_pairs = []
 
-        @precondition(lambda self: self.seqs)
-        @rule(data=st.data())
-        def fork(self, data: st.DataObject) -> None:
-            parent = self.seqs[self.pick(data)]
+        @rule(target=seqs, parent=seqs)
+        def fork(self, parent: Sequence) -> Sequence:
             before = self.snapshot()
             expected = self.model.fork(parent.table)
             actual = self.on_table(self.manager.fork, parent.table)
             self.check_same(actual, expected, before)
-            self.seqs[next(self.names)] = Sequence(table=actual.value, tokens=list(parent.tokens))
+            child = Sequence(table=actual.value, tokens=list(parent.tokens))
+            self.live.append(child)
+            return child
 
-        @precondition(lambda self: self.seqs)
-        @rule(data=st.data())
-        def free(self, data: st.DataObject) -> None:
-            seq = self.seqs.pop(self.pick(data))
+        @rule(target=freed, seq=consumes(seqs))
+        def free(self, seq: Sequence) -> Sequence:
             before = self.snapshot()
             self.check_same(
                 self.on_table(self.manager.free, seq.table),
                 self.model.free(seq.table),
                 before,
             )
-            self.dead_tables.append(seq.table)
+            self.live.remove(seq)
+            return seq
 
-        @precondition(lambda self: self.seqs)
-        @rule(data=st.data(), pos=st.integers(-2, 60))
-        def translate(self, data: st.DataObject, pos: int) -> None:
-            seq = self.seqs[self.pick(data)]
+        @rule(seq=seqs, pos=st.integers(-2, 60))
+        def translate(self, seq: Sequence, pos: int) -> None:
             before = self.snapshot()
             expected = self.model.translate_slot(seq.table, pos)
             actual = self.on_table(self.manager.translate_slot, seq.table, pos)
@@ -171,29 +187,30 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
 
         # ------------------------------------------------------------ bad input
 
-        @precondition(lambda self: self.dead_tables)
-        @rule(data=st.data())
-        def double_free(self, data: st.DataObject) -> None:
-            """Freeing a table again is refused unless all its blocks were re-allocated."""
-            table = data.draw(st.sampled_from(self.dead_tables), label="dead table")
-            if all(self.model.refs[b] > 0 for b in table):
-                return  # all re-allocated: indistinguishable from a live table, not a bad input
+        @rule(seq=freed, pos=st.integers(0, 3))
+        def double_free(self, seq: Sequence, pos: int) -> None:
+            """Freeing a table again is refused, and so is reading through it, unless all its
+            blocks were handed out again: then it reads as live, and freeing it would free
+            another owner's blocks, so only the read is made."""
+            table = seq.table
             before = self.snapshot()
-            self.check_same(observe(self.manager.free, table), self.model.free(table), before)
+            expected = self.model.translate_slot(table, pos)
+            self.check_same(observe(self.manager.translate_slot, table, pos), expected, before)
+            if expected.error is BlockTableError:
+                self.check_same(observe(self.manager.free, table), self.model.free(table), before)
 
-        @precondition(lambda self: any(s.table for s in self.seqs.values()))
-        @rule(data=st.data(), operation=st.sampled_from(["free", "fork", "append", "translate"]))
-        def repeated_or_unknown_ids(self, data: st.DataObject, operation: str) -> None:
-            seq = self.seqs[self.pick(data)]
-            if not seq.table:
-                return
-            bad_id = data.draw(
-                st.sampled_from(
-                    [seq.table[0], -1, self.model.total_blocks, self.model.total_blocks + 7]
-                ),
-                label="bad id",
-            )
-            table = [*seq.table, bad_id]
+        @rule(
+            seq=seqs,
+            bad=st.sampled_from(["repeated", "negative", "one past the last", "far past"]),
+            operation=st.sampled_from(["free", "fork", "append", "translate"]),
+        )
+        def repeated_or_unknown_ids(self, seq: Sequence, bad: str, operation: str) -> None:
+            """A live table plus one bad id (a repeat of its first id, or an unknown one)."""
+            total = self.model.total_blocks
+            bad_ids = {"negative": -1, "one past the last": total, "far past": total + 7}
+            table = [*seq.table, seq.table[0] if seq.table else 0]
+            if bad != "repeated" or not seq.table:
+                table[-1] = bad_ids.get(bad, -1)
             before = self.snapshot()
             calls = {
                 "free": (self.manager.free, self.model.free, ()),
@@ -204,6 +221,13 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             call, model_call, extra = calls[operation]
             self.check_same(self.on_table(call, table, *extra), model_call(table, *extra), before)
 
+        @rule(offset=st.integers(-2, 1))
+        def can_allocate(self, offset: int) -> None:
+            """``can_allocate(n)`` is ``n <= num_free_blocks``: at the boundary, and for 0."""
+            free = len(self.model.queue)
+            for count in (0, max(0, free + offset)):
+                assert self.manager.can_allocate(count) == (count <= free), count
+
         @rule(count=st.integers(-5, -1))
         def negative_allocate(self, count: int) -> None:
             before = self.snapshot()
@@ -211,13 +235,10 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
                 observe(self.manager.allocate, count), self.model.allocate(count), before
             )
 
-        @precondition(lambda self: self.seqs)
-        @rule(data=st.data(), token_count=st.integers(-3, 50), new_tokens=st.integers(-3, 50))
-        def append_bad_counts(self, data: st.DataObject, token_count: int, new_tokens: int) -> None:
+        @rule(seq=seqs, counts=BAD_COUNTS)
+        def append_bad_counts(self, seq: Sequence, counts: tuple[int, int]) -> None:
             """Negative counts, or more new tokens than tokens, are refused."""
-            if token_count >= 0 and 0 <= new_tokens <= token_count:
-                return
-            seq = self.seqs[self.pick(data)]
+            token_count, new_tokens = counts
             before = self.snapshot()
             self.check_same(
                 self.on_table(self.manager.append_slot, seq.table, token_count, new_tokens),
@@ -242,8 +263,13 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             assert self.manager.num_free_blocks == len(self.manager.free_block_ids())
 
         @invariant()
+        def pending_pairs_match(self) -> None:
+            """Pairs made and not yet taken (read from a copy: the invariant changes nothing)."""
+            assert copy.deepcopy(self.manager).pop_copy_pairs() == self.pending_pairs
+
+        @invariant()
         def ref_counts_equal_live_references(self) -> None:
-            held = [b for seq in self.seqs.values() for b in seq.table]
+            held = [b for seq in self.live for b in seq.table]
             for block_id in range(self.model.total_blocks):
                 ref = self.manager.ref_count(block_id)
                 assert ref == self.model.refs[block_id] == held.count(block_id)
@@ -252,7 +278,7 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
 
         @invariant()
         def every_sequence_reads_its_own_tokens(self) -> None:
-            for seq in self.seqs.values():
+            for seq in self.live:
                 for pos, value in enumerate(seq.tokens):
                     slot = seq.table[pos // self.size] * self.size + pos % self.size
                     assert self.cache.get(slot) == value, f"slot {slot} lost position {pos}"

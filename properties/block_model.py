@@ -83,6 +83,11 @@ class BlockModel:
             result[i] = new_id
         return Outcome(value=result + fresh[len(shared) :])
 
+    def pop_copy_pairs(self) -> Outcome:
+        """The pairs made since the last call, oldest first; they are forgotten."""
+        pairs, self.copy_pairs = self.copy_pairs, []
+        return Outcome(value=pairs)
+
     def fork(self, table: list[int]) -> Outcome:
         error = self._table_error(table)
         if error is not None:

@@ -1,27 +1,49 @@
 """A Hypothesis state machine for prefix caching, over any class with the spec's API.
 
-Prompts are drawn from a tiny alphabet after one of a few shared "system prompts", so hits,
-revivals and evictions are frequent. The machine simulates the KV data as the ``BlockManager``
-machine does, and checks after every step that cached keys describe exactly the tokens their
-blocks hold, so a hit can never hand out a block with other tokens.
+Every expectation comes from :class:`~properties.prefix_model.PrefixCacheModel`, an independent
+model with its own key -> block map, free-queue order and counters; nothing expected is read
+from the class under test. Each call's result or exception class is compared with the model's,
+and after every step the whole observable state is: the free queue in order, every reference
+count, every block's key (by the content it names), ``num_cached_blocks``, the counters and the
+pending copy-on-write pairs. The machine also simulates the KV data, so it checks that cached
+keys describe exactly the tokens their blocks hold and that every request reads back its own
+tokens: a hit can never hand out a block with other tokens.
+
+Prompts are drawn from a tiny alphabet after one of a few shared "system prompts", with two
+salts and sometimes a hash under which most keys collide, so hits, revivals, evictions and
+exhaustion are all frequent. Requests live in a bundle; ``free`` consumes them.
 """
 
 from __future__ import annotations
 
-import itertools
+import copy
+from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Any
 
 from hypothesis import event
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    multiple,
+    rule,
+)
 
-from pagedkv.spec import OutOfBlocksError
-from pagedkv.spec.prefix_cache import PrefixCacheStats
-from properties.block_model import observe
+from pagedkv.spec import BlockTableError
+from properties.block_model import Outcome, observe
+from properties.prefix_model import Content, PrefixCacheModel
 
 SYSTEM_PROMPTS = [[], [7, 7, 8, 9, 7, 8], [7, 7, 8, 9, 1, 2, 3, 4, 5], [5, 5, 5, 5, 5, 5, 5, 5]]
 ALPHABET = st.integers(0, 2)
 SALTS = [None, "tenant-b"]
+SALT_DRAWS = st.sampled_from(SALTS) | st.builds(lambda: "".join(["tenant", "-b"]))
+"""A salt of ``SALTS``, or a new string equal to ``"tenant-b"`` but not the same object: equal
+salts share blocks whatever their identity."""
+WRONG_TOKEN = 10  # a token no prompt holds
 
 
 def colliding_hash(parent: object, tokens: tuple[int, ...], extra: object) -> int:
@@ -29,24 +51,40 @@ def colliding_hash(parent: object, tokens: tuple[int, ...], extra: object) -> in
     return len(tokens) % 2
 
 
-@dataclass
+def content_of(key: Any) -> Content | None:
+    """What a key (any class with ``parent``, ``tokens``, ``extra``) names, as the model names
+    it: ``(extra, the whole token prefix)``; None for no key."""
+    if key is None:
+        return None
+    levels = []
+    extra = key.extra
+    while key is not None:
+        levels.append(key.tokens)
+        key = key.parent
+    return extra, tuple(token for level in reversed(levels) for token in level)
+
+
+@dataclass(eq=False)
 class Request:
+    """A live sequence: its table, the tokens written through it, and its salt."""
+
     table: list[int]
     tokens: list[int]
-    salt: str | None
+    salt: Hashable
 
 
 def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
-    """Return a state machine class checking ``manager_cls``'s prefix caching rules."""
+    """Return a state machine class checking ``manager_cls`` against the prefix-cache model."""
 
     class PrefixCacheMachine(RuleBasedStateMachine):
+        requests = Bundle("requests")
+
         def __init__(self) -> None:
             super().__init__()
-            self.requests: dict[int, Request] = {}
-            # physical slot -> (extra key, token) written there: a block computed under one extra
-            # key must never be read under another, even when the tokens agree
-            self.cache: dict[int, tuple[str | None, int]] = {}
-            self.names = itertools.count()
+            self.live: list[Request] = []
+            # physical slot -> (salt, token) written there: a block computed under one salt
+            # must never be read under another, even when the tokens agree
+            self.kv: dict[int, tuple[Hashable, int]] = {}
 
         @initialize(
             total_blocks=st.integers(1, 24),
@@ -56,171 +94,158 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
         def make_manager(self, total_blocks: int, block_size: int, collide: bool) -> None:
             kwargs = {"hash_fn": colliding_hash} if collide else {}
             self.manager = manager_cls(total_blocks, block_size, **kwargs)
+            self.model = PrefixCacheModel(total_blocks, block_size)
             self.size = block_size
-            self.total = total_blocks
-            self.queue = list(range(total_blocks))  # the queue the rules predict
-            self.stats = PrefixCacheStats()  # the counters the rules predict
 
         # ------------------------------------------------------------ helpers
 
         def slot(self, table: list[int], pos: int) -> int:
             return table[pos // self.size] * self.size + pos % self.size
 
-        def snapshot(self) -> tuple:
-            keys = tuple(self.manager.key_of(b) for b in range(self.total))
-            refs = tuple(self.manager.ref_count(b) for b in range(self.total))
-            return self.manager.free_block_ids(), refs, keys, self.manager.num_cached_blocks
+        def snapshot(self) -> tuple[object, ...]:
+            manager = self.manager
+            blocks = range(self.model.total_blocks)
+            stats = manager.stats
+            return (
+                manager.free_block_ids(),
+                [manager.ref_count(b) for b in blocks],
+                [content_of(manager.key_of(b)) for b in blocks],
+                manager.num_cached_blocks,
+                (stats.queried_blocks, stats.hit_blocks, stats.evictions),
+                copy.deepcopy(manager).pop_copy_pairs(),
+            )
 
-        def pick(self, data: st.DataObject) -> Request:
-            return self.requests[data.draw(st.sampled_from(sorted(self.requests)))]
+        def expected_snapshot(self) -> tuple[object, ...]:
+            model = self.model
+            return (
+                model.queue,
+                model.refs,
+                [model.content_of.get(b) for b in range(model.total_blocks)],
+                len(model.content_of),
+                (model.queried_blocks, model.hit_blocks, model.evictions),
+                model.copy_pairs,
+            )
 
-        def cached_blocks(self) -> set[int]:
-            return {b for b in range(self.total) if self.manager.key_of(b) is not None}
+        def check(self, call: Any, args: tuple[object, ...], expected: Outcome) -> None:
+            """``call(*args)`` does what the model says; if it raises, it changes nothing."""
+            before = self.snapshot()
+            actual = observe(call, *args)
+            assert (actual.error, actual.value) == (expected.error, expected.value), (
+                f"{call.__name__}{args}: got {actual}, the rules say {expected}"
+            )
+            if expected.error is not None:
+                assert self.snapshot() == before, f"a refused {call.__name__} changed the cache"
 
-        def take_from_head(self, count: int, cached_before: set[int]) -> None:
-            """The rules' allocation: the head's blocks go, and cached ones are evicted."""
-            self.stats.evictions += len(cached_before.intersection(self.queue[:count]))
-            self.queue = self.queue[count:]
-
-        def register(self, table: list[int], tokens: list[int], salt: str | None) -> None:
-            """Cache the full blocks just written; with correct tokens this cannot fail."""
-            outcome = observe(self.manager.cache_blocks, table, tokens, salt)
-            assert outcome.error is None, f"cache_blocks refused the blocks' own tokens: {outcome}"
-
-        def free_in_model(self, table: list[int]) -> None:
-            for block_id in reversed(table):
-                if self.manager.ref_count(block_id) == 0:
-                    self.queue.append(block_id)
+        def register(self, request: Request) -> None:
+            """Cache the blocks just written; then claims of other content are refused."""
+            args = (request.table, request.tokens, request.salt)
+            self.check(self.manager.cache_blocks, args, self.model.cache_blocks(*args))
+            cached = [i for i, b in enumerate(request.table) if b in self.model.content_of]
+            if cached:
+                wrong = list(request.tokens)
+                wrong[cached[-1] * self.size] = WRONG_TOKEN
+                for claim in (
+                    (request.table, wrong, request.salt),
+                    (request.table, request.tokens, object()),
+                ):
+                    expected = self.model.cache_blocks(*claim)
+                    assert expected.error is BlockTableError
+                    self.check(self.manager.cache_blocks, claim, expected)
 
         # ------------------------------------------------------------ rules
 
         @rule(
+            target=requests,
             system=st.sampled_from(SYSTEM_PROMPTS),
             suffix=st.lists(ALPHABET, max_size=6),
-            salt=st.sampled_from(SALTS),
+            salt=SALT_DRAWS,
         )
-        def new_request(self, system: list[int], suffix: list[int], salt: str | None) -> None:
+        def new_request(self, system: list[int], suffix: list[int], salt: Hashable) -> object:
+            """Look up, allocate, compute the rest of the prompt, register its full blocks."""
             tokens = system + suffix
-            hits = self.manager.lookup(tokens, salt)
-            needed = self.manager.blocks_to_allocate(tokens, salt)
-            free_before = self.manager.num_free_blocks
-            cached_before = self.cached_blocks()
-            before = self.snapshot()
-            outcome = observe(self.manager.allocate_prompt, tokens, salt)
-            if needed > free_before:
-                assert outcome.error is OutOfBlocksError
-                assert self.snapshot() == before, "a refused prompt changed the cache"
+            model = self.model
+            self.check(self.manager.lookup, (tokens, salt), Outcome(model.lookup(tokens, salt)))
+            needed = Outcome(model.blocks_to_allocate(tokens, salt))
+            self.check(self.manager.blocks_to_allocate, (tokens, salt), needed)
+            revived = [b for b in model.lookup(tokens, salt) if model.refs[b] == 0]
+            expected = model.allocate_prompt(tokens, salt)
+            self.check(self.manager.allocate_prompt, (tokens, salt), expected)
+            if expected.error is not None:
                 event("prefix: out of blocks")
-                return
-            assert outcome.error is None, outcome
-            table, cached_tokens = outcome.value
-            assert table[: len(hits)] == hits and cached_tokens == len(hits) * self.size
-            assert cached_tokens < max(1, len(tokens)), "the last prompt token must be computed"
-            assert self.manager.num_free_blocks == free_before - needed
-            for pos in range(cached_tokens):  # a hit never returns a block with other tokens
-                assert self.cache.get(self.slot(table, pos)) == (salt, tokens[pos])
-            revived = [b for b in hits if b in self.queue]
-            self.queue = [b for b in self.queue if b not in revived]
-            self.take_from_head(len(table) - len(hits), cached_before)
-            self.stats.queried_blocks += max(0, len(tokens) - 1) // self.size
-            self.stats.hit_blocks += len(hits)
-            if hits:
+                return multiple()
+            table, cached_tokens = expected.value
+            if cached_tokens:
                 event("prefix: hit" + (" with revival" if revived else ""))
             for pos in range(cached_tokens, len(tokens)):  # compute the rest of the prompt
-                self.cache[self.slot(table, pos)] = (salt, tokens[pos])
-            self.register(table, tokens, salt)
-            self.requests[next(self.names)] = Request(table, tokens, salt)
+                self.kv[self.slot(table, pos)] = (salt, tokens[pos])
+            request = Request(table, tokens, salt)
+            self.live.append(request)
+            self.register(request)
+            return request
 
-        @precondition(lambda self: self.requests)
-        @rule(data=st.data(), token=ALPHABET)
-        def decode(self, data: st.DataObject, token: int) -> None:
-            request = self.pick(data)
+        @rule(request=requests, token=ALPHABET)
+        def decode(self, request: Request, token: int) -> None:
+            """One token: the table grows or copies on write, the caller copies, then caches."""
             tokens = [*request.tokens, token]
-            cached_before = self.cached_blocks()
-            outcome = observe(self.manager.append_slot, request.table, len(tokens))
-            if outcome.error is not None:
-                assert outcome.error is OutOfBlocksError
+            expected = self.model.append_slot(request.table, len(tokens), 1)
+            self.check(self.manager.append_slot, (request.table, len(tokens)), expected)
+            if expected.error is not None:
+                event("decode: out of blocks")
                 return
-            table = outcome.value
-            pairs = self.manager.pop_copy_pairs()
-            self.take_from_head(len(pairs) + len(table) - len(request.table), cached_before)
+            table = expected.value
+            pairs = self.model.copy_pairs
+            self.check(self.manager.pop_copy_pairs, (), Outcome(list(pairs)))
             for src, dst in pairs:
                 for offset in range(self.size):
-                    if src * self.size + offset in self.cache:
-                        self.cache[dst * self.size + offset] = self.cache[src * self.size + offset]
-            self.cache[self.slot(table, len(tokens) - 1)] = (request.salt, token)
+                    if src * self.size + offset in self.kv:
+                        self.kv[dst * self.size + offset] = self.kv[src * self.size + offset]
+            pairs.clear()
+            self.kv[self.slot(table, len(tokens) - 1)] = (request.salt, token)
             request.table, request.tokens = table, tokens
-            self.register(table, tokens, request.salt)
+            self.register(request)
 
-        @precondition(lambda self: self.requests)
-        @rule(data=st.data())
-        def fork(self, data: st.DataObject) -> None:
-            parent = self.pick(data)
-            table = self.manager.fork(parent.table)
-            self.requests[next(self.names)] = Request(table, list(parent.tokens), parent.salt)
+        @rule(target=requests, parent=requests)
+        def fork(self, parent: Request) -> Request:
+            """A parallel sample shares every block of its parent."""
+            self.check(self.manager.fork, (parent.table,), self.model.fork(parent.table))
+            child = Request(list(parent.table), list(parent.tokens), parent.salt)
+            self.live.append(child)
+            return child
 
-        @precondition(lambda self: self.requests)
-        @rule(data=st.data())
-        def free(self, data: st.DataObject) -> None:
-            name = data.draw(st.sampled_from(sorted(self.requests)))
-            table = self.requests.pop(name).table
-            self.manager.free(table)
-            self.free_in_model(table)
-
-        @precondition(lambda self: self.requests)
-        @rule(data=st.data(), wrong=st.integers(10, 12))
-        def cache_with_wrong_tokens(self, data: st.DataObject, wrong: int) -> None:
-            """Claiming other tokens for a cached block is refused and changes nothing."""
-            request = self.pick(data)
-            if len(request.tokens) < self.size or self.manager.key_of(request.table[0]) is None:
-                return
-            tokens = [wrong, *request.tokens[1:]]
-            before = self.snapshot()
-            outcome = observe(self.manager.cache_blocks, request.table, tokens, request.salt)
-            assert outcome.error is not None and issubclass(outcome.error, ValueError)
-            assert self.snapshot() == before
+        @rule(request=consumes(requests))
+        def free(self, request: Request) -> None:
+            """The request ends: its blocks join the queue's tail (last block first), keys kept."""
+            self.check(self.manager.free, (request.table,), self.model.free(request.table))
+            self.live.remove(request)
 
         # ------------------------------------------------------------ invariants
 
         @invariant()
-        def counters_follow_the_rules(self) -> None:
-            stats = self.manager.stats
-            actual = (stats.queried_blocks, stats.hit_blocks, stats.evictions)
-            expected = (self.stats.queried_blocks, self.stats.hit_blocks, self.stats.evictions)
-            assert actual == expected, (actual, expected)
+        def state_follows_the_model(self) -> None:
+            """Queue order, reference counts, keys, counters and pending pairs are the model's."""
+            assert self.snapshot() == self.expected_snapshot()
 
         @invariant()
         def key_map_is_a_bijection_over_cached_blocks(self) -> None:
-            cached = {b: self.manager.key_of(b) for b in range(self.total)}
-            cached = {b: key for b, key in cached.items() if key is not None}
-            assert self.manager.num_cached_blocks == len(cached)
-            for block_id, key in cached.items():
+            for block_id in self.model.content_of:
+                key = self.manager.key_of(block_id)
                 assert self.manager.cached_block(key) == block_id
 
         @invariant()
-        def keys_describe_the_tokens_their_blocks_hold(self) -> None:
-            for block_id in range(self.total):
-                key = self.manager.key_of(block_id)
-                if key is not None:
-                    held = [self.cache.get(block_id * self.size + i) for i in range(self.size)]
-                    expected = [(key.extra, token) for token in key.tokens]
-                    assert held == expected, f"block {block_id} holds other tokens"
+        def ref_counts_equal_live_references(self) -> None:
+            held = [b for request in self.live for b in request.table]
+            assert self.model.refs == [held.count(b) for b in range(self.model.total_blocks)]
 
         @invariant()
-        def queue_follows_the_rules_and_holds_free_blocks_once(self) -> None:
-            queue = self.manager.free_block_ids()
-            assert queue == self.queue
-            assert len(set(queue)) == len(queue)
-            held = [b for request in self.requests.values() for b in request.table]
-            for block_id in range(self.total):
-                assert self.manager.ref_count(block_id) == held.count(block_id)
-                assert (block_id in queue) == (held.count(block_id) == 0)
+        def cached_blocks_hold_the_tokens_they_name(self) -> None:
+            for block_id, (salt, prefix) in self.model.content_of.items():
+                held = [self.kv.get(block_id * self.size + i) for i in range(self.size)]
+                assert held == [(salt, token) for token in prefix[-self.size :]], block_id
 
         @invariant()
         def every_request_reads_its_own_tokens(self) -> None:
-            for request in self.requests.values():
+            for request in self.live:
                 for pos, token in enumerate(request.tokens):
-                    slot = self.slot(request.table, pos)
-                    assert self.cache.get(slot) == (request.salt, token)
+                    assert self.kv.get(self.slot(request.table, pos)) == (request.salt, token)
 
     return PrefixCacheMachine

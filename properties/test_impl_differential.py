@@ -13,15 +13,19 @@ deliberately broken copies of ``impl``. The spec's own model-based machine
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import (
+    Bundle,
     RuleBasedStateMachine,
+    consumes,
     initialize,
     invariant,
-    precondition,
+    multiple,
     rule,
 )
 
@@ -85,15 +89,36 @@ def same_types(expected: Any, actual: Any) -> bool:
     return bool(expected == actual)
 
 
+@dataclass(eq=False)
+class Table:
+    """A table both managers hand out: its current ids, and every table it has been, in order
+    (the current one last). ``free`` takes it out of ``tables``; it stays in ``every_table``."""
+
+    blocks: list[int]
+    history: list[list[int]]
+
+    def replace(self, blocks: list[int]) -> None:
+        """``append_slot`` returned a new table; the old one is now stale."""
+        self.blocks = blocks
+        self.history.append(blocks)
+
+
+def made(kind: str, blocks: Any) -> Any:
+    """The bundle entries for a call that may have made a table: one on success, else none."""
+    return multiple(Table(blocks, [blocks])) if kind == "ok" else multiple()
+
+
 class DifferentialMachine(RuleBasedStateMachine):
-    """spec and impl block managers, driven by the same calls."""
+    """spec and impl block managers, driven by the same calls.
+
+    ``tables`` holds the tables both managers hold; ``every_table`` also keeps the freed and
+    replaced ones, whose blocks may be free or owned by others now. Nothing is expected of a
+    table beyond "spec and impl agree", so a stale table that happens to be live again is fine.
+    """
 
     IMPL: ClassVar[type] = ImplBlockManager
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: list[list[int]] = []  # tables both managers hold
-        self.dead: list[list[int]] = []  # tables already freed (or replaced by append_slot)
+    tables = Bundle("tables")
+    every_table = Bundle("every_table")
 
     @initialize(total_blocks=st.integers(1, 32), block_size=BLOCK_SIZES)
     def start(self, total_blocks: int, block_size: int) -> None:
@@ -120,113 +145,101 @@ class DifferentialMachine(RuleBasedStateMachine):
                 assert arg == spec_arg, f"{name} mutated its argument"
         return expected
 
-    def pick(self, data: st.DataObject, tables: list[list[int]]) -> int:
-        return data.draw(st.integers(0, len(tables) - 1), label="table index")
-
-    # ----------------------------------------------------------------- allocation
-
-    @rule(num_blocks=st.one_of(st.integers(0, 3), st.integers(0, 34)), as_array=st.booleans())
-    def allocate(self, num_blocks: int, as_array: bool) -> None:
-        impl_name = "allocate_array" if as_array else "allocate"
-        kind, table = self.both("allocate", num_blocks, impl_name=impl_name)
+    def grow(self, table: Table, *args: Any) -> None:
+        """``append_slot(table.blocks, *args)`` on both; on success the table is replaced."""
+        kind, grown = self.both("append_slot", table.blocks, *args)
         if kind == "ok":
-            self.live.append(table)
-
-    @rule(data=st.data(), value=st.one_of(st.integers(-2, 40), bad_scalars()))
-    def odd_scalar_argument(self, data: st.DataObject, value: object) -> None:
-        """Every int parameter, given anything: a bad type, a negative or huge int, a subclass."""
-        table = data.draw(st.sampled_from(self.live)) if self.live else []
-        call = data.draw(
-            st.sampled_from(["allocate", "can_allocate", "ref_count", "count", "new", "pos"])
-        )
-        if call in ("allocate", "can_allocate", "ref_count"):
-            kind, result = self.both(call, value)
-            if kind == "ok" and call == "allocate":
-                self.live.append(result)
-        elif call == "pos":
-            self.both("translate_slot", table, value)
-        else:
-            count = data.draw(st.integers(0, 40))
-            args = (table, value, min(count, 2)) if call == "count" else (table, count, value)
-            kind, grown = self.both("append_slot", *args)
-            if kind == "ok" and table in self.live:
-                self.live[self.live.index(table)] = grown
-                self.dead.append(table)
-
-    # ----------------------------------------------------------------- table operations
-
-    @precondition(lambda self: self.live)
-    @rule(data=st.data())
-    def append_slot(self, data: st.DataObject) -> None:
-        index = self.pick(data, self.live)
-        table = self.live[index]
-        capacity = len(table) * self.block_size
-        token_count = data.draw(st.integers(0, capacity + 3 * self.block_size), label="count")
-        new_tokens = data.draw(st.integers(0, min(token_count, 2 * self.block_size + 1)))
-        kind, grown = self.both("append_slot", table, token_count, new_tokens)
-        if kind == "ok":
-            self.live[index] = grown
-            self.dead.append(table)
-
-    @precondition(lambda self: self.live)
-    @rule(data=st.data(), as_tuple=st.booleans())
-    def append_one(self, data: st.DataObject, as_tuple: bool) -> None:
-        """The decode step: the table's tokens are its capacity minus a little, plus one."""
-        index = self.pick(data, self.live)
-        table = self.live[index]
-        filled = data.draw(
-            st.integers(max(0, (len(table) - 1) * self.block_size), len(table) * self.block_size)
-        )
-        arg = tuple(table) if as_tuple else table
-        kind, grown = self.both("append_slot", arg, filled + 1)
-        if kind == "ok":
-            self.live[index] = grown
-            self.dead.append(table)
-
-    @precondition(lambda self: self.live)
-    @rule(data=st.data())
-    def fork(self, data: st.DataObject) -> None:
-        kind, copy = self.both("fork", self.live[self.pick(data, self.live)])
-        if kind == "ok":
-            self.live.append(copy)
-
-    @precondition(lambda self: self.live)
-    @rule(data=st.data(), as_array=st.booleans())
-    def free(self, data: st.DataObject, as_array: bool) -> None:
-        table = self.live.pop(self.pick(data, self.live))
-        if as_array:
-            self.free_array(table)
-        else:
-            self.both("free", table)
-        self.dead.append(table)
+            table.replace(grown)
 
     def free_array(self, table: list[int]) -> None:
         expected = outcome(self.spec.free, list(table))
         actual = outcome(self.impl.free_array, np.array(table, dtype=np.int64))
         assert expected == actual, f"free {table}: spec {expected}, impl free_array {actual}"
 
-    @precondition(lambda self: self.live)
-    @rule(data=st.data())
-    def translate_slot(self, data: st.DataObject) -> None:
-        table = self.live[self.pick(data, self.live)]
-        capacity = len(table) * self.block_size
-        position = data.draw(st.integers(0, max(0, capacity - 1)) | st.integers(-1, capacity + 2))
-        self.both("translate_slot", table, position)
+    # ----------------------------------------------------------------- allocation
 
-    @precondition(lambda self: self.live)
-    @rule(data=st.data(), write_copy=st.booleans())
-    def fork_then_write(self, data: st.DataObject, write_copy: bool) -> None:
-        """Beam search: fork a table, then write one token into the original or the copy."""
-        kind, copy = self.both("fork", self.live[self.pick(data, self.live)])
+    @rule(
+        targets=(tables, every_table),
+        num_blocks=st.one_of(st.integers(0, 3), st.integers(0, 34)),
+        as_array=st.booleans(),
+    )
+    def allocate(self, num_blocks: int, as_array: bool) -> Any:
+        impl_name = "allocate_array" if as_array else "allocate"
+        return made(*self.both("allocate", num_blocks, impl_name=impl_name))
+
+    @rule(
+        targets=(tables, every_table),
+        value=st.one_of(st.integers(-2, 40), bad_scalars()),
+        call=st.sampled_from(["allocate", "can_allocate", "ref_count"]),
+    )
+    def odd_scalar_argument(self, value: object, call: str) -> Any:
+        """A count or block id: a bad type, a negative or huge int, an int subclass."""
+        kind, result = self.both(call, value)
+        return made(kind, result) if call == "allocate" else multiple()
+
+    @rule(
+        table=tables,
+        value=st.one_of(st.integers(-2, 40), bad_scalars()),
+        count=st.integers(0, 40),
+        where=st.sampled_from(["token_count", "new_tokens", "token_pos"]),
+    )
+    def odd_scalar_on_a_table(self, table: Table, value: object, count: int, where: str) -> None:
+        """The same for the int parameters of ``append_slot`` and ``translate_slot``."""
+        if where == "token_pos":
+            self.both("translate_slot", table.blocks, value)
+        elif where == "token_count":
+            self.grow(table, value, min(count, 2))
+        else:
+            self.grow(table, count, value)
+
+    # ----------------------------------------------------------------- table operations
+
+    @rule(table=tables, data=st.data())
+    def append_slot(self, table: Table, data: st.DataObject) -> None:
+        capacity = len(table.blocks) * self.block_size
+        token_count = data.draw(st.integers(0, capacity + 3 * self.block_size), label="count")
+        new_tokens = data.draw(st.integers(0, min(token_count, 2 * self.block_size + 1)))
+        self.grow(table, token_count, new_tokens)
+
+    @rule(table=tables, data=st.data(), as_tuple=st.booleans())
+    def append_one(self, table: Table, data: st.DataObject, as_tuple: bool) -> None:
+        """The decode step: the table's tokens are its capacity minus a little, plus one."""
+        size = len(table.blocks) * self.block_size
+        filled = data.draw(st.integers(max(0, size - self.block_size), size), label="filled")
+        kind, grown = self.both(
+            "append_slot", tuple(table.blocks) if as_tuple else table.blocks, filled + 1
+        )
         if kind == "ok":
-            self.live.append(copy)
-            index = len(self.live) - 1 if write_copy else self.live.index(copy)
-            table = self.live[index]
-            written = data.draw(st.integers(1, max(1, len(table) * self.block_size)))
-            kind, grown = self.both("append_slot", table, written)
-            if kind == "ok":
-                self.live[index] = grown
-                self.dead.append(table)
+            table.replace(grown)
+
+    @rule(targets=(tables, every_table), table=tables)
+    def fork(self, table: Table) -> Any:
+        return made(*self.both("fork", table.blocks))
+
+    @rule(table=consumes(tables), as_array=st.booleans())
+    def free(self, table: Table, as_array: bool) -> None:
+        if as_array:
+            self.free_array(table.blocks)
+        else:
+            self.both("free", table.blocks)
+
+    @rule(table=tables, data=st.data())
+    def translate_slot(self, table: Table, data: st.DataObject) -> None:
+        capacity = len(table.blocks) * self.block_size
+        position = data.draw(st.integers(0, max(0, capacity - 1)) | st.integers(-1, capacity + 2))
+        self.both("translate_slot", table.blocks, position)
+
+    @rule(targets=(tables, every_table), table=tables, data=st.data(), write_copy=st.booleans())
+    def fork_then_write(self, table: Table, data: st.DataObject, write_copy: bool) -> Any:
+        """Beam search: fork a table, then write one token into the original or the copy."""
+        kind, blocks = self.both("fork", table.blocks)
+        if kind == "raised":  # a stale free released this table's blocks: spec and impl agree
+            return multiple()
+        child = Table(blocks, [blocks])
+        writer = child if write_copy else table
+        written = data.draw(st.integers(1, max(1, len(writer.blocks) * self.block_size)))
+        self.grow(writer, written)
+        return child
 
     @rule(twice=st.booleans())
     def pop_copy_pairs(self, twice: bool) -> None:
@@ -236,40 +249,36 @@ class DifferentialMachine(RuleBasedStateMachine):
 
     # ----------------------------------------------------------------- bad tables
 
-    @precondition(lambda self: self.dead)
-    @rule(data=st.data(), operation=st.sampled_from(["free", "fork", "append_slot", "array"]))
-    def stale_table(self, data: st.DataObject, operation: str) -> None:
+    @rule(
+        targets=(tables, every_table),
+        table=every_table,
+        which=st.integers(0, 7),
+        operation=st.sampled_from(["free", "fork", "append_slot", "array"]),
+    )
+    def stale_table(self, table: Table, which: int, operation: str) -> Any:
         """A table that was freed or replaced: its blocks may be free or owned by others."""
-        table = self.dead[self.pick(data, self.dead)]
+        blocks = table.history[which % len(table.history)]
         if operation == "array":
-            self.free_array(table)
-        elif operation == "append_slot":
-            kind, grown = self.both("append_slot", table, len(table) * self.block_size)
-            if kind == "ok":
-                self.live.append(grown)  # the stale table happened to be live again
-        else:
-            kind, result = self.both(operation, table)
-            if kind == "ok" and operation == "fork":
-                self.live.append(result)
-            if kind == "ok" and operation == "free":
-                self.forget_live_copy(table)
+            self.free_array(blocks)
+            return multiple()
+        if operation == "free":
+            self.both("free", blocks)
+            return multiple()
+        args = (len(blocks) * self.block_size,) if operation == "append_slot" else ()
+        return made(*self.both(operation, blocks, *args))  # it may be live again
 
-    def forget_live_copy(self, table: list[int]) -> None:
-        """A stale table freed successfully equals a live one: that owner is gone now."""
-        for i, live in enumerate(self.live):
-            if live == table:
-                del self.live[i]
-                return
-
-    @precondition(lambda self: self.live)
-    @rule(data=st.data(), operation=st.sampled_from(["free", "fork", "translate", "array"]))
-    def repeated_ids(self, data: st.DataObject, operation: str) -> None:
-        """A live table with one of its ids repeated."""
-        table = self.live[self.pick(data, self.live)]
-        if not table:
-            return
-        doubled = [*table, data.draw(st.sampled_from(table))]
-        doubled = data.draw(st.permutations(doubled))
+    @rule(
+        table=tables,
+        repeated=st.integers(0, 40),
+        data=st.data(),
+        operation=st.sampled_from(["free", "fork", "translate", "array"]),
+    )
+    def repeated_ids(
+        self, table: Table, repeated: int, data: st.DataObject, operation: str
+    ) -> None:
+        """A live table (or ``[0]`` for an empty one) with one of its ids repeated."""
+        ids = table.blocks or [0]
+        doubled = data.draw(st.permutations([*ids, ids[repeated % len(ids)]]), label="order")
         if operation == "array":
             self.free_array(doubled)
         elif operation == "translate":
@@ -278,26 +287,25 @@ class DifferentialMachine(RuleBasedStateMachine):
             self.both(operation, doubled)
 
     @rule(
+        targets=(tables, every_table),
         table=st.one_of(
             st.lists(st.one_of(st.integers(-2, 34), bad_scalars()), max_size=4),
             st.sampled_from([None, 3, "ab", {1}, range(2), np.array([0, 1])]),
         ),
-        operation=st.sampled_from(["free", "fork", "append_slot", "translate_slot", "array"]),
+        operation=st.sampled_from(["free", "fork", "append_slot", "translate_slot"]),
     )
-    def forged_table(self, table: Any, operation: str) -> None:
+    def forged_table(self, table: Any, operation: str) -> Any:
         """Any list (unknown ids, wrong types, free or held blocks, in any order), or no list."""
-        if operation == "array":
-            if not isinstance(table, list):
-                return
-            if all(type(b) is int and -(2**63) <= b < 2**63 for b in table):
-                self.free_array(table)
-            return
         args = {"append_slot": (table, 3), "translate_slot": (table, 0)}.get(operation, (table,))
         kind, result = self.both(operation, *args)
-        if kind == "ok" and operation in ("fork", "append_slot"):
-            self.live.append(result)
-        if kind == "ok" and operation == "free":
-            self.forget_live_copy(table)
+        return made(kind, result) if operation in ("fork", "append_slot") else multiple()
+
+    @rule(
+        ids=st.lists(st.one_of(st.integers(-2, 34), st.sampled_from([2**31, -(2**40)])), max_size=4)
+    )
+    def forged_array(self, ids: list[int]) -> None:
+        """``free_array`` on any int64 array: unknown, repeated, free or held ids."""
+        self.free_array(ids)
 
     @rule(
         total_blocks=st.one_of(st.integers(-1, 3), not_ints()),  # no huge pools: the spec
@@ -310,13 +318,16 @@ class DifferentialMachine(RuleBasedStateMachine):
 
     @invariant()
     def same_state(self) -> None:
-        if not hasattr(self, "spec"):
-            return
+        """Queue order, free count, every reference count and the pending copy pairs agree.
+
+        The pending pairs are read from copies of the managers, so this changes nothing."""
         assert self.spec.free_block_ids() == self.impl.free_block_ids()
         assert self.spec.num_free_blocks == self.impl.num_free_blocks
         assert [block.ref_count for block in self.spec.blocks] == self.impl.ref_counts().tolist()
         for block_id in range(self.total_blocks):
             assert self.spec.ref_count(block_id) == self.impl.ref_count(block_id)
+        pending = copy.deepcopy(self.spec).pop_copy_pairs()
+        assert copy.deepcopy(self.impl).pop_copy_pairs() == pending
 
 
 TestImplDifferential = DifferentialMachine.TestCase

@@ -41,6 +41,13 @@ class FreeQueueMachine(RuleBasedStateMachine):
         assert popped.tolist() == self.model[:count]
         del self.model[:count]
 
+    @precondition(lambda self: self.model)
+    @rule()
+    def pop_one(self) -> None:
+        """The single-block pop: the head, as a plain int, tombstones skipped."""
+        block = self.queue.pop_one()
+        assert type(block) is int and block == self.model.pop(0)
+
     @rule(data=st.data())
     def popleft_too_many(self, data: st.DataObject) -> None:
         count = len(self.model) + data.draw(st.integers(1, 3))
@@ -82,8 +89,6 @@ class FreeQueueMachine(RuleBasedStateMachine):
 
     @invariant()
     def equals_model(self) -> None:
-        if not hasattr(self, "queue"):
-            return
         assert len(self.queue) == len(self.model)
         assert self.queue.to_array().tolist() == self.model
         queued = set(self.model)
@@ -116,3 +121,13 @@ def test_remove_is_amortized_constant() -> None:
         model.append(middle)
     assert queue.to_array().tolist() == model
     assert 1 <= compactions <= 2000 // 500
+
+
+def test_an_empty_pool_is_refused() -> None:
+    """A queue of no blocks has no ring to keep: ``ValueError``."""
+    for num_blocks in (0, -1):
+        try:
+            FreeBlockQueue(num_blocks)
+        except ValueError:
+            continue
+        raise AssertionError(f"FreeBlockQueue({num_blocks}) must raise ValueError")

@@ -26,9 +26,35 @@ PREFIX_BUGS = {
         "key = self._key_of.pop(block_id, None)",
         "key = None",
     ),
+    "lookup never hits": (
+        "if key not in self._block_of:",
+        "if True:",
+    ),
+    "lookup drops its last hit": (
+        "            hits.append(self._block_of[key])\n        return hits",
+        "            hits.append(self._block_of[key])\n        return hits[:-1]",
+    ),
+    "cache_blocks registers nothing": (
+        "if block_id not in self._key_of and key not in self._block_of:",
+        "if False:",
+    ),
+    "eviction takes the most recently freed block (the queue's tail)": (
+        "        taken = super()._take_from_head(num_blocks)\n",
+        "        self._free.reverse()\n"
+        "        taken = super()._take_from_head(num_blocks)\n"
+        "        self._free.reverse()\n",
+    ),
+    "the salt is ignored": (
+        "parent = BlockKey(parent, chunk, extra_key, hash_value)",
+        "parent = BlockKey(parent, chunk, None, hash_value)",
+    ),
+    "a revival leaves the block in the free queue": (
+        "self._free.remove(block_id)  # Rule: revival leaves the rest of the queue in order.",
+        "pass",
+    ),
     "hits beyond the last prompt token": (
-        "return max(0, prompt_len - 1) // self.block_size",
-        "return prompt_len // self.block_size",
+        'return max(0, check_int("prompt_len", prompt_len, 0) - 1) // self.block_size',
+        'return check_int("prompt_len", prompt_len, 0) // self.block_size',
     ),
 }
 

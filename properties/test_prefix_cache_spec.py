@@ -5,7 +5,7 @@ The scenarios follow the ideas of vLLM's prefix-caching tests, expressed in page
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import FrozenInstanceError, replace
 
 import pytest
 
@@ -127,3 +127,35 @@ def test_duplicate_content_keeps_one_cached_copy() -> None:
     assert manager.cache_blocks(a, [1, 2, 3, 4, 0]) == 1
     assert manager.cache_blocks(b, [1, 2, 3, 4, 0]) == 0
     assert manager.key_of(b[0]) is None and manager.lookup([1, 2, 3, 4, 0]) == [a[0]]
+
+
+def test_keys_are_immutable() -> None:
+    """A key is a dictionary key of the cache: none of its parts can be reassigned."""
+    (key,) = PrefixCachingBlockManager(4, 4).block_keys([1, 2, 3, 4])
+    for name, value in [("tokens", (9, 9, 9, 9)), ("extra", "salt"), ("parent", None)]:
+        with pytest.raises(FrozenInstanceError):
+            setattr(key, name, value)
+
+
+def test_lookup_stops_at_the_first_miss_though_a_later_block_is_cached() -> None:
+    """A block is found only through its whole prefix. Here the parent's content is evicted
+    while a child stays cached (its table held an uncached duplicate of the parent): no hit."""
+    manager = PrefixCachingBlockManager(6, 2)
+    first, _ = manager.allocate_prompt([1, 1, 2, 2, 0])  # blocks 0 1 2, prefill still running
+    second = prefill(manager, [1, 1, 3, 3, 0])  # blocks 3 4 5: caches [1, 1] in 3
+    assert manager.cache_blocks(first, [1, 1, 2, 2, 0]) == 1  # block 0 duplicates block 3
+    manager.free(second)
+    manager.allocate(3)  # evicts blocks 4 and 3: [1, 1] is no longer cached anywhere
+    assert manager.key_of(1) is not None and manager.stats.evictions == 2
+    assert manager.lookup([1, 1, 2, 2, 0]) == []
+    assert manager.blocks_to_allocate([1, 1, 2, 2, 0]) == 3
+
+
+def test_a_hash_that_is_not_an_int_is_refused() -> None:
+    """``hash_fn`` must return an int, as ``__hash__`` must: ``TypeError``, nothing cached."""
+    manager = PrefixCachingBlockManager(4, 2, hash_fn=lambda parent, tokens, extra: "1")
+    with pytest.raises(TypeError):
+        manager.block_keys([1, 2])
+    with pytest.raises(TypeError):
+        manager.allocate_prompt([1, 2, 3])
+    assert manager.num_free_blocks == 4 and manager.num_cached_blocks == 0

@@ -6,6 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import pagedkv.impl.blocks.manager as impl_manager
+import pagedkv.impl.blocks.prefix_cache as impl_prefix
+import pagedkv.spec.prefix_cache as spec_prefix
 from pagedkv.spec import (
     BlockManager,
     BlockTableError,
@@ -176,3 +179,21 @@ def test_translate_slot_is_a_bijection_onto_the_tables_blocks(table, block_size,
     pos = data.draw(st.integers(0, capacity - 1))
     assert slots[pos] // block_size == table[pos // block_size]
     assert blocks_needed(pos + 1, block_size) == pos // block_size + 1
+
+
+@pytest.mark.parametrize(("block_size", "error"), [(0, ValueError), (True, TypeError)])
+def test_module_translate_slot_rejects_a_bad_block_size(block_size: object, error: type) -> None:
+    """The block size is checked like every count: an int >= 1 (a bool is not an int here)."""
+    with pytest.raises(error, match="block_size"):
+        translate_slot([0], 0, block_size)  # type: ignore[arg-type]
+
+
+def test_the_default_block_size_is_16() -> None:
+    """``block_size`` defaults to 16 tokens, in the spec and in impl, with or without caching."""
+    for manager_cls in (
+        BlockManager,
+        spec_prefix.PrefixCachingBlockManager,
+        impl_manager.BlockManager,
+        impl_prefix.PrefixCachingBlockManager,
+    ):
+        assert manager_cls(4).block_size == 16, manager_cls

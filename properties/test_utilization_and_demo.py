@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import FrozenInstanceError
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -44,6 +46,33 @@ def test_paged_never_reserves_more_than_a_contiguous_max_reservation(counts, blo
         paged_usage(counts, block_size).reserved_slots
         <= contiguous_usage(counts, max_len).reserved_slots
     )
+
+
+@given(counts=st.lists(st.integers(0, 500), max_size=20), spare=st.integers(0, 50))
+def test_contiguous_waste_is_the_unused_reservation(counts: list[int], spare: int) -> None:
+    max_len = max(counts, default=0) + spare
+    usage = contiguous_usage(counts, max_len)
+    assert usage.waste_per_request == tuple(max_len - count for count in counts)
+    assert usage.wasted_slots == sum(usage.waste_per_request)
+
+
+@pytest.mark.parametrize(
+    ("call", "error"),
+    [
+        (lambda: contiguous_usage([1], -1), ValueError),
+        (lambda: contiguous_usage([1], True), TypeError),
+        (lambda: paged_usage([1], 0), ValueError),
+        (lambda: paged_usage([1], 2.0), TypeError),
+    ],
+)
+def test_bad_reservations_and_block_sizes_are_refused(call: Any, error: type) -> None:
+    with pytest.raises(error):
+        call()
+
+
+def test_usage_is_immutable() -> None:
+    with pytest.raises(FrozenInstanceError):
+        paged_usage([1], 4).used_slots = 0  # type: ignore[misc]
 
 
 def test_contiguous_rejects_requests_longer_than_the_reservation() -> None:

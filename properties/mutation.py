@@ -1,0 +1,464 @@
+"""Mutation testing: every small edit of ``spec/`` and ``impl/blocks/`` must fail a property.
+
+``python -m properties.mutation [PATH ...] [--sample N] [--json FILE] [--markdown]``
+
+A *mutant* is one source file with one small edit, made on its syntax tree (:func:`sites`): a
+comparison's boundary (``<`` to ``<=``), ``==`` to ``!=``, ``is`` to ``is not``, ``in`` to
+``not in``, ``+`` to ``-`` and other arithmetic swaps, ``and`` to ``or``, a dropped ``not`` or
+unary minus, an int constant plus one, ``True`` to ``False``, ``min`` to ``max``, a negated
+``if``/``while`` test, ``break`` to ``continue``, and a deleted call statement, augmented
+assignment, ``raise`` or ``del``. Docstrings, annotations and f-strings (error messages) are
+never edited: no property reads them.
+
+Each mutant runs in a forked child of this process. The child puts an import hook in front of
+every other (:class:`MutantFinder`), so the mutated module is what ``import`` returns, then runs
+``pytest`` in-process on the block-management files of ``properties/``
+(:data:`PYTEST_ARGS`): stop at the first failure, Hypothesis profile ``mutation``
+(derandomized, no example database, no shrinking). No file is written, so the tree may change
+under a run. A mutant is *killed* when pytest reports a failure (exit status 1, or 2 for an
+error while collecting, which is the mutant failing at import) or runs past the timeout; it
+*survives* when every test passes.
+Before the mutants, the unmutated code must pass the same run (the baseline), and its time sets
+the timeout. A surviving mutant is either a missing property or equivalent to the original; the
+equivalent ones are listed in :data:`EQUIVALENT` with the reason, and docs/results.md explains
+them. Linux only (``os.fork``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import signal
+import sys
+import time
+import types
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FOLDER_PACKAGES = {"spec": "pagedkv.spec", "impl": "pagedkv.impl"}
+"""Top-level folders and the import names ``pyproject.toml`` gives them."""
+
+DEFAULT_PATHS = (
+    "spec/block_manager.py",
+    "spec/prefix_cache.py",
+    "spec/utilization.py",
+    "impl/blocks/free_queue.py",
+    "impl/blocks/manager.py",
+    "impl/blocks/prefix_cache.py",
+    "impl/blocks/table_store.py",
+    "impl/blocks/growth.py",
+    "impl/blocks/page_tables.py",
+)
+"""The files a full run mutates: the spec and the block-management modules of impl."""
+
+BLOCK_MANAGEMENT_TESTS = (
+    "properties/test_block_table_store.py",
+    "properties/test_impl_differential.py",
+    "properties/test_impl_free_queue.py",
+    "properties/test_impl_prefix_cache.py",
+    "properties/test_prefix_cache_spec.py",
+    "properties/test_spec_examples.py",
+    "properties/test_spec_machine.py",
+    "properties/test_store_preemption.py",
+    "properties/test_trusted_api.py",
+    "properties/test_utilization_and_demo.py",
+)
+"""The property files a mutant run uses: those that check block management. Left out are the
+other layers' tests (engine, kernels, scheduler, layers), the planted-bug tests (they check the
+tests), and the exhaustive check (a minute per mutant; its own planted bugs show its teeth)."""
+
+PYTEST_ARGS = (
+    *BLOCK_MANAGEMENT_TESTS,
+    "-x",
+    "-q",
+    "-p",
+    "no:cacheprovider",
+    "--hypothesis-profile=mutation",
+)
+
+MESSAGE_ONLY = "changes only which ids the error message lists; the same error is raised"
+EQUIVALENT: dict[str, str] = {
+    "spec/block_manager.py::BlockManager._check_live_table::Gt->GtE#1": MESSAGE_ONLY,
+    "spec/block_manager.py::BlockManager._check_live_table::1->2#1": MESSAGE_ONLY,
+    "spec/block_manager.py::BlockManager.append_slot::True->False#1": (
+        "zip(..., strict=False): the two lists have equal length by construction"
+    ),
+    "spec/utilization.py::paged_usage::True->False#1": (
+        "zip(..., strict=False): allocated has one entry per count by construction"
+    ),
+    "spec/prefix_cache.py::BlockKey::False->True#1": (
+        "field(compare=True): with eq=False and no ordering, no generated method reads it"
+    ),
+    "spec/prefix_cache.py::BlockKey::False->True#2": (
+        "@dataclass(eq=True): dataclass keeps the class's own __eq__ and explicit __hash__"
+    ),
+}
+"""Surviving mutants that behave exactly as the original, by id, with the reason (in
+docs/results.md at length)."""
+
+# ----------------------------------------------------------------- the edits
+
+COMPARE_SWAPS: dict[type[ast.cmpop], type[ast.cmpop]] = {
+    ast.Lt: ast.LtE,
+    ast.LtE: ast.Lt,
+    ast.Gt: ast.GtE,
+    ast.GtE: ast.Gt,
+    ast.Eq: ast.NotEq,
+    ast.NotEq: ast.Eq,
+    ast.Is: ast.IsNot,
+    ast.IsNot: ast.Is,
+    ast.In: ast.NotIn,
+    ast.NotIn: ast.In,
+}
+ARITHMETIC_SWAPS: dict[type[ast.operator], type[ast.operator]] = {
+    ast.Add: ast.Sub,
+    ast.Sub: ast.Add,
+    ast.Mult: ast.FloorDiv,
+    ast.FloorDiv: ast.Mult,
+    ast.Div: ast.Mult,
+    ast.Mod: ast.FloorDiv,
+    ast.Pow: ast.Mult,
+    ast.BitAnd: ast.BitOr,
+    ast.BitOr: ast.BitAnd,
+    ast.BitXor: ast.BitOr,
+    ast.LShift: ast.RShift,
+    ast.RShift: ast.LShift,
+}
+DELETABLE = (ast.Expr, ast.AugAssign, ast.Raise, ast.Delete)
+
+
+@dataclass(frozen=True)
+class Site:
+    """One edit: ``parent.field`` (at ``index`` when that field is a list) becomes ``new``."""
+
+    parent: ast.AST
+    field: str
+    index: int | None
+    new: ast.AST
+    operator: str  # what the edit does, e.g. "Lt->LtE"
+    line: int
+    scope: str  # the enclosing class and function, dotted ("" at module level)
+
+
+def _name(op: ast.AST) -> str:
+    return type(op).__name__
+
+
+def _edits(node: ast.AST) -> Iterator[tuple[ast.AST, str]]:
+    """The replacements of ``node`` (each a new node) and what each does."""
+    if isinstance(node, ast.Compare):
+        for i, op in enumerate(node.ops):
+            if type(op) in COMPARE_SWAPS:
+                swapped = COMPARE_SWAPS[type(op)]()
+                new = copy.copy(node)
+                new.ops = [*node.ops[:i], swapped, *node.ops[i + 1 :]]
+                yield new, f"{_name(op)}->{_name(swapped)}"
+    elif isinstance(node, (ast.BinOp, ast.AugAssign)) and type(node.op) in ARITHMETIC_SWAPS:
+        new = copy.copy(node)
+        new.op = ARITHMETIC_SWAPS[type(node.op)]()
+        yield new, f"{_name(node.op)}->{_name(new.op)}"
+    elif isinstance(node, ast.BoolOp):
+        swapped = ast.Or() if isinstance(node.op, ast.And) else ast.And()
+        yield ast.BoolOp(swapped, node.values), f"{_name(node.op)}->{_name(swapped)}"
+    elif isinstance(node, ast.UnaryOp) and not isinstance(node.op, ast.UAdd):
+        yield node.operand, f"drop-{_name(node.op)}"
+    elif isinstance(node, ast.Constant) and isinstance(node.value, bool):
+        yield ast.Constant(not node.value), f"{node.value}->{not node.value}"
+    elif isinstance(node, ast.Constant) and type(node.value) is int:
+        yield ast.Constant(node.value + 1), f"{node.value}->{node.value + 1}"
+    elif (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("min", "max")
+    ):
+        other = "max" if node.func.id == "min" else "min"
+        yield (
+            ast.Call(ast.Name(other, ast.Load()), node.args, node.keywords),
+            f"{node.func.id}->{other}",
+        )
+    elif isinstance(node, ast.Break):
+        yield ast.Continue(), "break->continue"
+    if isinstance(node, (ast.If, ast.While)) and not isinstance(
+        node.test, (ast.Compare, ast.BoolOp)
+    ):
+        negated = copy.copy(node)
+        negated.test = ast.UnaryOp(ast.Not(), node.test)
+        yield negated, f"negate-{_name(node).lower()}-test"
+    if isinstance(node, DELETABLE):
+        yield ast.Pass(), f"delete-{_name(node)}"
+
+
+def _is_docstring(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Expr)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+    )
+
+
+def _skipped_fields(node: ast.AST) -> set[str]:
+    """Fields of ``node`` that are never edited: annotations (no runtime effect here)."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return {"returns"}
+    if isinstance(node, ast.arg):
+        return {"annotation"}
+    if isinstance(node, ast.AnnAssign):
+        return {"annotation"}
+    return set()
+
+
+def sites(tree: ast.Module) -> list[Site]:
+    """Every edit of ``tree``, in a fixed order (the same for a deep copy of it)."""
+    found: list[Site] = []
+
+    def visit(node: ast.AST, scope: str) -> None:
+        if isinstance(node, ast.JoinedStr) or _is_docstring(node):
+            return
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            scope = f"{scope}.{node.name}" if scope else node.name
+        for field, value in ast.iter_fields(node):
+            if field in _skipped_fields(node):
+                continue
+            children = value if isinstance(value, list) else [value]
+            for index, child in enumerate(children):
+                if not isinstance(child, ast.AST) or _is_docstring(child):
+                    continue
+                for new, operator in _edits(child):
+                    position = index if isinstance(value, list) else None
+                    line = getattr(child, "lineno", getattr(node, "lineno", 0))
+                    found.append(Site(node, field, position, new, operator, line, scope))
+                visit(child, scope)
+
+    visit(tree, "")
+    return found
+
+
+def apply(site: Site) -> None:
+    """Make the edit in place."""
+    if site.index is None:
+        setattr(site.parent, site.field, site.new)
+    else:
+        getattr(site.parent, site.field)[site.index] = site.new
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One edit of one file. ``ident`` is stable while the edited function keeps its code."""
+
+    path: str  # relative to the repository root
+    index: int  # position among the file's sites
+    ident: str  # path::scope::operator#occurrence within that scope
+    line: int
+    operator: str
+
+
+def module_name(path: str) -> str:
+    """The import name of a repository file: ``spec/prefix_cache.py`` is
+    ``pagedkv.spec.prefix_cache``."""
+    folder, *rest = Path(path).with_suffix("").parts
+    return ".".join((FOLDER_PACKAGES[folder], *rest))
+
+
+def mutants_of(path: str) -> list[Mutant]:
+    """Every mutant of one file, in site order."""
+    tree = ast.parse((ROOT / path).read_text(), path)
+    seen: Counter[str] = Counter()
+    result = []
+    for index, site in enumerate(sites(tree)):
+        key = f"{path}::{site.scope}::{site.operator}"
+        seen[key] += 1
+        result.append(Mutant(path, index, f"{key}#{seen[key]}", site.line, site.operator))
+    return result
+
+
+def mutated_code(mutant: Mutant) -> types.CodeType:
+    """The mutant's module, compiled under the real file name (so tracebacks point there)."""
+    source_path = ROOT / mutant.path
+    tree = ast.parse(source_path.read_text(), str(source_path))
+    apply(sites(tree)[mutant.index])
+    return compile(ast.fix_missing_locations(tree), str(source_path), "exec")
+
+
+# ----------------------------------------------------------------- running one mutant
+
+
+class MutantFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Import hook: module ``name`` is executed from ``code`` instead of its file."""
+
+    def __init__(self, name: str, path: Path, code: types.CodeType) -> None:
+        self.name, self.path, self.code = name, path, code
+
+    def find_spec(
+        self, fullname: str, path: object = None, target: object = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self, origin=str(self.path))
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
+        return None  # the default module object
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        module.__file__ = str(self.path)
+        exec(self.code, module.__dict__)
+
+
+def register_profile() -> None:
+    """The Hypothesis profile of a mutant run: reproducible, and it only has to find a bug."""
+    from hypothesis import HealthCheck, Phase, settings
+
+    settings.register_profile(
+        "mutation",
+        max_examples=50,
+        stateful_step_count=30,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.explicit, Phase.generate],
+    )
+
+
+def run_pytest(code: tuple[str, types.CodeType] | None, timeout: float) -> tuple[str, float]:
+    """Run :data:`PYTEST_ARGS` in a forked child with ``code = (module, compiled mutant)``
+    installed (or nothing, for the baseline). Returns ``(verdict, seconds)``: ``"passed"``,
+    ``"failed"`` (a test failed or collection broke), ``"timeout"`` or ``"error: N"`` for
+    another pytest exit status."""
+    start = time.monotonic()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        os.setpgid(0, 0)  # its own process group, so a timeout ends what it started
+        status = 3
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            if code is not None:
+                name, compiled = code
+                sys.meta_path.insert(0, MutantFinder(name, Path(compiled.co_filename), compiled))
+            import pytest
+
+            status = int(pytest.main(list(PYTEST_ARGS)))
+        finally:
+            os._exit(status)
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        elapsed = time.monotonic() - start
+        if done:
+            code_ = os.waitstatus_to_exitcode(status)
+            verdict = {0: "passed", 1: "failed", 2: "failed"}.get(code_, f"error: {code_}")
+            return verdict, elapsed
+        if elapsed > timeout:
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return "timeout", elapsed
+        time.sleep(0.02)
+
+
+@dataclass
+class Result:
+    """A mutant and what became of it: ``killed``, ``timeout`` (also a kill) or ``survived``."""
+
+    ident: str
+    path: str
+    line: int
+    operator: str
+    verdict: str
+    seconds: float
+
+
+def run(mutants: list[Mutant], timeout: float, progress: Callable[[Result], None]) -> list[Result]:
+    """Run each mutant; ``progress`` sees each result as it comes."""
+    results = []
+    for mutant in mutants:
+        verdict, seconds = run_pytest((module_name(mutant.path), mutated_code(mutant)), timeout)
+        if verdict.startswith("error"):
+            raise RuntimeError(f"{mutant.ident}: pytest ended with {verdict}")
+        outcome = {"failed": "killed", "passed": "survived"}.get(verdict, verdict)
+        result = Result(mutant.ident, mutant.path, mutant.line, mutant.operator, outcome, seconds)
+        progress(result)
+        results.append(result)
+    return results
+
+
+def score_table(results: list[Result]) -> str:
+    """Markdown: per file, mutants, killed, survivors (equivalent or not) and the score."""
+    lines = [
+        "| file | mutants | killed | equivalent | missing a property "
+        "| score | score less equivalent |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for path in dict.fromkeys(r.path for r in results):
+        mine = [r for r in results if r.path == path]
+        killed = sum(r.verdict != "survived" for r in mine)
+        equivalent = sum(r.verdict == "survived" and r.ident in EQUIVALENT for r in mine)
+        other = len(mine) - killed - equivalent
+        lines.append(
+            f"| `{path}` | {len(mine)} | {killed} | {equivalent} | {other} | "
+            f"{100 * killed / len(mine):.1f}% | {100 * killed / (len(mine) - equivalent):.1f}% |"
+        )
+    return "\n".join(lines)
+
+
+def sample(mutants: list[Mutant], count: int) -> list[Mutant]:
+    """``count`` mutants spread evenly over the list (the same ones every time)."""
+    if count >= len(mutants):
+        return mutants
+    return [mutants[i * len(mutants) // count] for i in range(count)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command. Exit status 0 when every mutant is killed or listed in :data:`EQUIVALENT`."""
+    parser = argparse.ArgumentParser(prog="python -m properties.mutation", description=__doc__)
+    parser.add_argument("paths", nargs="*", default=list(DEFAULT_PATHS), help="files to mutate")
+    parser.add_argument("--sample", type=int, help="run only this many mutants, spread evenly")
+    parser.add_argument("--only", nargs="+", default=[], help="run only these mutant ids")
+    parser.add_argument("--list", action="store_true", help="list the mutants, run nothing")
+    parser.add_argument("--json", type=Path, help="write every result to this file")
+    parser.add_argument("--markdown", action="store_true", help="print the score table")
+    args = parser.parse_args(argv)
+    mutants = [m for path in args.paths for m in mutants_of(path)]
+    if args.only:
+        mutants = [m for m in mutants if m.ident in args.only]
+    if args.sample:
+        mutants = sample(mutants, args.sample)
+    if args.list:
+        for mutant in mutants:
+            print(f"{mutant.ident}  (line {mutant.line})")
+        return 0
+    os.chdir(ROOT)
+    register_profile()
+    import numpy  # noqa: F401  (imported once here, not again in every child)
+    import pytest  # noqa: F401
+
+    verdict, seconds = run_pytest(None, timeout=600)
+    if verdict != "passed":
+        print(f"the unmutated code does not pass: {verdict}", file=sys.stderr)
+        return 2
+    timeout = 3 * seconds + 10
+    print(f"baseline passed in {seconds:.1f} s; {len(mutants)} mutants, timeout {timeout:.0f} s")
+
+    def progress(result: Result) -> None:
+        if result.verdict == "survived":
+            note = EQUIVALENT.get(result.ident, "NOT EQUIVALENT: a property is missing")
+            print(f"survived  {result.ident} (line {result.line}): {note}", flush=True)
+
+    results = run(mutants, timeout, progress)
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
+    print(score_table(results) if args.markdown else f"{len(results)} mutants run")
+    missing = [r for r in results if r.verdict == "survived" and r.ident not in EQUIVALENT]
+    return 1 if missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""An independent model of prefix caching (docs/design.md section 8), the prefix machine's oracle.
+
+It shares nothing with ``spec.prefix_cache`` but the exception classes. A block's content is
+named by the whole token prefix it ends plus the salt, ``(salt, tokens[: (i + 1) * size])``: a
+plain tuple, where the spec chains ``BlockKey`` objects through a hash. The key -> block map,
+the block -> key map, the free-queue order and the counters are its own, kept on top of
+:class:`~properties.block_model.BlockModel`'s list queue and reference counts. Each method
+returns the :class:`~properties.block_model.Outcome` the rules demand and changes the model only
+on success.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from pagedkv.spec import BlockTableError, OutOfBlocksError
+from properties.block_model import BlockModel, Outcome
+
+Content = tuple[Hashable, tuple[int, ...]]
+"""What a cached block holds: ``(salt, the whole token prefix up to the block's end)``."""
+
+
+class PrefixCacheModel(BlockModel):
+    """Prefix caching as the rules state it, for valid token lists (non-negative ints)."""
+
+    def __init__(self, total_blocks: int, block_size: int) -> None:
+        super().__init__(total_blocks, block_size)
+        self.block_of: dict[Content, int] = {}
+        self.content_of: dict[int, Content] = {}
+        self.queried_blocks = 0
+        self.hit_blocks = 0
+        self.evictions = 0
+
+    def contents(self, tokens: list[int], salt: Hashable) -> list[Content]:
+        """The content names of the full blocks of ``tokens``, in order."""
+        full = len(tokens) // self.block_size
+        return [(salt, tuple(tokens[: (i + 1) * self.block_size])) for i in range(full)]
+
+    def max_hits(self, prompt_len: int) -> int:
+        """The last prompt token is always computed, so only blocks before it can hit."""
+        return (prompt_len - 1) // self.block_size if prompt_len else 0
+
+    def lookup(self, tokens: list[int], salt: Hashable) -> list[int]:
+        """The cached blocks of the prompt's longest cached prefix, stopping at the first miss."""
+        hits = []
+        for content in self.contents(tokens, salt)[: self.max_hits(len(tokens))]:
+            if content not in self.block_of:
+                break
+            hits.append(self.block_of[content])
+        return hits
+
+    def blocks_to_allocate(self, tokens: list[int], salt: Hashable) -> int:
+        """Fresh blocks plus hit blocks that are free now (reviving one consumes a free block)."""
+        hits = self.lookup(tokens, salt)
+        table_len = -(-len(tokens) // self.block_size)
+        return table_len - len(hits) + sum(self.refs[b] == 0 for b in hits)
+
+    def _take(self, count: int) -> list[int]:
+        """Blocks taken from the head lose their content: eviction."""
+        taken = super()._take(count)
+        for block_id in taken:
+            if block_id in self.content_of:
+                del self.block_of[self.content_of.pop(block_id)]
+                self.evictions += 1
+        return taken
+
+    def allocate_prompt(self, tokens: list[int], salt: Hashable) -> Outcome:
+        """Hits first (free ones leave the queue where they stand), then fresh blocks."""
+        if self.blocks_to_allocate(tokens, salt) > len(self.queue):
+            return Outcome(error=OutOfBlocksError)
+        hits = self.lookup(tokens, salt)
+        self.queried_blocks += self.max_hits(len(tokens))
+        self.hit_blocks += len(hits)
+        for block_id in hits:
+            if self.refs[block_id] == 0:
+                self.queue.remove(block_id)
+            self.refs[block_id] += 1
+        fresh = self._take(-(-len(tokens) // self.block_size) - len(hits))
+        return Outcome(value=(hits + fresh, len(hits) * self.block_size))
+
+    def cache_blocks(self, table: list[int], tokens: list[int], salt: Hashable) -> Outcome:
+        """Register the table's full blocks; a block holding other content refuses them all."""
+        error = self._table_error(table)
+        if error is None and len(tokens) > len(table) * self.block_size:
+            error = ValueError
+        pairs = list(zip(table, self.contents(tokens, salt), strict=False))
+        if error is None and any(self.content_of.get(b, c) != c for b, c in pairs):
+            error = BlockTableError
+        if error is not None:
+            return Outcome(error=error)
+        registered = 0
+        for block_id, content in pairs:
+            if block_id not in self.content_of and content not in self.block_of:
+                self.content_of[block_id] = content
+                self.block_of[content] = block_id
+                registered += 1
+        return Outcome(value=registered)
