@@ -39,6 +39,7 @@ to the floor.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -83,7 +84,9 @@ class TraceRequest:
         return list(range(start + 1, shared + 1)) + own
 
 
+@functools.lru_cache(maxsize=2)
 def trace(prefix: bool) -> tuple[TraceRequest, ...]:
+    """The trace's requests (made once: building them is no system's cost)."""
     extra = SYSTEM_PROMPT_LEN if prefix else 0
     return tuple(
         TraceRequest(r.request_id, r.prompt_len + extra, r.output_lens[0])

@@ -646,10 +646,11 @@ class BlockTableStore:
     def _plan_preemption(self, g: _Growth, free: int) -> int:
         """With no copy on write, the first batch index that :meth:`grow_or_preempt` removes:
         sequences before it grow, it and all after it are removed (the last first)."""
-        tables = self._tables[g.rows]
-        held = tables[tables != PAD].astype(np.intp)
+        stop = plan_preemption(g.growth, g.lengths.astype(np.int64), free)
+        victims = self._tables[g.rows[stop:]]
+        held = victims[victims != PAD].astype(np.intp)
         if held.size == 0 or self.manager.ref_counts_of(held).max() == 1:
-            return plan_preemption(g.growth, g.lengths.astype(np.int64), free)
+            return stop  # the victims own their blocks alone: each frees all it holds
         # Shared blocks (prefix-cache hits): a victim frees only the blocks it held last.
         refs: dict[int, int] = {}
         tail, n = g.rows.size - 1, g.rows.size
@@ -657,7 +658,7 @@ class BlockTableStore:
             while need > free:
                 victim = tail
                 tail -= 1
-                blocks = tables[victim, : g.lengths[victim]].astype(np.intp)
+                blocks = self._tables[g.rows[victim], : g.lengths[victim]].astype(np.intp)
                 for block, count in zip(
                     blocks.tolist(), self.manager.ref_counts_of(blocks).tolist(), strict=True
                 ):
