@@ -92,6 +92,13 @@ EQUIVALENT: dict[str, str] = {
     "spec/block_manager.py::BlockManager.append_slot::True->False#1": (
         "zip(..., strict=False): the two lists have equal length by construction"
     ),
+    "impl/blocks/growth.py::plan_in_order::True->False#1": (
+        "zip(..., strict=False): the four arrays have one entry per sequence by construction"
+    ),
+    "impl/blocks/growth.py::has_repeats::False->True#1": (
+        "a batch of fewer than two shared writers then takes the in-order plan, which decides "
+        "the same growth (the fast path is an optimization, exact either way)"
+    ),
     "spec/utilization.py::paged_usage::True->False#1": (
         "zip(..., strict=False): allocated has one entry per count by construction"
     ),

@@ -263,6 +263,7 @@ class StoreMachine(RuleBasedStateMachine):
             pages = indices[indptr[i] : indptr[i + 1]].tolist()
             assert pages == table  # the CSR round-trips to the spec's table
             tokens = (len(pages) - 1) * self.block_size + int(last_page_len[i]) if pages else 0
+            assert pages or int(last_page_len[i]) == 0  # no page: its last page holds nothing
             assert tokens == count
 
     # ----------------------------------------------------------------- bad input

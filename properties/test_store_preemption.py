@@ -200,6 +200,23 @@ class PreemptionMachine(RuleBasedStateMachine):
 TestPreemption = PreemptionMachine.TestCase
 
 
+@pytest.mark.parametrize("method", ["grow", "grow_or_preempt"])
+def test_many_writers_of_one_shared_block(method: str) -> None:
+    """Four forks share a partly filled last block and all write it in one batch: the first
+    three copy it, in batch order, and the last writes in place, as the spec's calls do."""
+    spec, store = SpecBlockManager(12, 4), BlockTableStore(BlockManager(12, 4), 8, 8)
+    tables = [spec.allocate(1)]
+    store.add(0, 2)
+    for child in (1, 2, 3):
+        tables.append(spec.fork(tables[0]))
+        store.fork(0, child)
+    tables = [spec.append_slot(table, 3) for table in tables]
+    assert getattr(store, method)([0, 1, 2, 3], 1) == []
+    assert [store.table(seq) for seq in range(4)] == tables
+    assert store.pop_copy_pairs().tolist() == [list(pair) for pair in spec.pop_copy_pairs()]
+    assert store.manager.free_block_ids() == spec.free_block_ids()
+
+
 def outcome(call: Any, *args: Any) -> object:
     """What a call returned, or the class of what it raised."""
     try:
