@@ -201,6 +201,25 @@ TestPreemption = PreemptionMachine.TestCase
 
 
 @pytest.mark.parametrize("method", ["grow", "grow_or_preempt"])
+def test_two_writers_of_one_block_beside_a_lone_writer_of_another(method: str) -> None:
+    """Sequence 0 writes block 0, which its fork (not in the batch) shares; sequences 2 and 3
+    both write block 1: only the first of those copies it, as the spec's calls decide."""
+    spec, store = SpecBlockManager(12, 4), BlockTableStore(BlockManager(12, 4), 8, 8)
+    tables = {0: spec.allocate(1), 2: spec.allocate(1)}
+    tables[1], tables[3] = spec.fork(tables[0]), spec.fork(tables[2])
+    store.add(0, 2)
+    store.add(2, 2)
+    store.fork(0, 1)
+    store.fork(2, 3)
+    for seq in (0, 2, 3):
+        tables[seq] = spec.append_slot(tables[seq], 3)
+    assert getattr(store, method)([0, 2, 3], 1) == []
+    assert {seq: store.table(seq) for seq in tables} == tables
+    assert store.pop_copy_pairs().tolist() == [list(pair) for pair in spec.pop_copy_pairs()]
+    assert store.manager.free_block_ids() == spec.free_block_ids()
+
+
+@pytest.mark.parametrize("method", ["grow", "grow_or_preempt"])
 def test_many_writers_of_one_shared_block(method: str) -> None:
     """Four forks share a partly filled last block and all write it in one batch: the first
     three copy it, in batch order, and the last writes in place, as the spec's calls do."""
