@@ -55,8 +55,8 @@ BUGS: dict[str, tuple[types.ModuleType, str, str]] = {
     ),
     "duplicate content is cached twice": (
         pagedkv.impl.blocks.prefix_cache,
-        "if holder is None and block_id not in self._key_of:",
-        "if block_id not in self._key_of:",
+        "            if holder is None:\n",
+        "            if holder != block_id:\n",
     ),
     "add_prompt counts only the computed tokens": (
         pagedkv.impl.blocks.table_store,

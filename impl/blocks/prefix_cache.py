@@ -187,7 +187,15 @@ class PrefixCachingBlockManager(BlockManager):
         raise ``ValueError``; nothing changes on error.
         """
         ids, _ = self._live_table(block_table)
-        return self.cache_table_blocks(ids, check_tokens(token_ids), extra_key)
+        tokens = check_tokens(token_ids)
+        table = ids.tolist()
+        keys = self._chain(tokens, extra_key, table)[0]
+        if len(tokens) > len(table) * self.block_size:
+            raise ValueError(
+                f"{len(tokens)} tokens do not fit a table of {len(table)} blocks "
+                f"of {self.block_size}"
+            )
+        return self.register_table_blocks(table[: len(keys)], keys)[0]
 
     # ----------------------------------------------------------------- internals
 
@@ -242,29 +250,6 @@ class PrefixCachingBlockManager(BlockManager):
             self._free.remove(block_id)  # O(1); the rest of the queue keeps its order
         self._ref[plan.hits] += 1  # distinct: one block per key
         return self.take_blocks(plan.num_blocks - plan.hits.size)
-
-    def cache_table_blocks(self, ids: IdArray, tokens: Sequence[int], extra_key: Hashable) -> int:
-        """``cache_blocks`` for a live table given as ids, with checked tokens. Still raises,
-        changing nothing, what depends on the cache's state: ``ValueError`` for more tokens than
-        the table holds, ``BlockTableError`` for a block cached with other tokens."""
-        table = ids.tolist()
-        keys, cached = self._chain(tokens, extra_key, table)
-        if len(tokens) > len(table) * self.block_size:
-            raise ValueError(
-                f"{len(tokens)} tokens do not fit a table of {len(table)} blocks "
-                f"of {self.block_size}"
-            )
-        # By the bijection, a cached block holds these tokens iff their key is cached in it.
-        for block_id, holder in zip(table, cached, strict=False):
-            if holder != block_id and block_id in self._key_of:
-                raise BlockTableError(f"block {block_id} is cached with other tokens")
-        newly_cached = 0
-        for block_id, key, holder in zip(table, keys, cached, strict=False):
-            if holder is None and block_id not in self._key_of:
-                self._key_of[block_id] = key
-                self._block_of[key] = block_id
-                newly_cached += 1
-        return newly_cached
 
     def extend_block_keys(
         self, keys: Sequence[BlockKey], tokens: Sequence[int], extra_key: Hashable
