@@ -173,7 +173,22 @@ def replay(memory: Memory, requests: tuple[TraceRequest, ...]) -> list[Record]:
 # ----------------------------------------------------------------- the floor
 
 
-class DequeFloor:
+class Uncached:
+    """What a memory without a prefix cache does at the end of a step: register nothing, and
+    free each finished sequence with its own ``_release``."""
+
+    def _release(self, seq_id: int) -> None:
+        raise NotImplementedError
+
+    def computed(self, admitted: list[int]) -> None:
+        pass  # nothing is cached
+
+    def finish(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self._release(seq_id)
+
+
+class DequeFloor(Uncached):
     """A ``deque`` of free blocks and a Python list per table: the least bookkeeping."""
 
     def __init__(self, total_blocks: int) -> None:
@@ -211,13 +226,6 @@ class DequeFloor:
         self.tables[request.request_id] = [self.free.popleft() for _ in range(needed)]
         self.counts[request.request_id] = tokens
         return True
-
-    def computed(self, admitted: list[int]) -> None:
-        pass  # nothing is cached
-
-    def finish(self, seq_ids: list[int]) -> None:
-        for seq_id in seq_ids:
-            self._release(seq_id)
 
     def free_blocks(self) -> int:
         return len(self.free)
@@ -326,7 +334,7 @@ class PrefixFloor(DequeFloor):
 # ----------------------------------------------------------------- pagedkv's systems
 
 
-class ManagerPerCall:
+class ManagerPerCall(Uncached):
     """``BlockManager``'s checked API, once per sequence."""
 
     def __init__(self, total_blocks: int) -> None:
@@ -363,13 +371,6 @@ class ManagerPerCall:
         self.tables[request.request_id] = self.manager.allocate(needed)
         self.counts[request.request_id] = tokens
         return True
-
-    def computed(self, admitted: list[int]) -> None:
-        pass  # nothing is cached
-
-    def finish(self, seq_ids: list[int]) -> None:
-        for seq_id in seq_ids:
-            self._release(seq_id)
 
     def free_blocks(self) -> int:
         return self.manager.num_free_blocks
