@@ -1,0 +1,306 @@
+"""vLLM's v1 ``KVCacheManager`` driven through the spec's operations, answering in spec terms.
+
+Importable only where vLLM is installed: the ``.venv-vllm`` environment that
+``python -m properties.vllm_env`` builds. :class:`VllmKVCache` wraps one
+``vllm.v1.core.kv_cache_manager.KVCacheManager`` (one full-attention group, its ``BlockPool``)
+and offers what the spec has: admit a prompt (look up its cached prefix, allocate the rest),
+grow a request by one decoded token, free a request, look a prompt up without allocating. It
+applies the mapping divergences of :data:`properties.vllm_rules.DIVERGENCES` and nothing else:
+
+* ``NULL_BLOCK``: the pool has ``total_blocks + 1`` blocks and every id it reports is
+  :func:`to_spec_id` of vLLM's (vLLM's id less one);
+* ``NONE_ON_EXHAUSTION``: ``allocate_slots`` answering ``None`` raises ``OutOfBlocksError``;
+* ``HASH_GRANULARITY``: hashes every ``block_size`` tokens;
+* ``TOKEN_COUNTERS`` and ``EVICTIONS_AS_EVENTS``: the counters are read from vLLM's
+  ``PrefixCacheStats`` and its KV events.
+
+Everything it reports about vLLM's state (tables, the free queue in order, reference counts,
+which block holds which content) is read without changing that state.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pagedkv.spec.block_manager import OutOfBlocksError
+from properties.vllm_rules import Content
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _import_vllm() -> None:
+    """Import vLLM's KV-cache manager with the repository root off ``sys.path``.
+
+    vLLM imports ``transformers``, which probes for Hugging Face's top-level ``kernels``
+    package by importing it; with the repository root on the path that name finds this
+    repository's ``kernels/`` folder, which refuses its short name. The probe's answer is
+    cached, so once vLLM is imported the path can hold the root again.
+    """
+    saved = list(sys.path)
+    sys.path[:] = [entry for entry in saved if Path(entry or ".").resolve() != ROOT]
+    try:
+        import vllm.v1.core.kv_cache_manager  # noqa: F401
+    finally:
+        sys.path[:] = saved
+
+
+_import_vllm()
+
+import torch  # noqa: E402
+from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    get_block_hash,
+    get_request_block_hasher,
+    init_none_hash,
+    maybe_convert_block_hash,
+)
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+MAX_MODEL_LEN = 1 << 20
+"""vLLM caps every request at ``max_model_len`` tokens; far beyond anything driven here."""
+
+
+def to_spec_id(vllm_id: int) -> int:
+    """``NULL_BLOCK``: vLLM's block ``i`` is the spec's block ``i - 1`` (vLLM's 0 is reserved)."""
+    return vllm_id - 1
+
+
+HashFn = Callable[[Any], bytes]
+
+
+def make_manager(
+    total_blocks: int, block_size: int, caching: bool, observed: bool = False
+) -> KVCacheManager:
+    """A ``KVCacheManager`` with ``total_blocks`` usable blocks (``NULL_BLOCK``: one more in
+    all) of ``block_size`` tokens, one full-attention group, hashes every ``block_size`` tokens
+    (``HASH_GRANULARITY``). ``observed`` turns on its prefix-cache counters and KV events."""
+    attention = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    config = KVCacheConfig(
+        num_blocks=total_blocks + 1,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], attention)],
+    )
+    return KVCacheManager(
+        config,
+        max_model_len=MAX_MODEL_LEN,
+        scheduler_block_size=block_size,
+        hash_block_size=block_size,
+        enable_caching=caching,
+        log_stats=observed,
+        enable_kv_cache_events=observed,
+    )
+
+
+def request_factory(
+    block_size: int, caching: bool, hash_fn: HashFn = sha256
+) -> Callable[[str, list[int], str | None], Request]:
+    """``make(request_id, prompt, salt)``: a vLLM ``Request`` whose blocks are hashed every
+    ``block_size`` tokens with ``hash_fn`` when ``caching`` (no hashing otherwise).
+
+    It seeds vLLM's first-block hash from ``hash_fn`` (``init_none_hash``, process-wide).
+    """
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(block_size, hash_fn) if caching else None
+    sampling = SamplingParams(max_tokens=MAX_MODEL_LEN)
+
+    def make(request_id: str, prompt: list[int], salt: str | None = None) -> Request:
+        return Request(request_id, prompt, sampling, None, block_hasher=hasher, cache_salt=salt)
+
+    return make
+
+
+@dataclass
+class VllmRequest:
+    """One request the adapter drives: vLLM's ``Request`` and the tokens it holds K/V for."""
+
+    request_id: str
+    request: Request
+    salt: str | None
+
+
+@dataclass
+class EventLog:
+    """What a router learns from the KV events: stored minus removed, per content."""
+
+    contents: Counter[Content] = field(default_factory=Counter)
+    removed: int = 0  # hashes in BlockRemoved events
+
+
+class VllmKVCache:
+    """One vLLM ``KVCacheManager`` behind the spec's operations, in spec block ids.
+
+    ``total_blocks`` and ``block_size`` are the spec's; ``caching`` turns vLLM's prefix caching
+    on. ``hash_fn`` is vLLM's block hash (sha256 by default, deterministic across runs);
+    ``to_spec`` maps vLLM's ids to the spec's (a planted bug may pass another).
+    """
+
+    def __init__(
+        self,
+        total_blocks: int,
+        block_size: int,
+        caching: bool,
+        hash_fn: HashFn = sha256,
+        to_spec: Callable[[int], int] = to_spec_id,
+    ) -> None:
+        self.make_request = request_factory(block_size, caching, hash_fn)
+        self.block_size = block_size
+        self.caching = caching
+        self.to_spec = to_spec
+        self.manager = make_manager(total_blocks, block_size, caching, observed=True)
+        self.pool = self.manager.block_pool
+        self.content_of_hash: dict[bytes, Content] = {}
+        self.content_of_external: dict[object, Content] = {}
+        self.log = EventLog()
+        self.prompt_tokens = 0  # TOKEN_COUNTERS: the admitted prompts' tokens
+        self._serial = 0
+
+    # ------------------------------------------------------------ requests
+
+    def _request(self, tokens: Sequence[int], salt: str | None) -> Request:
+        """A vLLM request for ``tokens``; its block hashes are remembered by content."""
+        self._serial += 1
+        request = self.make_request(f"r{self._serial}", list(tokens), salt)
+        self._learn_hashes(request, salt)
+        return request
+
+    def _learn_hashes(self, request: Request, salt: str | None) -> None:
+        tokens = list(request.all_token_ids)
+        for index, block_hash in enumerate(request.block_hashes):
+            content = (salt, tuple(tokens[: (index + 1) * self.block_size]))
+            # Under a collision the first content seen keeps the hash: what vLLM then hands
+            # out for the second is checked against the first's tokens.
+            self.content_of_hash.setdefault(block_hash, content)
+            self.content_of_external.setdefault(maybe_convert_block_hash(block_hash), content)
+
+    def ids(self, blocks: Sequence[Any]) -> list[int]:
+        return [self.to_spec(block.block_id) for block in blocks]
+
+    def lookup(self, tokens: Sequence[int], salt: str | None) -> list[int]:
+        """The blocks vLLM would reuse for this prompt (``get_computed_blocks``), changing
+        nothing."""
+        blocks, _, _ = self.manager.get_computed_blocks(self._request(tokens, salt))
+        return self.ids(blocks.blocks[0]) if blocks.blocks else []
+
+    def admit(self, tokens: Sequence[int], salt: str | None) -> tuple[VllmRequest, int]:
+        """Look the prompt up, allocate it, register its full blocks; return it and its cached
+        tokens. ``OutOfBlocksError`` (``NONE_ON_EXHAUSTION``) if the blocks do not fit."""
+        request = self._request(tokens, salt)
+        computed, hit_tokens, _ = self.manager.get_computed_blocks(request)
+        new = self.manager.allocate_slots(request, len(tokens) - hit_tokens, hit_tokens, computed)
+        if new is None:
+            raise OutOfBlocksError(f"vLLM cannot allocate a prompt of {len(tokens)} tokens")
+        self.manager.record_prefix_cache_stats(request, hit_tokens)
+        self.prompt_tokens += len(tokens)
+        request.num_computed_tokens = len(tokens)
+        request.status = RequestStatus.RUNNING
+        return VllmRequest(request.request_id, request, salt), hit_tokens
+
+    def decode(self, handle: VllmRequest, token: int) -> None:
+        """Append one sampled token and give it a slot (``allocate_slots(request, 1)``), which
+        registers a block it fills. ``OutOfBlocksError`` if no block is free; then the adapter
+        takes the token back (vLLM's scheduler would keep it for a retry), and vLLM's manager
+        is unchanged."""
+        request = handle.request
+        computed = request.num_computed_tokens
+        request.append_output_token_ids(token)
+        self._learn_hashes(request, handle.salt)
+        if self.manager.allocate_slots(request, 1) is None:
+            request._all_token_ids.pop()
+            request._output_token_ids.pop()
+            del request.block_hashes[request.num_tokens // self.block_size :]
+            raise OutOfBlocksError("vLLM cannot allocate a decode slot")
+        request.num_computed_tokens = computed + 1
+
+    def free(self, handle: VllmRequest) -> None:
+        """``KVCacheManager.free``: release the request's blocks (again: a no-op)."""
+        self.manager.free(handle.request)
+
+    # ------------------------------------------------------------ observation (read-only)
+
+    def table(self, handle: VllmRequest) -> list[int]:
+        """The request's blocks, in spec ids."""
+        return self.ids(self.manager.coordinator.get_blocks(handle.request_id)[0])
+
+    def raw_table(self, handle: VllmRequest) -> list[int]:
+        """The request's blocks, in vLLM's own ids."""
+        return [b.block_id for b in self.manager.coordinator.get_blocks(handle.request_id)[0]]
+
+    def free_block_ids(self) -> list[int]:
+        """vLLM's free queue, head first, in spec ids."""
+        return self.ids(self.pool.free_block_queue.get_all_free_blocks())
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.get_num_free_blocks()
+
+    def ref_counts(self) -> list[int]:
+        """Every usable block's reference count, in spec id order."""
+        return [block.ref_cnt for block in self.pool.blocks[1:]]
+
+    def content_of(self, block_hash: Any) -> Content | None:
+        """The content a block-hash key names (None for None)."""
+        if block_hash is None:
+            return None
+        return self.content_of_hash[get_block_hash(block_hash)]
+
+    def cached_contents(self) -> dict[Content, list[int]]:
+        """vLLM's hash -> block map, as content -> blocks in lookup order (spec ids)."""
+        contents: dict[Content, list[int]] = {}
+        for key, blocks in self.pool.cached_block_hash_to_block._cache.items():
+            held = [blocks] if not isinstance(blocks, dict) else list(blocks.values())
+            contents[self.content_of(key)] = self.ids(held)  # type: ignore[index]
+        return contents
+
+    def block_contents(self) -> list[Content | None]:
+        """Each usable block's own hash, as content, in spec id order."""
+        return [self.content_of(block.block_hash) for block in self.pool.blocks[1:]]
+
+    def snapshot(self) -> tuple[object, ...]:
+        """Everything observable about vLLM's manager, for "a refused call changed nothing"."""
+        return (
+            self.free_block_ids(),
+            self.ref_counts(),
+            self.block_contents(),
+            self.cached_contents(),
+            {rid: list(blocks) for rid, blocks in self._req_to_blocks().items()},
+        )
+
+    def _req_to_blocks(self) -> dict[str, list[int]]:
+        manager = self.manager.coordinator.single_type_managers[0]
+        return {rid: self.ids(blocks) for rid, blocks in manager.req_to_blocks.items()}
+
+    # ------------------------------------------------------------ events and counters
+
+    def take_events(self) -> None:
+        """Drain vLLM's KV events into the router's view (``EVICTIONS_AS_EVENTS``)."""
+        for event in self.manager.take_events():
+            if isinstance(event, BlockStored):
+                for block_hash in event.block_hashes:
+                    self.log.contents[self.content_of_external[block_hash]] += 1
+            elif isinstance(event, BlockRemoved):
+                for block_hash in event.block_hashes:
+                    self.log.contents[self.content_of_external[block_hash]] -= 1
+                    self.log.removed += 1
+            else:
+                raise AssertionError(f"unexpected KV event {event!r}")
+
+    def take_counters(self) -> tuple[int, int]:
+        """vLLM's prefix-cache ``(queries, hits)`` in tokens since the last call."""
+        stats = self.manager.make_prefix_cache_stats()
+        assert stats is not None
+        return stats.queries, stats.hits
