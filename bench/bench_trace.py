@@ -23,6 +23,8 @@ Systems (``extra_info["system"]``):
   the store, with an unbounded token budget (so it follows the same policy);
   ``scheduler-prefix`` with prefix caching. Prefix variants prepend a shared 64-token system
   prompt to every prompt.
+* ``vllm`` and ``vllm-prefix``, only where vLLM is installed (``.venv-vllm``): vLLM 0.32's
+  ``KVCacheManager`` (:class:`VllmManager`), with prefix caching off and on.
 
 Every system must take identical steps: per step, the sequences decoded, the victims in order,
 the admissions and the free blocks after it (asserted, also under ``--benchmark-disable``). The
@@ -34,12 +36,14 @@ so a cost that grows with either shows up. ``trusted-block`` times one trusted s
 take plus release on a 100k-block pool.
 
 ``python -m bench.bench_trace`` (from the repository root) runs the suite and prints each ratio
-to the floor.
+to the floor, and to vLLM's system where vLLM ran; ``python -m properties.vllm_env --bench`` runs
+it in ``.venv-vllm``.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -463,6 +467,110 @@ def replay_scheduler(
     return records
 
 
+# ----------------------------------------------------------------- vLLM's KVCacheManager
+
+
+def vllm_importable() -> bool:
+    """Whether vLLM is installed here (``.venv-vllm``; ``python -m properties.vllm_env``)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+if vllm_importable():  # imported once here, so no timed replay pays for importing vLLM
+    from properties.vllm_adapter import make_manager, request_factory
+
+
+class VllmManager:
+    """vLLM's ``KVCacheManager`` (vLLM 0.32, CPU build): ``allocate_slots`` for each decode
+    and admission, ``free`` for each finished or preempted sequence, and the slot of each new
+    token from the blocks it holds, as the floor computes it.
+
+    Each admission builds vLLM's ``Request`` (with prefix caching that hashes its prompt);
+    ``vllm-prefix`` looks the prompt up with ``get_computed_blocks`` and registers filled
+    blocks once the step's K/V is written (``delay_cache_blocks`` and ``cache_blocks``), when
+    the floor registers them. The pool has one more block than the others, vLLM's reserved
+    placeholder (``NULL_BLOCK`` in docs/design.md), so the usable blocks are the same.
+    """
+
+    def __init__(self, total_blocks: int, prefix: bool = False) -> None:
+        self.manager = make_manager(total_blocks, BLOCK_SIZE, caching=prefix)
+        self.pool = self.manager.block_pool
+        self.prefix = prefix
+        self.make_request = request_factory(BLOCK_SIZE, caching=prefix)
+        self.requests: dict[int, Any] = {}
+        self.tables: dict[int, list[int]] = {}
+        self.filled: list[int] = []
+        self.slots: list[int] = []
+
+    def decode(self, running: list[int]) -> list[int]:
+        manager, requests, tables, bs = self.manager, self.requests, self.tables, BLOCK_SIZE
+        delay = self.prefix
+        slots: list[int] = []
+        victims: list[int] = []
+        filled: list[int] = []
+        end = len(running)
+        for index, seq_id in enumerate(running):
+            if index >= end:
+                break
+            request = requests[seq_id]
+            count = request.num_computed_tokens
+            request.append_output_token_ids(1000 + seq_id)
+            while (new := manager.allocate_slots(request, 1, delay_cache_blocks=delay)) is None:
+                end -= 1
+                victims.append(running[end])
+                self._release(running[end])
+                if end == index:  # the sequence preempted itself
+                    self.slots, self.filled = slots, filled
+                    return victims
+            if new.blocks[0]:
+                tables[seq_id].extend(block.block_id for block in new.blocks[0])
+            request.num_computed_tokens = count + 1
+            slots.append(tables[seq_id][count // bs] * bs + count % bs)
+            if (count + 1) % bs == 0:
+                filled.append(seq_id)
+        self.slots, self.filled = slots, filled
+        return victims
+
+    def admit(self, request: TraceRequest, tokens: int) -> bool:
+        manager = self.manager
+        seq_id = request.request_id
+        vllm_request = self.make_request(str(seq_id), request.tokens(tokens, self.prefix))
+        if self.prefix:
+            computed, hit_tokens, _ = manager.get_computed_blocks(vllm_request)
+            new = manager.allocate_slots(
+                vllm_request, tokens - hit_tokens, hit_tokens, computed, delay_cache_blocks=True
+            )
+        else:
+            new = manager.allocate_slots(vllm_request, tokens)
+        if new is None:
+            return False
+        vllm_request.num_computed_tokens = tokens
+        self.requests[seq_id] = vllm_request
+        self.tables[seq_id] = manager.get_block_ids(str(seq_id))[0]
+        return True
+
+    def computed(self, admitted: list[int]) -> None:
+        if not self.prefix:
+            return
+        requests, manager = self.requests, self.manager
+        for seq_id in self.filled:  # a decode filled a block
+            if seq_id in requests:
+                manager.cache_blocks(requests[seq_id], requests[seq_id].num_computed_tokens)
+        for seq_id in admitted:
+            manager.cache_blocks(requests[seq_id], requests[seq_id].num_computed_tokens)
+        self.filled = []
+
+    def finish(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self._release(seq_id)
+
+    def free_blocks(self) -> int:
+        return self.pool.get_num_free_blocks()
+
+    def _release(self, seq_id: int) -> None:
+        self.manager.free(self.requests.pop(seq_id))
+        del self.tables[seq_id]
+
+
 # ----------------------------------------------------------------- the benchmarks
 
 
@@ -472,7 +580,11 @@ SYSTEMS: dict[str, Callable[[int], Memory]] = {
     "store": BatchedStore,
     "floor-prefix": PrefixFloor,
     "store-prefix": lambda total: BatchedStore(total, prefix=True),
+    "vllm": VllmManager,
+    "vllm-prefix": lambda total: VllmManager(total, prefix=True),
 }
+VLLM_SYSTEMS = ["vllm", "vllm-prefix"] if vllm_importable() else []
+"""vLLM's systems run where vLLM is installed (``python -m properties.vllm_env --bench``)."""
 
 
 @dataclass
@@ -501,7 +613,16 @@ def run_system(system: str, pool: str) -> list[Record]:
 @pytest.mark.parametrize("pool", sorted(POOLS))
 @pytest.mark.parametrize(
     "system",
-    ["floor", "manager", "store", "scheduler", "floor-prefix", "store-prefix", "scheduler-prefix"],
+    [
+        "floor",
+        "manager",
+        "store",
+        "scheduler",
+        "floor-prefix",
+        "store-prefix",
+        "scheduler-prefix",
+        *VLLM_SYSTEMS,
+    ],
 )
 def test_trace(benchmark: Any, system: str, pool: str) -> None:
     """One replay of the trace; identical steps to the floor's, asserted."""
@@ -583,7 +704,8 @@ def test_trusted_single_block(benchmark: Any) -> None:
 
 
 def print_ratios(json_path: str) -> None:
-    """Print µs per step and the ratio to the floor for every trace group, and the sweeps."""
+    """Print µs per step and the ratio to the floor for every trace group (and to vLLM's
+    system of the group, where vLLM ran), and the sweeps."""
     import json
 
     with open(json_path) as file:
@@ -595,12 +717,15 @@ def print_ratios(json_path: str) -> None:
         if group.startswith("trace"):
             floors = [r for r in runs.values() if r["extra_info"]["system"].startswith("floor")]
             floor = floors[0]["stats"]["median"] / floors[0]["extra_info"]["steps"]
+            vllms = [r for r in runs.values() if r["extra_info"]["system"].startswith("vllm")]
+            vllm = vllms[0]["stats"]["median"] / vllms[0]["extra_info"]["steps"] if vllms else 0
             for result in runs.values():
                 info = result["extra_info"]
                 per_step = result["stats"]["median"] / info["steps"]
+                versus = f" {per_step / vllm:6.2f}x vllm" if vllm else ""
                 print(
                     f"{group:<22} {info['system']:<17} {per_step * 1e6:8.1f} us/step "
-                    f"{per_step / floor:6.2f}x floor  ({info['steps']} steps, "
+                    f"{per_step / floor:6.2f}x floor{versus}  ({info['steps']} steps, "
                     f"{info['preemptions']} preemptions)"
                 )
         else:

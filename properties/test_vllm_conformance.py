@@ -2,8 +2,9 @@
 
 :func:`test_vllm_conforms_to_the_spec_under_the_named_divergences` builds ``.venv-vllm`` (or
 reuses it when complete; ``properties/vllm_env.py``) and runs the conformance machine,
-``properties/vllm_machine.py``, there under the ``ci`` profile. If the environment cannot be
-built the test FAILS with the reason: a missing vLLM is a failure, not a skip. The first build
+``properties/vllm_machine.py``, there under the ``ci`` profile; the next test replays
+bench_trace's vLLM systems there (identical steps asserted). If the environment cannot be built
+the tests FAIL with the reason: a missing vLLM is a failure, not a skip. The first build
 downloads about 3.5 GB and takes about 2 minutes; a reused one costs seconds.
 
 The other tests need no vLLM: the divergence table in docs/design.md lists exactly the
@@ -44,6 +45,15 @@ def ensure_vllm_env() -> None:
 def test_vllm_conforms_to_the_spec_under_the_named_divergences() -> None:
     ensure_vllm_env()
     passed_in_vllm_env(vllm_env.run_machine(), allow_deselected=False)
+
+
+def test_vllm_takes_the_trace_s_identical_steps() -> None:
+    """bench_trace's vLLM systems (plain and prefix, roomy and tight) replay the trace with the
+    floor's steps, in .venv-vllm; four tests, none skipped."""
+    ensure_vllm_env()
+    done = vllm_env.run_bench_check()
+    passed_in_vllm_env(done, allow_deselected=True)
+    assert re.search(r"\b4 passed\b", done.stdout), done.stdout
 
 
 def design_table_names() -> list[str]:
