@@ -10,6 +10,16 @@ anything is launched or written, so a call that raises leaves the caches untouch
 The Triton kernel modules import triton, so each function imports its kernel module only on the
 triton branch, after ``resolve_backend`` has loaded triton under the interpreter rule: the
 reference backend never imports triton and works without it installed.
+
+The attention functions take ``window=`` (``None``, or an int ``w >= 1``): sliding-window
+attention, in which a query at position ``p`` attends only the keys at positions ``j`` with
+``p - w < j <= p`` (itself and the ``w - 1`` tokens before it). That is Hugging Face's
+``sliding_window`` convention (``transformers.masking_utils.sliding_window_overlay``: ``kv_idx >
+q_idx - sliding_window``, with the causal ``kv_idx <= q_idx``), so Mistral's ``sliding_window =
+4096`` is ``window=4096``. With a window the kernels start at each sequence's first key in the
+window and never read the block-table entries of blocks wholly before it; validation checks only
+the entries that are read (``validation.window_starts``), so those of released blocks may hold
+anything.
 """
 
 from __future__ import annotations
@@ -43,6 +53,8 @@ from pagedkv.kernels.validation import (
     check_sources_apart,
     check_tensor,
     check_token_index,
+    check_window,
+    window_starts,
 )
 
 
@@ -130,6 +142,7 @@ def paged_decode_attention(
     scale: float | None = None,
     *,
     num_splits: int | None = None,
+    window: int | None = None,
     backend: str | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
@@ -141,8 +154,11 @@ def paged_decode_attention(
     zeros). ``num_heads`` must be a multiple of ``num_kv_heads``; query head ``h`` reads KV head
     ``h // (num_heads // num_kv_heads)``. ``scale`` defaults to ``1 / sqrt(head_dim)``.
     ``num_splits`` (triton backend; 1 to 64) cuts each sequence's tokens into that many ranges
-    merged by log-sum-exp; ``None`` chooses from the GPU's size. Returns ``[batch, num_heads,
-    head_dim]`` in the query's dtype; all arithmetic is fp32.
+    merged by log-sum-exp; ``None`` chooses from the GPU's size. ``window`` (``None`` or an int
+    ``w >= 1``) is a sliding window: the query, at position ``p = context_lens[b] - 1``, attends
+    only keys ``p - w < j <= p``, the last ``w`` tokens; the table entries of blocks wholly
+    before them are neither read nor validated. Returns ``[batch, num_heads, head_dim]`` in the
+    query's dtype; all arithmetic is fp32.
     """
     caches = check_caches(k_cache, v_cache)
     q = check_decode_query(query, caches, k_cache.dtype)
@@ -151,13 +167,15 @@ def paged_decode_attention(
     device = check_same_device(query=q, k_cache=k_cache, block_tables=tables, context_lens=lens)
     scale = check_scale(scale, caches.head_dim)
     num_splits = check_num_splits(num_splits)
+    window = check_window(window)
     if check_bool("validate", validate):
-        check_context_values(lens, tables, caches.block_size, caches.num_blocks)
+        starts = window_starts(lens, 1, window) if window is not None else None
+        check_context_values(lens, tables, caches.block_size, caches.num_blocks, starts)
     if resolve_backend(backend, device) == "reference":
-        return reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+        return reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window)
     from pagedkv.kernels import triton_decode
 
-    return triton_decode.launch(q, k_cache, v_cache, tables, lens, scale, num_splits)
+    return triton_decode.launch(q, k_cache, v_cache, tables, lens, scale, num_splits, window)
 
 
 def paged_prefill_attention(
@@ -169,6 +187,7 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     scale: float | None = None,
     *,
+    window: int | None = None,
     backend: str | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
@@ -183,8 +202,13 @@ def paged_prefill_attention(
     ``block_tables`` (int32 ``[batch, max_blocks]``): query ``i`` sits at position
     ``context_lens[b] - q_b + i`` and attends keys ``0 ..`` that position. ``q_b <=
     context_lens[b] <= max_blocks * block_size``; a sequence may have no queries. Caches, dtypes,
-    GQA and ``scale`` follow ``paged_decode_attention``. Returns ``[tokens, num_heads,
-    head_dim]`` in the query's dtype; all arithmetic is fp32.
+    GQA and ``scale`` follow ``paged_decode_attention``. With ``window`` ``w`` (an int ``>= 1``;
+    ``None`` is full causal attention) the query at position ``p`` attends only keys ``p - w <
+    j <= p``; sequence ``b`` then reads nothing before ``max(0, f_b - w + 1)``, ``f_b =
+    context_lens[b] - q_b`` being its first query's position (for ``q_b = 0``, the position it
+    computes next), and the table entries of blocks wholly before that are neither read nor
+    validated. Returns ``[tokens, num_heads, head_dim]`` in the query's dtype; all arithmetic is
+    fp32.
     """
     caches = check_caches(k_cache, v_cache)
     q = check_decode_query(query, caches, k_cache.dtype)
@@ -195,14 +219,21 @@ def paged_prefill_attention(
         query=q, k_cache=k_cache, block_tables=tables, cu_seqlens_q=starts, context_lens=lens
     )
     scale = check_scale(scale, caches.head_dim)
+    window = check_window(window)
     if check_bool("validate", validate):
-        check_context_values(lens, tables, caches.block_size, caches.num_blocks)
+        key_starts = None  # bad offsets are refused just below, whatever starts they give
+        if window is not None:
+            query_lens = starts[1:].to(torch.int64) - starts[:-1].to(torch.int64)
+            key_starts = window_starts(lens, query_lens.clamp(min=0), window)
+        check_context_values(lens, tables, caches.block_size, caches.num_blocks, key_starts)
         check_cu_seqlens_values(starts, lens, q.shape[0])
     if resolve_backend(backend, device) == "reference":
-        return reference.paged_prefill_attention(q, k_cache, v_cache, tables, starts, lens, scale)
+        return reference.paged_prefill_attention(
+            q, k_cache, v_cache, tables, starts, lens, scale, window
+        )
     from pagedkv.kernels import triton_prefill
 
-    return triton_prefill.launch(q, k_cache, v_cache, tables, starts, lens, scale)
+    return triton_prefill.launch(q, k_cache, v_cache, tables, starts, lens, scale, window)
 
 
 def contiguous_decode_attention(
@@ -213,6 +244,7 @@ def contiguous_decode_attention(
     scale: float | None = None,
     *,
     num_splits: int | None = None,
+    window: int | None = None,
     backend: str | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
@@ -220,6 +252,7 @@ def contiguous_decode_attention(
 
     The same kernel with the block-table lookup replaced by ``row = seq * max_len + pos``: the
     baseline that measures what paging costs. ``context_lens`` must lie in ``[0, max_len]``.
+    ``window`` is ``paged_decode_attention``'s: only the last ``w`` tokens are read.
     """
     caches = check_caches(key, value)
     q = check_decode_query(query, caches, key.dtype)
@@ -232,14 +265,15 @@ def contiguous_decode_attention(
     device = check_same_device(query=q, key=key, context_lens=lens)
     scale = check_scale(scale, caches.head_dim)
     num_splits = check_num_splits(num_splits)
+    window = check_window(window)
     if check_bool("validate", validate):  # contiguous: a paged cache whose table for b is [b]
         identity = torch.arange(q.shape[0], dtype=torch.int32, device=device)[:, None]
         check_context_values(lens, identity, caches.block_size, caches.num_blocks)
     if resolve_backend(backend, device) == "reference":
-        return reference.contiguous_decode_attention(q, key, value, lens, scale)
+        return reference.contiguous_decode_attention(q, key, value, lens, scale, window)
     from pagedkv.kernels import triton_decode
 
-    return triton_decode.launch(q, key, value, None, lens, scale, num_splits)
+    return triton_decode.launch(q, key, value, None, lens, scale, num_splits, window)
 
 
 def copy_blocks(

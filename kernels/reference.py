@@ -6,6 +6,11 @@ in a few tensor operations: it gathers every sequence's K/V through its block ta
 padded ``[batch, num_kv_heads, max_context_len, head_dim]`` tensor, then runs textbook softmax
 attention in fp32 with a causal mask (:func:`masked_attention`). Decode, the contiguous
 baseline, the dense oracle's prompts and the varlen paged prefill all run that one function.
+
+With a sliding window ``w`` (``window=``) a query at position ``p`` attends keys ``p - w < j <=
+p``, and the gather starts at each sequence's first key in the window, so the padded tensor is
+at most ``w`` (decode) or ``w - 1 + query_len`` (prefill) keys wide and no table entry of a
+block wholly before the window is read.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from pagedkv.kernels.validation import window_starts
 
 
 def slot_mapping(
@@ -42,24 +49,38 @@ def store_kv(
 
 
 def gather_kv(
-    cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, width: int
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    width: int,
+    starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every sequence's logical K or V through its table, padded and head-major: ``[batch,
     num_kv_heads, width, dim]``.
 
-    Entry ``(b, :, n)`` is token ``n`` of sequence ``b``, read from slot
-    ``block_tables[b, n // block_size] * block_size + n % block_size``, for ``n <
-    context_lens[b]``. Past a context, the entry repeats the sequence's token 0 (arbitrary for a
-    sequence of length 0), so it holds written K/V that a mask can weigh by exactly 0; no table
-    entry past a context is read, so a padding entry of any value is harmless. ``width`` must be
-    at most the tables' capacity.
+    Entry ``(b, :, n)`` is token ``t = starts[b] + n`` of sequence ``b`` (``starts`` int64
+    ``[batch]``, default all 0), read from slot ``block_tables[b, t // block_size] * block_size
+    + t % block_size``, for ``t < context_lens[b]``. Past a context, the entry repeats the
+    sequence's token ``starts[b]`` (arbitrary for a sequence with no token from there), so it
+    holds written K/V that a mask can weigh by exactly 0. Only the entries of the blocks holding
+    tokens ``starts[b] .. context_lens[b] - 1`` are used, so an entry of any value outside them
+    (padding, or a block wholly before a sliding window) is harmless. ``width`` must be at most
+    the tables' capacity.
     """
-    block_size = cache.shape[1]
-    n = torch.arange(width, device=cache.device)
-    valid = n[None, :] < context_lens[:, None].to(torch.int64)  # [batch, width]
-    slots = torch.where(valid, block_tables[:, n // block_size] * block_size + n % block_size, 0)
-    first = torch.where(context_lens > 0, block_tables[:, 0] * block_size, 0)[:, None]
-    slots = torch.where(valid, slots, first).to(torch.int64)
+    block_size, max_blocks = cache.shape[1], block_tables.shape[1]
+    lens = context_lens.to(torch.int64)
+    if starts is None:
+        starts = torch.zeros_like(lens)
+    tokens = starts[:, None] + torch.arange(width, device=cache.device)[None, :]  # [batch, width]
+    valid = tokens < lens[:, None]
+    has_tokens = starts < lens
+    # Padding reads token starts[b], and column 0 where even that is past the context.
+    tokens = torch.where(valid, tokens, torch.where(has_tokens, starts, 0)[:, None])
+    # Every column is in the table already; the clamp keeps a wrong one there too.
+    columns = (tokens // block_size).clamp(max=max(max_blocks - 1, 0))
+    entries = torch.gather(block_tables, 1, columns).to(torch.int64)
+    read = valid | has_tokens[:, None]
+    slots = torch.where(read, entries * block_size + tokens % block_size, 0)
     num_kv_heads, head_dim = cache.shape[2:]
     heads = torch.arange(num_kv_heads, device=cache.device)[None, :, None]
     rows = (slots[:, None, :] * num_kv_heads + heads).view(-1)  # [batch, kv, width], flattened
@@ -73,15 +94,20 @@ def masked_attention(
     value: torch.Tensor,
     positions: torch.Tensor,
     scale: float,
+    *,
+    window: int | None = None,
+    key_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a padded batch, in fp32: the one formula every reference path runs.
 
     ``query`` is ``[batch, Q, num_heads, dim]``; ``key``/``value`` are head-major ``[batch,
-    num_kv_heads, L, dim]``. Query ``(b, q)`` is the token at ``positions[b, q]`` and attends
-    keys ``0 .. positions[b, q]`` of sequence ``b`` (a negative position attends key 0 alone);
-    hidden keys get weight exactly 0, so they may hold anything finite. Query head ``h`` reads KV
-    head ``h // (num_heads // num_kv_heads)``. Returns ``[batch, Q, num_heads, dim]`` in
-    ``query``'s dtype.
+    num_kv_heads, L, dim]``, key ``k`` of sequence ``b`` being the token at position
+    ``key_starts[b] + k`` (``key_starts`` int64 ``[batch]``, default all 0). Query ``(b, q)`` is
+    the token at ``p = positions[b, q]`` and attends the keys at positions ``j <= p`` (a negative
+    ``p`` counts as 0), and with ``window`` ``w`` only those with ``p - w < j <= p``; a query
+    that sees no key gets NaN. Hidden keys get weight exactly 0, so they may hold anything
+    finite. Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``. Returns
+    ``[batch, Q, num_heads, dim]`` in ``query``'s dtype.
     """
     batch, num_queries, num_heads, head_dim = query.shape
     num_kv_heads, length = key.shape[1], key.shape[2]
@@ -90,7 +116,13 @@ def masked_attention(
     q = q.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group * num_queries, head_dim)
     scores = (q @ key.float().transpose(2, 3)) * scale  # [batch, kv, group * Q, L]
     scores = scores.view(batch, num_kv_heads, group, num_queries, length)
-    hidden = torch.arange(length, device=query.device) > positions.clamp(min=0)[:, :, None]
+    key_positions = torch.arange(length, device=query.device)[None, :]  # [batch or 1, L]
+    if key_starts is not None:
+        key_positions = key_starts[:, None] + key_positions
+    p = positions.clamp(min=0)[:, :, None]  # [batch, Q, 1]
+    hidden = key_positions[:, None, :] > p
+    if window is not None:
+        hidden |= key_positions[:, None, :] <= p - window
     weights = torch.softmax(scores.masked_fill(hidden[:, None, None], float("-inf")), dim=-1)
     out = weights.view(batch, num_kv_heads, group * num_queries, length) @ value.float()
     out = out.view(batch, num_kv_heads, group, num_queries, head_dim).permute(0, 3, 1, 2, 4)
@@ -98,19 +130,25 @@ def masked_attention(
 
 
 def causal_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    *,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of a sequence's last ``T`` tokens over its dense ``[L, num_kv_heads, dim]``
     K/V, in fp32 (:func:`masked_attention` for one sequence).
 
     ``query`` is ``[T, num_heads, dim]`` with ``1 <= T <= L``; query row ``t`` is the token at
-    position ``L - T + t`` and attends keys ``0 .. L - T + t``. Query head ``h`` reads KV head
-    ``h // (num_heads // num_kv_heads)``. Returns ``[T, num_heads, dim]`` in ``query``'s dtype.
+    position ``p = L - T + t`` and attends keys ``0 .. p``, or with ``window`` ``w`` the keys
+    ``max(0, p - w + 1) .. p``. Query head ``h`` reads KV head ``h // (num_heads //
+    num_kv_heads)``. Returns ``[T, num_heads, dim]`` in ``query``'s dtype.
     """
     context_len, num_queries = key.shape[0], query.shape[0]
     positions = torch.arange(context_len - num_queries, context_len, device=query.device)
     k, v = (tensor.transpose(0, 1)[None] for tensor in (key, value))
-    return masked_attention(query[None], k, v, positions[None], scale)[0]
+    return masked_attention(query[None], k, v, positions[None], scale, window=window)[0]
 
 
 def paged_decode_attention(
@@ -120,16 +158,22 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """All sequences at once: gather K/V through the tables into a padded batch, then
-    :func:`masked_attention` with each query at its last position. Length 0 gives zeros."""
+    :func:`masked_attention` with each query at its last position. Length 0 gives zeros. With
+    ``window`` ``w`` each sequence gathers only its last ``w`` tokens."""
     lens = context_lens.to(torch.int64)
-    width = int(lens.max()) if lens.numel() else 0
+    starts = (lens - window).clamp(min=0) if window is not None else torch.zeros_like(lens)
+    width = int((lens - starts).max()) if lens.numel() else 0
     if width == 0:
         return torch.zeros_like(query)
-    key = gather_kv(k_cache, block_tables, lens, width)
-    value = gather_kv(v_cache, block_tables, lens, width)
-    out = masked_attention(query[:, None], key, value, (lens - 1)[:, None], scale)[:, 0]
+    key = gather_kv(k_cache, block_tables, lens, width, starts)
+    value = gather_kv(v_cache, block_tables, lens, width, starts)
+    positions = (lens - 1)[:, None]
+    out = masked_attention(
+        query[:, None], key, value, positions, scale, window=window, key_starts=starts
+    )[:, 0]
     return torch.where((lens > 0)[:, None, None], out, 0)
 
 
@@ -139,12 +183,13 @@ def contiguous_decode_attention(
     value: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention over a contiguous ``[batch, max_len, num_kv_heads, dim]`` cache: the identity
     table ``[b]`` of a cache with ``max_len``-token blocks, through
     :func:`paged_decode_attention`."""
     identity = torch.arange(query.shape[0], dtype=torch.int32, device=query.device)[:, None]
-    return paged_decode_attention(query, key, value, identity, context_lens, scale)
+    return paged_decode_attention(query, key, value, identity, context_lens, scale, window)
 
 
 def paged_prefill_attention(
@@ -155,10 +200,13 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Variable-length causal attention through the tables: scatter the flat queries into a
-    padded ``[batch, max_query_len]`` batch, gather K/V as :func:`paged_decode_attention` does,
-    run :func:`masked_attention`, and gather the real rows back (``[tokens, heads, dim]``)."""
+    padded ``[batch, max_query_len]`` batch, gather K/V as :func:`paged_decode_attention` does
+    (with ``window`` ``w``, from each sequence's first query's window start ``max(0, first - w +
+    1)``), run :func:`masked_attention`, and gather the real rows back (``[tokens, heads,
+    dim]``). Padding queries sit at their sequence's last position; their rows are dropped."""
     starts = cu_seqlens_q.to(torch.int64)
     query_lens = starts[1:] - starts[:-1]
     lens = context_lens.to(torch.int64)
@@ -171,10 +219,13 @@ def paged_prefill_attention(
     padded[rows, columns] = query
     first = lens - query_lens  # position of each sequence's first query token
     positions = first[:, None] + torch.arange(padded.shape[1], device=query.device)[None, :]
-    width = int(lens.max())
-    key = gather_kv(k_cache, block_tables, lens, width)
-    value = gather_kv(v_cache, block_tables, lens, width)
-    return masked_attention(padded, key, value, positions, scale)[rows, columns]
+    positions = torch.minimum(positions, lens[:, None] - 1)  # padding rows: the last position
+    starts = window_starts(lens, query_lens, window)
+    width = int((lens - starts).max())
+    key = gather_kv(k_cache, block_tables, lens, width, starts)
+    value = gather_kv(v_cache, block_tables, lens, width, starts)
+    out = masked_attention(padded, key, value, positions, scale, window=window, key_starts=starts)
+    return out[rows, columns]
 
 
 def copy_blocks(

@@ -16,8 +16,12 @@ partial output and log-sum-exp, and ``_merge_kernel`` combines them:
 
     out = sum_s exp(lse_s - max lse) * out_s / sum_s exp(lse_s - max lse)
 
-Only tokens below ``context_lens[b]`` are loaded, so only the table entries the validation
-checked are read. A sequence of length 0 gives zeros.
+With a sliding window ``w`` the query (at position ``context_len - 1``) attends only the last
+``w`` tokens, so a program's range starts at ``lo = max(0, context_len - w)``: the splits cut
+``[lo, lo + w)`` instead of ``[0, capacity)``, and the tiles wholly before ``lo`` are skipped, not
+masked. Without a window ``w`` is the table's capacity and ``lo`` is 0. Only tokens in ``[lo,
+context_len)`` are loaded, so only the table entries the validation checked are read: never
+those of blocks wholly before the window. A sequence of length 0 gives zeros.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from pagedkv.kernels.triton_import import tl, triton
-from pagedkv.kernels.validation import MAX_SPLITS
+from pagedkv.kernels.validation import INT32_MAX, MAX_SPLITS
 
 MIN_TOKENS_PER_SPLIT = 512
 PROGRAMS_PER_SM = 4  # enough resident programs per SM to keep loads in flight
@@ -43,6 +47,7 @@ def _decode_kernel(
     scale,
     table_stride,
     rows_per_seq,
+    window,
     tokens_per_split,
     num_splits,
     NUM_HEADS: tl.constexpr,
@@ -60,9 +65,13 @@ def _decode_kernel(
     split = tl.program_id(2)
     group: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
 
-    context_len = tl.load(context_lens_ptr + seq).to(tl.int32)
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, context_len)
+    # The range's bounds in int64 (no overflow at any capacity), then clamped to the context,
+    # which fits int32: tokens are counted in int32.
+    context_len = tl.load(context_lens_ptr + seq).to(tl.int64)
+    first_key = tl.maximum(context_len - window, 0)  # the window's first token
+    start = tl.minimum(first_key + split * tokens_per_split, context_len)
+    end = tl.minimum(start + tokens_per_split, context_len).to(tl.int32)
+    start = start.to(tl.int32)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -147,7 +156,8 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def choose_num_splits(num_programs: int, max_tokens: int, device: torch.device) -> int:
     """Splits per sequence (flash-decoding): enough programs for about four per SM, each
-    covering at least ``MIN_TOKENS_PER_SPLIT`` tokens. Always 1 off CUDA."""
+    covering at least ``MIN_TOKENS_PER_SPLIT`` of the ``max_tokens`` a sequence can read (the
+    capacity, or the window when it is smaller). Always 1 off CUDA."""
     if device.type != "cuda":
         return 1
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count
@@ -164,12 +174,13 @@ def launch(
     context_lens: torch.Tensor,
     scale: float,
     num_splits: int | None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Run decode attention on validated arguments.
 
     With ``block_tables`` the caches are paged ``[num_blocks, block_size, kv_heads, dim]``;
     with ``None`` they are contiguous ``[batch, max_len, kv_heads, dim]`` (the same kernel without
-    the table lookup, for comparison).
+    the table lookup, for comparison). ``window`` is the sliding window (``None``: none).
     """
     query = query.contiguous()
     batch, num_heads, head_dim = query.shape
@@ -184,6 +195,9 @@ def launch(
     out = torch.empty_like(query)
     if batch == 0:
         return out
+    # The most tokens a query reads, the kernel's window: a longer window changes nothing. At
+    # least 1, and within int32 (context lengths are validated to fit it).
+    max_tokens = max(1, min(max_tokens, INT32_MAX if window is None else window, INT32_MAX))
 
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_n = 64 if block_d <= 128 else 32
@@ -209,6 +223,7 @@ def launch(
         scale,
         tables.stride(0),
         k_cache.shape[1],
+        max_tokens,
         tokens_per_split,
         num_splits,
         NUM_HEADS=num_heads,

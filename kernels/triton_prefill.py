@@ -11,10 +11,15 @@ table with the spec's ``translate_slot``:
 
     slot = block_tables[b, n // block_size] * block_size + n % block_size
 
-and masks key ``n`` for a query at position ``p`` unless ``n <= p`` (causal). Scores and the online
-softmax are fp32, as in ``triton_decode``. Every query row sees key 0 (its position is ``>= 0``),
-so the running max is finite after the first tile. Only keys below ``context_len`` are loaded, so
-only the table entries the validation checked are read.
+and masks key ``n`` for a query at position ``p`` unless ``n <= p`` (causal). With a sliding
+window ``w`` it also masks ``n <= p - w``, and the walk starts at ``max(0, p0 - w + 1)``, ``p0``
+being the tile's first query position: tiles wholly before every query's window are skipped, not
+masked, so a program reads at most ``w - 1 + BLOCK_Q`` keys. Without a window ``w`` is the
+table's capacity and the walk starts at 0. Scores and the online softmax are fp32, as in
+``triton_decode``; a row that has seen no key yet keeps a running max of ``-inf`` and weight 0
+(a window can leave a whole tile of keys before a row's window). Only keys in ``[max(0, f - w +
+1), context_len)``, ``f`` the sequence's first query position, are loaded, so only the table
+entries the validation checked are read: never those of blocks wholly before the window.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 
 from pagedkv.kernels.triton_decode import dot_precision
 from pagedkv.kernels.triton_import import tl, triton
+from pagedkv.kernels.validation import INT32_MAX
 
 ROWS_PER_TILE = 64  # query rows (tokens x heads of a group) per program
 
@@ -38,6 +44,7 @@ def _prefill_kernel(
     out_ptr,
     scale,
     table_stride,
+    window,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -71,13 +78,16 @@ def _prefill_kernel(
     q_mask = row_mask[:, None] & dim_mask[None, :]
     q = tl.load(query_ptr + q_offsets, mask=q_mask, other=0.0).to(tl.float32) * scale
 
-    # Keys up to the tile's last position; none for a tile past the sequence's queries.
-    end = tl.minimum(context_len, context_len - q_len + first_query + BLOCK_Q)
+    # Keys from the window of the tile's first query to the tile's last position; none for a
+    # tile past the sequence's queries.
+    tile_position = context_len - q_len + first_query
+    end = tl.minimum(context_len, tile_position + BLOCK_Q)
     end = tl.where(first_query < q_len, end, 0)
+    first_key = tl.maximum(tile_position - window + 1, 0)
     m = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], tl.float32)
-    for tile_start in range(0, end, BLOCK_N):
+    for tile_start in range(first_key, end, BLOCK_N):
         n = tile_start + tl.arange(0, BLOCK_N)
         n_mask = n < end
         block_id = tl.load(
@@ -90,11 +100,13 @@ def _prefill_kernel(
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [rows, BLOCK_N]
-        visible = n_mask[None, :] & (n[None, :] <= positions[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))  # finite: key 0 is in the first tile
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
+        causal = n[None, :] <= positions[:, None]
+        in_window = n[None, :] > positions[:, None] - window
+        scores = tl.where(n_mask[None, :] & causal & in_window, scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))  # -inf while a row has seen no key
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(scores - m_safe[:, None])
         denom = denom * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m = m_new
@@ -111,8 +123,10 @@ def launch(
     cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Run paged prefill attention on validated arguments (``kernels.paged_prefill_attention``)."""
+    """Run paged prefill attention on validated arguments (``kernels.paged_prefill_attention``);
+    ``window`` is the sliding window (``None``: none)."""
     query = query.contiguous()
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -126,6 +140,9 @@ def launch(
     block_q = max(1, ROWS_PER_TILE // block_g)
     block_d = max(16, triton.next_power_of_2(head_dim))
     tables = block_tables.contiguous()
+    # The kernel's window: the capacity (or int32's limit) when there is none or it is longer.
+    capacity = tables.shape[1] * k_cache.shape[1]
+    window = max(1, min(capacity, INT32_MAX if window is None else window, INT32_MAX))
     _prefill_kernel[(batch, num_kv_heads, triton.cdiv(max_query_len, block_q))](
         query,
         k_cache,
@@ -136,6 +153,7 @@ def launch(
         out,
         scale,
         tables.stride(0),
+        window,
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,

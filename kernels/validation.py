@@ -5,7 +5,8 @@ shape, device or value, ``IndexError`` for a block id, slot, position or context
 what the cache or the block table holds. Every message names the offending argument.
 
 These checks are what keeps every kernel inside the caches: a kernel only reads the block-table
-entries below ``ceil(context_len / block_size)``, and every such entry is checked here to lie in
+entries below ``ceil(context_len / block_size)`` (with a sliding window, only those from the
+block of the window's first key on), and every such entry is checked here to lie in
 ``[0, num_blocks)``. Data-dependent checks read the tensors' values, which synchronizes a GPU.
 """
 
@@ -157,12 +158,52 @@ def check_context_lens(context_lens: object, batch: int) -> torch.Tensor:
     return lens
 
 
+def check_window(window: object) -> int | None:
+    """A sliding window: ``None`` (full causal attention) or an int ``>= 1`` (``TypeError`` or
+    ``ValueError`` naming ``window`` otherwise; ``bool`` is not an int here).
+
+    With window ``w`` a query at position ``p`` attends the keys at positions ``j`` with
+    ``p - w < j <= p``: itself and the ``w - 1`` tokens before it (Hugging Face's
+    ``sliding_window``; ``w = 1`` is the query alone). Returns the window, or ``None`` for a
+    window longer than any context can be (``INT32_MAX`` tokens), which hides nothing.
+    """
+    if window is None:
+        return None
+    checked = check_int("window", window, 1)
+    return None if checked > INT32_MAX else checked
+
+
+def window_starts(
+    lens: torch.Tensor, query_lens: torch.Tensor | int, window: int | None
+) -> torch.Tensor:
+    """The first key position each sequence's attention reads (int64 ``[batch]``).
+
+    Sequence ``b``'s queries are its last ``query_lens[b]`` tokens (an int: the same count for
+    every sequence), so its first query sits at ``f = lens[b] - query_lens[b]`` and, with window
+    ``w``, reads keys from ``max(0, f - w + 1)``; without a window, from 0. A sequence with no
+    queries reads nothing; its start is that of a query at ``f = lens[b]`` (the position it
+    would compute next), so its blocks are held to the same rule.
+    """
+    lens64 = lens.to(torch.int64)
+    if window is None:
+        return torch.zeros_like(lens64)
+    return (lens64 - query_lens - window + 1).clamp(min=0)
+
+
 def check_context_values(
-    lens: torch.Tensor, block_tables: torch.Tensor, block_size: int, num_blocks: int
+    lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    num_blocks: int,
+    starts: torch.Tensor | None = None,
 ) -> None:
     """Lengths in ``[0, capacity]``, and every table entry they reach in ``[0, num_blocks)``.
 
-    A length of 0 marks a padding sequence; its table row is never read.
+    A length of 0 marks a padding sequence; its table row is never read. With ``starts`` (int64
+    ``[batch]``, from :func:`window_starts`) sequence ``b`` reaches only the entries of the
+    blocks that hold positions ``starts[b] .. lens[b] - 1``: entries below ``starts[b] //
+    block_size`` belong to blocks wholly outside the window, which no kernel reads, so they
+    may hold anything (a released block's id, ``-1``, another sequence's block).
     """
     batch, max_blocks = block_tables.shape
     if batch == 0:
@@ -186,6 +227,8 @@ def check_context_values(
     used_blocks = (lens.to(torch.int64) + block_size - 1) // block_size
     columns = torch.arange(max_blocks, device=lens.device)
     read = columns[None, :] < used_blocks[:, None]
+    if starts is not None:
+        read &= columns[None, :] >= (starts // block_size)[:, None]
     bad = read & ((block_tables < 0) | (block_tables >= num_blocks))
     if bool(bad.any()):
         b, j = _first_true(bad)

@@ -279,8 +279,24 @@ class KVCache:
         return seqs, tables, lens
 
 
-def dense_attention(query: torch.Tensor, seqs: Sequence[Seq | None], scale: float) -> torch.Tensor:
-    """The oracle: fp32 ``scaled_dot_product_attention`` over each sequence's logical K/V."""
+def window_mask(
+    positions: torch.Tensor, length: int, window: int | None, device: torch.device
+) -> torch.Tensor:
+    """``[len(positions), length]``: query at ``p`` sees key ``j`` iff ``j <= p`` and, with a
+    window ``w``, ``j > p - w`` (Hugging Face's ``sliding_window``, written out again here)."""
+    j = torch.arange(length, device=device)[None, :]
+    p = positions[:, None]
+    visible = j <= p
+    if window is not None:
+        visible &= j > p - window
+    return visible
+
+
+def dense_attention(
+    query: torch.Tensor, seqs: Sequence[Seq | None], scale: float, window: int | None = None
+) -> torch.Tensor:
+    """The oracle: fp32 ``scaled_dot_product_attention`` over each sequence's logical K/V, the
+    query at the last position; with ``window`` only the last ``window`` keys are visible."""
     out = torch.zeros_like(query)
     for b, seq in enumerate(seqs):
         if seq is None or seq.length == 0:
@@ -290,15 +306,47 @@ def dense_attention(query: torch.Tensor, seqs: Sequence[Seq | None], scale: floa
         k = key.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, len, dim]
         v = value.float().repeat_interleave(group, dim=1).transpose(0, 1)
         q = query[b].float()[:, None, :]  # [heads, 1, dim]
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+        last = torch.tensor([seq.length - 1], device=query.device)
+        mask = window_mask(last, seq.length, window, query.device)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, mask, scale=scale)
         out[b] = o[:, 0, :].to(query.dtype)
     return out
 
 
-# attention(query, k_cache, v_cache, block_tables, context_lens, scale) -> output
-Attention = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], object
-]
+def window_start(length: int, num_queries: int, window: int | None) -> int:
+    """The first key position a sequence of ``length`` tokens whose last ``num_queries`` are
+    queries can see: ``max(0, first - window + 1)`` for its first query at ``first = length -
+    num_queries`` (0 without a window). Blocks wholly before it may be released."""
+    if window is None:
+        return 0
+    return max(0, length - num_queries - window + 1)
+
+
+def poison_outside_window(
+    cache: KVCache, tables: torch.Tensor, starts: Sequence[int], poison: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Caches and tables in which every entry of a block wholly before a sequence's window
+    (columns below ``starts[b] // block_size``) names something no kernel may read.
+
+    ``poison="nan"``: one block full of NaN, appended to copies of the caches (a kernel that
+    reads it, even masked, returns NaN). ``poison="invalid"``: the entry ``-1``, which
+    validation must accept there (the block manager may have released it). Returns ``(k_cache,
+    v_cache, tables)``; the entries in and after the window are unchanged.
+    """
+    block_size = cache.shape.block_size
+    k_cache, v_cache, poisoned = cache.k_cache, cache.v_cache, tables.clone()
+    value = -1
+    if poison == "nan":
+        nan_block = torch.full_like(k_cache[:1], float("nan"))
+        value = k_cache.shape[0]
+        k_cache, v_cache = torch.cat([k_cache, nan_block]), torch.cat([v_cache, nan_block])
+    for b, start in enumerate(starts):
+        poisoned[b, : start // block_size] = value
+    return k_cache, v_cache, poisoned
+
+
+# attention(query, k_cache, v_cache, block_tables, context_lens, scale, *, window) -> output
+Attention = Callable[..., object]
 
 
 def check_attention(
@@ -308,21 +356,24 @@ def check_attention(
     padding_row: bool = False,
     scale: float | None = None,
     pad: int = -1,
+    window: int | None = None,
 ) -> None:
     """``attention`` (triton), the torch reference and dense attention agree on every sequence.
 
     ``scale`` defaults to ``1 / sqrt(head_dim)``; ``extra_columns``, ``padding_row`` and ``pad``
-    shape the batch (see ``KVCache.batch``).
+    shape the batch (see ``KVCache.batch``); ``window`` is passed to ``attention`` (as a
+    keyword) and the reference, and applied by dense attention.
     """
     seqs, tables, lens = cache.batch(extra_columns, pad, padding_row)
     shape = cache.shape
     query = cache.randn(len(seqs), shape.num_heads, shape.head_dim)
     scale = shape.head_dim**-0.5 if scale is None else scale
-    expected = dense_attention(query, seqs, scale)
+    expected = dense_attention(query, seqs, scale, window)
     reference = kernels.paged_decode_attention(
-        query, cache.k_cache, cache.v_cache, tables, lens, scale, backend="reference"
-    )
-    actual = attention(query, cache.k_cache, cache.v_cache, tables, lens, scale)
+        query, cache.k_cache, cache.v_cache, tables, lens, scale, window=window,
+        backend="reference",
+    )  # fmt: skip
+    actual = attention(query, cache.k_cache, cache.v_cache, tables, lens, scale, window=window)
     assert isinstance(actual, torch.Tensor)
     assert actual.dtype == query.dtype and actual.shape == query.shape
     assert_close(reference, expected, "reference vs dense")

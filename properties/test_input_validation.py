@@ -326,6 +326,7 @@ def kernel_calls(s: KernelState) -> dict[str, tuple[Callable[..., object], dict[
                     [0.0, 1e-50, 1e39, *BAD_NUMBERS],
                 ),
                 "num_splits": Arg([None, 2], [1, 64], [2.0, True], [0, 65, -1]),
+                "window": Arg([None, 3], [1, 2**70], [3.0, True, "3"], [0, -1]),
                 "backend": backend,
                 "validate": validate,
             },

@@ -6,11 +6,18 @@ CPU), the torch reference and fp32 dense attention over each sequence's logical 
 within ``TOLERANCES``; the split-K path must agree with the single pass. Every block size meets
 every dtype, and every GQA ratio meets every head dim, by parametrization; Hypothesis draws the
 rest.
+
+Sliding windows (``window=w``: the query at ``p`` sees keys ``p - w < j <= p``) are drawn from 1
+up to past the longest context, with split-K and the contiguous kernel too. With a window, the
+table entries of blocks wholly before it are poisoned (a NaN block, or ``-1``) and the outputs
+must not change: those blocks are never read, nor their entries validated. Planted bugs that
+ignore the window, widen it by one, or read from token 0 and mask must be caught.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -36,15 +43,19 @@ from properties.kernel_cases import (
     fixed_scenario,
     kernel_examples,
     load_mutant,
+    poison_outside_window,
     scenarios,
+    window_start,
 )
 
 
 def triton_attention(num_splits: int | None = None) -> Attention:
     """The public function on the triton backend, with ``num_splits`` fixed."""
 
-    def attention(*args: torch.Tensor | float) -> torch.Tensor:
-        return kernels.paged_decode_attention(*args, num_splits=num_splits, backend="triton")
+    def attention(*args: torch.Tensor | float, window: int | None = None) -> torch.Tensor:
+        return kernels.paged_decode_attention(
+            *args, num_splits=num_splits, window=window, backend="triton"
+        )
 
     return attention
 
@@ -145,12 +156,14 @@ def test_contiguous_attention_matches_dense(
     context_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     scale = head_dim**-0.5
     seqs = [Seq([], n, [(key[b, :n], value[b, :n])]) for b, n in enumerate(lens)]
-    expected = dense_attention(query, seqs, scale)
+    window = data.draw(st.none() | st.integers(1, max_len + 2), label="window")
+    expected = dense_attention(query, seqs, scale, window)
     for backend in ("triton", "reference"):
         num_splits = data.draw(st.integers(1, 3), label="num_splits")
         actual = kernels.contiguous_decode_attention(
-            query, key, value, context_lens, num_splits=num_splits, backend=backend
-        )
+            query, key, value, context_lens, num_splits=num_splits, window=window,
+            backend=backend,
+        )  # fmt: skip
         assert_close(actual, expected, f"contiguous {backend} vs dense")
 
 
@@ -184,10 +197,158 @@ def test_check_catches_planted_kernel_bug(mutation: str, tmp_path: Path) -> None
     """
     mutant = load_mutant(triton_decode, *MUTANTS[mutation], tmp_path)
 
-    def attention(query, k_cache, v_cache, tables, lens, scale) -> torch.Tensor:
-        return mutant.launch(query, k_cache, v_cache, tables, lens, scale, num_splits=3)
+    def attention(query, k_cache, v_cache, tables, lens, scale, window=None) -> torch.Tensor:
+        return mutant.launch(query, k_cache, v_cache, tables, lens, scale, 3, window)
 
     cache = KVCache(fixed_scenario(16), Shape(16, 2, 4, 80, torch.float32))
     check_attention(cache, triton_attention(num_splits=3), extra_columns=1, pad=0)
     with pytest.raises(AssertionError):
         check_attention(cache, attention, extra_columns=1, pad=0)
+
+
+# ----------------------------------------------------------------------- sliding window
+
+WINDOW_BLOCK_SIZES = (1, 2, 4, 16)  # small blocks: many of them fall wholly outside a window
+
+
+def draw_window(data: st.DataObject, longest: int) -> int:
+    """A window from 1 (the query alone) to past the longest context (no effect)."""
+    edges = st.sampled_from([1, 2, longest, longest + 1, 10**6])
+    return data.draw(edges | st.integers(1, max(1, longest)), label="window")
+
+
+def windowed_decode(
+    cache: KVCache, window: int, backend: str, num_splits: int = 1, poison: str | None = None
+) -> torch.Tensor:
+    """Decode attention of a fixed seeded query over the cache's batch (with a padding row),
+    optionally with the entries of blocks wholly before each window poisoned."""
+    seqs, tables, lens = cache.batch(extra_columns=1, padding_row=True)
+    query = torch.randn(
+        len(seqs), cache.shape.num_heads, cache.shape.head_dim,
+        generator=torch.Generator().manual_seed(7),
+    ).to(cache.shape.dtype).to(DEVICE)  # fmt: skip
+    k_cache, v_cache = cache.k_cache, cache.v_cache
+    if poison is not None:
+        starts = [window_start(int(n), 1, window) for n in lens]
+        k_cache, v_cache, tables = poison_outside_window(cache, tables, starts, poison)
+    splits = {"num_splits": num_splits} if backend == "triton" else {}
+    return kernels.paged_decode_attention(
+        query, k_cache, v_cache, tables, lens, window=window, backend=backend, **splits
+    )
+
+
+@pytest.mark.parametrize("block_size", WINDOW_BLOCK_SIZES)
+@settings(max_examples=kernel_examples(10))
+@given(data=st.data())
+def test_windowed_attention_matches_dense(block_size: int, data: st.DataObject) -> None:
+    """Triton (one pass or split-K), the reference and dense attention agree with a window."""
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    group = data.draw(st.sampled_from(GQA_RATIOS), label="group")
+    cache = draw_cache(data, block_size, group, 64, dtype)
+    window = draw_window(data, max((seq.length for seq in cache.run.seqs), default=0))
+    num_splits = data.draw(st.integers(1, 4), label="num_splits")
+    check_attention(
+        cache, triton_attention(num_splits), extra_columns=1, padding_row=True, window=window
+    )
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("poison", ["nan", "invalid"])
+@settings(max_examples=kernel_examples(8))
+@given(data=st.data())
+def test_blocks_outside_the_window_are_never_read(
+    poison: str, backend: str, data: st.DataObject
+) -> None:
+    """Entries of blocks wholly before the window name a NaN block, or ``-1``: validation
+    accepts them and the outputs are unchanged, bit for bit."""
+    block_size = data.draw(st.sampled_from(WINDOW_BLOCK_SIZES), label="block_size")
+    cache = draw_cache(data, block_size, 2, 64, torch.float32)
+    longest = max((seq.length for seq in cache.run.seqs), default=1)
+    window = data.draw(st.integers(1, longest), label="window")
+    num_splits = data.draw(st.integers(1, 3), label="num_splits")
+    clean = windowed_decode(cache, window, backend, num_splits)
+    poisoned = windowed_decode(cache, window, backend, num_splits, poison)
+    assert bool(torch.isfinite(clean).all())
+    assert torch.equal(poisoned, clean)
+
+
+def test_poisoning_reaches_blocks_a_window_excludes() -> None:
+    """The poison test is not vacuous: on the fixed run, with a window of one block, entries are
+    poisoned, and without the window the same poisoned call returns NaN."""
+    cache = KVCache(fixed_scenario(4), Shape(4, 2, 2, 64, torch.float32))
+    _, tables, lens = cache.batch()
+    starts = [window_start(int(n), 1, 4) for n in lens]
+    k_cache, v_cache, poisoned = poison_outside_window(cache, tables, starts, "nan")
+    assert int((poisoned != tables).sum()) >= 3
+    query = cache.randn(tables.shape[0], 4, 64)
+    for backend in ("triton", "reference"):
+        out = kernels.paged_decode_attention(
+            query, k_cache, v_cache, poisoned, lens, backend=backend
+        )
+        assert bool(out.isnan().any())
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_window_is_checked(backend: str) -> None:
+    cache = KVCache(fixed_scenario(4), Shape(4, 2, 2, 64, torch.float32))
+    _, tables, lens = cache.batch()
+    query = cache.randn(tables.shape[0], 4, 64)
+    args = (query, cache.k_cache, cache.v_cache, tables, lens)
+    contiguous = (query, cache.k_cache[: tables.shape[0]], cache.v_cache[: tables.shape[0]])
+    for bad, error in ((0, ValueError), (-3, ValueError), (2.0, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="window"):
+            kernels.paged_decode_attention(*args, window=bad, backend=backend)
+        with pytest.raises(error, match="window"):
+            kernels.contiguous_decode_attention(
+                *contiguous, torch.ones_like(lens), window=bad, backend=backend
+            )
+    # An entry inside the window is still checked: the first sequence's last block.
+    last = (int(lens[0]) - 1) // 4
+    broken = tables.clone()
+    broken[0, last] = -1
+    with pytest.raises(IndexError, match=rf"block_tables\[0, {last}\]"):
+        kernels.paged_decode_attention(*args[:3], broken, lens, window=1, backend=backend)
+
+
+WINDOW_MUTANTS = {
+    "window ignored": (
+        "first_key = tl.maximum(context_len - window, 0)",
+        "first_key = context_len * 0",
+    ),
+    "window one token too wide": (
+        "first_key = tl.maximum(context_len - window, 0)",
+        "first_key = tl.maximum(context_len - window - 1, 0)",
+    ),
+    "splits cut the capacity, not the window": (
+        "start = tl.minimum(first_key + split * tokens_per_split, context_len)",
+        "start = tl.minimum(split * tokens_per_split, context_len)",
+    ),
+}
+
+
+@pytest.mark.parametrize("mutation", list(WINDOW_MUTANTS), ids=list(WINDOW_MUTANTS))
+def test_check_catches_planted_window_bug(mutation: str, tmp_path: Path) -> None:
+    """A poisoned fixed run with a window of 5 at block size 4, three splits: the real kernel
+    passes the dense check and the poison check; each mutant fails one of them."""
+    mutant = load_mutant(triton_decode, *WINDOW_MUTANTS[mutation], tmp_path)
+    cache = KVCache(fixed_scenario(4), Shape(4, 2, 4, 64, torch.float32))
+
+    def attention(query, k_cache, v_cache, tables, lens, scale, window=None) -> torch.Tensor:
+        return mutant.launch(query, k_cache, v_cache, tables, lens, scale, 3, window)
+
+    def poisoned_equal(launch: Callable[..., torch.Tensor]) -> None:
+        _, tables, lens = cache.batch()
+        starts = [window_start(int(n), 1, 5) for n in lens]
+        k_cache, v_cache, poisoned = poison_outside_window(cache, tables, starts, "nan")
+        query = cache.randn(tables.shape[0], 8, 64)
+        clean = launch(query, cache.k_cache, cache.v_cache, tables, lens, 0.125, window=5)
+        dirty = launch(query, k_cache, v_cache, poisoned, lens, 0.125, window=5)
+        assert torch.equal(dirty, clean), "poisoned blocks were read"
+
+    def both(launch: Callable[..., torch.Tensor]) -> None:
+        check_attention(cache, launch, window=5)
+        poisoned_equal(launch)
+
+    both(triton_attention(num_splits=3))
+    with pytest.raises(AssertionError):
+        both(attention)

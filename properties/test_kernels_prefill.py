@@ -10,6 +10,12 @@ its sequence's logical K/V up to its own position, must agree within ``TOLERANCE
 size from 1 to 256 is a parametrized case; dtype, GQA ratio and head dim are drawn. A step of
 decodes only equals ``paged_decode_attention``. Invalid calls raise the documented errors, and
 planted bugs in both implementations are caught by the same check.
+
+With a sliding window ``w`` (query at ``p`` sees keys ``p - w < j <= p``, drawn from 1 to past
+the longest context) the same three agree on chunks over cached prefixes; the table entries of
+blocks wholly before each sequence's first query's window are poisoned (a NaN block, or ``-1``)
+without changing any output; and planted bugs that shift the window, or walk keys from 0 and
+only mask (reading the released blocks), are caught.
 """
 
 from __future__ import annotations
@@ -37,7 +43,10 @@ from properties.kernel_cases import (
     fixed_scenario,
     kernel_examples,
     load_mutant,
+    poison_outside_window,
     scenarios,
+    window_mask,
+    window_start,
 )
 
 MAX_CHUNK = 64  # longest drawn query chunk: the interpreter runs every query tile
@@ -46,16 +55,21 @@ MAX_CHUNK = 64  # longest drawn query chunk: the interpreter runs every query ti
 Prefill = Callable[..., torch.Tensor]
 
 
-def triton_prefill_api(*args: torch.Tensor | float) -> torch.Tensor:
+def triton_prefill_api(*args: torch.Tensor | float, window: int | None = None) -> torch.Tensor:
     """The public function on the triton backend."""
-    return kernels.paged_prefill_attention(*args, backend="triton")
+    return kernels.paged_prefill_attention(*args, window=window, backend="triton")
 
 
 def dense_prefill(
-    query: torch.Tensor, seqs: list[Seq | None], query_lens: list[int], scale: float
+    query: torch.Tensor,
+    seqs: list[Seq | None],
+    query_lens: list[int],
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The spec: each query token attends, in fp32, its sequence's logical K/V at positions up to
-    its own (``length - q + i`` for the chunk's ``i``-th token)."""
+    its own (``length - q + i`` for the chunk's ``i``-th token), and with ``window`` ``w`` only
+    those above its own minus ``w``."""
     out = torch.zeros_like(query)
     start = 0
     for seq, count in zip(seqs, query_lens, strict=True):
@@ -67,7 +81,7 @@ def dense_prefill(
             v = value.float().repeat_interleave(group, dim=1).transpose(0, 1)
             q = query[start : start + count].float().transpose(0, 1)  # [heads, count, dim]
             positions = torch.arange(seq.length - count, seq.length, device=query.device)
-            mask = torch.arange(seq.length, device=query.device)[None, :] <= positions[:, None]
+            mask = window_mask(positions, seq.length, window, query.device)
             o = torch.nn.functional.scaled_dot_product_attention(q, k, v, mask, scale=scale)
             out[start : start + count] = o.transpose(0, 1).to(query.dtype)
         start += count
@@ -81,18 +95,30 @@ def check_prefill(
     extra_columns: int = 0,
     padding_row: bool = False,
     pad: int = -1,
+    window: int | None = None,
+    poison: str | None = None,
 ) -> None:
     """``prefill``, the torch reference and the spec agree; ``query_lens`` is one count per
-    sequence of ``cache.batch(...)`` (0 for the padding row)."""
+    sequence of ``cache.batch(...)`` (0 for the padding row). ``window`` goes to all three.
+    With ``poison`` the entries of blocks wholly before each window are poisoned
+    (``poison_outside_window``) for ``prefill`` and the reference, which must then return
+    exactly what they return without it."""
     seqs, tables, lens = cache.batch(extra_columns, pad, padding_row)
     shape = cache.shape
     query = cache.randn(sum(query_lens), shape.num_heads, shape.head_dim)
     offsets = torch.tensor([0, *query_lens], device=DEVICE).cumsum(0).to(torch.int32)
     scale = shape.head_dim**-0.5
     args = (query, cache.k_cache, cache.v_cache, tables, offsets, lens, scale)
-    expected = dense_prefill(query, seqs, query_lens, scale)
-    ref = kernels.paged_prefill_attention(*args, backend="reference")
-    actual = prefill(*args)
+    expected = dense_prefill(query, seqs, query_lens, scale, window)
+    ref = kernels.paged_prefill_attention(*args, window=window, backend="reference")
+    actual = prefill(*args, window=window)
+    if poison is not None:
+        starts = [window_start(int(n), q, window) for n, q in zip(lens, query_lens, strict=True)]
+        k_cache, v_cache, poisoned = poison_outside_window(cache, tables, starts, poison)
+        dirty = (query, k_cache, v_cache, poisoned, offsets, lens, scale)
+        dirty_ref = kernels.paged_prefill_attention(*dirty, window=window, backend="reference")
+        assert torch.equal(dirty_ref, ref), "the reference read a block outside the window"
+        assert torch.equal(prefill(*dirty, window=window), actual), "prefill read outside"
     assert actual.dtype == query.dtype and actual.shape == query.shape
     assert_close(ref, expected, "reference vs spec")
     assert_close(actual, expected, "prefill vs spec")
@@ -240,8 +266,8 @@ TRITON_MUTANTS = {
         "heads = kv_head + g * NUM_KV_HEADS",
     ),
     "causal mask lets a query see the next token": (
-        "(n[None, :] <= positions[:, None])",
-        "(n[None, :] <= positions[:, None] + 1)",
+        "causal = n[None, :] <= positions[:, None]",
+        "causal = n[None, :] <= positions[:, None] + 1",
     ),
     "chunk positions ignore the cached prefix": (
         "positions = context_len - q_len + i",
@@ -250,20 +276,20 @@ TRITON_MUTANTS = {
 }
 REFERENCE_MUTANTS = {
     "table read off by one": (
-        "block_tables[:, n // block_size] * block_size + n % block_size, 0)",
-        "block_tables[:, n // block_size + 1] * block_size + n % block_size, 0)",
+        "columns = (tokens // block_size).clamp(",
+        "columns = (tokens // block_size + 1).clamp(",
     ),
     "wrong row inside a block": (
-        "block_tables[:, n // block_size] * block_size + n % block_size, 0)",
-        "block_tables[:, n // block_size] * block_size + (n + 1) % block_size, 0)",
+        "entries * block_size + tokens % block_size, 0)",
+        "entries * block_size + (tokens + 1) % block_size, 0)",
     ),
     "query heads interleaved over KV heads": (
         "q = query.float().view(batch, num_queries, num_kv_heads, group, head_dim)",
         "q = query.float().view(batch, num_queries, group, num_kv_heads, head_dim).transpose(2, 3)",
     ),
     "causal mask lets a query see the next token": (
-        "> positions.clamp(min=0)[:, :, None]",
-        "> positions.clamp(min=0)[:, :, None] + 1",
+        "hidden = key_positions[:, None, :] > p",
+        "hidden = key_positions[:, None, :] > p + 1",
     ),
     "chunk positions ignore the cached prefix": (
         "first = lens - query_lens  # position of each sequence's first query token",
@@ -295,3 +321,121 @@ def test_check_catches_planted_reference_bug(mutation: str, tmp_path: Path) -> N
             planted_cache(), MUTANT_QUERY_LENS, mutant.paged_prefill_attention,
             extra_columns=1, pad=0,
         )  # fmt: skip
+
+
+# ----------------------------------------------------------------------- sliding window
+
+WINDOW_BLOCK_SIZES = (1, 2, 4, 16)  # small blocks: many of them fall wholly outside a window
+
+
+@pytest.mark.parametrize("block_size", WINDOW_BLOCK_SIZES)
+@settings(max_examples=kernel_examples(8), deadline=None)
+@given(data=st.data())
+def test_windowed_prefill_matches_spec(block_size: int, data: st.DataObject) -> None:
+    """Chunks over cached prefixes with a window from 1 to past the context: Triton, the
+    reference and the spec agree, and poisoning what lies wholly before the windows changes
+    nothing."""
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    group = data.draw(st.sampled_from(GQA_RATIOS), label="group")
+    num_kv_heads = data.draw(st.sampled_from([1, 2]), label="num_kv_heads")
+    scenario = data.draw(scenarios(block_size), label="scenario")
+    cache = KVCache(scenario, Shape(block_size, num_kv_heads, group, 64, dtype))
+    padding_row = data.draw(st.booleans(), label="padding_row")
+    seqs, _, _ = cache.batch(padding_row=padding_row)
+    query_lens = draw_query_lens(data, seqs, block_size)
+    longest = max((seq.length for seq in seqs if seq is not None), default=1)
+    edges = st.sampled_from([1, 2, block_size, longest, longest + 1])
+    window = data.draw(edges | st.integers(1, longest), label="window")
+    poison = data.draw(st.sampled_from(["nan", "invalid"]), label="poison")
+    check_prefill(
+        cache, query_lens, triton_prefill_api, 1, padding_row, window=window, poison=poison
+    )
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("window", [1, 6, 1000])
+def test_a_windowed_step_of_decodes_equals_windowed_decode(window: int, backend: str) -> None:
+    cache = KVCache(fixed_scenario(4), Shape(4, 2, 2, 64, torch.float32))
+    seqs, tables, lens = cache.batch(extra_columns=1)
+    query = cache.randn(len(seqs), 4, 64)
+    offsets = torch.arange(len(seqs) + 1, device=DEVICE)
+    args = (query, cache.k_cache, cache.v_cache, tables)
+    prefill = kernels.paged_prefill_attention(*args, offsets, lens, window=window, backend=backend)
+    decode = kernels.paged_decode_attention(*args, lens, window=window, backend=backend)
+    assert_close(prefill, decode, f"{backend} windowed prefill vs decode")
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_prefill_window_is_checked(backend: str) -> None:
+    call = valid_call()
+    for bad, error in ((0, ValueError), (-1, ValueError), (3.0, TypeError), (False, TypeError)):
+        with pytest.raises(error, match="window"):
+            kernels.paged_prefill_attention(**call, window=bad, backend=backend)
+    # Sequence 0 has 8 tokens and one query, at 7; sequence 1 has 3 tokens, all queries. Window
+    # 4 reads positions 4 .. 7 of sequence 0, entry 1 alone, so entry 0 may hold anything;
+    # window 5 reaches position 3, so entry 0 is read, and checked.
+    call["context_lens"] = torch.tensor([8, 3])
+    call["query"] = torch.randn(4, 4, 8)
+    call["cu_seqlens_q"] = torch.tensor([0, 1, 4])
+    for window, entry_read in ((4, False), (5, True)):
+        tables = torch.tensor([[-1, 0], [3, -1]], dtype=torch.int32)
+        args = {**call, "block_tables": tables, "window": window, "backend": backend}
+        if entry_read:
+            with pytest.raises(IndexError, match=r"block_tables\[0, 0\]"):
+                kernels.paged_prefill_attention(**args)
+        else:  # and the output is that of a table whose entry 0 is a real block
+            real = torch.tensor([[2, 0], [3, -1]], dtype=torch.int32)
+            expected = kernels.paged_prefill_attention(**{**args, "block_tables": real})
+            assert torch.equal(kernels.paged_prefill_attention(**args), expected)
+
+
+WINDOW_TRITON_MUTANTS = {
+    "window one token too wide": (
+        "in_window = n[None, :] > positions[:, None] - window",
+        "in_window = n[None, :] >= positions[:, None] - window",
+    ),
+    "keys walked from 0 and masked": (
+        "for tile_start in range(first_key, end, BLOCK_N):",
+        "for tile_start in range(0, end, BLOCK_N):",
+    ),
+    "window starts at the tile's last query": (
+        "first_key = tl.maximum(tile_position - window + 1, 0)",
+        "first_key = tl.maximum(tile_position + BLOCK_Q - window, 0)",
+    ),
+}
+WINDOW_REFERENCE_MUTANTS = {
+    "window one token too wide": (
+        "hidden |= key_positions[:, None, :] <= p - window",
+        "hidden |= key_positions[:, None, :] < p - window",
+    ),
+    "keys gathered from 0 and masked": (
+        "starts = window_starts(lens, query_lens, window)",
+        "starts = torch.zeros_like(lens)",
+    ),
+}
+# fixed_scenario(4)'s live sequences hold 14, 10 and 7 tokens: with window 4, the first two
+# have blocks wholly before their windows (chunks over cached prefixes), the third none.
+WINDOW_QUERY_LENS = [3, 1, 7]
+
+
+@pytest.mark.parametrize("mutation", list(WINDOW_TRITON_MUTANTS), ids=list(WINDOW_TRITON_MUTANTS))
+def test_check_catches_planted_triton_window_bug(mutation: str, tmp_path: Path) -> None:
+    """Block size 4, window 4, poisoned with a NaN block: the real kernel passes, each mutant
+    fails."""
+    cache = KVCache(fixed_scenario(4), Shape(4, 2, 2, 64, torch.float32))
+    check_prefill(cache, WINDOW_QUERY_LENS, triton_prefill_api, window=4, poison="nan")
+    mutant = load_mutant(triton_prefill, *WINDOW_TRITON_MUTANTS[mutation], tmp_path)
+    with pytest.raises(AssertionError):
+        check_prefill(cache, WINDOW_QUERY_LENS, mutant.launch, window=4, poison="nan")
+
+
+@pytest.mark.parametrize(
+    "mutation", list(WINDOW_REFERENCE_MUTANTS), ids=list(WINDOW_REFERENCE_MUTANTS)
+)
+def test_check_catches_planted_reference_window_bug(mutation: str, tmp_path: Path) -> None:
+    cache = KVCache(fixed_scenario(4), Shape(4, 2, 2, 64, torch.float32))
+    mutant = load_mutant(reference, *WINDOW_REFERENCE_MUTANTS[mutation], tmp_path)
+    with pytest.raises(AssertionError):
+        check_prefill(
+            cache, WINDOW_QUERY_LENS, mutant.paged_prefill_attention, window=4, poison="nan"
+        )
