@@ -8,17 +8,30 @@ samples), must produce the greedy tokens of ``transformers``' own ``generate(do_
 each prompt, stopping at the same EOS, and the logits of ``transformers``' forward pass over the
 same tokens within ``LOGIT_ATOL``/``LOGIT_RTOL``. Skipped when ``transformers`` is absent (the
 ``hf`` extra; CI installs it).
+
+Mistral with a sliding window is checked on its own: a seeded ``MistralForCausalLM`` with
+``sliding_window=8``, saved and loaded from its directory, served by the engine (blocks of 4,
+chunked prefill over cached prefixes) on prompts whose prompt plus output is 3 to 6 windows
+long, must give ``generate``'s greedy tokens and forward logits, as must the dense oracle, under
+both attention implementations of ``transformers`` that honour the window (eager and SDPA).
+The check has teeth: the same weights with no window, or a window one token shorter or longer,
+give other tokens than ``transformers`` for some prompt. And the convention itself is read off
+``transformers``' own mask function.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
+from pagedkv.impl.serving.dense import dense_generate
 from pagedkv.impl.serving.engine import PagedAttentionEngine
 from pagedkv.impl.serving.hf_loader import ACCEPTED_MODEL_TYPES, load_hf
+from pagedkv.impl.serving.model import CausalLM
 from properties.engine_cases import assert_logits_close, one_thread
 from properties.hf_cases import hf_greedy, tiny_hf_model
 
@@ -81,3 +94,83 @@ def test_paged_engine_generates_what_transformers_generates(hf_model: torch.nn.M
             with torch.no_grad():
                 forward = hf_model(torch.tensor([prompt + tokens[:-1]])).logits[0]
             assert_logits_close(logits, forward[len(prompt) - 1 :], f"prompt {prompt}")
+
+
+# ----------------------------------------------------------------------- sliding window
+
+WINDOW = 8
+WINDOW_MAX_NEW_TOKENS = 24
+
+
+def window_prompts() -> list[list[int]]:
+    """Seeded prompts sharing a 6-token prefix, of 7 to 26 tokens: with 24 new tokens each
+    sequence ends 31 to 50 tokens long, 3.9 to 6.25 windows of 8."""
+    generator = torch.Generator().manual_seed(3)
+    system = torch.randint(3, 128, (6,), generator=generator).tolist()
+    return [
+        system + torch.randint(3, 128, (length,), generator=generator).tolist()
+        for length in (1, 9, 14, 20)
+    ]
+
+
+def test_our_window_is_the_one_transformers_masks_with() -> None:
+    """``transformers``' sliding-window mask lets query ``q`` see key ``kv`` iff ``q - w < kv <=
+    q``: the ``window`` convention of the kernels, here checked on every pair up to 20."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    q, kv = torch.arange(20)[:, None], torch.arange(20)[None, :]
+    zero = torch.tensor(0)
+    for window in (1, 2, 3, 8):
+        theirs = sliding_window_causal_mask_function(window)(zero, zero, q, kv)
+        ours = (q - window < kv) & (kv <= q)
+        assert torch.equal(theirs.expand(20, 20), ours), window
+
+
+@pytest.fixture(scope="module", params=["eager", "sdpa"])
+def hf_mistral_window(request: pytest.FixtureRequest) -> torch.nn.Module:
+    return tiny_hf_model(
+        "Mistral", sliding_window=WINDOW, head_dim=24, rope_theta=500.0, rms_norm_eps=1e-5,
+        attn_implementation=request.param,
+    )  # fmt: skip
+
+
+def test_mistral_sliding_window_matches_transformers(
+    hf_mistral_window: torch.nn.Module, tmp_path: Path
+) -> None:
+    hf_model = hf_mistral_window
+    assert hf_model.config._attn_implementation in ("eager", "sdpa")
+    hf_model.save_pretrained(tmp_path)
+    model = load_hf(tmp_path)
+    assert model.config.sliding_window == WINDOW
+    prompts = window_prompts()
+    expected = [hf_greedy(hf_model, prompt, WINDOW_MAX_NEW_TOKENS) for prompt in prompts]
+    assert all(len(p) + len(e) >= 3 * WINDOW for p, e in zip(prompts, expected, strict=True))
+
+    # Prompts of up to 26 tokens in chunks of at most 10, over prefix-cache hits; 4 sequences
+    # of up to 13 blocks in 24 blocks, so some are preempted and recomputed.
+    engine = PagedAttentionEngine(
+        model, total_blocks=24, block_size=4, max_num_seqs=4, max_num_batched_tokens=10,
+        enable_prefix_caching=True, keep_logits=True,
+    )  # fmt: skip
+    outputs = engine.generate(prompts, WINDOW_MAX_NEW_TOKENS)
+    metrics = engine.metrics
+    assert sum(m.prefix_hit_tokens for m in metrics) > 0 and sum(m.preemptions for m in metrics)
+    for prompt, out, tokens in zip(prompts, outputs, expected, strict=True):
+        assert out.outputs[0] == tokens, f"prompt {prompt}: paged {out.outputs[0]} != hf {tokens}"
+        assert out.logits is not None
+        with torch.no_grad():
+            forward = hf_model(torch.tensor([prompt + tokens[:-1]])).logits[0]
+        assert_logits_close(out.logits[0], forward[len(prompt) - 1 :], f"prompt {prompt}")
+        dense = dense_generate(model, prompt, WINDOW_MAX_NEW_TOKENS)
+        assert dense.tokens == tokens, f"prompt {prompt}: dense {dense.tokens} != hf {tokens}"
+        assert_logits_close(dense.logits, forward[len(prompt) - 1 :], f"dense, prompt {prompt}")
+
+    # Teeth: a model that ignored the window, or placed its edge one token off, would fail.
+    for window in (None, WINDOW - 1, WINDOW + 1):
+        other = CausalLM(dataclasses.replace(model.config, sliding_window=window))
+        other.load_state_dict(model.state_dict())
+        differs = [
+            dense_generate(other.eval(), prompt, WINDOW_MAX_NEW_TOKENS).tokens != tokens
+            for prompt, tokens in zip(prompts, expected, strict=True)
+        ]
+        assert any(differs), f"window {window} gives transformers' window-{WINDOW} tokens"

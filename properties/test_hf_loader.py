@@ -7,7 +7,9 @@ again naming a field of its own when its config is relabelled ``llama``: the fie
 only the family name, keeps out what ``CausalLM`` does not compute. Single Llama fields that
 change the computation are refused one by one. Accepted families are compared with
 ``transformers`` in ``test_engine_hf.py``; here the directory path, the weight checks and the
-command line are checked too.
+command line are checked too. Mistral's sliding window is read into
+``ModelConfig.sliding_window``, and a window ``CausalLM`` cannot take is refused by name, as is
+a window on a Llama config (``transformers``' Llama would ignore it).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ transformers = pytest.importorskip("transformers")
 
 # family -> (overrides, a field of its config that CausalLM does not compute)
 REFUSED_FAMILIES: dict[str, tuple[dict[str, Any], str]] = {
-    "Mistral": ({"sliding_window": 16}, "sliding_window"),
     "Granite": ({"embedding_multiplier": 12.0}, "embedding_multiplier"),
     "Ernie4_5": ({}, "use_bias"),  # and interleaved RoPE, which no field announces
     "SmolLM3": ({}, "no_rope_layers"),
@@ -57,15 +58,14 @@ def _relabelled(config: Any, **changes: Any) -> SimpleNamespace:
 def test_each_named_family_is_refused_by_name_and_by_field(family: str) -> None:
     overrides, field = REFUSED_FAMILIES[family]
     model = tiny_hf_model(_family(family), **overrides)
-    expected = "sliding_window" if family == "Mistral" else "model_type"
-    with pytest.raises(ValueError, match=f"config field {expected}="):
+    with pytest.raises(ValueError, match="config field model_type="):
         load_hf(model)
-    # Relabelled llama, it is refused for a field a Llama config does not have (or for the
-    # window); and its characteristic field alone makes a Llama config refused.
+    # Relabelled llama, it is refused for a field a Llama config does not have; and its
+    # characteristic field alone makes a Llama config refused.
     own = set(model.config.to_dict()) - set(tiny_hf_model("Llama").config.to_dict())
     with pytest.raises(ValueError, match="config field") as refused:
         config_from_hf(_relabelled(model.config, model_type="llama"))
-    assert re.match(r"config field (\w+)=", str(refused.value))[1] in own | {"sliding_window"}
+    assert re.match(r"config field (\w+)=", str(refused.value))[1] in own
     value = model.config.to_dict()[field]
     with pytest.raises(ValueError, match=re.escape(f"config field {field}={value!r}")):
         config_from_hf(_relabelled(tiny_hf_model("Llama").config, **{field: value}))
@@ -98,6 +98,16 @@ def test_the_config_is_read_exactly() -> None:
     model = tiny_hf_model("Mistral", sliding_window=None, head_dim=24, rope_theta=500.0)
     config = load_hf(model).config
     assert (config.head_dim, config.rope_theta, config.num_kv_heads) == (24, 500.0, 2)
+    assert config.sliding_window is None
+    assert load_hf(tiny_hf_model("Mistral", sliding_window=12)).config.sliding_window == 12
+    assert load_hf(tiny_hf_model("Llama")).config.sliding_window is None
+
+
+@pytest.mark.parametrize("window", [0, -4, 2.5, True, "8"])
+def test_a_window_causal_lm_cannot_take_is_refused_by_name(window: object) -> None:
+    config = tiny_hf_model("Mistral", sliding_window=None).config
+    with pytest.raises(ValueError, match=re.escape(f"config field sliding_window={window!r}")):
+        config_from_hf(_relabelled(config, sliding_window=window))
 
 
 def test_a_saved_directory_loads_the_same_weights(tmp_path: Path) -> None:

@@ -489,6 +489,7 @@ def serving_calls(engine: PagedAttentionEngine) -> dict[str, tuple[Callable, dic
                 "rope_theta": Arg([500.0], [TINY, HUGE], ["1e4", None], [0.0, -1.0, math.inf]),
                 "rms_norm_eps": Arg([1e-6], [0.0, TINY], [True, "x"], [-1e-6, math.nan]),
                 "tie_word_embeddings": Arg([False], [True], [0, "yes"]),
+                "sliding_window": Arg([None, 8], [1, 2**70], [8.0, True, "8"], [0, -1]),
             },
         ),
     }

@@ -6,7 +6,8 @@ layer, written at the sequence's next positions. A prompt attends with the same
 ``kernels.reference.causal_attention`` as the paged prefill, and a single token with
 ``kernels.contiguous_decode_attention``, the unpaged twin of ``paged_decode_attention``. So the
 oracle and the engine share every layer and every attention formula; only where K/V live, and how
-they are found, differs.
+they are found, differs. A layer's sliding window is passed to both, so a windowed model (Mistral)
+is checked too; the oracle keeps every token (it needs no release rule), the window only masks.
 """
 
 from __future__ import annotations
@@ -40,17 +41,26 @@ class ContiguousKVCache:
         self.backend = backend
 
     def attend(
-        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
+        """Write the step's K/V after the stored tokens, then attend causally (within
+        ``window``) over everything stored."""
         end = self.length + query.shape[0]
         k_cache, v_cache = self.k[layer], self.v[layer]
         k_cache[0, self.length : end] = key
         v_cache[0, self.length : end] = value
         if query.shape[0] > 1:
-            return causal_attention(query, k_cache[0, :end], v_cache[0, :end], self.scale)
+            return causal_attention(
+                query, k_cache[0, :end], v_cache[0, :end], self.scale, window=window
+            )
         lens = torch.tensor([end], device=query.device)
         return kernels.contiguous_decode_attention(
-            query, k_cache, v_cache, lens, self.scale, backend=self.backend
+            query, k_cache, v_cache, lens, self.scale, window=window, backend=self.backend
         )
 
 

@@ -7,16 +7,21 @@ weight is read, :func:`config_from_hf` checks the config against what ``CausalLM
 * ``model_type`` must be one of :data:`ACCEPTED_MODEL_TYPES` (Llama and Mistral, whose layers are
   Llama's);
 * every other field of ``config.to_dict()`` must be known. A field is either one the model is
-  built from (:data:`SHAPE_FIELDS`, and RoPE's ``rope_theta``), one that changes the computation
-  and must hold the one value ``CausalLM`` computes (:data:`REQUIRED_VALUES`, and RoPE's type,
-  which must be ``"default"``), or one that does not change what inference computes
-  (:data:`INERT_FIELDS`, and the fields every ``PretrainedConfig`` has).
+  built from (:data:`SHAPE_FIELDS`, RoPE's ``rope_theta``, and for the families in
+  :data:`WINDOW_FAMILIES` ``sliding_window``), one that changes the computation and must hold
+  the one value ``CausalLM`` computes (:data:`REQUIRED_VALUES`, and RoPE's type, which must be
+  ``"default"``), or one that does not change what inference computes (:data:`INERT_FIELDS`,
+  and the fields every ``PretrainedConfig`` has).
 
-Anything else is refused with a ``ValueError`` that names the field: a new family, a field a
-newer ``transformers`` adds, a sliding window (``sliding_window`` must be ``None``: there is no
-sliding-window attention here), biases, another activation, scaled or partial RoPE,
-quantization. Then the weights must have exactly ``CausalLM``'s names and shapes. So a model
-that loads computes what ``transformers`` computes; the properties check it against ``generate``.
+Mistral's ``sliding_window`` (``None``, or an int ``w >= 1``) becomes
+``ModelConfig.sliding_window``: every layer's token at position ``p`` attends positions ``p - w
+< j <= p``, as ``transformers``' sliding-window mask does. Llama ignores the field in
+``transformers``, so a Llama config must not set it (``None``): a config that says one thing
+while the model computes another is refused. Anything else is refused with a ``ValueError``
+that names the field: a new family, a field a newer ``transformers`` adds, biases, another
+activation, scaled or partial RoPE, quantization. Then the weights must have exactly
+``CausalLM``'s names and shapes. So a model that loads computes what ``transformers`` computes;
+the properties check it against ``generate``.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pagedkv.impl.serving.model import CausalLM, ModelConfig
 from pagedkv.kernels.validation import check_float_dtype
 
 ACCEPTED_MODEL_TYPES = ("llama", "mistral")
+WINDOW_FAMILIES = ("mistral",)  # model types whose sliding_window every layer applies
 
 SHAPE_FIELDS = {  # Hugging Face's name -> ModelConfig's
     "vocab_size": "vocab_size",
@@ -49,7 +55,7 @@ REQUIRED_VALUES: dict[str, object] = {  # where present, these fields must hold 
     "attention_bias": False,
     "mlp_bias": False,
     "pretraining_tp": 1,  # Llama 4.x: split projections (not the same float arithmetic)
-    "sliding_window": None,  # Mistral: every token attends its whole context
+    "sliding_window": None,  # outside WINDOW_FAMILIES: transformers would ignore a window
     "rope_scaling": None,  # transformers 4.x: plain RoPE
 }
 INERT_FIELDS = frozenset(
@@ -81,8 +87,11 @@ def config_from_hf(config: Any) -> ModelConfig:
             f"{ACCEPTED_MODEL_TYPES}"
         )
     known = {*SHAPE_FIELDS, *REQUIRED_VALUES, *INERT_FIELDS, *ROPE_FIELDS, *_generic_fields()}
+    windowed = model_type in WINDOW_FAMILIES
     for name, value in fields.items():
-        if name in REQUIRED_VALUES and value != REQUIRED_VALUES[name]:
+        if windowed and name == "sliding_window":
+            _check_window(value)
+        elif name in REQUIRED_VALUES and value != REQUIRED_VALUES[name]:
             raise ValueError(
                 f"config field {name}={value!r} is not supported: CausalLM computes "
                 f"{name}={REQUIRED_VALUES[name]!r}"
@@ -98,7 +107,20 @@ def config_from_hf(config: Any) -> ModelConfig:
     shape = {ours: fields[theirs] for theirs, ours in SHAPE_FIELDS.items() if theirs in fields}
     if shape.get("head_dim") is None:
         shape["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
-    return ModelConfig(**shape, rope_theta=_rope_theta(fields))
+    window = fields.get("sliding_window") if windowed else None
+    return ModelConfig(**shape, rope_theta=_rope_theta(fields), sliding_window=window)
+
+
+def _check_window(value: object) -> None:
+    """A window ``ModelConfig`` takes: ``None`` or an int ``>= 1`` (``ValueError`` naming the
+    field otherwise, like every refused field)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"config field sliding_window={value!r} is not supported: it must be None or an "
+            f"int >= 1"
+        )
 
 
 def load_hf(

@@ -4,7 +4,8 @@ The blocks are the modern ones: token embedding, RMSNorm, rotary position embedd
 grouped-query attention, a SwiGLU MLP and a tied or untied LM head, with Hugging Face Llama's
 conventions (parameter names, ``rotate_half`` RoPE layout, ``rope_theta``, ``rms_norm_eps``,
 ``scale = head_dim ** -0.5``), so ``pagedkv.impl.serving.hf_loader`` loads the weights of a
-``transformers`` Llama (or of a family that computes exactly what it computes) unchanged.
+``transformers`` Llama (or of a family that computes exactly what it computes) unchanged. With
+``ModelConfig.sliding_window`` every layer attends through a sliding window, as Mistral does.
 
 The model works on a *flat* step: the tokens of every sequence in the step, concatenated
 (``input_ids`` and ``positions`` are ``[T]``). It never holds K/V itself. Each attention layer hands
@@ -38,12 +39,19 @@ class KVAttention(Protocol):
     """Where a step's K/V go and how its queries attend; the only thing the model delegates."""
 
     def attend(
-        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Store the step's ``key``/``value`` (``[T, num_kv_heads, head_dim]``, RoPE applied) for
         ``layer``, then return the attention of ``query`` (``[T, num_heads, head_dim]``) over each
         token's causal context (every earlier token of its sequence, and itself):
-        ``[T, num_heads, head_dim]``."""
+        ``[T, num_heads, head_dim]``. With ``window`` ``w`` (an int ``>= 1``) the token at
+        position ``p`` attends only the tokens at positions ``p - w < j <= p`` (the kernels'
+        ``window``, Hugging Face's ``sliding_window``)."""
         ...
 
 
@@ -67,13 +75,19 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
+    # Mistral's sliding window: the token at position p attends positions p - w < j <= p in
+    # every layer. None: full causal attention.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         """Every field checked: sizes are ints >= 1, ``rope_theta`` a finite number > 0,
-        ``rms_norm_eps`` a finite number >= 0, ``tie_word_embeddings`` a bool (``TypeError`` or
-        ``ValueError`` naming the field); heads must group evenly and ``head_dim`` be even."""
+        ``rms_norm_eps`` a finite number >= 0, ``tie_word_embeddings`` a bool,
+        ``sliding_window`` ``None`` or an int >= 1 (``TypeError`` or ``ValueError`` naming the
+        field); heads must group evenly and ``head_dim`` be even."""
         for name in SIZE_FIELDS:
             check_int(name, getattr(self, name), 1)
+        if self.sliding_window is not None:
+            check_int("sliding_window", self.sliding_window, 1)
         check_number("rope_theta", self.rope_theta, allow_zero=False)
         check_number("rms_norm_eps", self.rms_norm_eps, allow_zero=True)
         check_bool("tie_word_embeddings", self.tie_word_embeddings)
@@ -128,6 +142,7 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
+        self.window = config.sliding_window
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
@@ -144,7 +159,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = kv.attend(self.layer, q, k, v)
+        out = kv.attend(self.layer, q, k, v, self.window)
         return self.o_proj(out.reshape(tokens, -1))
 
 

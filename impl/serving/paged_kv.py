@@ -7,7 +7,10 @@ step. Per layer it writes the step's new K/V with ``kernels.store_kv`` at the st
 mapping, then attends with one ``kernels.paged_prefill_attention`` call over the whole step:
 decodes (one new token), prompts, prompt chunks over a cached prefix and preempted sequences
 being recomputed are all variable-length query chunks of one batch, each reading its whole
-context, cached prefix included, through its block table.
+context, cached prefix included, through its block table; with a sliding window (the layer's
+``window``), only the part of it in the window, so the table entries of blocks wholly before
+the window of a sequence's first query in the step are never read and may name released
+blocks.
 
 Every K/V row a query reads comes out of the cache through the block table; nothing
 is kept on the side. The caches start as NaN, so reading a slot no token was written to poisons
@@ -17,7 +20,7 @@ the output instead of passing unnoticed.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -91,20 +94,31 @@ class PagedStep:
     block_tables: torch.Tensor  # int32 [B, max_blocks]
     cu_seqlens_q: torch.Tensor  # int64 [B + 1]: sequence b's flat tokens start at [b]
     context_lens: torch.Tensor  # int64 [B]
+    # The windows whose table entries this step has validated (filled by attend).
+    checked_windows: set[int | None] = field(default_factory=set)
 
     def attend(
-        self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """Write the step's K/V for ``layer``, then attend through the block tables. The step's
-        slots, tables and lengths are the same in every layer, so their values are checked in
-        layer 0 only (``validate=``)."""
-        cache, validate = self.cache, layer == 0
+        """Write the step's K/V for ``layer``, then attend through the block tables, within
+        ``window`` when it is given (``kernels.paged_prefill_attention``'s ``window``). The
+        step's slots, tables and lengths are the same in every layer, so their values are
+        checked only in the first layer that attends with each window (``validate=``): the
+        table entries a window reaches depend on the window."""
+        cache, validate = self.cache, window not in self.checked_windows
         k_cache, v_cache = cache.k[layer], cache.v[layer]
         kernels.store_kv(
             key, value, k_cache, v_cache, self.slot_mapping,
             backend=cache.backend, validate=validate,
         )  # fmt: skip
-        return kernels.paged_prefill_attention(
+        out = kernels.paged_prefill_attention(
             query, k_cache, v_cache, self.block_tables, self.cu_seqlens_q, self.context_lens,
-            cache.scale, backend=cache.backend, validate=validate,
+            cache.scale, window=window, backend=cache.backend, validate=validate,
         )  # fmt: skip
+        self.checked_windows.add(window)
+        return out
