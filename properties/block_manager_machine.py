@@ -126,6 +126,10 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
         )
         def append(self, seq: Sequence, new_tokens: int, lookahead: int) -> None:
             """Write ``new_tokens`` tokens; ``lookahead`` extra slots are reserved, not written."""
+            self.write_tokens(seq, new_tokens, lookahead)
+
+        def write_tokens(self, seq: Sequence, new_tokens: int, lookahead: int) -> bool:
+            """``append``'s calls and writes; returns whether the tokens were written."""
             count = len(seq.tokens)
             before = self.snapshot()
             # Reserve lookahead slots without writing, then write the new tokens.
@@ -134,7 +138,7 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
                 actual = self.on_table(self.manager.append_slot, seq.table, target, written)
                 self.check_same(actual, expected, before)
                 if expected.error is not None:
-                    return
+                    return False
                 before = self.snapshot()
                 if self.model.copy_pairs:
                     event("copy-on-write")
@@ -149,6 +153,33 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             values = [next(self.values) for _ in range(new_tokens)]
             self.write(seq, count, values)
             seq.tokens += values
+            return True
+
+        @rule(seq=seqs, data=st.data())
+        def truncate(self, seq: Sequence, data: st.DataObject) -> None:
+            """Roll back to any count the table can hold; past its capacity is refused."""
+            capacity = len(seq.table) * self.size
+            count = data.draw(
+                st.integers(0, capacity) | st.integers(-2, capacity + self.size), label="count"
+            )
+            self.roll_back(seq, count)
+
+        @rule(seq=seqs, drafts=st.integers(0, 6), data=st.data())
+        def speculate(self, seq: Sequence, drafts: int, data: st.DataObject) -> None:
+            """A speculative step: write the last token and ``drafts`` guesses, keep ``1 + j``."""
+            count = len(seq.tokens)
+            if self.write_tokens(seq, 1 + drafts, 0):
+                self.roll_back(seq, count + 1 + data.draw(st.integers(0, drafts), label="j"))
+
+        def roll_back(self, seq: Sequence, count: int) -> None:
+            before = self.snapshot()
+            expected = self.model.truncate(seq.table, count)
+            actual = self.on_table(self.manager.truncate, seq.table, count)
+            self.check_same(actual, expected, before)
+            if expected.error is None:
+                event("truncate: dropped blocks" if expected.value != seq.table else "truncate")
+                seq.table = expected.value
+                del seq.tokens[count:]
 
         @rule()
         def take_copy_pairs(self) -> None:
@@ -198,11 +229,13 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             self.check_same(observe(self.manager.translate_slot, table, pos), expected, before)
             if expected.error is BlockTableError:
                 self.check_same(observe(self.manager.free, table), self.model.free(table), before)
+                expected = self.model.truncate(table, 0)
+                self.check_same(observe(self.manager.truncate, table, 0), expected, before)
 
         @rule(
             seq=seqs,
             bad=st.sampled_from(["repeated", "negative", "one past the last", "far past"]),
-            operation=st.sampled_from(["free", "fork", "append", "translate"]),
+            operation=st.sampled_from(["free", "fork", "append", "translate", "truncate"]),
         )
         def repeated_or_unknown_ids(self, seq: Sequence, bad: str, operation: str) -> None:
             """A live table plus one bad id (a repeat of its first id, or an unknown one)."""
@@ -217,6 +250,7 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
                 "fork": (self.manager.fork, self.model.fork, ()),
                 "append": (self.manager.append_slot, self.model.append_slot, (1, 1)),
                 "translate": (self.manager.translate_slot, self.model.translate_slot, (0,)),
+                "truncate": (self.manager.truncate, self.model.truncate, (0,)),
             }
             call, model_call, extra = calls[operation]
             self.check_same(self.on_table(call, table, *extra), model_call(table, *extra), before)
@@ -253,6 +287,8 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
                 assert observe(call, value).error is TypeError, call
             assert observe(self.manager.free, [value]).error is TypeError
             assert observe(self.manager.append_slot, [], value).error is TypeError
+            assert observe(self.manager.truncate, [], value).error is TypeError
+            assert observe(self.manager.truncate, value, 0).error is TypeError
             assert self.snapshot() == before
 
         # ------------------------------------------------------------ invariants

@@ -106,6 +106,20 @@ class BlockModel:
                 self.queue.append(block_id)
         return Outcome(value=None)
 
+    def truncate(self, table: list[int], token_count: int) -> Outcome:
+        """Keep the blocks the first ``token_count`` tokens need; give the rest back, tail first."""
+        error = self._table_error(table)
+        if error is None and not 0 <= token_count <= len(table) * self.block_size:
+            error = ValueError
+        if error is not None:
+            return Outcome(error=error)
+        kept = (token_count + self.block_size - 1) // self.block_size
+        for block_id in table[kept:][::-1]:
+            self.refs[block_id] -= 1
+            if self.refs[block_id] == 0:
+                self.queue.append(block_id)
+        return Outcome(value=table[:kept])
+
     def translate_slot(self, table: list[int], pos: int) -> Outcome:
         error = self._table_error(table)
         if error is not None:

@@ -181,12 +181,17 @@ class DifferentialMachine(RuleBasedStateMachine):
         table=tables,
         value=st.one_of(st.integers(-2, 40), bad_scalars()),
         count=st.integers(0, 40),
-        where=st.sampled_from(["token_count", "new_tokens", "token_pos"]),
+        where=st.sampled_from(["token_count", "new_tokens", "token_pos", "truncate"]),
     )
     def odd_scalar_on_a_table(self, table: Table, value: object, count: int, where: str) -> None:
-        """The same for the int parameters of ``append_slot`` and ``translate_slot``."""
+        """The same for the int parameters of ``append_slot``, ``translate_slot`` and
+        ``truncate``."""
         if where == "token_pos":
             self.both("translate_slot", table.blocks, value)
+        elif where == "truncate":
+            kind, kept = self.both("truncate", table.blocks, value)
+            if kind == "ok":
+                table.replace(kept)
         elif where == "token_count":
             self.grow(table, value, min(count, 2))
         else:
@@ -211,6 +216,29 @@ class DifferentialMachine(RuleBasedStateMachine):
         )
         if kind == "ok":
             table.replace(grown)
+
+    @rule(table=tables, data=st.data(), as_tuple=st.booleans())
+    def truncate(self, table: Table, data: st.DataObject, as_tuple: bool) -> None:
+        """Roll back to any count the table holds (drafts rejected), or past it (refused)."""
+        capacity = len(table.blocks) * self.block_size
+        count = data.draw(st.integers(0, capacity) | st.integers(-1, capacity + 2), label="count")
+        kind, kept = self.both("truncate", tuple(table.blocks) if as_tuple else table.blocks, count)
+        if kind == "ok":
+            table.replace(kept)
+
+    @rule(table=tables, data=st.data())
+    def speculate(self, table: Table, data: st.DataObject) -> None:
+        """Write the last token and ``k`` drafts (lookahead first, maybe), keep ``1 + j``."""
+        filled = data.draw(st.integers(0, len(table.blocks) * self.block_size), label="filled")
+        drafts = data.draw(st.integers(0, 2 * self.block_size), label="k")
+        if data.draw(st.booleans(), label="reserve first"):
+            self.grow(table, filled + 1 + drafts, 0)
+        kind, grown = self.both("append_slot", table.blocks, filled + 1 + drafts, 1 + drafts)
+        if kind == "ok":
+            table.replace(grown)
+            kept = filled + 1 + data.draw(st.integers(0, drafts), label="j")
+            kind, kept_table = self.both("truncate", table.blocks, kept)
+            table.replace(kept_table)
 
     @rule(targets=(tables, every_table), table=tables)
     def fork(self, table: Table) -> Any:
@@ -253,7 +281,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         targets=(tables, every_table),
         table=every_table,
         which=st.integers(0, 7),
-        operation=st.sampled_from(["free", "fork", "append_slot", "array"]),
+        operation=st.sampled_from(["free", "fork", "append_slot", "array", "truncate"]),
     )
     def stale_table(self, table: Table, which: int, operation: str) -> Any:
         """A table that was freed or replaced: its blocks may be free or owned by others."""
@@ -261,8 +289,8 @@ class DifferentialMachine(RuleBasedStateMachine):
         if operation == "array":
             self.free_array(blocks)
             return multiple()
-        if operation == "free":
-            self.both("free", blocks)
+        if operation in ("free", "truncate"):
+            self.both(operation, blocks, *((0,) if operation == "truncate" else ()))
             return multiple()
         args = (len(blocks) * self.block_size,) if operation == "append_slot" else ()
         return made(*self.both(operation, blocks, *args))  # it may be live again
@@ -271,7 +299,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         table=tables,
         repeated=st.integers(0, 40),
         data=st.data(),
-        operation=st.sampled_from(["free", "fork", "translate", "array"]),
+        operation=st.sampled_from(["free", "fork", "translate", "array", "truncate"]),
     )
     def repeated_ids(
         self, table: Table, repeated: int, data: st.DataObject, operation: str
@@ -281,8 +309,8 @@ class DifferentialMachine(RuleBasedStateMachine):
         doubled = data.draw(st.permutations([*ids, ids[repeated % len(ids)]]), label="order")
         if operation == "array":
             self.free_array(doubled)
-        elif operation == "translate":
-            self.both("translate_slot", doubled, 0)
+        elif operation in ("translate", "truncate"):
+            self.both("translate_slot" if operation == "translate" else "truncate", doubled, 0)
         else:
             self.both(operation, doubled)
 
@@ -292,11 +320,12 @@ class DifferentialMachine(RuleBasedStateMachine):
             st.lists(st.one_of(st.integers(-2, 34), bad_scalars()), max_size=4),
             st.sampled_from([None, 3, "ab", {1}, range(2), np.array([0, 1])]),
         ),
-        operation=st.sampled_from(["free", "fork", "append_slot", "translate_slot"]),
+        operation=st.sampled_from(["free", "fork", "append_slot", "translate_slot", "truncate"]),
     )
     def forged_table(self, table: Any, operation: str) -> Any:
         """Any list (unknown ids, wrong types, free or held blocks, in any order), or no list."""
-        args = {"append_slot": (table, 3), "translate_slot": (table, 0)}.get(operation, (table,))
+        args = {"append_slot": (table, 3), "translate_slot": (table, 0), "truncate": (table, 1)}
+        args = args.get(operation, (table,))
         kind, result = self.both(operation, *args)
         return made(kind, result) if operation in ("fork", "append_slot") else multiple()
 

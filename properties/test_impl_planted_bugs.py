@@ -74,6 +74,18 @@ BUGS: dict[str, tuple[types.ModuleType, str, str, str]] = {
         "        return self.take_blocks(min(num_blocks, len(self._free)))",
         "differential",
     ),
+    "truncate frees the dropped blocks outright, shared ones too": (
+        pagedkv.impl.blocks.manager,
+        "self._release_held(ids[kept:], held[kept:])",
+        "self._release_held(ids[kept:], np.ones_like(held[kept:]))",
+        "differential",
+    ),
+    "truncate releases the dropped blocks head first": (
+        pagedkv.impl.blocks.manager,
+        "self._release_held(ids[kept:], held[kept:])",
+        "self._release_held(ids[kept:][::-1].copy(), held[kept:][::-1].copy())",
+        "differential",
+    ),
     "an atomic grow applies the sequences that fit": (
         pagedkv.impl.blocks.table_store,
         "if atomic and failed:",

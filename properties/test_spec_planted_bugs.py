@@ -19,8 +19,8 @@ SPEC_BUGS = {
         "already_free = []",
     ),
     "blocks freed in table order": (
-        "for block_id in reversed(table):",
-        "for block_id in table:",
+        "for block_id in reversed(blocks):",
+        "for block_id in blocks:",
     ),
     "partial allocation on OutOfBlocksError": (
         "        self._check_available(num_blocks)\n"
@@ -42,13 +42,32 @@ SPEC_BUGS = {
         "        if num_blocks > len(self._free):\n            self._copy_pairs.clear()\n",
     ),
     "append_slot edits the caller's table in place": (
-        '        table = self._check_live_table(block_table)\n        check_int("token_count"',
+        '        table = self._check_live_table(block_table)\n        check_int("token_count", '
+        'token_count, 0)\n        check_int("new_tokens"',
         "        self._check_live_table(block_table)\n        table = block_table\n"
-        '        check_int("token_count"',
+        '        check_int("token_count", token_count, 0)\n        check_int("new_tokens"',
     ),
     "no copy-on-write": (
         "shared = [i for i in written if self.blocks[table[i]].ref_count > 1]",
         "shared = []",
+    ),
+    "truncate releases the dropped blocks head first": (
+        "self._release(table[kept:])  # Rule: the dropped blocks are released as free does.",
+        "self._release(table[kept:][::-1])",
+    ),
+    "truncate frees the dropped blocks outright, shared ones too": (
+        "self._release(table[kept:])  # Rule: the dropped blocks are released as free does.",
+        "for block_id in reversed(table[kept:]):\n"
+        "            self.blocks[block_id].ref_count = 0\n"
+        "            self._free.append(block_id)",
+    ),
+    "truncate drops a partly kept last block": (
+        "kept = blocks_needed(token_count, self.block_size)  # Rule: ceil(count / size) stay.",
+        "kept = token_count // self.block_size",
+    ),
+    "truncate past the table's capacity": (
+        "if token_count > len(table) * self.block_size:  # Rule: only slots the table holds.",
+        "if False:",
     ),
 }
 
@@ -61,7 +80,7 @@ def spec_variant(old: str, new: str) -> type:
 
 def test_control_unmutated_copy_passes() -> None:
     """The loading path itself is sound: an identity 'mutation' passes the machine."""
-    snippet = "for block_id in reversed(table):"
+    snippet = "for block_id in reversed(blocks):"
     run_state_machine_as_test(block_manager_machine(spec_variant(snippet, snippet)), settings=FIND)
 
 

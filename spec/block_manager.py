@@ -150,6 +150,14 @@ class BlockManager:
 
     # ----------------------------------------------------------------- operations
 
+    def _release(self, blocks: list[int]) -> None:
+        """Drop one hold on each of ``blocks`` (held, distinct), in the order ``free`` uses."""
+        for block_id in reversed(blocks):  # Rule: tail first, so prefixes outlive tails.
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free.append(block_id)  # Rule: freed blocks join the tail of the queue.
+
     def _take_from_head(self, num_blocks: int) -> list[int]:
         """Pop ``num_blocks`` blocks from the head of the free queue, each with ref_count 1."""
         taken = [self._free.popleft() for _ in range(num_blocks)]
@@ -179,6 +187,9 @@ class BlockManager:
           shared (``ref_count > 1``) is replaced, in table order, by a fresh block from the head
           of the queue (taken before the growth blocks); the shared block loses this owner
           (``ref_count - 1``) and ``(shared, fresh)`` is recorded for ``pop_copy_pairs``.
+        * Lookahead: ``append_slot(table, token_count + k, new_tokens=0)`` reserves ``k`` slots
+          beyond the last token without writing any, so it grows but never copies; ``truncate``
+          gives back slots that were not kept.
         * All-or-nothing: if the free queue cannot supply every fresh block, ``OutOfBlocksError``
           is raised and nothing changes. The argument is never mutated.
         """
@@ -219,12 +230,34 @@ class BlockManager:
         tail blocks. Unknown ids, repeated ids and already-free blocks raise ``BlockTableError``
         before anything changes.
         """
+        self._release(self._check_live_table(block_table))
+
+    def truncate(self, block_table: Sequence[int], token_count: int) -> list[int]:
+        """Roll a live table back to ``token_count`` tokens; return the shorter table.
+
+        The rollback of speculative decoding: draft tokens are written (``append_slot`` with
+        ``new_tokens = 1 + k``), checked, and the rejected ones' slots are given back here.
+
+        * The result is ``table[:ceil(token_count / block_size)]``; the dropped blocks are
+          released exactly as ``free`` releases a table: each loses this table's hold, and those
+          reaching 0 join the TAIL of the free queue, the table's LAST block first. A dropped
+          block that other tables hold stays held by them.
+        * ``token_count`` is an int >= 0 (``TypeError``/``ValueError``) and at most the table's
+          capacity, ``len(table) * block_size`` (``ValueError``); the table must be live
+          (``BlockTableError``). All of it is checked before anything changes. The argument is
+          never mutated. Positions from ``token_count`` on are free to be written again; a kept
+          last block that other tables share is copied on the next write into it.
+        """
         table = self._check_live_table(block_table)
-        for block_id in reversed(table):  # Rule: tail first, so prefixes outlive tails.
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free.append(block_id)  # Rule: freed blocks join the tail of the queue.
+        check_int("token_count", token_count, 0)
+        if token_count > len(table) * self.block_size:  # Rule: only slots the table holds.
+            raise ValueError(
+                f"token_count {token_count} exceeds the table's capacity of "
+                f"{len(table) * self.block_size} slots"
+            )
+        kept = blocks_needed(token_count, self.block_size)  # Rule: ceil(count / size) stay.
+        self._release(table[kept:])  # Rule: the dropped blocks are released as free does.
+        return table[:kept]
 
     def translate_slot(self, block_table: Sequence[int], token_pos: int) -> int:
         """Physical slot of ``token_pos`` in a live table (module-level ``translate_slot``)."""

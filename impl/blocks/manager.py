@@ -152,6 +152,27 @@ class BlockManager:
         """
         self._release_held(*self._live_table(block_table))
 
+    def truncate(self, block_table: Sequence[int], token_count: int) -> list[int]:
+        """Roll a live table back to ``token_count`` tokens; return the shorter table.
+
+        Exactly ``spec.BlockManager.truncate``: the result is ``table[:ceil(token_count /
+        block_size)]``; each dropped block loses this table's hold and those reaching 0 join the
+        free queue's tail, the table's LAST block first. ``BlockTableError`` for a table that is
+        not live, ``TypeError``/``ValueError`` for a ``token_count`` that is not an int >= 0, and
+        ``ValueError`` for one beyond ``len(table) * block_size``; nothing changes then.
+        """
+        ids, held = self._live_table(block_table)
+        check_int("token_count", token_count, 0)
+        if token_count > ids.size * self.block_size:
+            raise ValueError(
+                f"token_count {token_count} exceeds the table's capacity of "
+                f"{ids.size * self.block_size} slots"
+            )
+        kept = blocks_needed(token_count, self.block_size)
+        if kept < ids.size:
+            self._release_held(ids[kept:], held[kept:])
+        return list(block_table[:kept])
+
     def translate_slot(self, block_table: Sequence[int], token_pos: int) -> int:
         """Physical slot of ``token_pos`` in a live table (module-level ``translate_slot``)."""
         self._live_table(block_table)
