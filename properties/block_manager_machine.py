@@ -297,6 +297,8 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
         def queue_matches_model(self) -> None:
             assert self.manager.free_block_ids() == self.model.queue
             assert self.manager.num_free_blocks == len(self.manager.free_block_ids())
+            held = self.model.total_blocks - len(self.model.queue)
+            assert self.manager.usage == held / self.model.total_blocks
 
         @invariant()
         def pending_pairs_match(self) -> None:

@@ -352,6 +352,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         The pending pairs are read from copies of the managers, so this changes nothing."""
         assert self.spec.free_block_ids() == self.impl.free_block_ids()
         assert self.spec.num_free_blocks == self.impl.num_free_blocks
+        assert self.spec.usage == self.impl.usage
         assert [block.ref_count for block in self.spec.blocks] == self.impl.ref_counts().tolist()
         for block_id in range(self.total_blocks):
             assert self.spec.ref_count(block_id) == self.impl.ref_count(block_id)

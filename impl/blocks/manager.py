@@ -68,6 +68,11 @@ class BlockManager:
         """Number of blocks in the free queue."""
         return len(self._free)
 
+    @property
+    def usage(self) -> float:
+        """The fraction of the pool held by live tables, ``1 - free / total_blocks``."""
+        return (self.total_blocks - len(self._free)) / self.total_blocks
+
     def can_allocate(self, num_blocks: int) -> bool:
         """Whether ``allocate(num_blocks)`` would succeed now."""
         return check_int("num_blocks", num_blocks, 0) <= len(self._free)
