@@ -47,6 +47,18 @@ STATES = {
 """Distinct states per ``(system, total_blocks, block_size, depth)``, as docs/results.md
 reports them."""
 
+ROLLBACK_BUGS = {
+    "truncate releases the dropped blocks head first",
+    "truncate frees the dropped blocks outright, shared ones too",
+    "truncate drops a partly kept last block",
+    "truncate past the table's capacity",
+    "a cut cached block keeps its key",
+    "a cut cached block loses its key while other tables hold it",
+    "a cached block is written in place",
+}
+"""Planted bugs in ``truncate`` and in a write after one: the exhaustive check does not
+enumerate rollbacks, so only the machines are asked to catch them."""
+
 POOLS = [(BlockSystem, *pool) for pool in BLOCK_POOLS] + [
     (PrefixSystem, *pool) for pool in PREFIX_POOLS
 ]
@@ -80,19 +92,19 @@ def prefix_mutant(old: str, new: str) -> type:
 
 def test_controls_pass() -> None:
     """The loading path is sound: unmodified copies agree everywhere."""
-    snippet = "for block_id in reversed(table):"
+    snippet = "for block_id in reversed(blocks):"
     explore(planted(BlockSystem, block_mutant(snippet, snippet), 2), 4)
     snippet = "key = self._key_of.pop(block_id, None)"
     explore(planted(PrefixSystem, prefix_mutant(snippet, snippet), 1), 4)
 
 
-@pytest.mark.parametrize("bug", sorted(SPEC_BUGS))
+@pytest.mark.parametrize("bug", sorted(set(SPEC_BUGS) - ROLLBACK_BUGS))
 def test_planted_block_manager_bug_is_caught(bug: str) -> None:
     with pytest.raises(Mismatch):
         explore(planted(BlockSystem, block_mutant(*SPEC_BUGS[bug]), 2), 4)
 
 
-@pytest.mark.parametrize("bug", sorted(PREFIX_BUGS))
+@pytest.mark.parametrize("bug", sorted(set(PREFIX_BUGS) - ROLLBACK_BUGS))
 def test_planted_prefix_cache_bug_is_caught(bug: str) -> None:
     with pytest.raises(Mismatch):
         explore(planted(PrefixSystem, prefix_mutant(*PREFIX_BUGS[bug]), 1), 4)
