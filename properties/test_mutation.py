@@ -44,7 +44,7 @@ def test_edits_are_the_documented_ones() -> None:
 def test_mutant_ids_name_the_file_scope_and_edit() -> None:
     mutants = mutants_of("spec/block_manager.py")
     assert len({m.ident for m in mutants}) == len(mutants)
-    assert "spec/block_manager.py::BlockManager.free::Eq->NotEq#1" in {m.ident for m in mutants}
+    assert "spec/block_manager.py::BlockManager._release::Eq->NotEq#1" in {m.ident for m in mutants}
     assert module_name("impl/blocks/manager.py") == "pagedkv.impl.blocks.manager"
 
 
