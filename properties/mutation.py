@@ -63,6 +63,7 @@ DEFAULT_PATHS = (
 BLOCK_MANAGEMENT_TESTS = (
     "properties/test_block_table_store.py",
     "properties/test_impl_differential.py",
+    "properties/test_impl_edges.py",
     "properties/test_impl_free_queue.py",
     "properties/test_impl_prefix_cache.py",
     "properties/test_prefix_cache_spec.py",
@@ -107,6 +108,47 @@ EQUIVALENT: dict[str, str] = {
     ),
     "spec/prefix_cache.py::BlockKey::False->True#2": (
         "@dataclass(eq=True): dataclass keeps the class's own __eq__ and explicit __hash__"
+    ),
+    "impl/blocks/free_queue.py::::1->2#1": (
+        "TOMBSTONE = -2: every use goes through the constant, and any negative value is no id"
+    ),
+    "impl/blocks/free_queue.py::FreeBlockQueue.__init__::1->2#2": (
+        "a ring one slot longer for pools under 4 blocks: the ring's size only decides when "
+        "compaction runs, and compaction keeps the queue's order"
+    ),
+    "impl/blocks/free_queue.py::FreeBlockQueue.push_one::Eq->NotEq#1": (
+        "compacting before every push except into a full ring: after a compaction the ring "
+        "holds at most num_blocks slots, so a push never meets a full ring, and compaction "
+        "keeps the order"
+    ),
+    "impl/blocks/free_queue.py::FreeBlockQueue.extend::Gt->GtE#1": (
+        "compacting also when the ids would exactly fill the ring: compaction keeps the order"
+    ),
+    "impl/blocks/free_queue.py::FreeBlockQueue.extend::LtE->Lt#1": (
+        "ids that end exactly at the ring's end take the wrap-around branch, whose second "
+        "slice is then empty: the same writes"
+    ),
+    "impl/blocks/free_queue.py::FreeBlockQueue._read::LtE->Lt#1": (
+        "a read that ends exactly at the ring's end concatenates an empty second slice: the "
+        "same ids"
+    ),
+    "impl/blocks/manager.py::BlockManager.append_slot::Lt->LtE#1": (
+        "with first_written == stop_written the slice is empty, so no block is shared either way"
+    ),
+    "impl/blocks/manager.py::BlockManager.append_slot::True->False#1": (
+        "zip(..., strict=False): the indices and fresh ids have one entry per copy by construction"
+    ),
+    "impl/blocks/manager.py::BlockManager._live_array::False->True#1": (
+        "astype(copy=True): the ids are only read afterwards, so a copy changes nothing"
+    ),
+    "impl/blocks/manager.py::BlockManager._distinct_and_held::Gt->GtE#1": (
+        "has_repeats of a single id is False, so checking it changes nothing"
+    ),
+    "impl/blocks/manager.py::BlockManager.release_blocks_in_order::1->2#2": (
+        "every last-occurrence position shifts by the same constant, so argsort's order stays"
+    ),
+    "impl/blocks/manager.py::BlockManager.pending_copy_pairs_array::Gt->GtE#1": (
+        "concatenating a single chunk gives the same pairs"
     ),
 }
 """Surviving mutants that behave exactly as the original, by id, with the reason (in

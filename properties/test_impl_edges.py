@@ -1,0 +1,143 @@
+"""Edges of ``pagedkv.impl.blocks`` that random state machines rarely reach, each checked
+against the spec: the pool-size limit, writes that cover several shared blocks at once, the
+checked array API's errors (class and message), error precedence in a table that is wrong in
+two ways, and the batched release of several tables.
+
+The mutation run (``python -m properties.mutation``) found each of these unchecked; every test
+here compares impl with ``pagedkv.spec`` or with a stated rule, never with impl itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import pagedkv.impl.blocks.manager as manager_module
+from pagedkv.impl.blocks.manager import BlockManager
+from pagedkv.spec.block_manager import BlockManager as SpecBlockManager
+from pagedkv.spec.block_manager import BlockTableError
+
+
+def outcome(call: Any, *args: Any) -> tuple[str, Any]:
+    """``("ok", result)``, or ``("raised", (exception class, message))``."""
+    try:
+        return "ok", call(*args)
+    except Exception as error:  # compared between spec and impl
+        return "raised", (type(error), str(error))
+
+
+def same_state(spec: SpecBlockManager, impl: BlockManager) -> None:
+    assert impl.free_block_ids() == spec.free_block_ids()
+    assert impl.ref_counts().tolist() == [block.ref_count for block in spec.blocks]
+    assert impl.pop_copy_pairs() == spec.pop_copy_pairs()
+
+
+def test_the_largest_pool_is_two_to_the_29() -> None:
+    """The documented limit: the free queue's ring (1.5x the pool) stays within int32."""
+    assert manager_module.MAX_BLOCKS == 2**29
+    assert manager_module.MAX_BLOCKS * 3 // 2 < 2**31
+
+
+def test_a_pool_at_the_limit_is_accepted_and_one_more_block_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(manager_module, "MAX_BLOCKS", 8)  # the same rule, at a testable size
+    assert BlockManager(8).total_blocks == 8
+    with pytest.raises(ValueError, match="total_blocks"):
+        BlockManager(9)
+
+
+def test_a_write_over_several_blocks_copies_exactly_the_shared_ones() -> None:
+    """Table ``[0, 1, 2]`` whose middle block alone is shared: rewriting all six positions
+    copies block 1 only, at index 1."""
+    spec, impl = SpecBlockManager(8, 2), BlockManager(8, 2)
+    for manager in (spec, impl):
+        parent = manager.allocate(3)
+        child = manager.fork(parent)
+        child = manager.append_slot(child, 2, new_tokens=2)  # copies block 0 away
+        child = manager.append_slot(child, 6, new_tokens=2)  # copies block 2 away
+        manager.pop_copy_pairs()
+        assert manager.ref_count(1) == 2 and manager.ref_count(0) == 1
+    results = [outcome(manager.append_slot, [0, 1, 2], 6, 6) for manager in (spec, impl)]
+    assert results[0] == results[1] == ("ok", [0, 5, 2])
+    same_state(spec, impl)
+
+
+@pytest.mark.parametrize(
+    "block_ids",
+    [
+        [0, 1],  # a list, not an array
+        np.zeros((1, 2), dtype=np.int64),
+        np.array([0.0, 1.0]),
+        np.array([True]),
+    ],
+    ids=["list", "2-d", "float", "bool"],
+)
+def test_free_array_refuses_what_is_not_a_1d_integer_array(block_ids: object) -> None:
+    impl = BlockManager(4)
+    impl.allocate(2)
+    kind, (error, _) = outcome(impl.free_array, block_ids)
+    assert (kind, error) == ("raised", TypeError)
+    assert impl.num_free_blocks == 2
+
+
+@pytest.mark.parametrize(
+    "table",
+    [[4], [0, 4], [0, -1, 4], [-1], [1, 9, -3], [4, 0]],
+)
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.intp])
+def test_free_array_names_the_first_unknown_id_as_free_does(table: list[int], dtype: Any) -> None:
+    """Out-of-range ids: the spec's ``BlockTableError`` and message, for the first bad id in
+    table order, and nothing changes."""
+    spec, impl = SpecBlockManager(4), BlockManager(4)
+    spec.allocate(4)
+    impl.allocate(4)
+    expected = outcome(spec.free, table)
+    assert expected[0] == "raised" and expected[1][0] is BlockTableError
+    assert outcome(impl.free_array, np.array(table, dtype=dtype)) == expected
+    same_state(spec, impl)
+
+
+@pytest.mark.parametrize(
+    ("table", "freed_first"),
+    [([0, 2, 0], [2]), ([2, 2], [2]), ([3, 0, 3, 2], [2, 3]), ([2], [2])],
+)
+def test_a_table_wrong_in_two_ways_gets_the_spec_error_first(
+    table: list[int], freed_first: list[int]
+) -> None:
+    """Repeated ids are reported before free ones, and the message lists the offending ids,
+    exactly as the spec words it; through the list and the array API alike."""
+    spec, impl = SpecBlockManager(4), BlockManager(4)
+    for manager in (spec, impl):
+        held = manager.allocate(4)
+        manager.free([b for b in held if b in freed_first])
+    expected = outcome(spec.free, table)
+    assert expected[0] == "raised" and expected[1][0] is BlockTableError
+    assert outcome(impl.free, table) == expected
+    assert outcome(impl.free_array, np.array(table)) == expected
+    same_state(spec, impl)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_releasing_several_tables_at_once_orders_the_queue_as_frees_in_turn(
+    shared: bool,
+) -> None:
+    """``release_blocks_in_order`` over several tables' ids (each reversed, as the store
+    passes them) leaves the queue that the spec's ``free`` calls, one table after another,
+    leave; a block held twice joins it at its last occurrence."""
+    spec, impl = SpecBlockManager(9, 1), BlockManager(9, 1)
+    tables = [[0, 1, 2], [3, 4], [5, 6, 7]]
+    for manager in (spec, impl):
+        for table in tables:
+            assert manager.allocate(len(table)) == table
+        if shared:
+            manager.fork(tables[1])
+    order = [*tables, tables[1]] if shared else tables
+    for table in order:
+        spec.free(table)
+    impl.release_blocks_in_order(np.concatenate([np.array(t[::-1]) for t in order]))
+    same_state(spec, impl)
+    expected = [8, 2, 1, 0, 7, 6, 5, 4, 3] if shared else [8, 2, 1, 0, 4, 3, 7, 6, 5]
+    assert spec.free_block_ids() == expected
