@@ -193,6 +193,63 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
                 event("decode: out of blocks")
                 return
             table = expected.value
+            self.take_pairs()
+            self.kv[self.slot(table, len(tokens) - 1)] = (request.salt, token)
+            request.table, request.tokens = table, tokens
+            self.register(request)
+
+        @rule(request=requests, data=st.data())
+        def roll_back(self, request: Request, data: st.DataObject) -> None:
+            """Truncate to fewer tokens (or past the table's capacity: refused)."""
+            capacity, length = len(request.table) * self.size, len(request.tokens)
+            near_end = st.integers(max(0, length - self.size - 1), length)
+            count = data.draw(near_end | st.integers(0, length) | st.just(capacity + 1))
+            self.truncate(request, count)
+
+        @rule(request=requests, cut=st.integers(1, 3), token=ALPHABET)
+        def write_where_a_fork_was(self, request: Request, cut: int, token: int) -> None:
+            """Fork, cut the original into a block the fork shares (it keeps its key), free the
+            fork, then write there: the block is the original's alone now and must lose its key
+            before the write lands in it."""
+            self.check(self.manager.fork, (request.table,), self.model.fork(request.table))
+            fork = list(request.table)
+            self.truncate(request, max(0, len(request.tokens) - cut))
+            self.check(self.manager.free, (fork,), self.model.free(fork))
+            self.decode(request, token)
+
+        @rule(
+            request=requests,
+            guesses=st.lists(ALPHABET, min_size=1, max_size=6),
+            data=st.data(),
+        )
+        def speculate(self, request: Request, guesses: list[int], data: st.DataObject) -> None:
+            """Write the next token and drafts in one step, keep ``1 + j`` of them, register."""
+            count = len(request.tokens) + len(guesses)
+            expected = self.model.append_slot(request.table, count, len(guesses))
+            self.check(self.manager.append_slot, (request.table, count, len(guesses)), expected)
+            if expected.error is not None:
+                return
+            self.take_pairs()
+            for pos, token in enumerate(guesses, start=len(request.tokens)):
+                self.kv[self.slot(expected.value, pos)] = (request.salt, token)
+            request.table = expected.value
+            kept = 1 + data.draw(st.integers(0, len(guesses) - 1), label="j")
+            request.tokens = request.tokens + guesses
+            self.truncate(request, len(request.tokens) - len(guesses) + kept)
+            self.register(request)
+
+        def truncate(self, request: Request, count: int) -> None:
+            cached = [b for b in request.table if b in self.model.content_of]
+            expected = self.model.truncate(request.table, count)
+            self.check(self.manager.truncate, (request.table, count), expected)
+            if expected.error is None:
+                if [b for b in cached if b not in self.model.content_of]:
+                    event("truncate: a cut block lost its key")
+                request.table = expected.value
+                del request.tokens[count:]
+
+        def take_pairs(self) -> None:
+            """The caller takes the copy-on-write pairs and copies the simulated K/V."""
             pairs = self.model.copy_pairs
             self.check(self.manager.pop_copy_pairs, (), Outcome(list(pairs)))
             for src, dst in pairs:
@@ -200,9 +257,6 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
                     if src * self.size + offset in self.kv:
                         self.kv[dst * self.size + offset] = self.kv[src * self.size + offset]
             pairs.clear()
-            self.kv[self.slot(table, len(tokens) - 1)] = (request.salt, token)
-            request.table, request.tokens = table, tokens
-            self.register(request)
 
         @rule(target=requests, parent=requests)
         def fork(self, parent: Request) -> Request:

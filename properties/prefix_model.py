@@ -64,6 +64,32 @@ class PrefixCacheModel(BlockModel):
                 self.evictions += 1
         return taken
 
+    def forget(self, block_id: int) -> None:
+        """The block is about to be written over: it loses its content (not an eviction)."""
+        content = self.content_of.pop(block_id)
+        del self.block_of[content]
+
+    def append_slot(self, table: list[int], token_count: int, new_tokens: int) -> Outcome:
+        """No write lands in a cached block: one this table holds alone forgets its content
+        first (a shared one was copied on write: the written block is the fresh copy)."""
+        outcome = super().append_slot(table, token_count, new_tokens)
+        if outcome.error is None:
+            for pos in range(token_count - new_tokens, token_count):
+                block_id = outcome.value[pos // self.block_size]
+                if block_id in self.content_of:
+                    self.forget(block_id)
+        return outcome
+
+    def truncate(self, table: list[int], token_count: int) -> Outcome:
+        """Dropped blocks keep their content; a kept last block cut into, held by this table
+        alone, forgets it: the rest of it is about to be written with other tokens."""
+        outcome = super().truncate(table, token_count)
+        if outcome.error is None and token_count % self.block_size:
+            last = outcome.value[-1]
+            if self.refs[last] == 1 and last in self.content_of:
+                self.forget(last)
+        return outcome
+
     def allocate_prompt(self, tokens: list[int], salt: Hashable) -> Outcome:
         """Hits first (free ones leave the queue where they stand), then fresh blocks."""
         if self.blocks_to_allocate(tokens, salt) > len(self.queue):

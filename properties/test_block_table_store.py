@@ -3,9 +3,10 @@
 The model is a ``spec.BlockManager`` plus each sequence's table and token count. Every batch
 operation of the store must equal the spec's per-sequence calls in batch order: ``add`` is
 ``allocate``, ``fork`` is ``fork``, ``remove`` is ``free``, ``grow`` is ``append_slot`` with
-``OutOfBlocksError`` caught (those ids are returned), and the step's copy-on-write pairs are the
-spec's. Every ``slot_mapping`` entry is the spec's ``translate_slot``; the FlashInfer CSR and
-FlashAttention exports round-trip to the same tables and counts. Bad input raises the documented
+``OutOfBlocksError`` caught (those ids are returned), ``truncate`` is ``truncate``, and the
+step's copy-on-write pairs are the spec's. Every ``slot_mapping`` entry is the spec's
+``translate_slot``; the FlashInfer CSR and FlashAttention exports round-trip to the same tables
+and counts. Bad input raises the documented
 error and changes nothing. After every step the table array (including its ``-1`` padding and
 the rows no sequence holds), the free queue and every reference count agree with the model.
 
@@ -205,6 +206,72 @@ class StoreMachine(RuleBasedStateMachine):
         grown_ids = [(s, k) for s, k in zip(ids, steps, strict=True) if s not in failed]
         self.check_slot_mapping(data, grown_ids)
 
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def truncate(self, data: st.DataObject) -> None:
+        """Some sequences, in any order, each back to a count it holds (or a refused one)."""
+        ids = self.some_live(data)
+        counts = [data.draw(st.integers(0, self.seqs[s][1]), label="count") for s in ids]
+        if ids and data.draw(st.booleans(), label="bad count"):
+            index = data.draw(st.integers(0, len(ids) - 1), label="which")
+            bad = data.draw(st.sampled_from([-1, self.seqs[ids[index]][1] + 1, 1.0, None]))
+            error = TypeError if isinstance(bad, float) or bad is None else ValueError
+            self.expect_error(error, self.store.truncate, self.as_batch(data, ids), bad)
+            counts[index] = bad
+            self.expect_error(error, self.store.truncate, self.as_batch(data, ids), counts)
+            return
+        self.check_truncate(data, ids, counts)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def speculate(self, data: st.DataObject) -> None:
+        """A speculative step: some sequences write their last token and ``k`` drafts, then
+        keep ``1 + j`` of them."""
+        ids = self.some_live(data, min_size=1)
+        drafts = [data.draw(st.integers(0, 5), label="k") for _ in ids]
+        before = {seq_id: self.seqs[seq_id][1] for seq_id in ids}
+        fits = all(
+            spec_bm.blocks_needed(before[s] + 1 + k, self.block_size) <= self.max_blocks
+            for s, k in zip(ids, drafts, strict=True)
+        )
+        if not fits:
+            return
+        self.check_grow(data, ids, [1 + k for k in drafts], [1 + k for k in drafts])
+        grown = [s for s, k in zip(ids, drafts, strict=True) if self.seqs[s][1] > before[s]]
+        kept = [
+            before[s] + 1 + data.draw(st.integers(0, k), label="j")
+            for s, k in zip(ids, drafts, strict=True)
+            if s in grown
+        ]
+        self.check_truncate(data, grown, kept)
+
+    @precondition(lambda self: self.seqs and len(self.seqs) < self.max_seqs)
+    @rule(data=st.data(), cut=st.integers(1, 4))
+    def fork_cut_then_decode(self, data: st.DataObject, cut: int) -> None:
+        """Fork, cut one of the two into the blocks they share, then decode: the cut block is
+        shared and partly filled, so the next write into it must copy it."""
+        child = min(set(range(len(self.seqs) + 1)) - set(self.seqs))
+        parent = data.draw(st.sampled_from(sorted(self.seqs)))
+        self.store.fork(parent, child)
+        table, count = self.seqs[parent]
+        self.seqs[child] = (self.spec.fork(table), count)
+        cut_one = data.draw(st.sampled_from([parent, child]), label="cut")
+        self.check_truncate(data, [cut_one], [max(0, count - cut)])
+        ids = data.draw(st.permutations(sorted(self.seqs)))
+        self.check_grow(data, [s for s in ids if s in (parent, child)], [1, 1], 1)
+
+    def check_truncate(self, data: st.DataObject, ids: list[int], counts: list[int]) -> None:
+        """``truncate`` equals the spec's per sequence, in order (one count or one each)."""
+        uniform = len(set(counts)) == 1 and data.draw(st.booleans(), label="one count")
+        batch = self.as_batch(data, ids)
+        self.store.truncate(batch, counts[0] if uniform else counts)
+        for seq_id, count in zip(ids, counts, strict=True):
+            self.seqs[seq_id] = (self.spec.truncate(self.seqs[seq_id][0], count), count)
+        self.truncated(ids, counts)
+
+    def truncated(self, ids: list[int], counts: list[int]) -> None:
+        """Hook: the sequences ``ids`` were rolled back to ``counts`` tokens."""
+
     def check_slot_mapping(self, data: st.DataObject, grown: list[tuple[int, int]]) -> None:
         """The step's new tokens map to the spec's slots, -1 padded."""
         ids = [s for s, _ in grown]
@@ -281,6 +348,9 @@ class StoreMachine(RuleBasedStateMachine):
         def flashinfer_page_table(seqs: Any) -> object:
             return self.PAGE_TABLES.flashinfer_page_table(store, seqs)
 
+        def truncate(seqs: Any, token_counts: Any = 0) -> object:
+            return store.truncate(seqs, token_counts)
+
         call = data.draw(
             st.sampled_from(
                 [
@@ -290,6 +360,7 @@ class StoreMachine(RuleBasedStateMachine):
                     block_tables,
                     flashinfer_page_table,
                     store.batch,
+                    truncate,
                 ]
             )
         )
@@ -307,7 +378,7 @@ class StoreMachine(RuleBasedStateMachine):
             self.expect_error(TypeError, call, data.draw(st.permutations([*live, bad])))
             self.expect_error(TypeError, call, {1, 2})
             self.expect_error(TypeError, call, np.array([1.0]))
-        elif case == "count" and live and call in (store.grow, store.slot_mapping):
+        elif case == "count" and live and call in (store.grow, store.slot_mapping, truncate):
             value = data.draw(st.sampled_from([-1, 1.5, True, None]))
             error = ValueError if value == -1 else TypeError
             per_seq = data.draw(st.booleans())

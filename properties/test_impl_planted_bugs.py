@@ -86,6 +86,18 @@ BUGS: dict[str, tuple[types.ModuleType, str, str, str]] = {
         "self._release_held(ids[kept:][::-1].copy(), held[kept:][::-1].copy())",
         "differential",
     ),
+    "a store truncate forgets the tail-shared flag": (
+        pagedkv.impl.blocks.table_store,
+        "            self._flag_tail_shared(rows[cut])",
+        "            pass",
+        "store",
+    ),
+    "a store truncate releases each row's dropped blocks head first": (
+        pagedkv.impl.blocks.table_store,
+        "released = tables[:, ::-1][dropped[:, ::-1]]",
+        "released = tables[dropped]",
+        "store",
+    ),
     "an atomic grow applies the sequences that fit": (
         pagedkv.impl.blocks.table_store,
         "if atomic and failed:",

@@ -63,6 +63,31 @@ BUGS: dict[str, tuple[types.ModuleType, str, str]] = {
         "np.concatenate((plan.hits, fresh)), len(token_ids))",
         "np.concatenate((plan.hits, fresh)), len(token_ids) - plan.cached_tokens)",
     ),
+    "truncate keeps the key of a cut cached block": (
+        pagedkv.impl.blocks.prefix_cache,
+        "            self.remove_keys(table[-1:])",
+        "            pass",
+    ),
+    "append_slot writes a cached block in place": (
+        pagedkv.impl.blocks.prefix_cache,
+        "            self.remove_keys(table[first:end])",
+        "            pass",
+    ),
+    "a store truncate keeps the sequence's keys past its kept blocks": (
+        pagedkv.impl.blocks.table_store,
+        "state.cut(count // bs, bs)",
+        "pass",
+    ),
+    "a store truncate keeps the key of a cut cached block": (
+        pagedkv.impl.blocks.table_store,
+        "                    self._prefix.remove_keys([block])",
+        "                    pass",
+    ),
+    "a store grow writes a cached block in place": (
+        pagedkv.impl.blocks.table_store,
+        "self._prefix.remove_keys([int(last[index])])  # type: ignore[union-attr]",
+        "pass",
+    ),
 }
 
 

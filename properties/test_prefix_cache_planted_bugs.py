@@ -34,6 +34,18 @@ PREFIX_BUGS = {
         "            hits.append(self._block_of[key])\n        return hits",
         "            hits.append(self._block_of[key])\n        return hits[:-1]",
     ),
+    "a cut cached block keeps its key": (
+        "self._remove_key(cut)  # Rule: a cut block held alone loses its key.",
+        "pass",
+    ),
+    "a cut cached block loses its key while other tables hold it": (
+        "if self.blocks[cut].ref_count == 1 and cut in self._key_of:",
+        "if cut in self._key_of:",
+    ),
+    "a cached block is written in place": (
+        "self._remove_key(block_id)  # Rule: a cached block is never written in place.",
+        "pass",
+    ),
     "cache_blocks registers nothing": (
         "if block_id not in self._key_of and key not in self._block_of:",
         "if False:",

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-from pagedkv.spec.block_manager import BlockManager, BlockTableError, check_int
+from pagedkv.spec.block_manager import BlockManager, BlockTableError, blocks_needed, check_int
 
 
 def default_block_hash(parent: BlockKey | None, tokens: tuple[int, ...], extra: Hashable) -> int:
@@ -208,6 +208,43 @@ class PrefixCachingBlockManager(BlockManager):
                 newly_cached += 1
         return newly_cached
 
+    def append_slot(
+        self, block_table: Sequence[int], token_count: int, new_tokens: int = 1
+    ) -> list[int]:
+        """``BlockManager.append_slot``, and a cached block is never written in place.
+
+        Rule: a written block that is cached and held by this table alone loses its key before
+        the write (its content is about to change; this is not an eviction). A cached block
+        with other holders is copied on write like any shared block, and keeps its key. Only
+        after a ``truncate`` can a write reach a cached block: one whose other holders have let
+        it go since.
+        """
+        table = super().append_slot(block_table, token_count, new_tokens)
+        first = (token_count - new_tokens) // self.block_size
+        end = blocks_needed(token_count, self.block_size) if new_tokens else first
+        for block_id in table[first:end]:  # the written blocks (copies and growth are fresh)
+            if block_id in self._key_of:
+                self._remove_key(block_id)  # Rule: a cached block is never written in place.
+        return table
+
+    def truncate(self, block_table: Sequence[int], token_count: int) -> list[int]:
+        """``BlockManager.truncate``: dropped cached blocks that reach 0 stay cached in the free
+        queue (revivable), as with ``free``.
+
+        Rule: a kept last block that ``token_count`` cuts into (``token_count % block_size !=
+        0``), that is cached and that only this table holds, loses its key: its tail is about to
+        be written with other tokens. This is not an eviction (``stats.evictions`` counts blocks
+        reused from the head). Rule: a cut block that other tables hold keeps its key: the next
+        write into it copies it, or, if by then this table holds it alone, removes the key
+        (``append_slot``).
+        """
+        table = super().truncate(block_table, token_count)
+        if token_count % self.block_size:  # the kept last block is cut into
+            cut = table[-1]
+            if self.blocks[cut].ref_count == 1 and cut in self._key_of:
+                self._remove_key(cut)  # Rule: a cut block held alone loses its key.
+        return table
+
     def _take_from_head(self, num_blocks: int) -> list[int]:
         """Rule: a block handed to a new owner loses its key (LRU eviction via the FIFO queue)."""
         taken = super()._take_from_head(num_blocks)
@@ -217,6 +254,11 @@ class PrefixCachingBlockManager(BlockManager):
                 del self._block_of[key]
                 self.stats.evictions += 1
         return taken
+
+    def _remove_key(self, block_id: int) -> None:
+        """Forget a cached block's key."""
+        key = self._key_of.pop(block_id)
+        del self._block_of[key]
 
     # ----------------------------------------------------------------- validation
 

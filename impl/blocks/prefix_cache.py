@@ -197,6 +197,28 @@ class PrefixCachingBlockManager(BlockManager):
             )
         return self.register_table_blocks(table[: len(keys)], keys)[0]
 
+    def append_slot(
+        self, block_table: Sequence[int], token_count: int, new_tokens: int = 1
+    ) -> list[int]:
+        """Exactly the spec: ``BlockManager.append_slot``, and a written block that is cached
+        and held by this table alone loses its key before the write (reachable only after a
+        ``truncate``); a shared one is copied on write and keeps its key."""
+        table = super().append_slot(block_table, token_count, new_tokens)
+        if self._key_of:
+            first = (token_count - new_tokens) // self.block_size
+            end = blocks_needed(token_count, self.block_size) if new_tokens else first
+            self.remove_keys(table[first:end])
+        return table
+
+    def truncate(self, block_table: Sequence[int], token_count: int) -> list[int]:
+        """Exactly the spec: ``BlockManager.truncate`` (dropped cached blocks stay cached, and
+        revivable, in the free queue), and a kept last block that ``token_count`` cuts into
+        loses its key if it is cached and this table alone holds it (not an eviction)."""
+        table = super().truncate(block_table, token_count)
+        if token_count % self.block_size and self._key_of and self._ref[table[-1]] == 1:
+            self.remove_keys(table[-1:])
+        return table
+
     # ----------------------------------------------------------------- internals
 
     def _chain(
@@ -290,6 +312,18 @@ class PrefixCachingBlockManager(BlockManager):
                 skipped.append(index)
         return newly_cached, skipped
 
+    def cached_among(self, ids: IdArray) -> set[int]:
+        """The blocks among ``ids`` (in range) that carry a key: one C-level set intersection."""
+        return self._key_of.keys() & ids.tolist() if self._key_of else set()
+
+    def remove_keys(self, blocks: Sequence[int]) -> None:
+        """Each of the held ``blocks`` that is cached loses its key, in order (not an
+        eviction): the key rule of ``append_slot`` for blocks about to be written in place, and
+        of ``truncate`` for a cut block held by one table alone."""
+        for block_id in blocks:
+            if block_id in self._key_of:
+                self._remove_key(block_id)
+
     def take_block(self) -> int:
         """``take_blocks(1)`` as an int, with the same eviction."""
         block = super().take_block()
@@ -307,3 +341,8 @@ class PrefixCachingBlockManager(BlockManager):
                 del self._block_of[self._key_of.pop(block_id)]
                 self.stats.evictions += 1
         return taken
+
+    def _remove_key(self, block_id: int) -> None:
+        """Forget a cached block's key."""
+        key = self._key_of.pop(block_id)
+        del self._block_of[key]

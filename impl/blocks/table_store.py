@@ -89,11 +89,11 @@ class BlockTableStore:
 
     Block ids come from and return to ``manager``, whose reference counts, free-queue order and
     copy-on-write pairs evolve exactly as if each sequence's table were driven through the spec
-    API: ``add`` is ``allocate``, ``fork`` is ``fork``, ``remove`` is ``free``, and ``grow`` is
-    ``append_slot``; with a prefix-caching manager ``add_prompt`` is ``allocate_prompt`` and
-    ``cache_blocks`` is ``cache_blocks``. Methods taking ``seqs`` accept a :class:`SeqBatch`
-    or a list, tuple or 1-D integer array of sequence ids; ``None`` means every live sequence,
-    in the order added.
+    API: ``add`` is ``allocate``, ``fork`` is ``fork``, ``remove`` is ``free``, ``grow`` is
+    ``append_slot``, and ``truncate`` is ``truncate``; with a prefix-caching manager
+    ``add_prompt`` is ``allocate_prompt`` and ``cache_blocks`` is ``cache_blocks``. Methods
+    taking ``seqs`` accept a :class:`SeqBatch` or a list, tuple or 1-D integer array of sequence
+    ids; ``None`` means every live sequence, in the order added.
     """
 
     def __init__(self, manager: BlockManager, max_seqs: int, max_blocks_per_seq: int) -> None:
@@ -115,9 +115,10 @@ class BlockTableStore:
         self._row_of: dict[int, int] = {}
         self._free_rows = list(range(max_seqs - 1, -1, -1))  # pop() yields the lowest row
         self._epoch = 0  # bumped by every remove: batches made before it must re-resolve
-        # Rows whose partly filled last block a fork shared: the only way a write can reach a
-        # block with other owners (prefix-cache hits are full blocks, and never a table's last
-        # one). Conservative: a flag outlives the sharing until the row's next growth.
+        # Rows whose partly filled last block a fork shared, or a truncate cut into: the only
+        # ways a write can reach a block with other owners or a key (prefix-cache hits are
+        # full blocks, and never a table's last one). Conservative: a flag outlives the sharing
+        # until the row's next growth.
         self._tail_shared = np.zeros(max_seqs, dtype=np.bool_)
         self._num_tail_shared = 0
         self._live: SeqBatch | None = None  # every live sequence in the order added, cached
@@ -346,6 +347,55 @@ class BlockTableStore:
         """
         batch = self.resolve(seqs)
         self._release_rows(batch.rows, batch.seq_ids)
+
+    def truncate(self, seqs: SeqBatch | SeqIds, token_counts: int | SeqIds) -> None:
+        """Roll sequences back to fewer tokens (one count for all, or one per sequence):
+        ``table = manager.truncate(table, count)`` per sequence, in batch order.
+
+        The rollback of a speculative step, which grew each sequence by its last token and
+        ``k`` drafts (``grow``) and keeps ``1 + j`` of them. A row keeps ``ceil(count /
+        block_size)`` blocks; each dropped block loses this sequence's hold, and those reaching
+        0 join the free queue's tail in the order those calls would put them there (each
+        table's last block first). With prefix caching, a kept last block cut into that is
+        cached and held by this sequence alone loses its key, as in the spec, and the
+        sequence's own block keys are cut to its kept full blocks. A kept last block cut into
+        that stays shared or cached is copied, or loses its key, at the next write into it.
+
+        Raises, changing nothing: what :meth:`resolve` raises for bad ids, ``TypeError`` for a
+        count that is not an int, ``ValueError`` for a count below 0 or above the sequence's
+        token count (the store holds no slot past its tokens, so a truncate never grows).
+        """
+        batch = self.resolve(seqs)
+        rows = batch.rows
+        step = self._token_array("token_counts", token_counts, rows.size)
+        counts = np.broadcast_to(np.asarray(step, dtype=np.int64), rows.shape)
+        held = self._token_counts.take(rows)
+        if (counts > held).any():
+            over = [s for s, c, h in zip(batch.seq_ids, counts, held, strict=True) if c > h]
+            raise ValueError(f"token_counts exceed the token counts of sequences {over}")
+        bs = self.block_size
+        kept = (counts + (bs - 1)) // bs
+        cut = (counts % bs != 0).nonzero()[0]  # batch indices whose kept last block is partial
+        last = self._tables[rows[cut], kept[cut] - 1].astype(np.intp)  # those blocks
+        if self._prefix is not None and self._prefix.cached_among(last):
+            # The key rule reads a cut block's count between the releases: one at a time.
+            cut_block = dict(zip(cut.tolist(), last.tolist(), strict=True))
+            for i in range(rows.size):
+                self._cut_rows(rows[i : i + 1], kept[i : i + 1], counts[i : i + 1])
+                block = cut_block.get(i)
+                if block is not None and self.manager.ref_counts_of(np.array([block]))[0] == 1:
+                    self._prefix.remove_keys([block])
+        else:
+            self._cut_rows(rows, kept, counts)
+        for seq_id, count in zip(batch.seq_ids, counts.tolist(), strict=True):
+            state = self._keys.get(seq_id)
+            if state is not None and len(state.tokens) > count:
+                state.cut(count // bs, bs)
+        # The next write into a partly kept last block takes grow's general path, which copies
+        # it if it is shared and removes its key if it is cached (conservative: every cut row).
+        self._clear_tail_shared(rows)
+        if cut.size:
+            self._flag_tail_shared(rows[cut])
 
     # ----------------------------------------------------------------- a scheduler step
 
@@ -711,6 +761,55 @@ class BlockTableStore:
         self._epoch += 1
         self._live = None
 
+    def _cut_rows(
+        self, rows: NDArray[np.intp], kept: NDArray[np.int64], counts: NDArray[np.int64]
+    ) -> None:
+        """Cut ``rows`` to ``kept`` blocks and ``counts`` tokens, releasing the dropped blocks
+        in ``truncate``'s order (rows in order, each row's last block first)."""
+        lengths = self._num_blocks.take(rows)
+        if (kept < lengths).any():
+            tables = self._tables[rows]  # a copy
+            columns = np.arange(self._width)
+            dropped = (columns >= kept[:, None]) & (columns < lengths[:, None])
+            released = tables[:, ::-1][dropped[:, ::-1]]  # each row's last block first
+            self.manager.release_blocks_in_order(released.astype(np.intp))
+            tables[dropped] = PAD
+            self._tables[rows] = tables
+        self._num_blocks[rows] = kept
+        self._token_counts[rows] = counts
+
+    def _keyed_in_place(
+        self, rows: NDArray[np.intp], last: NDArray[np.int32], in_place: NDArray[np.bool_]
+    ) -> NDArray[np.bool_] | None:
+        """Among the sequences whose write lands in their present last block (``in_place``),
+        those whose block is cached, or None if none is. Only a flagged row's can be: a
+        truncate cut into a cached block that other tables held then."""
+        if not self._num_tail_shared or self._prefix is None or not self._prefix.num_cached_blocks:
+            return None
+        candidates = in_place & self._tail_shared.take(rows)
+        cached = self._prefix.cached_among(last[candidates].astype(np.intp))
+        return candidates & np.isin(last, list(cached)) if cached else None
+
+    def _take_fresh(
+        self,
+        num_fresh: NDArray[np.int64],
+        total: int,
+        last: NDArray[np.int32],
+        keyed: NDArray[np.bool_] | None,
+    ) -> IdArray:
+        """``take_blocks(total)`` for the sequences' fresh blocks, in batch order. With
+        ``keyed`` (see :meth:`_keyed_in_place`), the spec's order instead: per sequence, its
+        fresh blocks, then its written block's key removal (a cached block is never written in
+        place). The removals happen even when ``total`` is 0."""
+        if keyed is None:
+            return self.manager.take_blocks(total)
+        parts = []
+        for index, count in enumerate(num_fresh.tolist()):
+            parts.append(self.manager.take_blocks(count))
+            if keyed[index]:
+                self._prefix.remove_keys([int(last[index])])  # type: ignore[union-attr]
+        return np.concatenate(parts)
+
     def _flag_tail_shared(self, rows: NDArray[np.intp]) -> None:
         self._tail_shared[rows] = True
         self._num_tail_shared = int(np.count_nonzero(self._tail_shared))
@@ -728,7 +827,8 @@ class BlockTableStore:
 
         All fresh blocks are taken at once and placed per sequence, in batch order, as the
         spec's calls would take them: its copy-on-write block first (replacing its shared last
-        block), then its growth blocks. After it no written sequence's last block is shared.
+        block), then its growth blocks. After it no written sequence's last block is shared,
+        and none written in place is cached (:meth:`_keyed_in_place`).
         """
         if keep is None:
             rows, base, lengths, growth, last = g.rows, g.base, g.lengths, g.growth, g.last
@@ -743,8 +843,10 @@ class BlockTableStore:
             last, needed, new_counts = g.last[keep], g.needed[keep], g.new_counts[keep]
         num_fresh = growth + shared
         total = int(num_fresh.sum())
+        writes_last = g.writes_last if keep is None else g.writes_last[keep]
+        keyed = self._keyed_in_place(rows, last, writes_last & ~shared)
         if total:
-            fresh = self.manager.take_blocks(total)
+            fresh = self._take_fresh(num_fresh, total, last, keyed)
             flat = self._tables.reshape(-1)  # a view
             if total == np.count_nonzero(growth) and not shared.any():  # decode: <= 1 block each
                 growing = growth.nonzero()[0]
@@ -761,6 +863,8 @@ class BlockTableStore:
                 flat[base[owner] + lengths[owner] + within] = fresh[
                     (first_fresh + shared)[owner] + within
                 ]
+        elif keyed is not None:
+            self._take_fresh(num_fresh, 0, last, keyed)
         self._num_blocks[rows] = needed
         self._token_counts[rows] = new_counts
         if self._num_tail_shared:  # a write copied or filled the last block, or passed it
@@ -794,6 +898,13 @@ class _SeqKeys:
         return (token_ids if len(token_ids) == known else token_ids[:known]) == (
             self.tokens if isinstance(token_ids, list) else tuple(self.tokens)
         )
+
+    def cut(self, full: int, block_size: int) -> None:
+        """Keep the keys of the first ``full`` blocks only (a truncate kept those whole)."""
+        del self.keys[full:]
+        del self.tokens[full * block_size :]
+        self.done = min(self.done, full)
+        self.retry = [index for index in self.retry if index < full]
 
     def copy(self) -> _SeqKeys:
         return _SeqKeys(self.extra, list(self.keys), self.done, list(self.retry), list(self.tokens))
