@@ -6,6 +6,7 @@
   through block tables, and token choice.
 * ``engine``: :class:`PagedAttentionEngine` and the ``pagedkv`` command line.
 * ``metrics``: per-step KV metrics. ``dense``: the dense-decoding oracle.
+* ``speculative``: greedy speculative decoding, the draft sources' contract and its acceptance rule.
 * ``kernel_inputs``: block tables and page tables as the tensors attention kernels take.
 
 Names are imported on first use, so ``import pagedkv.impl.serving.scheduler`` loads no torch.

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import argparse
 from collections import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -44,6 +44,7 @@ from pagedkv.impl.serving.model import CausalLM, ModelConfig
 from pagedkv.impl.serving.paged_kv import PagedKVCache
 from pagedkv.impl.serving.sampling import check_temperature, sample_token
 from pagedkv.impl.serving.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Sequence
+from pagedkv.impl.serving.speculative import DraftSource, accepted_drafts, check_drafts
 from pagedkv.kernels import resolve_backend
 from pagedkv.kernels.validation import check_bool
 from pagedkv.spec.block_manager import blocks_needed, check_int
@@ -90,6 +91,12 @@ class PagedAttentionEngine:
     sequence (prompt plus output) served: each block table is ``ceil(max_model_len /
     block_size)`` blocks wide, so per-step costs follow the model, not the pool, and a request
     that could outgrow it is refused (``RequestTooLargeError``).
+
+    With ``draft_source`` and ``num_speculative_tokens=k`` (both or neither) the engine decodes
+    speculatively (``pagedkv.impl.serving.speculative``): each step, every sequence whose step
+    samples also computes up to ``k`` drafts, keeps those greedy decoding agrees with, and gives
+    the rest back (``store.truncate``). Greedy only: a request with a temperature above 0 is
+    refused. ``num_draft_tokens`` and ``num_accepted_tokens`` count the drafts computed and kept.
     """
 
     def __init__(
@@ -106,9 +113,16 @@ class PagedAttentionEngine:
         backend: str | None = None,
         keep_logits: bool = False,
         seed: int = 0,
+        draft_source: DraftSource | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         if not isinstance(model, CausalLM):
             raise TypeError(f"model must be a CausalLM, got {type(model).__name__}")
+        check_int("num_speculative_tokens", num_speculative_tokens, 0)
+        if draft_source is not None and not callable(draft_source):
+            raise TypeError(f"draft_source must be callable, got {type(draft_source).__name__}")
+        if (draft_source is None) != (num_speculative_tokens == 0):
+            raise ValueError("draft_source and num_speculative_tokens >= 1 go together")
         check_bool("enable_prefix_caching", enable_prefix_caching)
         check_bool("keep_logits", keep_logits)
         check_int("seed", seed, 0)
@@ -133,6 +147,10 @@ class PagedAttentionEngine:
         self._logits: dict[int, list[torch.Tensor]] = {}  # seq id -> rows, with keep_logits
         self._unreturned: list[RequestOutput] = []  # finished, not yet returned by a step
         self._next_request_id = 0
+        self.draft_source = draft_source
+        self.num_speculative_tokens = num_speculative_tokens
+        self.num_draft_tokens = 0  # drafts computed by speculative steps
+        self.num_accepted_tokens = 0  # of those, kept (the tokens greedy decoding gives)
 
     def add_request(
         self,
@@ -180,6 +198,11 @@ class PagedAttentionEngine:
         """The engine's own checks of a request's options; returns the temperature as a float."""
         vocab = self.model.config.vocab_size
         temperature = check_temperature(temperature)
+        if temperature and self.num_speculative_tokens:
+            raise ValueError(
+                "speculative decoding is greedy only: temperature must be 0 with "
+                f"num_speculative_tokens={self.num_speculative_tokens}, got {temperature}"
+            )
         if seed is not None:
             check_int("seed", seed, 0)
         if eos_token_id is not None and check_int("eos_token_id", eos_token_id, 0) >= vocab:
@@ -200,15 +223,24 @@ class PagedAttentionEngine:
         next step.
         """
         plan = self.scheduler.schedule()
-        pairs = self.store.pending_copy_pairs()
-        if len(pairs):
-            self.kv.copy_blocks(torch.from_numpy(pairs))
-        self.store.pop_copy_pairs()  # forgotten only once copied: copying again is harmless
-        sampled, rows = self._run(plan) if plan.scheduled else ({}, {})
-        forked, finished = self.scheduler.update(plan, sampled)
+        plan, drafts = self._draft(plan) if self.num_speculative_tokens else (plan, {})
+        try:
+            pairs = self.store.pending_copy_pairs()
+            if len(pairs):
+                self.kv.copy_blocks(torch.from_numpy(pairs))
+            self.store.pop_copy_pairs()  # forgotten only once copied: copying again is harmless
+            sampled, rows = self._run(plan, drafts) if plan.scheduled else ({}, {})
+            verified = self._roll_back(plan, drafts, rows) if drafts else plan
+            forked, finished = self.scheduler.update(verified, sampled)
+        except BaseException:
+            if drafts:
+                self._undraft(plan, drafts)
+            raise
         if self.keep_logits:
             for seq_id, row in rows.items():
-                self._logits[seq_id].append(row)
+                self._logits[seq_id].extend(row)
+        self.num_draft_tokens += sum(map(len, drafts.values()))
+        self.num_accepted_tokens += sum(len(rows[seq_id]) - 1 for seq_id in drafts)
         self._unreturned.extend(self._record(forked, finished))
         metrics = step_metrics(len(self.metrics), self.scheduler, plan, len(finished))
         self.metrics.append(metrics)
@@ -276,10 +308,14 @@ class PagedAttentionEngine:
 
     # ----------------------------------------------------------------- internals
 
-    def _run(self, plan: SchedulerOutput) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
+    def _run(
+        self, plan: SchedulerOutput, drafts: abc.Mapping[int, list[int]]
+    ) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
         """Compute the planned tokens through the paged cache; sample where a step completes a
-        sequence's known tokens. Returns the sampled tokens and the logits rows they came from,
-        by sequence id. Changes nothing outside the K/V cache, whose slots a retry rewrites: a
+        sequence's known tokens. Returns the sampled tokens and the logits rows they came from
+        (``[tokens, vocab]``), by sequence id. A sequence with ``drafts`` (its last tokens in the
+        plan) gets the greedy token after its accepted drafts, and the rows of those drafts and
+        of that token. Changes nothing outside the K/V cache, whose slots a retry rewrites: a
         failed draw puts back every generator state it advanced."""
         items = plan.scheduled
         device = self.model.device
@@ -296,14 +332,26 @@ class PagedAttentionEngine:
         )
         hidden = self.model(input_ids, step.positions, step)
         sampling = [i for i, item in enumerate(items) if item.samples]
-        last_token = torch.tensor([item.num_tokens for item in items]).cumsum(0) - 1
-        logits = self.model.compute_logits(hidden[last_token[sampling].to(device)]).float().cpu()
+        ends = torch.tensor([item.num_tokens for item in items]).cumsum(0).tolist()
+        # A drafted sequence's logits at its last 1 + k positions; every other one's at its last.
+        lengths = [1 + len(drafts.get(items[i].seq.seq_id, ())) for i in sampling]
+        picked = [range(ends[i] - n, ends[i]) for i, n in zip(sampling, lengths, strict=True)]
+        index = torch.tensor([p for span in picked for p in span], dtype=torch.int64, device=device)
+        logits = self.model.compute_logits(hidden[index]).float().cpu()
         sampled: dict[int, list[int]] = {}
         rows: dict[int, torch.Tensor] = {}
         advanced: list[tuple[torch.Generator, torch.Tensor]] = []
         try:
-            for row, i in zip(logits, sampling, strict=True):
+            for group, i in zip(logits.split(lengths), sampling, strict=True):
                 seq = items[i].seq
+                guess = drafts.get(seq.seq_id)
+                if guess:  # greedy: the drafts greedy decoding agrees with, then its next token
+                    greedy = [sample_token(row) for row in group]
+                    kept = accepted_drafts(guess, greedy, seq.eos_token_id)
+                    sampled[seq.seq_id] = [greedy[kept]]
+                    rows[seq.seq_id] = group[: kept + 1]
+                    continue
+                row = group[0]
                 request = self._requests[seq.request_id]
                 tokens = []
                 for j in range(seq.num_samples):
@@ -312,12 +360,79 @@ class PagedAttentionEngine:
                         advanced.append((generator, generator.get_state()))
                     tokens.append(sample_token(row, request.temperature, generator))
                 sampled[seq.seq_id] = tokens
-                rows[seq.seq_id] = row
+                rows[seq.seq_id] = group
         except BaseException:
             for generator, state in reversed(advanced):
                 generator.set_state(state)
             raise
         return sampled, rows
+
+    def _draft(self, plan: SchedulerOutput) -> tuple[SchedulerOutput, dict[int, list[int]]]:
+        """Speculation: give each sequence whose step samples (one sample) up to
+        ``num_speculative_tokens`` drafts, within the step's token budget and the room left in
+        its output, and grow its table by them. Returns the plan that also computes the drafts,
+        and the drafts by sequence id. Every draft source call is made and checked before
+        anything changes; a sequence the pool cannot grow now is not speculated this step."""
+        budget = self.scheduler.config.max_num_batched_tokens - plan.num_batched_tokens
+        vocab = self.model.config.vocab_size
+        drafts: dict[int, list[int]] = {}
+        for item in plan.scheduled:
+            seq = item.seq
+            room = seq.max_new_tokens - len(seq.output) - 1  # beyond the token it samples
+            k = min(self.num_speculative_tokens, budget, room)
+            if self.draft_source is None or not item.samples or seq.num_samples > 1 or k < 1:
+                continue
+            guess = check_drafts(self.draft_source(list(seq.tokens), k), k, vocab)
+            if guess:
+                drafts[seq.seq_id] = guess
+                budget -= len(guess)
+        if not drafts:
+            return plan, drafts
+        for seq_id in self.store.grow(list(drafts), [len(d) for d in drafts.values()]):
+            del drafts[seq_id]  # no free block for its drafts now
+        scheduled = []
+        for item in plan.scheduled:
+            guess = drafts.get(item.seq.seq_id, [])
+            item.seq.tokens.extend(guess)
+            scheduled.append(replace(item, num_tokens=item.num_tokens + len(guess)))
+        return replace(plan, scheduled=scheduled), drafts
+
+    def _roll_back(
+        self,
+        plan: SchedulerOutput,
+        drafts: abc.Mapping[int, list[int]],
+        rows: abc.Mapping[int, torch.Tensor],
+    ) -> SchedulerOutput:
+        """Keep each drafted sequence's accepted drafts (``len(rows[seq_id]) - 1`` of them): its
+        table is truncated after them (``store.truncate``) and the rest leave its tokens.
+        Returns the plan as verified: each drafted item computes up to its last kept draft."""
+        kept = {}
+        for item in plan.scheduled:
+            seq_id = item.seq.seq_id
+            if seq_id in drafts:
+                kept[seq_id] = item.end - len(drafts[seq_id]) + len(rows[seq_id]) - 1
+        self.store.truncate(list(kept), list(kept.values()))
+        scheduled = []
+        for item in plan.scheduled:
+            end = kept.get(item.seq.seq_id)
+            if end is not None:
+                del item.seq.tokens[end:]
+                item = replace(item, num_tokens=end - item.start)
+            scheduled.append(item)
+        return replace(plan, scheduled=scheduled)
+
+    def _undraft(self, plan: SchedulerOutput, drafts: abc.Mapping[int, list[int]]) -> None:
+        """A speculative step failed: each drafted sequence's table and tokens go back to what
+        they were before its drafts, so the next step schedules the same work again."""
+        before = {
+            item.seq.seq_id: item.end - len(drafts[item.seq.seq_id])
+            for item in plan.scheduled
+            if item.seq.seq_id in drafts
+        }
+        self.store.truncate(list(before), list(before.values()))
+        for item in plan.scheduled:
+            if item.seq.seq_id in before:
+                del item.seq.tokens[before[item.seq.seq_id] :]
 
     def _record(self, forked: list[Sequence], finished: list[Sequence]) -> list[RequestOutput]:
         """Track forked samples; return the requests whose every sample has finished."""

@@ -1,0 +1,397 @@
+"""Greedy speculative decoding through the engine gives exactly plain greedy decoding.
+
+Each step, every sequence whose step samples computes up to ``k`` draft tokens from a draft
+source in the same pass (a query chunk of ``1 + k`` tokens through ``paged_prefill_attention``),
+keeps the drafts greedy decoding agrees with plus the greedy token after them, and gives the
+rejected drafts' slots back with ``BlockTableStore.truncate``. The draft sources here are the
+dense oracle (always right), the oracle shifted by one token id (always wrong), the oracle's
+first ``r`` tokens then wrong ones (partly right), and a fixed guess. For each, the outputs and
+their logits equal the dense oracle's, every block is free at the end, and the number of
+drafts kept is what the source implies: the leading drafts of each call that equal the
+sequence's real continuation, counted from the calls the source recorded, so a run in which
+speculation silently did nothing fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pagedkv.impl.serving.engine as engine_module
+import properties.engine_cases as engine_cases
+from pagedkv.impl.serving.dense import dense_generate
+from pagedkv.impl.serving.engine import PagedAttentionEngine
+from pagedkv.impl.serving.paged_kv import PagedStep
+from pagedkv.impl.serving.speculative import accepted_drafts
+from pagedkv.spec.block_manager import blocks_needed
+from properties.engine_cases import (
+    CONFIG,
+    MODEL,
+    Request,
+    Run,
+    Workload,
+    check_against_oracle,
+    check_all_freed,
+    greedy_oracle,
+    one_thread,
+    run,
+    workloads,
+)
+from properties.mutants import load_mutant
+
+VOCAB = CONFIG.vocab_size
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    with one_thread():
+        yield
+
+
+@lru_cache(maxsize=4096)
+def continuation(tokens: tuple[int, ...], k: int) -> tuple[int, ...]:
+    """The dense model's greedy continuation of ``tokens``, ``k`` tokens long."""
+    return tuple(dense_generate(MODEL, tokens, k).tokens)
+
+
+def oracle(tokens: list[int], k: int) -> list[int]:
+    return list(continuation(tuple(tokens), k))
+
+
+def wrong(tokens: list[int], k: int) -> list[int]:
+    return [(token + 1) % VOCAB for token in continuation(tuple(tokens), k)]
+
+
+def partly_right(right: int) -> Callable[[list[int], int], list[int]]:
+    def draft(tokens: list[int], k: int) -> list[int]:
+        return oracle(tokens, k)[:right] + wrong(tokens, k)[right:]
+
+    draft.__name__ = f"first_{right}_right"
+    return draft
+
+
+def fixed_guess(tokens: list[int], k: int) -> list[int]:
+    return [tokens[-1]] * k  # "the last token repeats": sometimes right
+
+
+SOURCES = [oracle, wrong, partly_right(1), partly_right(2), fixed_guess]
+
+
+@dataclass
+class Recorder:
+    """A draft source that records each call: the tokens it saw and the drafts it returned."""
+
+    source: Callable[[list[int], int], list[int]]
+    calls: list[tuple[tuple[int, ...], list[int]]] = field(default_factory=list)
+
+    def __call__(self, tokens: list[int], k: int) -> list[int]:
+        drafts = self.source(tokens, k)
+        assert len(drafts) <= k
+        self.calls.append((tuple(tokens), drafts))
+        return drafts
+
+    def expected_accepted(self, result: Run, eos_token_id: int | None) -> int:
+        """The drafts each call should have had kept: its leading drafts that equal the
+        sequence's real continuation, none of them end-of-sequence. The continuation is read
+        off the finished samples whose prompt and output so far are the call's tokens (greedy
+        continuations of one token list agree; the longest is taken)."""
+        samples = [
+            (tuple(out.prompt), tuple(sample)) for out in result.outputs for sample in out.outputs
+        ]
+        kept = 0
+        for tokens, drafts in self.calls:
+            real = max(
+                (
+                    output[len(tokens) - len(prompt) :]
+                    for prompt, output in samples
+                    if (prompt + output)[: len(tokens)] == tokens and len(tokens) >= len(prompt)
+                ),
+                key=len,
+            )
+            assert len(real) > len(drafts) or real[-1:] == (eos_token_id,), "drafts past the end"
+            kept += accepted_drafts(drafts, real, eos_token_id)
+        return kept
+
+
+def ample(workload: Workload) -> Workload:
+    """The workload with a pool that holds every sequence at its longest at once: no sequence
+    is preempted, and every draft finds its blocks."""
+    total = sum(
+        r.n * blocks_needed(len(r.prompt) + r.max_new_tokens - 1, workload.block_size)
+        for r in workload.requests
+    )
+    return Workload(**{**workload.__dict__, "total_blocks": max(total, workload.total_blocks)})
+
+
+def speculate(workload: Workload, source: Recorder, k: int) -> Run:
+    """Run the workload speculatively; its outputs and logits must be the dense oracle's."""
+    result = run(workload, draft_source=source, num_speculative_tokens=k)
+    check_against_oracle(workload, result)
+    check_all_freed(result.engine)
+    return result
+
+
+PROMPTS = ((5, 6, 7, 8, 9, 10, 11), (5, 6, 7, 8, 1, 2), (40, 41, 42), (3,) * 13)
+
+
+def fixed_workload(block_size: int, prefix_caching: bool, eos: int | None = None) -> Workload:
+    requests = tuple(
+        Request(prompt, max_new_tokens=9 + i, n=1 + (i == 1), temperature=0.0, arrival=i % 2)
+        for i, prompt in enumerate(PROMPTS)
+    )
+    workload = Workload(
+        requests, block_size, total_blocks=1, max_num_seqs=6, max_num_batched_tokens=64,
+        watermark_blocks=0, prefix_caching=prefix_caching, eos_token_id=eos,
+    )  # fmt: skip
+    return ample(workload)
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda s: s.__name__)
+@pytest.mark.parametrize(("block_size", "prefix_caching", "k"), [(4, True, 3), (3, False, 4)])
+def test_speculative_decoding_is_greedy_decoding(
+    source: Callable[[list[int], int], list[int]], block_size: int, prefix_caching: bool, k: int
+) -> None:
+    """Every source gives the greedy tokens; the drafts kept are the ones the source got right."""
+    check_source(source, block_size, prefix_caching, k)
+
+
+def check_source(
+    source: Callable[[list[int], int], list[int]], block_size: int, prefix_caching: bool, k: int
+) -> None:
+    workload = fixed_workload(block_size, prefix_caching)
+    recorder = Recorder(source)
+    result = speculate(workload, recorder, k)
+    engine = result.engine
+    assert engine.num_draft_tokens == sum(len(drafts) for _, drafts in recorder.calls) > 0
+    assert engine.num_accepted_tokens == recorder.expected_accepted(result, None)
+    if source is wrong:
+        assert engine.num_accepted_tokens == 0
+    if source is oracle:  # the dense oracle and the paged engine agree on every arg-max here
+        assert engine.num_accepted_tokens == engine.num_draft_tokens
+        plain = run(workload)
+        assert len(engine.metrics) < len(plain.engine.metrics)  # fewer steps than plain decoding
+
+
+def test_a_right_source_takes_one_step_per_k_plus_one_tokens() -> None:
+    """One request, 10 tokens, 3 drafts a step that greedy decoding always agrees with: steps
+    give 4, 4 and 2 tokens (the last one's drafts are capped by the tokens left)."""
+    prompt = (9, 8, 7, 6, 5)
+    greedy = greedy_oracle(prompt, 10).tokens
+
+    def right(tokens: list[int], k: int) -> list[int]:
+        done = len(tokens) - len(prompt)
+        return list(greedy[done : done + k])
+
+    workload = Workload(
+        (Request(prompt, 10, 1, 0.0, 0),), block_size=4, total_blocks=8, max_num_seqs=1,
+        max_num_batched_tokens=64, watermark_blocks=0, prefix_caching=False, eos_token_id=None,
+    )  # fmt: skip
+    recorder = Recorder(right)
+    result = speculate(workload, recorder, 3)
+    assert [len(drafts) for _, drafts in recorder.calls] == [3, 3, 1]
+    assert (result.engine.num_draft_tokens, result.engine.num_accepted_tokens) == (7, 7)
+    assert len(result.engine.metrics) == 3
+
+
+def test_an_end_of_sequence_draft_ends_the_output() -> None:
+    """A draft equal to the EOS token is never kept: it comes as the bonus token and ends the
+    sequence, exactly where greedy decoding stops."""
+    check_end_of_sequence()
+
+
+def check_end_of_sequence() -> None:
+    prompt = PROMPTS[0]
+    eos = greedy_oracle(prompt, 9).tokens[2]  # among the first step's drafts: g0, g1, then EOS
+    workload = fixed_workload(4, True, eos)
+    recorder = Recorder(oracle)
+    result = speculate(workload, recorder, 4)
+    assert result.engine.num_accepted_tokens == recorder.expected_accepted(result, eos)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    workloads(max_requests=3, max_new_tokens=8, sampled=False),
+    st.sampled_from(SOURCES),
+    st.integers(1, 5),
+)
+def test_drawn_workloads(
+    workload: Workload, source: Callable[[list[int], int], list[int]], k: int
+) -> None:
+    """Drawn workloads (chunked prompts, forks, prefix hits, EOS) in an ample pool: the greedy
+    tokens, and the kept drafts the source implies."""
+    workload = ample(workload)
+    recorder = Recorder(source)
+    result = speculate(workload, recorder, k)
+    assert result.engine.num_draft_tokens == sum(len(d) for _, d in recorder.calls)
+    expected = recorder.expected_accepted(result, workload.eos_token_id)
+    assert result.engine.num_accepted_tokens == expected
+
+
+@settings(max_examples=15, deadline=None)
+@given(workloads(max_requests=4, max_new_tokens=8, sampled=False), st.integers(1, 4))
+def test_tight_pools(workload: Workload, k: int) -> None:
+    """Pools that preempt: drafts take free blocks or wait; the tokens are still greedy."""
+    recorder = Recorder(oracle)
+    result = speculate(workload, recorder, k)
+    assert result.engine.num_accepted_tokens <= result.engine.num_draft_tokens
+
+
+def test_triton_kernels_verify_the_drafts() -> None:
+    """The Triton kernels (the interpreter on CPU) run the verify pass, with a fork and
+    preemptions: the greedy tokens, and the drafts the source got right."""
+    workload = Workload(
+        (Request((5, 6, 7, 8, 9), 6, 2, 0.0, 0), Request((5, 6, 7, 8, 1, 2), 6, 1, 0.0, 0)),
+        block_size=2, total_blocks=7, max_num_seqs=3, max_num_batched_tokens=16,
+        watermark_blocks=0, prefix_caching=True, eos_token_id=None,
+    )  # fmt: skip
+    recorder = Recorder(partly_right(1))
+    result = run(workload, backend="triton", draft_source=recorder, num_speculative_tokens=3)
+    check_against_oracle(workload, result)
+    check_all_freed(result.engine)
+    assert sum(m.preemptions for m in result.engine.metrics) > 0
+    assert 0 < result.engine.num_accepted_tokens < result.engine.num_draft_tokens
+
+
+def test_sampling_with_speculation_is_refused() -> None:
+    engine = PagedAttentionEngine(MODEL, 16, 4, draft_source=oracle, num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="greedy only"):
+        engine.add_request([1, 2, 3], 4, temperature=0.7)
+    with pytest.raises(ValueError, match="greedy only"):
+        engine.generate([[1, 2, 3]], 4, temperature=1.0)
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"draft_source": oracle}, ValueError),  # no k
+        ({"num_speculative_tokens": 2}, ValueError),  # no source
+        ({"draft_source": "oracle", "num_speculative_tokens": 2}, TypeError),
+        ({"draft_source": oracle, "num_speculative_tokens": -1}, ValueError),
+        ({"draft_source": oracle, "num_speculative_tokens": 2.0}, TypeError),
+    ],
+)
+def test_bad_speculation_settings_are_refused(kwargs: dict, error: type) -> None:
+    with pytest.raises(error):
+        PagedAttentionEngine(MODEL, 16, 4, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("drafts", "error"),
+    [({1, 2}, TypeError), ([1, 2, 3], ValueError), ([VOCAB], ValueError), ([1.0], TypeError)],
+)
+def test_a_bad_draft_fails_the_step_and_loses_nothing(drafts: object, error: type) -> None:
+    """A draft source that returns something other than up to ``k`` token ids fails the step
+    before the drafts change anything; with a good source the same engine then finishes with
+    the greedy tokens."""
+    behaviour = {"bad": True}
+
+    def source(tokens: list[int], k: int) -> object:
+        return drafts if behaviour["bad"] else oracle(tokens, k)
+
+    workload = fixed_workload(4, True)
+    engine = workload.engine(draft_source=source, num_speculative_tokens=2)
+    for request in workload.requests:
+        engine.add_request(list(request.prompt), request.max_new_tokens, n=request.n)
+    with pytest.raises(error):
+        engine.step()
+    behaviour["bad"] = False
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step().finished
+    outputs.sort(key=lambda out: out.request_id)
+    check_against_oracle(workload, Run(engine, outputs))
+    check_all_freed(engine)
+
+
+@pytest.mark.parametrize("where", ["model", "truncate", "update"])
+def test_a_failed_speculative_step_loses_nothing(where: str) -> None:
+    """A fault in the verify pass, in the rollback or in the scheduler's update: the step
+    raises, its drafts are undone (tables and tokens as before them), and the engine then
+    finishes with the greedy tokens and frees every block."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        check_fault(where, monkeypatch)
+
+
+def check_fault(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    workload = fixed_workload(3, True)
+    engine = workload.engine(draft_source=oracle, num_speculative_tokens=3)
+    for request in workload.requests:
+        engine.add_request(list(request.prompt), request.max_new_tokens, n=request.n)
+    target, name = {
+        "model": (engine.model, "forward"),
+        "truncate": (engine.store, "truncate"),
+        "update": (engine.scheduler, "update"),
+    }[where]
+    original = getattr(target, name)
+    fired = []
+
+    def faulty(*args: object, **kwargs: object) -> object:
+        ours = where != "model" or any(isinstance(a, PagedStep) for a in args)  # not the oracle's
+        if ours and len(engine.metrics) == 2 and not fired:  # the third step: drafts verified
+            fired.append(True)
+            raise RuntimeError("injected")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, faulty)
+    outputs = engine.step().finished + engine.step().finished
+    tokens = [list(seq.tokens) for seq in engine.scheduler.running]
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    assert fired
+    running = engine.scheduler.running
+    assert [seq.tokens for seq in running] == tokens  # the drafts left the tokens,
+    assert engine.store.token_counts_of(None) == [len(t) for t in tokens]  # and the tables
+    while engine.has_unfinished_requests():
+        outputs += engine.step().finished
+    outputs.sort(key=lambda out: out.request_id)
+    check_against_oracle(workload, Run(engine, outputs))
+    check_all_freed(engine)
+
+
+# Planted bugs in a copy of the engine; each fails one of the checks above.
+ENGINE_BUGS = {
+    "speculation silently off": (
+        "            if guess:\n                drafts[seq.seq_id] = guess",
+        "            if False:\n                drafts[seq.seq_id] = guess",
+    ),
+    "every draft is kept": (
+        "kept = accepted_drafts(guess, greedy, seq.eos_token_id)",
+        "kept = len(guess)",
+    ),
+    "an end-of-sequence draft is kept": (
+        "kept = accepted_drafts(guess, greedy, seq.eos_token_id)",
+        "kept = accepted_drafts(guess, greedy, None)",
+    ),
+    "the bonus token is the first draft's greedy token": (
+        "sampled[seq.seq_id] = [greedy[kept]]",
+        "sampled[seq.seq_id] = [greedy[0]]",
+    ),
+    "the rejected drafts keep their slots": (
+        "        self.store.truncate(list(kept), list(kept.values()))",
+        "        pass",
+    ),
+    "a failed step keeps its drafts' slots": (
+        "        self.store.truncate(list(before), list(before.values()))",
+        "        pass",
+    ),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(ENGINE_BUGS))
+def test_planted_engine_bug_is_caught(bug: str) -> None:
+    """The checks above fail on an engine with the bug: an assertion, or the engine raising."""
+    mutant = load_mutant(engine_module, *ENGINE_BUGS[bug], ("RequestOutput", "StepOutput"))
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(engine_cases, "PagedAttentionEngine", mutant.PagedAttentionEngine)
+        with pytest.raises(Exception):  # noqa: B017 - either kind of failure is a catch
+            for source in SOURCES:
+                check_source(source, 4, True, 3)
+            check_end_of_sequence()
+            for where in ("model", "update"):
+                check_fault(where, monkeypatch)
