@@ -12,6 +12,11 @@ tokens: a hit can never hand out a block with other tokens.
 Prompts are drawn from a tiny alphabet after one of a few shared "system prompts", with two
 salts and sometimes a hash under which most keys collide, so hits, revivals, evictions and
 exhaustion are all frequent. Requests live in a bundle; ``free`` consumes them.
+
+With KV events on (drawn per run), every call's events are taken right after it and compared
+with the model's, in order; a mirror rebuilt from them alone, as a router would keep it, must
+equal the model's key map after every step. ``reset_prefix_cache`` and ``take_stats`` are rules
+of their own; the pool's ``usage`` is part of the observed state.
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ from hypothesis.stateful import (
 )
 
 from pagedkv.spec import BlockTableError
+from pagedkv.spec.prefix_cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from properties.block_model import Outcome, observe
-from properties.prefix_model import Content, PrefixCacheModel
+from properties.prefix_model import Content, Event, PrefixCacheModel
 
 SYSTEM_PROMPTS = [[], [7, 7, 8, 9, 7, 8], [7, 7, 8, 9, 1, 2, 3, 4, 5], [5, 5, 5, 5, 5, 5, 5, 5]]
 ALPHABET = st.integers(0, 2)
@@ -44,6 +50,7 @@ SALT_DRAWS = st.sampled_from(SALTS) | st.builds(lambda: "".join(["tenant", "-b"]
 """A salt of ``SALTS``, or a new string equal to ``"tenant-b"`` but not the same object: equal
 salts share blocks whatever their identity."""
 WRONG_TOKEN = 10  # a token no prompt holds
+OTHER_SALT = "tenant-z"  # a salt no request uses
 
 
 def colliding_hash(parent: object, tokens: tuple[int, ...], extra: object) -> int:
@@ -62,6 +69,16 @@ def content_of(key: Any) -> Content | None:
         levels.append(key.tokens)
         key = key.parent
     return extra, tuple(token for level in reversed(levels) for token in level)
+
+
+def event_of(item: KVEvent) -> Event:
+    """A KV event, as the model names it."""
+    if isinstance(item, BlockStored):
+        return ("stored", item.block_id, content_of(item.key))
+    if isinstance(item, BlockRemoved):
+        return ("removed", item.block_id, content_of(item.key))
+    assert isinstance(item, AllBlocksCleared), item
+    return ("cleared", None, None)
 
 
 @dataclass(eq=False)
@@ -90,12 +107,19 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             total_blocks=st.integers(1, 24),
             block_size=st.sampled_from([1, 2, 4]),
             collide=st.booleans(),
+            events_on=st.booleans(),
         )
-        def make_manager(self, total_blocks: int, block_size: int, collide: bool) -> None:
-            kwargs = {"hash_fn": colliding_hash} if collide else {}
-            self.manager = manager_cls(total_blocks, block_size, **kwargs)
+        def make_manager(
+            self, total_blocks: int, block_size: int, collide: bool, events_on: bool
+        ) -> None:
+            kwargs: dict[str, Any] = {"hash_fn": colliding_hash} if collide else {}
+            self.manager = manager_cls(
+                total_blocks, block_size, enable_kv_events=events_on, **kwargs
+            )
             self.model = PrefixCacheModel(total_blocks, block_size)
             self.size = block_size
+            self.events_on = events_on
+            self.mirror: dict[Content, int] = {}  # the key map, rebuilt from events alone
 
         # ------------------------------------------------------------ helpers
 
@@ -111,8 +135,9 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
                 [manager.ref_count(b) for b in blocks],
                 [content_of(manager.key_of(b)) for b in blocks],
                 manager.num_cached_blocks,
-                (stats.queried_blocks, stats.hit_blocks, stats.evictions),
+                (stats.queried_blocks, stats.hit_blocks, stats.evictions, stats.resets),
                 copy.deepcopy(manager).pop_copy_pairs(),
+                manager.usage,
             )
 
         def expected_snapshot(self) -> tuple[object, ...]:
@@ -122,12 +147,14 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
                 model.refs,
                 [model.content_of.get(b) for b in range(model.total_blocks)],
                 len(model.content_of),
-                (model.queried_blocks, model.hit_blocks, model.evictions),
+                (model.queried_blocks, model.hit_blocks, model.evictions, model.resets),
                 model.copy_pairs,
+                (model.total_blocks - len(model.queue)) / model.total_blocks,
             )
 
         def check(self, call: Any, args: tuple[object, ...], expected: Outcome) -> None:
-            """``call(*args)`` does what the model says; if it raises, it changes nothing."""
+            """``call(*args)`` does what the model says; if it raises, it changes nothing; its
+            KV events are the model's, in order."""
             before = self.snapshot()
             actual = observe(call, *args)
             assert (actual.error, actual.value) == (expected.error, expected.value), (
@@ -135,6 +162,25 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             )
             if expected.error is not None:
                 assert self.snapshot() == before, f"a refused {call.__name__} changed the cache"
+            self.check_events(call.__name__)
+
+        def check_events(self, name: str) -> None:
+            """Take the call's KV events, compare them with the model's, replay them."""
+            taken = [event_of(item) for item in self.manager.take_events()]
+            expected = self.model.events if self.events_on else []
+            assert taken == expected, f"{name}: events {taken}, the rules say {expected}"
+            self.model.events = []
+            for kind, block_id, content in taken:
+                if kind == "stored":
+                    self.mirror[content] = block_id
+                elif kind == "removed":
+                    assert self.mirror.pop(content) == block_id, f"{name}: removed unknown key"
+                else:
+                    self.mirror.clear()
+
+        def take_stats(self) -> tuple[int, int, int, int]:
+            stats = self.manager.take_stats()
+            return stats.queried_blocks, stats.hit_blocks, stats.evictions, stats.resets
 
         def register(self, request: Request) -> None:
             """Cache the blocks just written; then claims of other content are refused."""
@@ -146,7 +192,7 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
                 wrong[cached[-1] * self.size] = WRONG_TOKEN
                 for claim in (
                     (request.table, wrong, request.salt),
-                    (request.table, request.tokens, object()),
+                    (request.table, request.tokens, OTHER_SALT),
                 ):
                     expected = self.model.cache_blocks(*claim)
                     assert expected.error is BlockTableError
@@ -272,7 +318,25 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             self.check(self.manager.free, (request.table,), self.model.free(request.table))
             self.live.remove(request)
 
+        @rule()
+        def reset_prefix_cache(self) -> None:
+            """Every key is forgotten, but only while no block is held."""
+            expected = self.model.reset()
+            self.check(self.manager.reset_prefix_cache, (), expected)
+            event(f"reset: {'done' if expected.value else 'refused'}")
+
+        @rule()
+        def read_stats(self) -> None:
+            """The counters so far; reading them starts them again at zero."""
+            self.check(self.take_stats, (), self.model.take_stats())
+
         # ------------------------------------------------------------ invariants
+
+        @invariant()
+        def events_rebuild_the_key_map(self) -> None:
+            """A mirror fed only the KV events knows every cached key and its block."""
+            if self.events_on:
+                assert self.mirror == self.model.block_of
 
         @invariant()
         def state_follows_the_model(self) -> None:

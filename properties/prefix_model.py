@@ -19,6 +19,10 @@ from properties.block_model import BlockModel, Outcome
 Content = tuple[Hashable, tuple[int, ...]]
 """What a cached block holds: ``(salt, the whole token prefix up to the block's end)``."""
 
+Event = tuple[str, int | None, Content | None]
+"""A KV event as the model names it: ``("stored" | "removed", block, content)`` or
+``("cleared", None, None)``."""
+
 
 class PrefixCacheModel(BlockModel):
     """Prefix caching as the rules state it, for valid token lists (non-negative ints)."""
@@ -30,6 +34,8 @@ class PrefixCacheModel(BlockModel):
         self.queried_blocks = 0
         self.hit_blocks = 0
         self.evictions = 0
+        self.resets = 0
+        self.events: list[Event] = []  # every key stored and removed since the last take
 
     def contents(self, tokens: list[int], salt: Hashable) -> list[Content]:
         """The content names of the full blocks of ``tokens``, in order."""
@@ -60,7 +66,9 @@ class PrefixCacheModel(BlockModel):
         taken = super()._take(count)
         for block_id in taken:
             if block_id in self.content_of:
-                del self.block_of[self.content_of.pop(block_id)]
+                content = self.content_of.pop(block_id)
+                del self.block_of[content]
+                self.events.append(("removed", block_id, content))
                 self.evictions += 1
         return taken
 
@@ -68,6 +76,7 @@ class PrefixCacheModel(BlockModel):
         """The block is about to be written over: it loses its content (not an eviction)."""
         content = self.content_of.pop(block_id)
         del self.block_of[content]
+        self.events.append(("removed", block_id, content))
 
     def append_slot(self, table: list[int], token_count: int, new_tokens: int) -> Outcome:
         """No write lands in a cached block: one this table holds alone forgets its content
@@ -119,5 +128,22 @@ class PrefixCacheModel(BlockModel):
             if block_id not in self.content_of and content not in self.block_of:
                 self.content_of[block_id] = content
                 self.block_of[content] = block_id
+                self.events.append(("stored", block_id, content))
                 registered += 1
         return Outcome(value=registered)
+
+    def reset(self) -> Outcome:
+        """Forget every content, only when no block is held; the queue keeps its order."""
+        if len(self.queue) != self.total_blocks:
+            return Outcome(value=False)
+        self.block_of.clear()
+        self.content_of.clear()
+        self.resets += 1
+        self.events.append(("cleared", None, None))
+        return Outcome(value=True)
+
+    def take_stats(self) -> Outcome:
+        """The counters ``(queried, hits, evictions, resets)``; they start again at zero."""
+        stats = (self.queried_blocks, self.hit_blocks, self.evictions, self.resets)
+        self.queried_blocks = self.hit_blocks = self.evictions = self.resets = 0
+        return Outcome(value=stats)

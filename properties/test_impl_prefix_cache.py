@@ -68,6 +68,15 @@ def describe(key: Any) -> Any:
     return tuple(reversed(levels))
 
 
+def describe_event(item: Any) -> tuple[str, Any, Any]:
+    """A KV event's class name, block and key content; works across key classes."""
+    return (
+        type(item).__name__,
+        getattr(item, "block_id", None),
+        describe(getattr(item, "key", None)),
+    )
+
+
 def same(expected: Any, actual: Any) -> bool:
     """Equal, of the same types element by element; keys compared by content."""
     if hasattr(expected, "hash_value"):
@@ -117,9 +126,11 @@ class PrefixDifferentialMachine(RuleBasedStateMachine):
         total_blocks=st.integers(1, 24),
         block_size=st.sampled_from([1, 2, 3, 4]),
         collide=st.booleans(),
+        events_on=st.booleans(),
     )
-    def start(self, total_blocks: int, block_size: int, collide: bool) -> None:
-        kwargs = {"hash_fn": colliding_hash} if collide else {}
+    def start(self, total_blocks: int, block_size: int, collide: bool, events_on: bool) -> None:
+        kwargs: dict[str, Any] = {"hash_fn": colliding_hash} if collide else {}
+        kwargs["enable_kv_events"] = events_on
         self.spec = spec_pc.PrefixCachingBlockManager(total_blocks, block_size, **kwargs)
         self.impl = self.IMPL(total_blocks, block_size, **kwargs)
         self.total_blocks, self.block_size = total_blocks, block_size
@@ -127,7 +138,8 @@ class PrefixDifferentialMachine(RuleBasedStateMachine):
     # ----------------------------------------------------------------- helpers
 
     def both(self, name: str, *args: Any) -> tuple[str, Any]:
-        """Call ``name`` on both managers; assert the same result or exception class."""
+        """Call ``name`` on both managers; assert the same result or exception class, and the
+        same KV events from the call, in order."""
         expected = outcome(getattr(self.spec, name), *args)
         actual = outcome(getattr(self.impl, name), *args)
         assert expected[0] == actual[0], f"{name}{args}: spec {expected}, impl {actual}"
@@ -135,6 +147,11 @@ class PrefixDifferentialMachine(RuleBasedStateMachine):
             assert expected[1] is actual[1], f"{name}{args}: spec {expected}, impl {actual}"
         else:
             assert same(expected[1], actual[1]), f"{name}{args}: spec {expected}, impl {actual}"
+        spec_events = list(map(describe_event, self.spec.take_events()))
+        impl_events = list(map(describe_event, self.impl.take_events()))
+        assert impl_events == spec_events, f"{name}{args}: events {impl_events} != {spec_events}"
+        if spec_events:
+            event("kv events")
         return expected
 
     def cache(self, seq: Seq, num_tokens: int | None = None) -> None:
@@ -223,36 +240,6 @@ class PrefixDifferentialMachine(RuleBasedStateMachine):
             self.seqs.append(Seq(table, list(seq.tokens), seq.salt))
 
     @precondition(lambda self: self.seqs)
-    @rule(data=st.data())
-    def free(self, data: st.DataObject) -> None:
-        seq = self.pick(data)
-        self.seqs.remove(seq)
-        self.both("free", seq.table)
-        self.dead.append(seq.table)
-
-    # ----------------------------------------------------------------- queries and bad input
-
-    @rule(
-        tokens=prompts(),
-        salt=st.sampled_from(SALTS),
-        block_id=st.one_of(st.integers(-2, 26), st.sampled_from([True, 1.0, None, 2**70])),
-    )
-    def query(self, tokens: list[int], salt: object, block_id: object) -> None:
-        self.queries(tokens, salt)
-        self.both("key_of", block_id)
-
-    @rule(
-        tokens=BAD_TOKEN_LISTS,
-        salt=st.one_of(st.sampled_from(SALTS), ODD_SALTS),
-        call=st.sampled_from(["allocate_prompt", "lookup", "blocks_to_allocate", "block_keys"]),
-    )
-    def odd_prompt(self, tokens: Any, salt: object, call: str) -> None:
-        """Wrong types, negative or huge tokens, int subclasses, unhashable salts."""
-        kind, result = self.both(call, tokens, salt)
-        if kind == "ok" and call == "allocate_prompt":
-            self.seqs.append(Seq(result[0], list(tokens), salt))
-
-    @precondition(lambda self: self.seqs)
     @rule(data=st.data(), new=st.lists(ALPHABET, min_size=1, max_size=5))
     def speculate(self, data: st.DataObject, new: list[int]) -> None:
         """Write the next token and drafts, keep ``1 + j`` of them (a rollback), then cache."""
@@ -301,6 +288,45 @@ class PrefixDifferentialMachine(RuleBasedStateMachine):
         if kind == "ok":
             seq.table = table
             del seq.tokens[count:]
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        seq = self.pick(data)
+        self.seqs.remove(seq)
+        self.both("free", seq.table)
+        self.dead.append(seq.table)
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        _, done = self.both("reset_prefix_cache")
+        event(f"reset: {'done' if done else 'refused'}")
+
+    @rule()
+    def take_stats(self) -> None:
+        self.both("take_stats")
+
+    # ----------------------------------------------------------------- queries and bad input
+
+    @rule(
+        tokens=prompts(),
+        salt=st.sampled_from(SALTS),
+        block_id=st.one_of(st.integers(-2, 26), st.sampled_from([True, 1.0, None, 2**70])),
+    )
+    def query(self, tokens: list[int], salt: object, block_id: object) -> None:
+        self.queries(tokens, salt)
+        self.both("key_of", block_id)
+
+    @rule(
+        tokens=BAD_TOKEN_LISTS,
+        salt=st.one_of(st.sampled_from(SALTS), ODD_SALTS),
+        call=st.sampled_from(["allocate_prompt", "lookup", "blocks_to_allocate", "block_keys"]),
+    )
+    def odd_prompt(self, tokens: Any, salt: object, call: str) -> None:
+        """Wrong types, negative or huge tokens, int subclasses, unhashable salts."""
+        kind, result = self.both(call, tokens, salt)
+        if kind == "ok" and call == "allocate_prompt":
+            self.seqs.append(Seq(result[0], list(tokens), salt))
 
     @precondition(lambda self: self.seqs)
     @rule(
@@ -360,6 +386,7 @@ class PrefixDifferentialMachine(RuleBasedStateMachine):
         assert list(map(describe, keys)) == [describe(spec.key_of(b)) for b in range(len(keys))]
         assert impl.num_cached_blocks == spec.num_cached_blocks
         assert dataclasses.astuple(impl.stats) == dataclasses.astuple(spec.stats)
+        assert impl.usage == spec.usage
         assert copy.deepcopy(impl).pop_copy_pairs() == copy.deepcopy(spec).pop_copy_pairs()
         for block_id, key in enumerate(keys):  # the key map is a bijection over cached blocks
             if key is not None:

@@ -40,8 +40,28 @@ BUGS: dict[str, tuple[types.ModuleType, str, str]] = {
     ),
     "eviction keeps the stale key": (
         pagedkv.impl.blocks.prefix_cache,
-        "del self._block_of[self._key_of.pop(block_id)]",
+        "            for block_id in evicted:\n                self._remove_key(block_id)\n",
+        "",
+    ),
+    "events of one batch's evictions out of queue order": (
+        pagedkv.impl.blocks.prefix_cache,
+        "evicted = [block_id for block_id in taken.tolist() if block_id in evicted]",
+        "evicted = sorted(evicted, reverse=True)",
+    ),
+    "a registration emits no event": (
+        pagedkv.impl.blocks.prefix_cache,
+        "events.append(BlockStored(block_id, key))",
         "pass",
+    ),
+    "a reset while blocks are held": (
+        pagedkv.impl.blocks.prefix_cache,
+        "        if len(self._free) != self.total_blocks:\n            return False\n",
+        "",
+    ),
+    "reading the stats does not reset them": (
+        pagedkv.impl.blocks.prefix_cache,
+        "stats, self.stats = self.stats, PrefixCacheStats()",
+        "stats = self.stats",
     ),
     "re-registration trusts a cached block without comparing its tokens": (
         pagedkv.impl.blocks.prefix_cache,

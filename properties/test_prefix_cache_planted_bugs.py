@@ -23,8 +23,8 @@ PREFIX_BUGS = {
         "self._free.remove(block_id)\n                self._free.rotate(1)",
     ),
     "eviction keeps the stale key": (
-        "key = self._key_of.pop(block_id, None)",
-        "key = None",
+        "                self._remove_key(block_id)\n                self.stats.evictions += 1",
+        "                self.stats.evictions += 1",
     ),
     "lookup never hits": (
         "if key not in self._block_of:",
@@ -64,6 +64,34 @@ PREFIX_BUGS = {
         "self._free.remove(block_id)  # Rule: revival leaves the rest of the queue in order.",
         "pass",
     ),
+    "a stored block emits no event": (
+        "self._emit(BlockStored(block_id, key))  # Rule: in table order.",
+        "pass",
+    ),
+    "an eviction emits no event": (
+        "self._emit(BlockRemoved(block_id, key))",
+        "pass",
+    ),
+    "a reset emits no event": (
+        "self._emit(AllBlocksCleared())",
+        "pass",
+    ),
+    "events are recorded while disabled": (
+        "        if self.enable_kv_events:\n            self._events.append(event)",
+        "        self._events.append(event)",
+    ),
+    "a reset while blocks are held": (
+        "if len(self._free) != self.total_blocks:  # Rule: refuse while any block is held.",
+        "if not self._free:",
+    ),
+    "a reset reorders the free queue": (
+        "        self._key_of.clear()\n",
+        "        self._key_of.clear()\n        self._free.reverse()\n",
+    ),
+    "reading the stats does not reset them": (
+        "stats, self.stats = self.stats, PrefixCacheStats()",
+        "stats = self.stats",
+    ),
     "hits beyond the last prompt token": (
         'return max(0, check_int("prompt_len", prompt_len, 0) - 1) // self.block_size',
         'return check_int("prompt_len", prompt_len, 0) // self.block_size',
@@ -71,12 +99,16 @@ PREFIX_BUGS = {
 }
 
 
+EVENT_CLASSES = ("AllBlocksCleared", "BlockRemoved", "BlockStored")
+"""Shared with the real module, so the machine recognises a mutant's events."""
+
+
 def variant(old: str, new: str) -> type:
-    return load_mutant(spec_prefix_cache, old, new, shared=()).PrefixCachingBlockManager
+    return load_mutant(spec_prefix_cache, old, new, EVENT_CLASSES).PrefixCachingBlockManager
 
 
 def test_control_unmutated_copy_passes() -> None:
-    snippet = "key = self._key_of.pop(block_id, None)"
+    snippet = "key = self._key_of.pop(block_id)"
     run_state_machine_as_test(prefix_cache_machine(variant(snippet, snippet)), settings=FIND)
 
 

@@ -41,6 +41,7 @@ from pagedkv.spec.prefix_cache import PrefixCachingBlockManager as SpecPrefixMan
 from properties.mutants import FIND, load_mutant
 
 VOCAB = st.integers(0, 1)  # two tokens: prompts share prefixes often
+SALTS = st.sampled_from([None, None, None, "tenant-a"])  # mostly unsalted: prefixes match often
 
 
 class PreemptionMachine(RuleBasedStateMachine):
@@ -63,6 +64,7 @@ class PreemptionMachine(RuleBasedStateMachine):
         self.store = self.STORE(impl_class(total_blocks, block_size), 8, 64)
         self.prefix, self.block_size = prefix, block_size
         self.model: dict[int, tuple[list[int], list[int]]] = {}  # id -> (table, tokens)
+        self.salt_of: dict[int, str | None] = {}  # the salt each sequence was admitted with
         self.next_id = 0
 
     @precondition(lambda self: len(self.model) < 8)
@@ -87,34 +89,49 @@ class PreemptionMachine(RuleBasedStateMachine):
         return seq_id
 
     @precondition(lambda self: len(self.model) < 8)
-    @rule(target=seqs, tokens=st.lists(VOCAB, min_size=1, max_size=12), headroom=st.integers(0, 3))
-    def admit(self, tokens: list[int], headroom: int) -> Any:
-        """``admit``: ``add_prompt`` if ``headroom`` blocks stay free; tried twice on refusal
-        (the second plan reuses the first's keys), after a drawn change of the cache."""
+    @rule(
+        target=seqs,
+        tokens=st.lists(VOCAB, min_size=1, max_size=12),
+        headroom=st.integers(0, 3),
+        salt=SALTS,
+        retry=st.sampled_from(["same", "other tokens", "other salt"]),
+    )
+    def admit(self, tokens: list[int], headroom: int, salt: str | None, retry: str) -> Any:
+        """``admit`` under a cache salt: ``add_prompt`` if ``headroom`` blocks stay free; tried
+        twice on refusal, after a drawn change of the cache, the second time with no headroom
+        (as a scheduler with nothing running): the same prompt (its plan reuses the first's
+        keys), or, under the same id, other tokens or another salt (it must not)."""
         seq_id = self.next_id
-        for _ in range(2):
+        for attempt in range(2):
+            headroom = 0 if attempt else headroom
+            if attempt and retry == "other tokens":
+                tokens = [1 - token for token in tokens]
+            elif attempt and retry == "other salt":
+                salt = "tenant-b" if salt is None else None
             if self.prefix:
-                needed = self.spec.blocks_to_allocate(tokens)
+                needed = self.spec.blocks_to_allocate(tokens, salt)
             else:
                 needed = -(-len(tokens) // self.block_size)
             fits = self.spec.num_free_blocks - needed >= headroom
-            cached = self.store.admit(seq_id, tokens, headroom)
+            cached = self.store.admit(seq_id, tokens, headroom, salt)
             if fits:
                 break
             assert cached is None
             for other, (table, keyed) in list(self.model.items())[:1]:
                 if self.prefix:  # the cache changes between the two tries
-                    self.store.cache_blocks(other, keyed)
-                    self.spec.cache_blocks(table, keyed)
+                    other_salt = self.salt_of.get(other)
+                    self.store.cache_blocks(other, keyed, other_salt)
+                    self.spec.cache_blocks(table, keyed, other_salt)
         if not fits:
             return multiple()
         if self.prefix:
-            table, spec_cached = self.spec.allocate_prompt(tokens)
+            table, spec_cached = self.spec.allocate_prompt(tokens, salt)
         else:
             table, spec_cached = self.spec.allocate(needed), 0
         assert cached == spec_cached
         self.next_id += 1
         self.model[seq_id] = (table, list(tokens))
+        self.salt_of[seq_id] = salt
         return seq_id
 
     @precondition(lambda self: len(self.model) < 8)
@@ -127,6 +144,7 @@ class PreemptionMachine(RuleBasedStateMachine):
         child = self.next_id
         self.next_id += 1
         self.model[child] = (self.spec.fork(table), list(tokens))
+        self.salt_of[child] = self.salt_of.get(parent)
         self.store.fork(parent, child)
         return child
 
@@ -141,8 +159,9 @@ class PreemptionMachine(RuleBasedStateMachine):
         """Full blocks enter the prefix cache (a no-op without prefix caching)."""
         if seq in self.model and self.prefix:
             table, tokens = self.model[seq]
-            assert outcome(self.store.cache_blocks, seq, tokens) == outcome(
-                self.spec.cache_blocks, table, tokens
+            salt = self.salt_of.get(seq)
+            assert outcome(self.store.cache_blocks, seq, tokens, salt) == outcome(
+                self.spec.cache_blocks, table, tokens, salt
             )
 
     @rule()
@@ -277,8 +296,18 @@ PLANTED = {
     ),
     "a refused prompt's keys are reused for another prompt": (
         pagedkv.impl.blocks.table_store,
-        "same = refused_id == seq_id and list(token_ids) == refused_tokens",
-        "same = refused_id == seq_id",
+        "            and list(token_ids) == refused_tokens  # one C-level compare\n",
+        "",
+    ),
+    "a refused prompt's keys are reused under another salt": (
+        pagedkv.impl.blocks.table_store,
+        "            and refused_extra is extra_key\n",
+        "",
+    ),
+    "admit ignores the salt": (
+        pagedkv.impl.blocks.table_store,
+        "plan = self._prefix.plan_prompt(token_ids, extra_key, refused_keys if same else None)",
+        "plan = self._prefix.plan_prompt(token_ids, None, refused_keys if same else None)",
     ),
     "the decode fast path ignores a forked last block": (
         pagedkv.impl.blocks.table_store,

@@ -6,7 +6,16 @@ over the whole prefix, so equal keys mean equal prefixes. A later prompt whose l
 have cached keys reuses those physical blocks instead of computing them again.
 
 Keys are compared structurally (``BlockKey.__eq__`` compares content), so a hash collision can
-never return a block with other tokens; ``hash_fn`` is injectable to prove it.
+never return a block with other tokens; ``hash_fn`` is injectable to prove it. The default hash
+is stable: the same key has the same hash in every process (a router may compare hashes sent by
+other instances), where Python's ``hash()`` of a ``str`` is salted per process.
+
+The extra key carries what else decides a block's content besides its tokens: a per-request
+cache salt (two tenants with different salts never share a block), a LoRA adapter, ...
+
+Opt-in KV events (``enable_kv_events``) report every key stored and removed, in order, so
+another process can mirror the key set (KV-aware routing); ``reset_prefix_cache`` forgets every
+key when no block is held, and ``take_stats`` reads the counters and starts them again.
 
 The FIFO free queue doubles as the LRU list: a cached block whose ``ref_count`` drops to 0 stays
 in the queue with its key and can still be hit (a hit *revives* it); a block taken from the head
@@ -15,15 +24,43 @@ of the queue for a new owner loses its key (*eviction*, least recently freed fir
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from pagedkv.spec.block_manager import BlockManager, BlockTableError, blocks_needed, check_int
 
+STABLE_EXTRA_TYPES = (type(None), bool, int, float, str, bytes)
+"""What an extra key may be built from under the default hash: these, and tuples of them. Their
+``repr`` is the same in every process (a ``frozenset``'s or an object's is not)."""
+
+
+def check_stable_extra(extra: object) -> None:
+    """Rule: under the default hash the extra key is None, a bool, int, float, str or bytes, or
+    a tuple of such (``TypeError`` otherwise), so its encoding is the same in every process."""
+    if type(extra) is tuple:
+        for part in extra:
+            check_stable_extra(part)
+    elif type(extra) not in STABLE_EXTRA_TYPES:
+        raise TypeError(
+            "extra_key must be None, a bool, int, float, str or bytes, or a tuple of them, for "
+            f"a hash that is stable across processes; got {type(extra).__name__}"
+        )
+
 
 def default_block_hash(parent: BlockKey | None, tokens: tuple[int, ...], extra: Hashable) -> int:
-    """Hash of a block key's parts (Python's tuple hash)."""
-    return hash((parent, tokens, extra))
+    """Stable hash of a block key's parts: the first 8 bytes of BLAKE2b over the ``repr`` of
+    (the parent's hash, the tokens, the extra key), as a signed int.
+
+    Rule: the same parts give the same hash in every process and on every run (no
+    ``PYTHONHASHSEED``), so a block's hash names its content across instances. The parent
+    enters through its hash, which already covers the whole prefix before it.
+    """
+    if extra is not None and type(extra) is not str:
+        check_stable_extra(extra)
+    parent_hash = None if parent is None else parent.hash_value
+    data = repr((parent_hash, tokens, extra)).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
 def _same(a: Hashable, b: Hashable) -> bool:
@@ -68,6 +105,32 @@ class PrefixCacheStats:
     queried_blocks: int = 0  # full blocks looked up by allocate_prompt
     hit_blocks: int = 0  # of those, found in the cache
     evictions: int = 0  # cached blocks that lost their key when reused from the head
+    resets: int = 0  # reset_prefix_cache calls that forgot the keys
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """KV event: ``block_id`` is now cached under ``key`` (its K/V can be hit)."""
+
+    block_id: int
+    key: BlockKey
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """KV event: ``block_id`` no longer carries ``key`` (evicted for a new owner, or about to be
+    overwritten)."""
+
+    block_id: int
+    key: BlockKey
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """KV event: ``reset_prefix_cache`` forgot every key."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class PrefixCachingBlockManager(BlockManager):
@@ -78,7 +141,9 @@ class PrefixCachingBlockManager(BlockManager):
     * ``cached_block(key) == block_id`` exactly when ``key_of(block_id) == key``: the key map and
       the blocks' keys are a bijection over cached blocks;
     * a cached block is either held (``ref_count >= 1``) or in the free queue, once;
-    * the tokens under a block's key are the tokens written in that block.
+    * the tokens under a block's key are the tokens written in that block;
+    * with KV events on, replaying every event taken so far and still pending, in order, on an
+      empty key map gives exactly the map from cached keys to their blocks.
     """
 
     def __init__(
@@ -86,12 +151,19 @@ class PrefixCachingBlockManager(BlockManager):
         total_blocks: int,
         block_size: int = 16,
         hash_fn: Callable[[BlockKey | None, tuple[int, ...], Hashable], int] = default_block_hash,
+        enable_kv_events: bool = False,
     ) -> None:
         super().__init__(total_blocks, block_size)
+        if not isinstance(enable_kv_events, bool):
+            raise TypeError(
+                f"enable_kv_events must be a bool, got {type(enable_kv_events).__name__}"
+            )
         self.hash_fn = hash_fn
         self._key_of: dict[int, BlockKey] = {}  # block id -> key, cached blocks only
         self._block_of: dict[BlockKey, int] = {}  # key -> block id
         self.stats = PrefixCacheStats()
+        self.enable_kv_events = enable_kv_events
+        self._events: list[KVEvent] = []
 
     # ----------------------------------------------------------------- keys and lookup
 
@@ -156,7 +228,35 @@ class PrefixCachingBlockManager(BlockManager):
         """Blocks that currently carry a key (held or free)."""
         return len(self._key_of)
 
+    def take_events(self) -> list[KVEvent]:
+        """Return and forget the KV events since the last call, oldest first (always empty with
+        ``enable_kv_events=False``)."""
+        events, self._events = self._events, []
+        return events
+
+    def take_stats(self) -> PrefixCacheStats:
+        """Return the counters and start new ones at zero. Rule: a snapshot resets when read."""
+        stats, self.stats = self.stats, PrefixCacheStats()
+        return stats
+
     # ----------------------------------------------------------------- operations
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached key if no block is held; return whether it did.
+
+        Rule: while any block is held (some table is live), nothing changes and the answer is
+        False: a live sequence's blocks are registered as they fill, so a reset then (after a
+        weight update, say) would still let stale K/V be cached. Rule: otherwise every key is
+        forgotten, the free queue keeps its order, ``stats.resets`` counts it, and one
+        ``AllBlocksCleared`` event is emitted (no ``BlockRemoved`` per key).
+        """
+        if len(self._free) != self.total_blocks:  # Rule: refuse while any block is held.
+            return False
+        self._key_of.clear()
+        self._block_of.clear()
+        self.stats.resets += 1
+        self._emit(AllBlocksCleared())
+        return True
 
     def allocate_prompt(
         self, token_ids: Sequence[int], extra_key: Hashable = None
@@ -205,6 +305,7 @@ class PrefixCachingBlockManager(BlockManager):
             if block_id not in self._key_of and key not in self._block_of:
                 self._key_of[block_id] = key
                 self._block_of[key] = block_id
+                self._emit(BlockStored(block_id, key))  # Rule: in table order.
                 newly_cached += 1
         return newly_cached
 
@@ -249,16 +350,21 @@ class PrefixCachingBlockManager(BlockManager):
         """Rule: a block handed to a new owner loses its key (LRU eviction via the FIFO queue)."""
         taken = super()._take_from_head(num_blocks)
         for block_id in taken:
-            key = self._key_of.pop(block_id, None)
-            if key is not None:
-                del self._block_of[key]
+            if block_id in self._key_of:
+                self._remove_key(block_id)
                 self.stats.evictions += 1
         return taken
 
     def _remove_key(self, block_id: int) -> None:
-        """Forget a cached block's key."""
+        """Forget a cached block's key. Rule: a ``BlockRemoved`` event, in removal order."""
         key = self._key_of.pop(block_id)
         del self._block_of[key]
+        self._emit(BlockRemoved(block_id, key))
+
+    def _emit(self, event: KVEvent) -> None:
+        """Rule: events are recorded only when enabled."""
+        if self.enable_kv_events:
+            self._events.append(event)
 
     # ----------------------------------------------------------------- validation
 

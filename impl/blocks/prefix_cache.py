@@ -34,9 +34,26 @@ import numpy as np
 
 from pagedkv.impl.blocks.manager import BlockManager, BlockTableError, IdArray
 from pagedkv.spec.block_manager import blocks_needed, check_int
-from pagedkv.spec.prefix_cache import BlockKey, PrefixCacheStats, default_block_hash
+from pagedkv.spec.prefix_cache import (
+    AllBlocksCleared,
+    BlockKey,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    PrefixCacheStats,
+    default_block_hash,
+)
 
-__all__ = ["BlockKey", "PrefixCacheStats", "PrefixCachingBlockManager", "check_tokens"]
+__all__ = [
+    "AllBlocksCleared",
+    "BlockKey",
+    "BlockRemoved",
+    "BlockStored",
+    "KVEvent",
+    "PrefixCacheStats",
+    "PrefixCachingBlockManager",
+    "check_tokens",
+]
 
 HashFn = Callable[[BlockKey | None, tuple[int, ...], Hashable], int]
 
@@ -88,13 +105,23 @@ class PrefixCachingBlockManager(BlockManager):
     """
 
     def __init__(
-        self, total_blocks: int, block_size: int = 16, hash_fn: HashFn = default_block_hash
+        self,
+        total_blocks: int,
+        block_size: int = 16,
+        hash_fn: HashFn = default_block_hash,
+        enable_kv_events: bool = False,
     ) -> None:
         super().__init__(total_blocks, block_size)
+        if not isinstance(enable_kv_events, bool):
+            raise TypeError(
+                f"enable_kv_events must be a bool, got {type(enable_kv_events).__name__}"
+            )
         self.hash_fn = hash_fn
         self._key_of: dict[int, BlockKey] = {}  # block id -> key, cached blocks only
         self._block_of: dict[BlockKey, int] = {}  # key -> block id
         self.stats = PrefixCacheStats()
+        self.enable_kv_events = enable_kv_events
+        self._events: list[KVEvent] = []
 
     # ----------------------------------------------------------------- keys and lookup
 
@@ -131,6 +158,17 @@ class PrefixCachingBlockManager(BlockManager):
         """Blocks that currently carry a key (held or free)."""
         return len(self._key_of)
 
+    def take_events(self) -> list[KVEvent]:
+        """Return and forget the KV events since the last call, oldest first (always empty with
+        ``enable_kv_events=False``): the spec's events, in the spec's order."""
+        events, self._events = self._events, []
+        return events
+
+    def take_stats(self) -> PrefixCacheStats:
+        """Return the counters and start new ones at zero (a snapshot resets when read)."""
+        stats, self.stats = self.stats, PrefixCacheStats()
+        return stats
+
     def plan_prompt(
         self,
         token_ids: Sequence[int],
@@ -161,6 +199,19 @@ class PrefixCachingBlockManager(BlockManager):
         )
 
     # ----------------------------------------------------------------- operations
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached key if no block is held; return whether it did (the spec's rule:
+        False and no change while any block is held; otherwise the free queue keeps its order,
+        ``stats.resets`` counts it, and one ``AllBlocksCleared`` event is emitted)."""
+        if len(self._free) != self.total_blocks:
+            return False
+        self._key_of.clear()
+        self._block_of.clear()
+        self.stats.resets += 1
+        if self.enable_kv_events:
+            self._events.append(AllBlocksCleared())
+        return True
 
     def allocate_prompt(
         self, token_ids: Sequence[int], extra_key: Hashable = None
@@ -303,10 +354,13 @@ class PrefixCachingBlockManager(BlockManager):
             if holder != block_id and block_id in self._key_of:
                 raise BlockTableError(f"block {block_id} is cached with other tokens")
         newly_cached, skipped = 0, []
+        events = self._events if self.enable_kv_events else None
         for index, (block_id, key, holder) in enumerate(zip(blocks, keys, holders, strict=True)):
             if holder is None:
                 self._key_of[block_id] = key
                 self._block_of[key] = block_id
+                if events is not None:
+                    events.append(BlockStored(block_id, key))
                 newly_cached += 1
             elif holder != block_id:
                 skipped.append(index)
@@ -327,9 +381,8 @@ class PrefixCachingBlockManager(BlockManager):
     def take_block(self) -> int:
         """``take_blocks(1)`` as an int, with the same eviction."""
         block = super().take_block()
-        key = self._key_of.pop(block, None)
-        if key is not None:
-            del self._block_of[key]
+        if block in self._key_of:
+            self._remove_key(block)
             self.stats.evictions += 1
         return block
 
@@ -337,12 +390,17 @@ class PrefixCachingBlockManager(BlockManager):
         """Rule: a block handed to a new owner loses its key (LRU eviction via the FIFO queue)."""
         taken = super().take_blocks(num_blocks)
         if self._key_of:
-            for block_id in self._key_of.keys() & taken.tolist():
-                del self._block_of[self._key_of.pop(block_id)]
-                self.stats.evictions += 1
+            evicted = self._key_of.keys() & taken.tolist()
+            if evicted and self.enable_kv_events:  # the events follow the queue's order
+                evicted = [block_id for block_id in taken.tolist() if block_id in evicted]
+            for block_id in evicted:
+                self._remove_key(block_id)
+            self.stats.evictions += len(evicted)
         return taken
 
     def _remove_key(self, block_id: int) -> None:
-        """Forget a cached block's key."""
+        """Forget a cached block's key, with its ``BlockRemoved`` event when events are on."""
         key = self._key_of.pop(block_id)
         del self._block_of[key]
+        if self.enable_kv_events:
+            self._events.append(BlockRemoved(block_id, key))

@@ -42,6 +42,7 @@ from pagedkv.impl.blocks.growth import has_repeats, plan_in_order, plan_preempti
 from pagedkv.impl.blocks.manager import BlockManager, IdArray, OutOfBlocksError
 from pagedkv.impl.blocks.prefix_cache import (
     BlockKey,
+    KVEvent,
     PrefixCacheStats,
     PrefixCachingBlockManager,
     PromptPlan,
@@ -125,7 +126,7 @@ class BlockTableStore:
         # With prefix caching: each live sequence's block keys, extended as its blocks fill,
         # and the keys of the last prompt admit() refused.
         self._keys: dict[int, _SeqKeys] = {}
-        self._refused: tuple[int, list[int], tuple[BlockKey, ...]] = _NOT_REFUSED
+        self._refused: tuple[int, list[int], Hashable, tuple[BlockKey, ...]] = _NOT_REFUSED
 
     # ----------------------------------------------------------------- introspection
 
@@ -195,6 +196,26 @@ class BlockTableStore:
         """A snapshot of the prefix cache's counters, or None with a plain manager."""
         return None if self._prefix is None else replace(self._prefix.stats)
 
+    def take_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The prefix cache's counters since the last call, which start again at zero
+        (``manager.take_stats``), or None with a plain manager."""
+        return None if self._prefix is None else self._prefix.take_stats()
+
+    @property
+    def usage(self) -> float:
+        """The fraction of the pool held by live sequences (``manager.usage``)."""
+        return self.manager.usage
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The prefix cache's KV events since the last call, oldest first
+        (``manager.take_events``); empty with a plain manager or with events off."""
+        return [] if self._prefix is None else self._prefix.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached key if no block is held (``manager.reset_prefix_cache``); return
+        whether it did. With a plain manager nothing is cached: True."""
+        return True if self._prefix is None else self._prefix.reset_prefix_cache()
+
     def blocks_to_allocate(self, token_ids: Sequence[int], extra_key: Hashable = None) -> int:
         """Free blocks ``add_prompt(seq_id, token_ids, extra_key)`` would take now.
 
@@ -244,14 +265,20 @@ class BlockTableStore:
         self._check_room(seq_id, plan.num_blocks, plan.needed)
         return self._add_planned(seq_id, token_ids, extra_key, plan)
 
-    def admit(self, seq_id: int, token_ids: Sequence[int], headroom: int = 0) -> int | None:
-        """``add_prompt(seq_id, token_ids)`` if it leaves at least ``headroom`` blocks free and
-        a row is free; otherwise None, changing nothing. Plans the prompt once.
+    def admit(
+        self,
+        seq_id: int,
+        token_ids: Sequence[int],
+        headroom: int = 0,
+        extra_key: Hashable = None,
+    ) -> int | None:
+        """``add_prompt(seq_id, token_ids, extra_key)`` if it leaves at least ``headroom``
+        blocks free and a row is free; otherwise None, changing nothing. Plans the prompt once.
 
-        A refused prompt's block keys are kept for the next call with the same ``seq_id`` and
-        equal tokens (a waiting request retried every step), which then skips hashing.
-        Raises what ``add_prompt`` raises for bad arguments (``CapacityError`` only for a
-        prompt longer than a table).
+        A refused prompt's block keys are kept for the next call with the same ``seq_id``,
+        equal tokens and the same ``extra_key`` (a waiting request retried every step), which
+        then skips hashing. Raises what ``add_prompt`` raises for bad arguments
+        (``CapacityError`` only for a prompt longer than a table).
         """
         seq_id = self._check_new(seq_id)
         check_int("headroom", headroom, 0)
@@ -262,14 +289,18 @@ class BlockTableStore:
                 return None
             self._place(seq_id, self.manager.take_blocks(needed), len(token_ids))
             return 0
-        refused_id, refused_tokens, refused_keys = self._refused
-        same = refused_id == seq_id and list(token_ids) == refused_tokens  # one C-level compare
-        plan = self._prefix.plan_prompt(token_ids, None, refused_keys if same else None)
+        refused_id, refused_tokens, refused_extra, refused_keys = self._refused
+        same = (
+            refused_id == seq_id
+            and refused_extra is extra_key
+            and list(token_ids) == refused_tokens  # one C-level compare
+        )
+        plan = self._prefix.plan_prompt(token_ids, extra_key, refused_keys if same else None)
         self._check_fits(plan.num_blocks, seq_id)
         if not self._free_rows or self.manager.num_free_blocks - plan.needed < headroom:
-            self._refused = (seq_id, list(token_ids), plan.keys)
+            self._refused = (seq_id, list(token_ids), extra_key, plan.keys)
             return None
-        return self._add_planned(seq_id, token_ids, None, plan)
+        return self._add_planned(seq_id, token_ids, extra_key, plan)
 
     def cache_blocks(
         self, seq_id: int, token_ids: Sequence[int], extra_key: Hashable = None
@@ -910,7 +941,7 @@ class _SeqKeys:
         return _SeqKeys(self.extra, list(self.keys), self.done, list(self.retry), list(self.tokens))
 
 
-_NOT_REFUSED: tuple[int, list[int], tuple[BlockKey, ...]] = (-1, [], ())
+_NOT_REFUSED: tuple[int, list[int], Hashable, tuple[BlockKey, ...]] = (-1, [], None, ())
 
 
 @dataclass(frozen=True, eq=False, slots=True)
