@@ -38,7 +38,7 @@ yet) are skipped and not counted.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -146,8 +146,15 @@ class ContiguousStore:
         self.counts[seq_id] = len(token_ids)
         return 0
 
-    def admit(self, seq_id: int, token_ids: Sequence[int], headroom: int = 0) -> int | None:
-        """Reserve the region if at least ``headroom`` slots stay free; None otherwise."""
+    def admit(
+        self,
+        seq_id: int,
+        token_ids: Sequence[int],
+        headroom: int = 0,
+        extra_key: Hashable = None,
+    ) -> int | None:
+        """Reserve the region if at least ``headroom`` slots stay free; None otherwise (nothing
+        is cached, so ``extra_key`` changes nothing)."""
         if self.num_free_blocks - self._reservation_of(token_ids) < headroom:
             return None
         return self.add_prompt(seq_id, token_ids)
@@ -186,7 +193,9 @@ class ContiguousStore:
         """Contiguous memory cannot be shared: the simulator runs every sample as a request."""
         raise NotImplementedError("a contiguous reservation cannot be shared by a fork")
 
-    def cache_blocks(self, seq_id: int, token_ids: Sequence[int]) -> int:
+    def cache_blocks(
+        self, seq_id: int, token_ids: Sequence[int], extra_key: Hashable = None
+    ) -> int:
         return 0
 
 

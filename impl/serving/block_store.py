@@ -8,7 +8,7 @@ scheduled, and the scheduler never reaches a block manager.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Protocol, runtime_checkable
 
 
@@ -51,9 +51,16 @@ class BlockStore(Protocol):
         """Tokens each of ``seqs`` holds; ``None`` is every live sequence in the order added."""
         ...
 
-    def admit(self, seq_id: int, token_ids: Sequence[int], headroom: int = 0) -> int | None:
+    def admit(
+        self,
+        seq_id: int,
+        token_ids: Sequence[int],
+        headroom: int = 0,
+        extra_key: Hashable = None,
+    ) -> int | None:
         """Add a sequence holding the prompt if at least ``headroom`` blocks stay free; return
-        how many leading tokens are cached, or None (nothing changed)."""
+        how many leading tokens are cached, or None (nothing changed). Only blocks cached
+        under the same ``extra_key`` (a cache salt) can hit."""
         ...
 
     def grow_or_preempt(
@@ -72,6 +79,9 @@ class BlockStore(Protocol):
         """Free the sequences' tables and forget them."""
         ...
 
-    def cache_blocks(self, seq_id: int, token_ids: Sequence[int]) -> int:
-        """Register the sequence's full blocks with a prefix cache; return how many were new."""
+    def cache_blocks(
+        self, seq_id: int, token_ids: Sequence[int], extra_key: Hashable = None
+    ) -> int:
+        """Register the sequence's full blocks with a prefix cache, under ``extra_key`` (the
+        one it was admitted with); return how many were new."""
         ...

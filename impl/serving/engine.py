@@ -36,7 +36,12 @@ from tqdm import tqdm
 
 from pagedkv.impl.blocks.manager import BlockManager
 from pagedkv.impl.blocks.page_tables import block_tables
-from pagedkv.impl.blocks.prefix_cache import PrefixCachingBlockManager, check_tokens
+from pagedkv.impl.blocks.prefix_cache import (
+    KVEvent,
+    PrefixCacheStats,
+    PrefixCachingBlockManager,
+    check_tokens,
+)
 from pagedkv.impl.blocks.table_store import BlockTableStore
 from pagedkv.impl.serving.hf_loader import load_hf, load_tokenizer
 from pagedkv.impl.serving.metrics import StepMetrics, step_metrics
@@ -85,7 +90,8 @@ class PagedAttentionEngine:
 
     ``max_num_seqs``, ``max_num_batched_tokens`` and ``watermark_blocks`` configure the scheduler
     (``pagedkv.impl.serving.scheduler.SchedulerConfig``). ``enable_prefix_caching`` chooses the
-    prefix-caching block manager; the engine's code is the same either way. ``backend`` is the
+    prefix-caching block manager; the engine's code is the same either way. With it,
+    ``enable_kv_events`` records KV events for :meth:`take_kv_events`. ``backend`` is the
     kernels' backend (``None``: ``PAGEDKV_BACKEND`` or auto). With ``keep_logits`` each output keeps
     the logits of every step, for comparison with an oracle. ``max_model_len`` is the longest
     sequence (prompt plus output) served: each block table is ``ceil(max_model_len /
@@ -110,6 +116,7 @@ class PagedAttentionEngine:
         watermark_blocks: int = 0,
         max_model_len: int = 2048,
         enable_prefix_caching: bool = False,
+        enable_kv_events: bool = False,
         backend: str | None = None,
         keep_logits: bool = False,
         seed: int = 0,
@@ -124,12 +131,20 @@ class PagedAttentionEngine:
         if (draft_source is None) != (num_speculative_tokens == 0):
             raise ValueError("draft_source and num_speculative_tokens >= 1 go together")
         check_bool("enable_prefix_caching", enable_prefix_caching)
+        check_bool("enable_kv_events", enable_kv_events)
+        if enable_kv_events and not enable_prefix_caching:
+            raise ValueError(
+                "enable_kv_events needs enable_prefix_caching: events report cache keys"
+            )
         check_bool("keep_logits", keep_logits)
         check_int("seed", seed, 0)
         check_int("max_model_len", max_model_len, 1)
         resolve_backend(backend, model.device)  # an unknown or unusable backend fails here
-        manager_class = PrefixCachingBlockManager if enable_prefix_caching else BlockManager
-        manager = manager_class(total_blocks, block_size)
+        manager = (
+            PrefixCachingBlockManager(total_blocks, block_size, enable_kv_events=enable_kv_events)
+            if enable_prefix_caching
+            else BlockManager(total_blocks, block_size)
+        )
         self.model = model
         self.store = BlockTableStore(
             manager, max_num_seqs, blocks_needed(max_model_len, block_size)
@@ -161,8 +176,13 @@ class PagedAttentionEngine:
         temperature: float = 0.0,
         eos_token_id: int | None = None,
         seed: int | None = None,
+        cache_salt: str | None = None,
     ) -> int:
         """Queue a request; return its id. ``n`` samples share the prompt's blocks.
+
+        With prefix caching, ``cache_salt`` (a str) keeps the request's cached blocks apart:
+        it hits only blocks computed for requests with an equal salt (one tenant's), and its
+        own blocks are cached under it.
 
         ``temperature == 0`` is greedy; otherwise sample ``i`` draws with its own generator
         seeded from ``seed`` (default: the engine's seed and the request id) and ``i``, so its
@@ -177,8 +197,9 @@ class PagedAttentionEngine:
         temperature = self._check_options(temperature, eos_token_id, seed)
         request_id = self._next_request_id
         seq = self.scheduler.add_request(
-            request_id, prompt, max_new_tokens, n=n, eos_token_id=eos_token_id
-        )
+            request_id, prompt, max_new_tokens, n=n, eos_token_id=eos_token_id,
+            cache_salt=cache_salt,
+        )  # fmt: skip
         self._next_request_id += 1
         base = (self.seed, request_id) if seed is None else (seed,)
         generators = [
@@ -211,6 +232,27 @@ class PagedAttentionEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (after a weight update, say); return whether it did.
+        Refused (False, nothing changes) while any request holds blocks: their blocks would be
+        cached as they fill. ``BlockTableStore.reset_prefix_cache``."""
+        return self.store.reset_prefix_cache()
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The KV events (blocks stored into and removed from the prefix cache, resets) since
+        the last call, oldest first; empty unless ``enable_kv_events``."""
+        return self.store.take_kv_events()
+
+    def take_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The prefix cache's counters since the last call (they start again at zero), or None
+        without prefix caching."""
+        return self.store.take_prefix_cache_stats()
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """The fraction of the KV pool held by requests now."""
+        return self.store.usage
 
     @torch.no_grad()
     def step(self) -> StepOutput:

@@ -52,6 +52,13 @@ class RequestTooLargeError(ValueError):
     """A request that no amount of waiting could ever run (see :meth:`Scheduler.add_request`)."""
 
 
+def check_cache_salt(cache_salt: object) -> str | None:
+    """Rule: a cache salt is a str or None (``TypeError`` otherwise). Returns it."""
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
+    return cache_salt
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Limits: sequences running at once (each sample counts), tokens computed per step, and
@@ -87,6 +94,7 @@ class Sequence:
     sample_index: int = 0
     num_computed: int = 0  # leading tokens whose K/V are in the cache
     status: SeqStatus = SeqStatus.WAITING
+    cache_salt: str | None = None  # prefix-cache hits only among requests with the same salt
 
     @property
     def num_tokens(self) -> int:
@@ -188,11 +196,17 @@ class Scheduler:
         *,
         n: int = 1,
         eos_token_id: int | None = None,
+        cache_salt: str | None = None,
     ) -> Sequence:
         """Queue a request (its first sequence) at the back of the waiting queue.
 
+        ``cache_salt`` isolates the request's prefix cache: its blocks are cached under the
+        salt and it hits only blocks cached under an equal one, so tenants with different salts
+        never share a block (None is a salt of its own, shared by every unsalted request).
+
         Raises ``TypeError``/``ValueError`` for a prompt that is not a non-empty list or tuple of
-        non-negative ints, a count below 1 or a bad ``eos_token_id``, and
+        non-negative ints, a count below 1, a bad ``eos_token_id`` or a ``cache_salt`` that is
+        not a str or None, and
         :class:`RequestTooLargeError` for a request that can never run: one sequence of it holds
         up to ``len(prompt) + max_new_tokens - 1`` tokens (the last token is never computed),
         which must fit the pool and a table, and its ``n`` samples must fit ``max_num_seqs``.
@@ -201,6 +215,7 @@ class Scheduler:
         check_int("n", n, 1)
         if eos_token_id is not None:
             check_int("eos_token_id", eos_token_id, 0)
+        check_cache_salt(cache_salt)
         if not check_tokens(prompt):
             raise ValueError("the prompt must hold at least one token")
         max_len = len(prompt) + max_new_tokens - 1
@@ -219,7 +234,7 @@ class Scheduler:
             )
         seq = Sequence(
             self._new_seq_id(), request_id, list(prompt), len(prompt), max_new_tokens,
-            eos_token_id, num_samples=n,
+            eos_token_id, num_samples=n, cache_salt=cache_salt,
         )  # fmt: skip
         self.waiting.append(seq)
         return seq
@@ -291,7 +306,9 @@ class Scheduler:
             if end // bs > item.start // bs:  # filled a block: its K/V is written
                 seq = item.seq
                 self.store.cache_blocks(
-                    seq.seq_id, seq.tokens if end == len(seq.tokens) else seq.tokens[:end]
+                    seq.seq_id,
+                    seq.tokens if end == len(seq.tokens) else seq.tokens[:end],
+                    seq.cache_salt,
                 )
         # The store calls that can fail come first, each atomic, and are undone on failure;
         # the scheduler's own state changes only after all of them succeeded.
@@ -377,7 +394,7 @@ class Scheduler:
         if self.num_running_seqs + seq.num_samples > self.config.max_num_seqs:
             return None
         headroom = self.config.watermark_blocks if self.running else 0
-        return self.store.admit(seq.seq_id, seq.tokens, headroom)
+        return self.store.admit(seq.seq_id, seq.tokens, headroom, seq.cache_salt)
 
     def _child(self, parent: Sequence, computed: int, index: int, token: int) -> Sequence:
         """Sample ``index`` of ``parent``'s request: ``parent``'s tokens plus ``token``, with
@@ -385,5 +402,5 @@ class Scheduler:
         return Sequence(
             self._new_seq_id(), parent.request_id, [*parent.tokens, token], parent.prompt_len,
             parent.max_new_tokens, parent.eos_token_id, sample_index=index,
-            num_computed=computed,
+            num_computed=computed, cache_salt=parent.cache_salt,
         )  # fmt: skip

@@ -1,0 +1,197 @@
+"""Stable block keys, per-request cache salts and KV events, end to end.
+
+* The default block hash is the same in every process: two interpreters with different
+  ``PYTHONHASHSEED`` compute the same hashes for the same salted prompt, and the same as a value
+  written here (so a change of the hash is a visible, deliberate change). Python's own ``hash``
+  of the salt differs between those processes, so the check would fail with it.
+* A cache salt travels from ``add_request`` through the scheduler to the store: requests with
+  equal salts share their prompt's cached blocks, requests with different salts (or one salted,
+  one not) share none. A scheduler that drops the salt is caught.
+* With KV events on, the events an engine reports rebuild its prefix cache's key map exactly,
+  and ``reset_prefix_cache`` is refused while requests run and clears the map after.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pagedkv.impl.serving.scheduler as scheduler_module
+from pagedkv.impl.blocks.prefix_cache import PrefixCachingBlockManager
+from pagedkv.impl.blocks.table_store import BlockTableStore
+from pagedkv.impl.serving.engine import PagedAttentionEngine
+from pagedkv.impl.serving.scheduler import Scheduler, SchedulerConfig
+from pagedkv.spec.prefix_cache import AllBlocksCleared, BlockRemoved, BlockStored
+from pagedkv.spec.prefix_cache import PrefixCachingBlockManager as SpecPrefixManager
+from properties.engine_cases import MODEL, one_thread
+from properties.mutants import load_mutant
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]
+KEYED = (PROMPT, "tenant-a", ("lora", 7))  # tokens, salt, a tuple extra key
+
+HASHES_SCRIPT = """
+import json, sys
+from pagedkv.spec.prefix_cache import PrefixCachingBlockManager
+tokens, salt, extra = json.loads(sys.argv[1])
+manager = PrefixCachingBlockManager(8, 4)
+print(json.dumps({
+    "salted": [key.hash_value for key in manager.block_keys(tokens, salt)],
+    "tuple extra": [key.hash_value for key in manager.block_keys(tokens, tuple(extra))],
+    "python hash of the salt": hash(salt),
+}))
+"""
+
+GOLDEN_SALTED = [4134609230749097507, 2022915652591636899, -5562750073687475860]
+"""``block_keys(PROMPT, "tenant-a")``'s hashes with block size 4: BLAKE2b-64 of the key's repr."""
+
+
+def hashes_in_a_new_process(seed: str, tmp_path: Path) -> dict[str, object]:
+    env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [sys.executable, "-c", HASHES_SCRIPT, json.dumps(KEYED)],
+        capture_output=True, text=True, env=env, cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
+def test_block_hashes_are_the_same_in_every_process(tmp_path: Path) -> None:
+    first = hashes_in_a_new_process("1", tmp_path)
+    second = hashes_in_a_new_process("2", tmp_path)
+    assert first["python hash of the salt"] != second["python hash of the salt"], (
+        "the processes must really differ in their str hashing for this test to mean anything"
+    )
+    here = SpecPrefixManager(8, 4)
+    for result in (first, second):
+        assert result["salted"] == [k.hash_value for k in here.block_keys(PROMPT, "tenant-a")]
+        assert result["tuple extra"] == [k.hash_value for k in here.block_keys(PROMPT, ("lora", 7))]
+    assert first["salted"] == GOLDEN_SALTED
+    impl = PrefixCachingBlockManager(8, 4)
+    assert [k.hash_value for k in impl.block_keys(PROMPT, "tenant-a")] == GOLDEN_SALTED
+
+
+def test_salts_change_every_block_hash() -> None:
+    manager = SpecPrefixManager(8, 4)
+    salted = [key.hash_value for key in manager.block_keys(PROMPT, "tenant-a")]
+    for other in (None, "tenant-b", ("tenant-a",)):
+        hashes = [key.hash_value for key in manager.block_keys(PROMPT, other)]
+        assert not set(hashes) & set(salted)
+
+
+@pytest.mark.parametrize("manager_class", [SpecPrefixManager, PrefixCachingBlockManager])
+@pytest.mark.parametrize("extra", [frozenset({1}), object(), [1], ("ok", {1}), 1j])
+def test_an_extra_key_without_a_stable_encoding_is_refused(
+    manager_class: type, extra: object
+) -> None:
+    manager = manager_class(8, 4)
+    with pytest.raises(TypeError, match="extra_key"):
+        manager.allocate_prompt(PROMPT, extra)
+    assert manager.num_free_blocks == 8 and manager.stats.queried_blocks == 0
+
+
+# ----------------------------------------------------------------- salts through the scheduler
+
+
+def run_prompt(scheduler: Scheduler, request_id: int, salt: str | None) -> int:
+    """Admit ``PROMPT`` under ``salt``, compute it, finish it; return its cached tokens."""
+    seq = scheduler.add_request(request_id, PROMPT, max_new_tokens=1, cache_salt=salt)
+    out = scheduler.schedule()
+    (item,) = [item for item in out.scheduled if item.seq is seq]
+    scheduler.update(out, {seq.seq_id: [0]})
+    assert not scheduler.has_unfinished()
+    return item.cached_tokens
+
+
+def salt_scheduler(module: object = scheduler_module) -> Scheduler:
+    store = BlockTableStore(PrefixCachingBlockManager(64, 4), 4, 8)
+    return module.Scheduler(store, SchedulerConfig(max_num_seqs=4))  # type: ignore[attr-defined]
+
+
+def check_salts_isolate_tenants(scheduler: Scheduler) -> None:
+    full = (len(PROMPT) - 1) // 4 * 4  # every block before the last token's
+    assert run_prompt(scheduler, 0, "tenant-a") == 0
+    assert run_prompt(scheduler, 1, None) == 0, "an unsalted request hit a salted block"
+    assert run_prompt(scheduler, 2, "tenant-b") == 0, "a salted request hit another's block"
+    for request_id, salt in enumerate(["tenant-a", None, "tenant-b"], start=3):
+        assert run_prompt(scheduler, request_id, salt) == full, f"{salt} missed its own blocks"
+
+
+def test_salts_isolate_tenants_through_the_scheduler() -> None:
+    check_salts_isolate_tenants(salt_scheduler())
+
+
+def test_a_scheduler_that_drops_the_salt_is_caught() -> None:
+    mutant = load_mutant(
+        scheduler_module,
+        "return self.store.admit(seq.seq_id, seq.tokens, headroom, seq.cache_salt)",
+        "return self.store.admit(seq.seq_id, seq.tokens, headroom)",
+        ("RequestTooLargeError",),
+    )
+    with pytest.raises(AssertionError, match="a salted request hit another's block"):
+        check_salts_isolate_tenants(salt_scheduler(mutant))
+
+
+@pytest.mark.parametrize("salt", [1, b"x", ("a",)])
+def test_a_salt_that_is_not_a_str_is_refused(salt: object) -> None:
+    scheduler = salt_scheduler()
+    with pytest.raises(TypeError, match="cache_salt"):
+        scheduler.add_request(0, PROMPT, 1, cache_salt=salt)  # type: ignore[arg-type]
+    assert not scheduler.has_unfinished()
+
+
+# ----------------------------------------------------------------- the engine's events and reset
+
+
+def test_engine_events_rebuild_the_cache_and_reset_waits_for_idle() -> None:
+    engine = PagedAttentionEngine(
+        MODEL, total_blocks=12, block_size=4, max_num_seqs=2,
+        enable_prefix_caching=True, enable_kv_events=True,
+    )  # fmt: skip
+    mirror: dict[object, int] = {}
+
+    def replay() -> None:
+        for item in engine.take_kv_events():
+            if isinstance(item, BlockStored):
+                mirror[item.key] = item.block_id
+            elif isinstance(item, BlockRemoved):
+                assert mirror.pop(item.key) == item.block_id
+            else:
+                assert isinstance(item, AllBlocksCleared)
+                mirror.clear()
+
+    def cached() -> dict[object, int]:
+        manager = engine.store.manager
+        keys = {b: manager.key_of(b) for b in range(manager.total_blocks)}
+        return {key: block for block, key in keys.items() if key is not None}
+
+    prompts = [PROMPT, [*PROMPT[:9], 0, 0, 0, 0, 0], [7] * 13, PROMPT]
+    with one_thread():
+        for prompt in prompts:
+            engine.add_request(prompt, max_new_tokens=6, cache_salt="tenant-a")
+        evicted = False
+        while engine.has_unfinished_requests():
+            engine.step()
+            if engine.kv_cache_usage > 0:  # some request holds blocks
+                assert engine.reset_prefix_cache() is False
+            replay()
+            assert mirror == cached()
+            evicted = evicted or engine.store.prefix_cache_stats.evictions > 0
+    assert evicted and mirror, "the workload must store and evict blocks"
+    assert engine.kv_cache_usage == 0.0
+    stats = engine.take_prefix_cache_stats()
+    assert stats is not None and stats.hit_blocks > 0
+    assert engine.take_prefix_cache_stats() == type(stats)()  # read: started again at zero
+    assert engine.reset_prefix_cache() is True
+    replay()
+    assert mirror == cached() == {}
+
+
+def test_kv_events_need_prefix_caching() -> None:
+    with pytest.raises(ValueError, match="enable_kv_events"):
+        PagedAttentionEngine(MODEL, total_blocks=8, block_size=4, enable_kv_events=True)
