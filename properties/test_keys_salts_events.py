@@ -76,25 +76,6 @@ def test_block_hashes_are_the_same_in_every_process(tmp_path: Path) -> None:
     assert [k.hash_value for k in impl.block_keys(PROMPT, "tenant-a")] == GOLDEN_SALTED
 
 
-def test_salts_change_every_block_hash() -> None:
-    manager = SpecPrefixManager(8, 4)
-    salted = [key.hash_value for key in manager.block_keys(PROMPT, "tenant-a")]
-    for other in (None, "tenant-b", ("tenant-a",)):
-        hashes = [key.hash_value for key in manager.block_keys(PROMPT, other)]
-        assert not set(hashes) & set(salted)
-
-
-@pytest.mark.parametrize("manager_class", [SpecPrefixManager, PrefixCachingBlockManager])
-@pytest.mark.parametrize("extra", [frozenset({1}), object(), [1], ("ok", {1}), 1j])
-def test_an_extra_key_without_a_stable_encoding_is_refused(
-    manager_class: type, extra: object
-) -> None:
-    manager = manager_class(8, 4)
-    with pytest.raises(TypeError, match="extra_key"):
-        manager.allocate_prompt(PROMPT, extra)
-    assert manager.num_free_blocks == 8 and manager.stats.queried_blocks == 0
-
-
 # ----------------------------------------------------------------- salts through the scheduler
 
 
