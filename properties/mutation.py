@@ -138,6 +138,9 @@ EQUIVALENT: dict[str, str] = {
     "impl/blocks/manager.py::BlockManager.append_slot::True->False#1": (
         "zip(..., strict=False): the indices and fresh ids have one entry per copy by construction"
     ),
+    "impl/blocks/manager.py::BlockManager.truncate::Lt->LtE#1": (
+        "releasing the empty tail of a table that keeps every block changes nothing"
+    ),
     "impl/blocks/manager.py::BlockManager._live_array::False->True#1": (
         "astype(copy=True): the ids are only read afterwards, so a copy changes nothing"
     ),
