@@ -224,12 +224,16 @@ class PrefixDifferentialMachine(RuleBasedStateMachine):
     def decode(self, data: st.DataObject, new: list[int]) -> None:
         """Write ``len(new)`` tokens (a decode step, a chunk, or a lookahead), then cache."""
         seq = self.pick(data)
-        count = len(seq.tokens) + len(new)
-        kind, table = self.both("append_slot", seq.table, count, len(new))
+        if self.write(seq, new):
+            self.cache(seq)
+
+    def write(self, seq: Seq, new: list[int]) -> bool:
+        """``append_slot`` of ``new`` on both, then their copy pairs; whether it succeeded."""
+        kind, table = self.both("append_slot", seq.table, len(seq.tokens) + len(new), len(new))
         self.both("pop_copy_pairs")
         if kind == "ok":
             seq.table, seq.tokens = table, seq.tokens + new
-            self.cache(seq)
+        return kind == "ok"
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
@@ -244,12 +248,9 @@ class PrefixDifferentialMachine(RuleBasedStateMachine):
     def speculate(self, data: st.DataObject, new: list[int]) -> None:
         """Write the next token and drafts, keep ``1 + j`` of them (a rollback), then cache."""
         seq = self.pick(data)
-        count = len(seq.tokens) + len(new)
-        kind, table = self.both("append_slot", seq.table, count, len(new))
-        self.both("pop_copy_pairs")
-        if kind == "ok":
-            seq.table, seq.tokens = table, seq.tokens + new
-            kept = count - len(new) + 1 + data.draw(st.integers(0, len(new) - 1), label="j")
+        before = len(seq.tokens)
+        if self.write(seq, new):
+            kept = before + 1 + data.draw(st.integers(0, len(new) - 1), label="j")
             self.truncate(seq, kept)
             self.cache(seq)
 
