@@ -176,3 +176,22 @@ def test_engine_events_rebuild_the_cache_and_reset_waits_for_idle() -> None:
 def test_kv_events_need_prefix_caching() -> None:
     with pytest.raises(ValueError, match="enable_kv_events"):
         PagedAttentionEngine(MODEL, total_blocks=8, block_size=4, enable_kv_events=True)
+
+
+def test_a_store_admit_under_an_unstable_extra_key_changes_nothing() -> None:
+    """``admit`` builds every key before it changes anything: an extra key without a stable
+    encoding raises ``TypeError`` and leaves the pool, the rows and the cache as they were, and
+    the same prompt is then admitted as if the refused call never happened."""
+    store = BlockTableStore(PrefixCachingBlockManager(16, 4, enable_kv_events=True), 4, 8)
+    store.admit(0, PROMPT, 0, "tenant-a")
+    store.cache_blocks(0, PROMPT, "tenant-a")
+    before = (store.tables.tolist(), store.manager.free_block_ids(), store.take_kv_events())
+    with pytest.raises(TypeError, match="extra_key"):
+        store.admit(1, PROMPT, 0, frozenset({"tenant-a"}))
+    assert (store.tables.tolist(), store.manager.free_block_ids(), store.take_kv_events()) == (
+        before[0],
+        before[1],
+        [],
+    )
+    assert store.seq_ids == (0,)
+    assert store.admit(1, PROMPT, 0, "tenant-a") == 12  # its three full blocks hit
