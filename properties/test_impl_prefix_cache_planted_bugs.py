@@ -45,7 +45,7 @@ BUGS: dict[str, tuple[types.ModuleType, str, str]] = {
     ),
     "events of one batch's evictions out of queue order": (
         pagedkv.impl.blocks.prefix_cache,
-        "evicted = [block_id for block_id in taken.tolist() if block_id in evicted]",
+        "evicted = [block_id for block_id in ids if block_id in evicted]",
         "evicted = sorted(evicted, reverse=True)",
     ),
     "a registration emits no event": (

@@ -390,9 +390,10 @@ class PrefixCachingBlockManager(BlockManager):
         """Rule: a block handed to a new owner loses its key (LRU eviction via the FIFO queue)."""
         taken = super().take_blocks(num_blocks)
         if self._key_of:
-            evicted = self._key_of.keys() & taken.tolist()
+            ids = taken.tolist()
+            evicted = self._key_of.keys() & ids
             if evicted and self.enable_kv_events:  # the events follow the queue's order
-                evicted = [block_id for block_id in taken.tolist() if block_id in evicted]
+                evicted = [block_id for block_id in ids if block_id in evicted]
             for block_id in evicted:
                 self._remove_key(block_id)
             self.stats.evictions += len(evicted)
