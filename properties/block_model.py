@@ -38,7 +38,20 @@ class BlockModel:
         self.refs = [0] * total_blocks
         self.copy_pairs: list[tuple[int, int]] = []
 
-    def _table_error(self, table: list[int]) -> type[BaseException] | None:
+    @staticmethod
+    def _released(table: list[int | None]) -> int:
+        """How many leading entries a sliding window released (``None``)."""
+        count = 0
+        for block_id in table:
+            if block_id is not None:
+                break
+            count += 1
+        return count
+
+    def _table_error(self, table: list[int | None]) -> type[BaseException] | None:
+        table = table[self._released(table) :]
+        if None in table:  # a released entry after a held one
+            return TypeError
         for block_id in table:
             if not (0 <= block_id < self.total_blocks):
                 return BlockTableError
@@ -71,6 +84,8 @@ class BlockModel:
         size = self.block_size
         blocks = (token_count + size - 1) // size
         written = {pos // size for pos in range(token_count - new_tokens, token_count)}
+        if any(i < self._released(table) for i in written):
+            return Outcome(error=BlockTableError)
         shared = [i for i in range(len(table)) if i in written and self.refs[table[i]] > 1]
         growth = max(0, blocks - len(table))
         if len(shared) + growth > len(self.queue):
@@ -93,18 +108,25 @@ class BlockModel:
         if error is not None:
             return Outcome(error=error)
         for block_id in table:
-            self.refs[block_id] += 1
+            if block_id is not None:
+                self.refs[block_id] += 1
         return Outcome(value=list(table))
 
     def free(self, table: list[int]) -> Outcome:
         error = self._table_error(table)
         if error is not None:
             return Outcome(error=error)
-        for block_id in table[::-1]:
+        self._drop(table)
+        return Outcome(value=None)
+
+    def _drop(self, blocks: list[int | None]) -> None:
+        """One hold less on each held entry of ``blocks``, last first; 0 joins the queue."""
+        for block_id in blocks[::-1]:
+            if block_id is None:
+                continue
             self.refs[block_id] -= 1
             if self.refs[block_id] == 0:
                 self.queue.append(block_id)
-        return Outcome(value=None)
 
     def truncate(self, table: list[int], token_count: int) -> Outcome:
         """Keep the blocks the first ``token_count`` tokens need; give the rest back, tail first."""
@@ -114,11 +136,25 @@ class BlockModel:
         if error is not None:
             return Outcome(error=error)
         kept = (token_count + self.block_size - 1) // self.block_size
-        for block_id in table[kept:][::-1]:
-            self.refs[block_id] -= 1
-            if self.refs[block_id] == 0:
-                self.queue.append(block_id)
+        self._drop(table[kept:])
         return Outcome(value=table[:kept])
+
+    def release_outside_window(
+        self, table: list[int | None], token_count: int, window: int
+    ) -> Outcome:
+        """Release every leading block whose slots all lie before the window of position
+        ``token_count`` (the next query reads ``token_count - window + 1`` on)."""
+        error = self._table_error(table)
+        if error is None and not (0 <= token_count <= len(table) * self.block_size and window >= 1):
+            error = ValueError
+        if error is not None:
+            return Outcome(error=error)
+        first_read = token_count - window + 1
+        outside = 0
+        while outside < len(table) and (outside + 1) * self.block_size <= first_read:
+            outside += 1
+        self._drop(table[:outside])
+        return Outcome(value=[None] * outside + table[outside:])
 
     def translate_slot(self, table: list[int], pos: int) -> Outcome:
         error = self._table_error(table)
@@ -128,6 +164,8 @@ class BlockModel:
             return Outcome(error=ValueError)
         if pos >= len(table) * self.block_size:
             return Outcome(error=IndexError)
+        if table[pos // self.block_size] is None:
+            return Outcome(error=BlockTableError)
         return Outcome(
             value=table[pos // self.block_size] * self.block_size + pos % self.block_size
         )

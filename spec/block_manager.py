@@ -2,7 +2,10 @@
 
 The KV cache is cut into ``total_blocks`` physical blocks of ``block_size`` token slots each.
 A sequence owns a *block table*: the list of physical block ids that hold its logical blocks
-0, 1, 2, ... in order. This module decides every rule; ``impl`` must behave identically.
+0, 1, 2, ... in order. Under sliding-window attention the leading blocks a sequence can never
+read again are given back (``release_outside_window``) and their entries become ``None``
+(*released*): the table keeps its length, so position ``p`` still lives at entry
+``p // block_size``. This module decides every rule; ``impl`` must behave identically.
 
 Pure Python, standard library only. Each rule is stated next to the line that implements it.
 Every public method validates all of its arguments before it changes anything, so a call that
@@ -46,6 +49,31 @@ def blocks_needed(token_count: int, block_size: int) -> int:
     return -(-token_count // block_size)
 
 
+def blocks_outside_window(token_count: int, window: int, block_size: int) -> int:
+    """Rule: how many leading blocks of a table holding ``token_count`` tokens no query from
+    position ``token_count`` on can read under a sliding window of ``window`` tokens.
+
+    The query at position ``p`` reads the positions ``p - window < j <= p``; for every
+    ``p >= token_count`` that excludes all ``j <= token_count - window``. Block ``k`` holds the
+    positions ``k * block_size .. (k + 1) * block_size - 1``, so it is outside exactly when
+    ``(k + 1) * block_size <= token_count - window + 1``.
+    """
+    return max(0, token_count - window + 1) // block_size
+
+
+def leading_released(block_table: Sequence[int | None]) -> int:
+    """How many entries at the start of ``block_table`` are released (``None``)."""
+    count = 0
+    while count < len(block_table) and block_table[count] is None:
+        count += 1
+    return count
+
+
+def held_ids(block_table: Sequence[int | None]) -> list[int]:
+    """The block ids of a table, in order, without its released entries."""
+    return [block_id for block_id in block_table if block_id is not None]
+
+
 def translate_slot(block_table: Sequence[int], token_pos: int, block_size: int) -> int:
     """Map logical position ``token_pos`` to its physical slot (the chapter's formula).
 
@@ -76,7 +104,8 @@ class BlockManager:
     * every block is either in the free queue (``ref_count == 0``) or held by at least one live
       table (``ref_count >= 1``), never both;
     * ``ref_count`` of a block equals the number of live tables that contain it;
-    * the free queue holds each free block exactly once.
+    * the free queue holds each free block exactly once;
+    * a live table's released entries (``None``) come before its block ids and hold nothing.
     """
 
     def __init__(self, total_blocks: int, block_size: int = 16) -> None:
@@ -133,18 +162,29 @@ class BlockManager:
             )
         return block_id
 
-    def _check_live_table(self, block_table: Sequence[int]) -> list[int]:
-        """Rule: a live table is a list of known, distinct ids, each held (ref_count >= 1)."""
+    def _check_live_table(self, block_table: Sequence[int | None]) -> list[int | None]:
+        """Rule: a live table is a list of known, distinct ids, each held (ref_count >= 1),
+        after any number of released entries (``None``)."""
         if not isinstance(block_table, (list, tuple)):
             raise TypeError(f"block_table must be a list of ints, got {type(block_table).__name__}")
-        table = [self._check_block_id(block_id) for block_id in block_table]
+        released = leading_released(block_table)
+        # Rule: released entries only lead; a None after an id is not an id (TypeError).
+        table = [self._check_block_id(block_id) for block_id in block_table[released:]]
         if len(set(table)) != len(table):
             repeated = sorted({b for b in table if table.count(b) > 1})
             raise BlockTableError(f"block ids repeated within one table: {repeated}")
         already_free = [b for b in table if self.blocks[b].ref_count == 0]
         if already_free:
             raise BlockTableError(f"blocks {already_free} are free (double free or stale table)")
-        return table
+        return [None] * released + table
+
+    def _check_capacity(self, table: list[int | None], token_count: int) -> None:
+        """Rule: a token count names only slots the table holds, ``len(table) * block_size``."""
+        if token_count > len(table) * self.block_size:
+            raise ValueError(
+                f"token_count {token_count} exceeds the table's capacity of "
+                f"{len(table) * self.block_size} slots"
+            )
 
     def _check_available(self, num_blocks: int) -> None:
         """Rule: allocation is all-or-nothing; too few free blocks raises before any change."""
@@ -195,6 +235,7 @@ class BlockManager:
         * Lookahead: ``append_slot(table, token_count + k, new_tokens=0)`` reserves ``k`` slots
           beyond the last token without writing any, so it grows but never copies; ``truncate``
           gives back slots that were not kept.
+        * Released entries: a write into a released (``None``) entry raises ``BlockTableError``.
         * All-or-nothing: if the free queue cannot supply every fresh block, ``OutOfBlocksError``
           is raised and nothing changes. The argument is never mutated.
         """
@@ -209,6 +250,10 @@ class BlockManager:
         first_written = (token_count - new_tokens) // self.block_size
         end_written = needed if new_tokens else first_written
         written = range(first_written, min(end_written, len(table)))
+        if any(table[i] is None for i in written):  # Rule: a released block is never written.
+            raise BlockTableError(
+                f"positions {token_count - new_tokens}..{token_count - 1} reach a released block"
+            )
         shared = [i for i in written if self.blocks[table[i]].ref_count > 1]
         growth = max(0, needed - len(table))
         self._check_available(len(shared) + growth)
@@ -220,24 +265,25 @@ class BlockManager:
             table[index] = fresh_id
         return table + fresh[len(shared) :]
 
-    def fork(self, block_table: Sequence[int]) -> list[int]:
-        """Share a live table's blocks with a new owner (each ``ref_count + 1``); return a copy."""
+    def fork(self, block_table: Sequence[int | None]) -> list[int | None]:
+        """Share a live table's blocks with a new owner (each ``ref_count + 1``); return a copy,
+        released entries included."""
         table = self._check_live_table(block_table)
-        for block_id in table:
+        for block_id in held_ids(table):
             self.blocks[block_id].ref_count += 1
         return table
 
-    def free(self, block_table: Sequence[int]) -> None:
+    def free(self, block_table: Sequence[int | None]) -> None:
         """Release one owner's hold on every block of a live table.
 
         Each block's ``ref_count`` drops by one; blocks that reach 0 join the TAIL of the free
         queue, the table's LAST block first, so a sequence's prefix blocks are reused after its
-        tail blocks. Unknown ids, repeated ids and already-free blocks raise ``BlockTableError``
-        before anything changes.
+        tail blocks. Released entries hold nothing and are skipped. Unknown ids, repeated ids
+        and already-free blocks raise ``BlockTableError`` before anything changes.
         """
-        self._release(self._check_live_table(block_table))
+        self._release(held_ids(self._check_live_table(block_table)))
 
-    def truncate(self, block_table: Sequence[int], token_count: int) -> list[int]:
+    def truncate(self, block_table: Sequence[int | None], token_count: int) -> list[int | None]:
         """Roll a live table back to ``token_count`` tokens; return the shorter table.
 
         The rollback of speculative decoding: draft tokens are written (``append_slot`` with
@@ -255,16 +301,45 @@ class BlockManager:
         """
         table = self._check_live_table(block_table)
         check_int("token_count", token_count, 0)
-        if token_count > len(table) * self.block_size:  # Rule: only slots the table holds.
-            raise ValueError(
-                f"token_count {token_count} exceeds the table's capacity of "
-                f"{len(table) * self.block_size} slots"
-            )
+        self._check_capacity(table, token_count)
         kept = blocks_needed(token_count, self.block_size)  # Rule: ceil(count / size) stay.
-        self._release(table[kept:])  # Rule: the dropped blocks are released as free does.
+        self._release(held_ids(table[kept:]))  # Rule: the dropped blocks are released as free does.
         return table[:kept]
 
-    def translate_slot(self, block_table: Sequence[int], token_pos: int) -> int:
-        """Physical slot of ``token_pos`` in a live table (module-level ``translate_slot``)."""
+    def release_outside_window(
+        self, block_table: Sequence[int | None], token_count: int, window: int
+    ) -> list[int | None]:
+        """Sliding window: give back the leading blocks no query from ``token_count`` on reads.
+
+        ``token_count`` is how many tokens the table holds, so the next query is at position
+        ``token_count``; under a window of ``window`` tokens it and every later query read only
+        positions above ``token_count - window``. The result is the table with its first
+        ``blocks_outside_window(token_count, window, block_size)`` entries released (``None``):
+
+        * each of those blocks not yet released is released exactly as ``free`` releases a
+          table (one hold dropped; blocks reaching 0 join the TAIL of the free queue, the LAST
+          of them first); a block other tables hold stays held by them;
+        * the table keeps its length; afterwards it holds at most
+          ``blocks_needed(window - 1, block_size) + 1`` blocks if it held
+          ``blocks_needed(token_count, block_size)``;
+        * ``token_count`` and ``window`` are ints, ``>= 0`` and ``>= 1``
+          (``TypeError``/``ValueError``), ``token_count`` at most the table's capacity
+          (``ValueError``); the table must be live (``BlockTableError``). All of it is checked
+          before anything changes. The argument is never mutated.
+        """
         table = self._check_live_table(block_table)
+        check_int("token_count", token_count, 0)
+        check_int("window", window, 1)
+        self._check_capacity(table, token_count)
+        outside = blocks_outside_window(token_count, window, self.block_size)
+        self._release(held_ids(table[:outside]))  # Rule: released as free releases them.
+        return [None] * outside + table[outside:]  # Rule: the entries stay, as None.
+
+    def translate_slot(self, block_table: Sequence[int | None], token_pos: int) -> int:
+        """Physical slot of ``token_pos`` in a live table (module-level ``translate_slot``);
+        a position in a released entry raises ``BlockTableError``."""
+        table = self._check_live_table(block_table)
+        check_int("token_pos", token_pos, 0)
+        if token_pos // self.block_size < leading_released(table):
+            raise BlockTableError(f"token_pos {token_pos} lies in a released block")
         return translate_slot(table, token_pos, self.block_size)

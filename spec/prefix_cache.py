@@ -17,6 +17,12 @@ Opt-in KV events (``enable_kv_events``) report every key stored and removed, in 
 another process can mirror the key set (KV-aware routing); ``reset_prefix_cache`` forgets every
 key when no block is held, and ``take_stats`` reads the counters and starts them again.
 
+Under a sliding window (``release_outside_window``) the blocks that leave the window are
+released like a freed table's: a cached one stays cached in the free queue and can be hit by the
+next prompt with the same prefix. A hit still needs every earlier block of the prefix cached
+(the keys chain), and the blocks of a hit that lie wholly before the window of the prompt's
+first computed token are released again by the caller's next ``release_outside_window``.
+
 The FIFO free queue doubles as the LRU list: a cached block whose ``ref_count`` drops to 0 stays
 in the queue with its key and can still be hit (a hit *revives* it); a block taken from the head
 of the queue for a new owner loses its key (*eviction*, least recently freed first).
@@ -281,14 +287,18 @@ class PrefixCachingBlockManager(BlockManager):
         return hits + fresh, len(hits) * self.block_size
 
     def cache_blocks(
-        self, block_table: Sequence[int], token_ids: Sequence[int], extra_key: Hashable = None
+        self,
+        block_table: Sequence[int | None],
+        token_ids: Sequence[int],
+        extra_key: Hashable = None,
     ) -> int:
         """Register the full blocks of a live table, now holding ``token_ids``; return how many.
 
         Call it once a block's K/V is written: after a prefill, and when decode fills a block.
         Rule: a block whose key is already cached in another block stays uncached (one physical
         copy per content). Rule: a block cached under a different key holds other tokens:
-        ``BlockTableError``, nothing changes.
+        ``BlockTableError``, nothing changes. Rule: released entries (sliding window) are
+        skipped; the keys after them still chain over the whole prefix.
         """
         table = self._check_live_table(block_table)
         keys = self.block_keys(token_ids, extra_key)
@@ -297,11 +307,12 @@ class PrefixCachingBlockManager(BlockManager):
                 f"{len(token_ids)} tokens do not fit a table of {len(table)} blocks "
                 f"of {self.block_size}"
             )
-        for block_id, key in zip(table, keys, strict=False):
+        held = [(b, key) for b, key in zip(table, keys, strict=False) if b is not None]
+        for block_id, key in held:  # Rule: released entries are skipped; they hold nothing.
             if self._key_of.get(block_id, key) != key:
                 raise BlockTableError(f"block {block_id} is cached with other tokens")
         newly_cached = 0
-        for block_id, key in zip(table, keys, strict=False):
+        for block_id, key in held:
             if block_id not in self._key_of and key not in self._block_of:
                 self._key_of[block_id] = key
                 self._block_of[key] = block_id
@@ -328,7 +339,7 @@ class PrefixCachingBlockManager(BlockManager):
                 self._remove_key(block_id)  # Rule: a cached block is never written in place.
         return table
 
-    def truncate(self, block_table: Sequence[int], token_count: int) -> list[int]:
+    def truncate(self, block_table: Sequence[int | None], token_count: int) -> list[int | None]:
         """``BlockManager.truncate``: dropped cached blocks that reach 0 stay cached in the free
         queue (revivable), as with ``free``.
 
@@ -342,7 +353,7 @@ class PrefixCachingBlockManager(BlockManager):
         table = super().truncate(block_table, token_count)
         if token_count % self.block_size:  # the kept last block is cut into
             cut = table[-1]
-            if self.blocks[cut].ref_count == 1 and cut in self._key_of:
+            if cut is not None and self.blocks[cut].ref_count == 1 and cut in self._key_of:
                 self._remove_key(cut)  # Rule: a cut block held alone loses its key.
         return table
 
