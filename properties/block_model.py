@@ -48,7 +48,8 @@ class BlockModel:
             count += 1
         return count
 
-    def _table_error(self, table: list[int | None]) -> type[BaseException] | None:
+    def table_error(self, table: list[int | None]) -> type[BaseException] | None:
+        """The error any call on ``table`` raises for the table alone, or None if it is live."""
         table = table[self._released(table) :]
         if None in table:  # a released entry after a held one
             return TypeError
@@ -76,7 +77,7 @@ class BlockModel:
         return Outcome(value=self._take(count))
 
     def append_slot(self, table: list[int], token_count: int, new_tokens: int) -> Outcome:
-        error = self._table_error(table)
+        error = self.table_error(table)
         if error is None and (token_count < 0 or new_tokens < 0 or new_tokens > token_count):
             error = ValueError
         if error is not None:
@@ -104,7 +105,7 @@ class BlockModel:
         return Outcome(value=pairs)
 
     def fork(self, table: list[int]) -> Outcome:
-        error = self._table_error(table)
+        error = self.table_error(table)
         if error is not None:
             return Outcome(error=error)
         for block_id in table:
@@ -113,7 +114,7 @@ class BlockModel:
         return Outcome(value=list(table))
 
     def free(self, table: list[int]) -> Outcome:
-        error = self._table_error(table)
+        error = self.table_error(table)
         if error is not None:
             return Outcome(error=error)
         self._drop(table)
@@ -130,7 +131,7 @@ class BlockModel:
 
     def truncate(self, table: list[int], token_count: int) -> Outcome:
         """Keep the blocks the first ``token_count`` tokens need; give the rest back, tail first."""
-        error = self._table_error(table)
+        error = self.table_error(table)
         if error is None and not 0 <= token_count <= len(table) * self.block_size:
             error = ValueError
         if error is not None:
@@ -144,7 +145,7 @@ class BlockModel:
     ) -> Outcome:
         """Release every leading block whose slots all lie before the window of position
         ``token_count`` (the next query reads ``token_count - window + 1`` on)."""
-        error = self._table_error(table)
+        error = self.table_error(table)
         if error is None and not (0 <= token_count <= len(table) * self.block_size and window >= 1):
             error = ValueError
         if error is not None:
@@ -157,7 +158,7 @@ class BlockModel:
         return Outcome(value=[None] * outside + table[outside:])
 
     def translate_slot(self, table: list[int], pos: int) -> Outcome:
-        error = self._table_error(table)
+        error = self.table_error(table)
         if error is not None:
             return Outcome(error=error)
         if pos < 0:

@@ -85,7 +85,7 @@ def event_of(item: KVEvent) -> Event:
 class Request:
     """A live sequence: its table, the tokens written through it, and its salt."""
 
-    table: list[int]
+    table: list[int | None]  # None: released by a sliding window
     tokens: list[int]
     salt: Hashable
 
@@ -304,6 +304,29 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
                         self.kv[dst * self.size + offset] = self.kv[src * self.size + offset]
             pairs.clear()
 
+        @rule(
+            request=requests,
+            window=st.integers(1, 6),
+            tokens=st.lists(ALPHABET, min_size=1, max_size=8),
+        )
+        def decode_with_window(self, request: Request, window: int, tokens: list[int]) -> None:
+            """Mistral's decode loop: each token is written and cached, then the blocks that
+            left the window go back."""
+            for token in tokens:
+                self.decode(request, token)
+                self.slide(request, window)
+
+        @rule(request=requests, window=st.integers(1, 6))
+        def slide(self, request: Request, window: int) -> None:
+            """Sliding window: the blocks no later query reads are released like a freed
+            table's; cached ones stay cached in the queue, to be hit (revived) or evicted."""
+            args = (request.table, len(request.tokens), window)
+            expected = self.model.release_outside_window(*args)
+            self.check(self.manager.release_outside_window, args, expected)
+            if expected.value != request.table:
+                event("window: released blocks")
+            request.table = expected.value
+
         @rule(target=requests, parent=requests)
         def fork(self, parent: Request) -> Request:
             """A parallel sample shares every block of its parent."""
@@ -351,7 +374,7 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
 
         @invariant()
         def ref_counts_equal_live_references(self) -> None:
-            held = [b for request in self.live for b in request.table]
+            held = [b for request in self.live for b in request.table if b is not None]
             assert self.model.refs == [held.count(b) for b in range(self.model.total_blocks)]
 
         @invariant()
@@ -364,6 +387,7 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
         def every_request_reads_its_own_tokens(self) -> None:
             for request in self.live:
                 for pos, token in enumerate(request.tokens):
-                    assert self.kv.get(self.slot(request.table, pos)) == (request.salt, token)
+                    if request.table[pos // self.size] is not None:  # not released
+                        assert self.kv.get(self.slot(request.table, pos)) == (request.salt, token)
 
     return PrefixCacheMachine

@@ -95,7 +95,7 @@ class PrefixCacheModel(BlockModel):
         outcome = super().truncate(table, token_count)
         if outcome.error is None and token_count % self.block_size:
             last = outcome.value[-1]
-            if self.refs[last] == 1 and last in self.content_of:
+            if last is not None and self.refs[last] == 1 and last in self.content_of:
                 self.forget(last)
         return outcome
 
@@ -114,11 +114,13 @@ class PrefixCacheModel(BlockModel):
         return Outcome(value=(hits + fresh, len(hits) * self.block_size))
 
     def cache_blocks(self, table: list[int], tokens: list[int], salt: Hashable) -> Outcome:
-        """Register the table's full blocks; a block holding other content refuses them all."""
-        error = self._table_error(table)
+        """Register the table's full blocks (released entries hold nothing to register); a block
+        holding other content refuses them all."""
+        error = self.table_error(table)
         if error is None and len(tokens) > len(table) * self.block_size:
             error = ValueError
-        pairs = list(zip(table, self.contents(tokens, salt), strict=False))
+        contents = self.contents(tokens, salt)
+        pairs = [(b, c) for b, c in zip(table, contents, strict=False) if b is not None]
         if error is None and any(self.content_of.get(b, c) != c for b, c in pairs):
             error = BlockTableError
         if error is not None:

@@ -94,10 +94,10 @@ class Table:
     """A table both managers hand out: its current ids, and every table it has been, in order
     (the current one last). ``free`` takes it out of ``tables``; it stays in ``every_table``."""
 
-    blocks: list[int]
-    history: list[list[int]]
+    blocks: list[int | None]  # None: released by a sliding window
+    history: list[list[int | None]]
 
-    def replace(self, blocks: list[int]) -> None:
+    def replace(self, blocks: list[int | None]) -> None:
         """``append_slot`` returned a new table; the old one is now stale."""
         self.blocks = blocks
         self.history.append(blocks)
@@ -151,7 +151,12 @@ class DifferentialMachine(RuleBasedStateMachine):
         if kind == "ok":
             table.replace(grown)
 
-    def free_array(self, table: list[int]) -> None:
+    def free_array(self, table: list[int | None]) -> None:
+        """``free_array`` against the spec's ``free``; a table with released entries (which no
+        id array holds) goes through ``free`` instead."""
+        if None in table:
+            self.both("free", table)
+            return
         expected = outcome(self.spec.free, list(table))
         actual = outcome(self.impl.free_array, np.array(table, dtype=np.int64))
         assert expected == actual, f"free {table}: spec {expected}, impl free_array {actual}"
@@ -240,6 +245,32 @@ class DifferentialMachine(RuleBasedStateMachine):
             kind, kept_table = self.both("truncate", table.blocks, kept)
             table.replace(kept_table)
 
+    @rule(table=tables, data=st.data(), as_tuple=st.booleans())
+    def release_outside_window(self, table: Table, data: st.DataObject, as_tuple: bool) -> None:
+        """Sliding window at any count the table holds (or past it), any window (or a bad one)."""
+        capacity = len(table.blocks) * self.block_size
+        count = data.draw(st.integers(0, capacity) | st.integers(-1, capacity + 2), label="count")
+        window = data.draw(
+            st.integers(1, 3 * self.block_size) | st.integers(-1, 0) | bad_scalars(),
+            label="window",
+        )
+        blocks = tuple(table.blocks) if as_tuple else table.blocks
+        kind, slid = self.both("release_outside_window", blocks, count, window)
+        if kind == "ok":
+            table.replace(slid)
+
+    @rule(table=tables, window=st.integers(1, 8), steps=st.integers(1, 8))
+    def decode_with_window(self, table: Table, window: int, steps: int) -> None:
+        """Mistral's decode loop on a full table: one token more, then release what left the
+        window, ``steps`` times."""
+        for _ in range(steps):
+            count = len(table.blocks) * self.block_size + 1
+            self.grow(table, count)
+            kind, slid = self.both("release_outside_window", table.blocks, count, window)
+            if kind != "ok":
+                return
+            table.replace(slid)
+
     @rule(targets=(tables, every_table), table=tables)
     def fork(self, table: Table) -> Any:
         return made(*self.both("fork", table.blocks))
@@ -259,14 +290,16 @@ class DifferentialMachine(RuleBasedStateMachine):
 
     @rule(targets=(tables, every_table), table=tables, data=st.data(), write_copy=st.booleans())
     def fork_then_write(self, table: Table, data: st.DataObject, write_copy: bool) -> Any:
-        """Beam search: fork a table, then write one token into the original or the copy."""
+        """Beam search: fork a table, then write into the original or the copy: one token, or
+        a few that run from a shared block into a new one (copy-on-write and growth at once)."""
         kind, blocks = self.both("fork", table.blocks)
         if kind == "raised":  # a stale free released this table's blocks: spec and impl agree
             return multiple()
         child = Table(blocks, [blocks])
         writer = child if write_copy else table
-        written = data.draw(st.integers(1, max(1, len(writer.blocks) * self.block_size)))
-        self.grow(writer, written)
+        capacity = len(writer.blocks) * self.block_size
+        written = data.draw(st.integers(1, max(1, capacity + self.block_size)), label="count")
+        self.grow(writer, written, data.draw(st.integers(1, min(written, self.block_size + 1))))
         return child
 
     @rule(twice=st.booleans())
@@ -317,14 +350,22 @@ class DifferentialMachine(RuleBasedStateMachine):
     @rule(
         targets=(tables, every_table),
         table=st.one_of(
-            st.lists(st.one_of(st.integers(-2, 34), bad_scalars()), max_size=4),
+            st.lists(st.one_of(st.none(), st.integers(-2, 34), bad_scalars()), max_size=4),
             st.sampled_from([None, 3, "ab", {1}, range(2), np.array([0, 1])]),
         ),
-        operation=st.sampled_from(["free", "fork", "append_slot", "translate_slot", "truncate"]),
+        operation=st.sampled_from(
+            ["free", "fork", "append_slot", "translate_slot", "truncate", "release_outside_window"]
+        ),
     )
     def forged_table(self, table: Any, operation: str) -> Any:
-        """Any list (unknown ids, wrong types, free or held blocks, in any order), or no list."""
-        args = {"append_slot": (table, 3), "translate_slot": (table, 0), "truncate": (table, 1)}
+        """Any list (unknown ids, wrong types, released entries anywhere, free or held blocks,
+        in any order), or no list."""
+        args = {
+            "append_slot": (table, 3),
+            "translate_slot": (table, 0),
+            "truncate": (table, 1),
+            "release_outside_window": (table, 2, 1),
+        }
         args = args.get(operation, (table,))
         kind, result = self.both(operation, *args)
         return made(kind, result) if operation in ("fork", "append_slot") else multiple()

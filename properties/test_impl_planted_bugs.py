@@ -64,8 +64,8 @@ BUGS: dict[str, tuple[types.ModuleType, str, str, str]] = {
     ),
     "append_slot takes growth blocks before copy-on-write blocks": (
         pagedkv.impl.blocks.manager,
-        "src, dst = ids[shared], fresh[: shared.size]",
-        "src, dst = ids[shared], fresh[fresh.size - shared.size :]",
+        "src, dst = ids[shared - released], fresh[: shared.size]",
+        "src, dst = ids[shared - released], fresh[fresh.size - shared.size :]",
         "differential",
     ),
     "allocate takes what is left instead of raising OutOfBlocksError": (
@@ -76,14 +76,35 @@ BUGS: dict[str, tuple[types.ModuleType, str, str, str]] = {
     ),
     "truncate frees the dropped blocks outright, shared ones too": (
         pagedkv.impl.blocks.manager,
-        "self._release_held(ids[kept:], held[kept:])",
-        "self._release_held(ids[kept:], np.ones_like(held[kept:]))",
+        "self._release_held(ids[first_dropped:], held[first_dropped:])",
+        "self._release_held(ids[first_dropped:], np.ones_like(held[first_dropped:]))",
         "differential",
     ),
     "truncate releases the dropped blocks head first": (
         pagedkv.impl.blocks.manager,
-        "self._release_held(ids[kept:], held[kept:])",
-        "self._release_held(ids[kept:][::-1].copy(), held[kept:][::-1].copy())",
+        "self._release_held(ids[first_dropped:], held[first_dropped:])",
+        "self._release_held(ids[first_dropped:][::-1].copy(), held[first_dropped:][::-1].copy())",
+        "differential",
+    ),
+    "the window releases from the table's start, not after its released entries": (
+        pagedkv.impl.blocks.manager,
+        "self._release_held(ids[: outside - released], held[: outside - released])",
+        "self._release_held(ids[:outside], held[:outside])",
+        "differential",
+    ),
+    "the window releases its blocks head first": (
+        pagedkv.impl.blocks.manager,
+        "self._release_held(ids[: outside - released], held[: outside - released])",
+        "self._release_held(\n"
+        "                ids[: outside - released][::-1].copy(),\n"
+        "                held[: outside - released][::-1].copy(),\n"
+        "            )",
+        "differential",
+    ),
+    "append_slot writes into a released entry": (
+        pagedkv.impl.blocks.manager,
+        "            if first_written < released:",
+        "            if False:",
         "differential",
     ),
     "a store truncate forgets the tail-shared flag": (

@@ -107,7 +107,7 @@ TestPrefixCacheMachineOnImpl = prefix_cache_machine(PrefixCachingBlockManager).T
 
 @dataclasses.dataclass(eq=False)
 class Seq:
-    table: list[int]
+    table: list[int | None]  # None: released by a sliding window
     tokens: list[int]  # the tokens its blocks hold (computed or not)
     salt: object
 
@@ -234,6 +234,20 @@ class PrefixDifferentialMachine(RuleBasedStateMachine):
         if kind == "ok":
             seq.table, seq.tokens = table, seq.tokens + new
         return kind == "ok"
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), window=st.integers(1, 6), new=st.lists(ALPHABET, min_size=1, max_size=8))
+    def decode_with_window(self, data: st.DataObject, window: int, new: list[int]) -> None:
+        """Mistral's decode loop: each token is written and cached, then the blocks that left
+        the window go back (cached ones stay cached in the queue)."""
+        seq = self.pick(data)
+        for token in new:
+            if not self.write(seq, [token]):
+                return
+            self.cache(seq)
+            kind, table = self.both("release_outside_window", seq.table, len(seq.tokens), window)
+            assert kind == "ok", table
+            seq.table = table
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())

@@ -83,9 +83,14 @@ BUGS: dict[str, tuple[types.ModuleType, str, str]] = {
         "np.concatenate((plan.hits, fresh)), len(token_ids))",
         "np.concatenate((plan.hits, fresh)), len(token_ids) - plan.cached_tokens)",
     ),
+    "cache_blocks registers the blocks after the released entries under the wrong keys": (
+        pagedkv.impl.blocks.prefix_cache,
+        "        return self.register_table_blocks(held, keys[released:])[0]",
+        "        return self.register_table_blocks(held, keys[: len(held)])[0]",
+    ),
     "truncate keeps the key of a cut cached block": (
         pagedkv.impl.blocks.prefix_cache,
-        "            self.remove_keys(table[-1:])",
+        "            self.remove_keys([cut])",
         "            pass",
     ),
     "append_slot writes a cached block in place": (

@@ -39,8 +39,8 @@ PREFIX_BUGS = {
         "pass",
     ),
     "a cut cached block loses its key while other tables hold it": (
-        "if self.blocks[cut].ref_count == 1 and cut in self._key_of:",
-        "if cut in self._key_of:",
+        "if cut is not None and self.blocks[cut].ref_count == 1 and cut in self._key_of:",
+        "if cut is not None and cut in self._key_of:",
     ),
     "a cached block is written in place": (
         "self._remove_key(block_id)  # Rule: a cached block is never written in place.",

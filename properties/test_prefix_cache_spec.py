@@ -137,6 +137,21 @@ def test_keys_are_immutable() -> None:
             setattr(key, name, value)
 
 
+def test_kv_events_are_immutable() -> None:
+    """An event handed to a router is a value: none of its fields can be reassigned."""
+    manager = PrefixCachingBlockManager(1, 2, enable_kv_events=True)
+    table, _ = manager.allocate_prompt([1, 2])
+    manager.cache_blocks(table, [1, 2])
+    manager.free(table)
+    manager.free(manager.allocate(1))  # evicts block 0's key
+    assert manager.reset_prefix_cache()
+    events = manager.take_events()
+    assert [type(e).__name__ for e in events] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    for item in events:
+        with pytest.raises(FrozenInstanceError):
+            item.block_id = 5  # type: ignore[misc, union-attr]
+
+
 def test_lookup_stops_at_the_first_miss_though_a_later_block_is_cached() -> None:
     """A block is found only through its whole prefix. Here the parent's content is evicted
     while a child stays cached (its table held an uncached duplicate of the parent): no hit."""

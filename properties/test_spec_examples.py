@@ -14,6 +14,7 @@ from pagedkv.spec import (
     BlockTableError,
     OutOfBlocksError,
     blocks_needed,
+    blocks_outside_window,
     translate_slot,
 )
 
@@ -197,3 +198,39 @@ def test_the_default_block_size_is_16() -> None:
         impl_prefix.PrefixCachingBlockManager,
     ):
         assert manager_cls(4).block_size == 16, manager_cls
+
+
+@pytest.mark.parametrize(
+    "manager_cls", [BlockManager, impl_manager.BlockManager], ids=["spec", "impl"]
+)
+def test_sliding_window_worked_example(manager_cls: type) -> None:
+    """docs/design.md, "Sliding window": block size 2, window 3, one token a step."""
+    manager = manager_cls(8, 2)
+    steps = [
+        (lambda t: manager.allocate(3), [0, 1, 2], [3, 4, 5, 6, 7]),
+        (lambda t: manager.release_outside_window(t, 5, 3), [None, 1, 2], [3, 4, 5, 6, 7, 0]),
+        (lambda t: manager.append_slot(t, 6), [None, 1, 2], [3, 4, 5, 6, 7, 0]),
+        (lambda t: manager.release_outside_window(t, 6, 3), [None, None, 2], [3, 4, 5, 6, 7, 0, 1]),
+        (lambda t: manager.append_slot(t, 7), [None, None, 2, 3], [4, 5, 6, 7, 0, 1]),
+        (lambda t: manager.release_outside_window(t, 7, 3), [None, None, 2, 3], [4, 5, 6, 7, 0, 1]),
+    ]
+    table: list[int | None] = []
+    for call, expected_table, expected_queue in steps:
+        table = call(table)
+        assert (table, manager.free_block_ids()) == (expected_table, expected_queue)
+    with pytest.raises(BlockTableError, match="released"):
+        manager.translate_slot(table, 3)  # position 3 was in block 1, released at step 4
+    assert manager.translate_slot(table, 4) == 2 * 2
+    with pytest.raises(BlockTableError, match="released"):
+        manager.append_slot(manager.truncate(table, 3), 4)  # a rollback behind the window
+
+
+def test_blocks_outside_window_is_the_rule() -> None:
+    """Block ``k`` is outside when ``(k + 1) * bs <= token_count - window + 1``."""
+    for token_count in range(40):
+        for window in range(1, 12):
+            for bs in (1, 2, 3, 4, 16):
+                expected = sum(
+                    (k + 1) * bs <= token_count - window + 1 for k in range(token_count // bs + 1)
+                )
+                assert blocks_outside_window(token_count, window, bs) == expected

@@ -34,8 +34,8 @@ SPEC_BUGS = {
         "needed = token_count // self.block_size + 1",
     ),
     "fork does not increment ref_count": (
-        "for block_id in table:\n            self.blocks[block_id].ref_count += 1",
-        "for block_id in table:\n            pass",
+        "for block_id in held_ids(table):\n            self.blocks[block_id].ref_count += 1",
+        "for block_id in held_ids(table):\n            pass",
     ),
     "a failed call drops the pending copy pairs": (
         "        if num_blocks > len(self._free):\n",
@@ -52,12 +52,12 @@ SPEC_BUGS = {
         "shared = []",
     ),
     "truncate releases the dropped blocks head first": (
-        "self._release(table[kept:])  # Rule: the dropped blocks are released as free does.",
-        "self._release(table[kept:][::-1])",
+        "self._release(held_ids(table[kept:]))  # Rule: dropped blocks go as free releases them.",
+        "self._release(held_ids(table[kept:])[::-1])",
     ),
     "truncate frees the dropped blocks outright, shared ones too": (
-        "self._release(table[kept:])  # Rule: the dropped blocks are released as free does.",
-        "for block_id in reversed(table[kept:]):\n"
+        "self._release(held_ids(table[kept:]))  # Rule: dropped blocks go as free releases them.",
+        "for block_id in reversed(held_ids(table[kept:])):\n"
         "            self.blocks[block_id].ref_count = 0\n"
         "            self._free.append(block_id)",
     ),
@@ -66,8 +66,34 @@ SPEC_BUGS = {
         "kept = token_count // self.block_size",
     ),
     "truncate past the table's capacity": (
-        "if token_count > len(table) * self.block_size:  # Rule: only slots the table holds.",
+        "        self._check_capacity(table, token_count)\n        kept =",
+        "        kept =",
+    ),
+    "the window releases one block it still reads": (
+        "return max(0, token_count - window + 1) // block_size",
+        "return max(0, token_count - window + 2) // block_size",
+    ),
+    "the window releases its blocks head first": (
+        "self._release(held_ids(table[:outside]))",
+        "self._release(held_ids(table[:outside])[::-1])",
+    ),
+    "the window frees shared blocks outright": (
+        "self._release(held_ids(table[:outside]))",
+        "for block_id in held_ids(table[:outside]):\n"
+        "            self.blocks[block_id].ref_count = 0\n"
+        "            self._free.append(block_id)",
+    ),
+    "the window keeps the released entries' ids": (
+        "return [None] * outside + table[outside:]",
+        "return table",
+    ),
+    "a write into a released entry is not refused": (
+        "if any(table[i] is None for i in written):",
         "if False:",
+    ),
+    "the window past the table's capacity": (
+        "        self._check_capacity(table, token_count)\n        outside =",
+        "        outside =",
     ),
 }
 

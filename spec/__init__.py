@@ -9,6 +9,7 @@ from pagedkv.spec.block_manager import (
     BlockTableError,
     OutOfBlocksError,
     blocks_needed,
+    blocks_outside_window,
     translate_slot,
 )
 
@@ -18,5 +19,6 @@ __all__ = [
     "BlockTableError",
     "OutOfBlocksError",
     "blocks_needed",
+    "blocks_outside_window",
     "translate_slot",
 ]

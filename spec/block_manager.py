@@ -153,14 +153,15 @@ class BlockManager:
     # ----------------------------------------------------------------- validation
 
     def _check_block_id(self, block_id: object) -> int:
-        """Rule: a block id is an int in ``[0, total_blocks)``."""
+        """Rule: a block id is an int in ``[0, total_blocks)``; an int subclass is taken as the
+        plain int it equals (so only plain ints ever enter the free queue)."""
         if isinstance(block_id, bool) or not isinstance(block_id, int):
             raise TypeError(f"block id must be an int, got {type(block_id).__name__}")
         if not 0 <= block_id < self.total_blocks:
             raise BlockTableError(
                 f"unknown block id {block_id}: this manager has blocks 0..{self.total_blocks - 1}"
             )
-        return block_id
+        return int(block_id)
 
     def _check_live_table(self, block_table: Sequence[int | None]) -> list[int | None]:
         """Rule: a live table is a list of known, distinct ids, each held (ref_count >= 1),
@@ -303,7 +304,7 @@ class BlockManager:
         check_int("token_count", token_count, 0)
         self._check_capacity(table, token_count)
         kept = blocks_needed(token_count, self.block_size)  # Rule: ceil(count / size) stay.
-        self._release(held_ids(table[kept:]))  # Rule: the dropped blocks are released as free does.
+        self._release(held_ids(table[kept:]))  # Rule: dropped blocks go as free releases them.
         return table[:kept]
 
     def release_outside_window(

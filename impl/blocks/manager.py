@@ -23,7 +23,9 @@ from pagedkv.spec.block_manager import (
     BlockTableError,
     OutOfBlocksError,
     blocks_needed,
+    blocks_outside_window,
     check_int,
+    leading_released,
     translate_slot,
 )
 
@@ -37,6 +39,11 @@ IdArray = NDArray[np.intp]
 """Block ids as numpy's index type, the fastest for gathers and scatters."""
 
 _NO_IDS: IdArray = np.empty(0, dtype=np.intp)
+
+
+def _as_list(released: int, ids: IdArray) -> list[int | None]:
+    """A table as the spec returns it: ``released`` entries ``None``, then ``ids`` as ints."""
+    return [None] * released + ids.tolist() if released else ids.tolist()
 
 
 class BlockManager:
@@ -117,47 +124,56 @@ class BlockManager:
         ``(shared, fresh)`` is recorded for ``pop_copy_pairs``. All-or-nothing
         (``OutOfBlocksError``); the argument is never mutated.
         """
-        ids, held = self._live_table(block_table)
+        released, ids, held = self._live_table(block_table)
         check_int("token_count", token_count, 0)
         check_int("new_tokens", new_tokens, 0)
         if new_tokens > token_count:
             raise ValueError(f"new_tokens ({new_tokens}) exceeds token_count ({token_count})")
         needed = blocks_needed(token_count, self.block_size)
+        size = released + ids.size
         # Table indices of the blocks that receive a write, capped at the existing table.
         first_written = (token_count - new_tokens) // self.block_size
-        stop_written = min(needed if new_tokens else first_written, ids.size)
+        stop_written = min(needed if new_tokens else first_written, size)
         shared = _NO_IDS
         if first_written < stop_written:
-            shared = first_written + np.flatnonzero(held[first_written:stop_written] > 1)
-        num_fresh = shared.size + max(0, needed - ids.size)
+            if first_written < released:
+                raise BlockTableError(
+                    f"positions {token_count - new_tokens}..{token_count - 1} reach a released "
+                    "block"
+                )
+            written = held[first_written - released : stop_written - released]
+            shared = first_written + np.flatnonzero(written > 1)
+        num_fresh = shared.size + max(0, needed - size)
         self._check_available(num_fresh)
-        table = list(block_table)
+        table = _as_list(released, ids)
         if num_fresh == 0:
             return table
         fresh = self.take_blocks(num_fresh)
         if shared.size:
-            src, dst = ids[shared], fresh[: shared.size]
+            src, dst = ids[shared - released], fresh[: shared.size]
             self.copy_on_write(src, dst)
             for index, fresh_id in zip(shared.tolist(), dst.tolist(), strict=True):
                 table[index] = fresh_id
         return table + fresh[shared.size :].tolist()
 
-    def fork(self, block_table: Sequence[int]) -> list[int]:
-        """Share a live table's blocks with a new owner (each ``ref_count + 1``); return a copy."""
-        ids, held = self._live_table(block_table)
+    def fork(self, block_table: Sequence[int | None]) -> list[int | None]:
+        """Share a live table's blocks with a new owner (each ``ref_count + 1``); return a copy,
+        released entries included."""
+        released, ids, held = self._live_table(block_table)
         self._ref[ids] = held + 1
-        return list(block_table)
+        return _as_list(released, ids)
 
-    def free(self, block_table: Sequence[int]) -> None:
+    def free(self, block_table: Sequence[int | None]) -> None:
         """Release one owner's hold on every block of a live table.
 
         Blocks that reach ``ref_count == 0`` join the tail of the free queue, the table's LAST
-        block first. Unknown, repeated or already-free ids raise ``BlockTableError`` before
-        anything changes.
+        block first; released entries are skipped. Unknown, repeated or already-free ids raise
+        ``BlockTableError`` before anything changes.
         """
-        self._release_held(*self._live_table(block_table))
+        _, ids, held = self._live_table(block_table)
+        self._release_held(ids, held)
 
-    def truncate(self, block_table: Sequence[int], token_count: int) -> list[int]:
+    def truncate(self, block_table: Sequence[int | None], token_count: int) -> list[int | None]:
         """Roll a live table back to ``token_count`` tokens; return the shorter table.
 
         Exactly ``spec.BlockManager.truncate``: the result is ``table[:ceil(token_count /
@@ -166,21 +182,40 @@ class BlockManager:
         not live, ``TypeError``/``ValueError`` for a ``token_count`` that is not an int >= 0, and
         ``ValueError`` for one beyond ``len(table) * block_size``; nothing changes then.
         """
-        ids, held = self._live_table(block_table)
+        released, ids, held = self._live_table(block_table)
         check_int("token_count", token_count, 0)
-        if token_count > ids.size * self.block_size:
-            raise ValueError(
-                f"token_count {token_count} exceeds the table's capacity of "
-                f"{ids.size * self.block_size} slots"
-            )
+        self._check_capacity(released + ids.size, token_count)
         kept = blocks_needed(token_count, self.block_size)
-        if kept < ids.size:
-            self._release_held(ids[kept:], held[kept:])
-        return list(block_table[:kept])
+        first_dropped = max(0, kept - released)  # among the held ids
+        if first_dropped < ids.size:
+            self._release_held(ids[first_dropped:], held[first_dropped:])
+        return _as_list(released, ids)[:kept]
 
-    def translate_slot(self, block_table: Sequence[int], token_pos: int) -> int:
-        """Physical slot of ``token_pos`` in a live table (module-level ``translate_slot``)."""
-        self._live_table(block_table)
+    def release_outside_window(
+        self, block_table: Sequence[int | None], token_count: int, window: int
+    ) -> list[int | None]:
+        """Sliding window: exactly ``spec.BlockManager.release_outside_window``. The first
+        ``blocks_outside_window(token_count, window, block_size)`` entries become ``None``;
+        their blocks are released as ``free`` releases a table (the LAST of them first).
+        ``BlockTableError`` for a table that is not live; ``TypeError``/``ValueError`` for a
+        ``token_count`` that is not an int >= 0 or beyond the table's capacity, or a ``window``
+        that is not an int >= 1; nothing changes then."""
+        released, ids, held = self._live_table(block_table)
+        check_int("token_count", token_count, 0)
+        check_int("window", window, 1)
+        self._check_capacity(released + ids.size, token_count)
+        outside = blocks_outside_window(token_count, window, self.block_size)
+        if outside > released:
+            self._release_held(ids[: outside - released], held[: outside - released])
+        return [None] * outside + _as_list(released, ids)[outside:]
+
+    def translate_slot(self, block_table: Sequence[int | None], token_pos: int) -> int:
+        """Physical slot of ``token_pos`` in a live table (module-level ``translate_slot``);
+        ``BlockTableError`` for a position in a released entry."""
+        released = self._live_table(block_table)[0]
+        check_int("token_pos", token_pos, 0)
+        if token_pos // self.block_size < released:
+            raise BlockTableError(f"token_pos {token_pos} lies in a released block")
         return translate_slot(list(block_table), token_pos, self.block_size)
 
     # ----------------------------------------------------------------- array operations
@@ -210,16 +245,20 @@ class BlockManager:
             )
         return int(block_id)
 
-    def _live_table(self, block_table: object) -> tuple[IdArray, NDArray[np.int32]]:
-        """Validate a live table as the spec does; return its ids and their reference counts.
+    def _live_table(self, block_table: object) -> tuple[int, IdArray, NDArray[np.int32]]:
+        """Validate a live table as the spec does; return how many entries lead released
+        (``None``), the ids after them and their reference counts.
 
-        Precedence as in the spec: ``TypeError`` unless a list or tuple; then per element, in
-        table order, ``TypeError`` (not an int) or ``BlockTableError`` (unknown id); then
-        ``BlockTableError`` for repeated ids, then for free blocks.
+        Precedence as in the spec: ``TypeError`` unless a list or tuple; then per element after
+        the released ones, in table order, ``TypeError`` (not an int, ``None`` included) or
+        ``BlockTableError`` (unknown id); then ``BlockTableError`` for repeated ids, then for
+        free blocks.
         """
         if not isinstance(block_table, (list, tuple)):
             raise TypeError(f"block_table must be a list of ints, got {type(block_table).__name__}")
-        return self._distinct_and_held(self._table_ids(block_table))
+        released = leading_released(block_table)
+        held = block_table[released:] if released else block_table
+        return (released, *self._distinct_and_held(self._table_ids(held)))
 
     def _table_ids(self, block_table: Sequence[object]) -> IdArray:
         """The table's ids as an array, or the spec's per-element error for the first bad one."""
@@ -264,6 +303,14 @@ class BlockManager:
     def _raise_repeated(self, ids: IdArray) -> None:
         unique, counts = np.unique(ids, return_counts=True)
         raise BlockTableError(f"block ids repeated within one table: {unique[counts > 1].tolist()}")
+
+    def _check_capacity(self, num_entries: int, token_count: int) -> None:
+        """Rule: a token count names only slots the table holds, ``entries * block_size``."""
+        if token_count > num_entries * self.block_size:
+            raise ValueError(
+                f"token_count {token_count} exceeds the table's capacity of "
+                f"{num_entries * self.block_size} slots"
+            )
 
     def _check_available(self, num_blocks: int) -> None:
         """Rule: allocation is all-or-nothing; too few free blocks raises before any change."""

@@ -229,24 +229,28 @@ class PrefixCachingBlockManager(BlockManager):
         return plan.hits.tolist() + fresh.tolist(), plan.cached_tokens
 
     def cache_blocks(
-        self, block_table: Sequence[int], token_ids: Sequence[int], extra_key: Hashable = None
+        self,
+        block_table: Sequence[int | None],
+        token_ids: Sequence[int],
+        extra_key: Hashable = None,
     ) -> int:
         """Register the full blocks of a live table, now holding ``token_ids``; return how many.
 
         Exactly the spec: a block whose key is cached in another block stays uncached; a block
         cached under another key raises ``BlockTableError``; more tokens than the table holds
-        raise ``ValueError``; nothing changes on error.
+        raise ``ValueError``; released entries are skipped; nothing changes on error.
         """
-        ids, _ = self._live_table(block_table)
+        released, ids, _ = self._live_table(block_table)
         tokens = check_tokens(token_ids)
-        table = ids.tolist()
+        table = [None] * released + ids.tolist()
         keys = self._chain(tokens, extra_key, table)[0]
         if len(tokens) > len(table) * self.block_size:
             raise ValueError(
                 f"{len(tokens)} tokens do not fit a table of {len(table)} blocks "
                 f"of {self.block_size}"
             )
-        return self.register_table_blocks(table[: len(keys)], keys)[0]
+        held = table[released : len(keys)]
+        return self.register_table_blocks(held, keys[released:])[0]
 
     def append_slot(
         self, block_table: Sequence[int], token_count: int, new_tokens: int = 1
@@ -261,13 +265,14 @@ class PrefixCachingBlockManager(BlockManager):
             self.remove_keys(table[first:end])
         return table
 
-    def truncate(self, block_table: Sequence[int], token_count: int) -> list[int]:
+    def truncate(self, block_table: Sequence[int | None], token_count: int) -> list[int | None]:
         """Exactly the spec: ``BlockManager.truncate`` (dropped cached blocks stay cached, and
         revivable, in the free queue), and a kept last block that ``token_count`` cuts into
         loses its key if it is cached and this table alone holds it (not an eviction)."""
         table = super().truncate(block_table, token_count)
-        if token_count % self.block_size and self._key_of and self._ref[table[-1]] == 1:
-            self.remove_keys(table[-1:])
+        cut = table[-1] if token_count % self.block_size else None  # the kept block cut into
+        if cut is not None and self._key_of and self._ref[cut] == 1:
+            self.remove_keys([cut])
         return table
 
     # ----------------------------------------------------------------- internals
