@@ -438,6 +438,19 @@ def check_cu_seqlens(cu_seqlens_q: object, batch: int) -> torch.Tensor:
     return starts
 
 
+def check_max_query_len(max_query_len: int | None, query_lens: torch.Tensor) -> None:
+    """A given ``max_query_len`` equals the largest of ``query_lens`` (0 for no sequence):
+    ``ValueError`` naming both otherwise. ``None`` passes."""
+    if max_query_len is None:
+        return
+    actual = int(query_lens.max()) if query_lens.numel() else 0
+    if max_query_len != actual:
+        raise ValueError(
+            f"max_query_len = {max_query_len}, but the longest query chunk in cu_seqlens_q has "
+            f"{actual} tokens"
+        )
+
+
 def check_cu_seqlens_values(starts: torch.Tensor, lens: torch.Tensor, num_tokens: int) -> None:
     """Offsets that cut the ``num_tokens`` flat queries into the batch's sequences, in order.
 
