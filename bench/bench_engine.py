@@ -22,16 +22,29 @@ tokens equal ``generate``'s, and the engine's decode step at full batch split in
 attention (``store_kv`` and ``paged_prefill_attention``) and bookkeeping (the rest of
 ``engine.step()``: scheduling, tables, slot mapping, sampling, metrics).
 ``test_engine_against_hf_smoke`` runs a small version as a test.
+
+``--vllm`` adds vLLM's CPU engine (vLLM 0.32 in ``.venv-vllm``; ``python -m properties.vllm_env
+--build`` builds it) on the same model, written with ``save_pretrained``, and the same prompts:
+it runs in its own process (``bench/vllm_generate.py``, block size 32, the only sizes its CPU
+attention takes), interleaved with the other two, and the figure is its tokens/s of
+``LLM.generate`` (median, after a warm-up) and how many prompts' tokens equal the engine's.
+vLLM schedules in one process and computes in another, bound to one core.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
 import statistics
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -122,6 +135,8 @@ class Comparison:
     model_ms: float
     attention_ms: float
     bookkeeping_ms: float
+    vllm_tokens_per_s: float | None = None  # with vLLM only
+    vllm_tokens_equal: int | None = None  # prompts whose vLLM tokens equal the engine's
 
     @property
     def ratio(self) -> float:
@@ -198,6 +213,67 @@ def timed(target: object, name: str, totals: dict[str, float]) -> Iterator[None]
         yield
 
 
+VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+VLLM_SCRIPT = Path(__file__).resolve().parent / "vllm_generate.py"
+VLLM_BLOCK_SIZE = 32  # vLLM 0.32's CPU attention takes only multiples of 32
+VLLM_KV_CACHE_GIB = "1"
+
+
+@contextmanager
+def vllm_server(
+    python: Path, hf_model: torch.nn.Module, prompts: list[list[int]], new: int
+) -> Iterator[Callable[[], tuple[float, list[list[int]]]]]:
+    """vLLM's CPU engine on ``hf_model`` (written with ``save_pretrained`` to a temporary
+    directory), in ``bench/vllm_generate.py`` run by the vLLM environment's ``python``. Yields a
+    function that generates ``new`` greedy tokens for every prompt and returns vLLM's output
+    tokens/s (``LLM.generate`` alone) and its tokens. ``RuntimeError`` with the end of vLLM's
+    log if it cannot start or answer."""
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        hf_model.save_pretrained(directory / "model")
+        (directory / "prompts.json").write_text(json.dumps(prompts))
+        env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+        env["VLLM_CPU_KVCACHE_SPACE"] = VLLM_KV_CACHE_GIB
+        log_path = directory / "vllm.log"
+        with log_path.open("w") as log:
+            server = subprocess.Popen(
+                [str(python), str(VLLM_SCRIPT), "model", "prompts.json", str(new),
+                 str(VLLM_BLOCK_SIZE)],
+                cwd=directory, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                text=True, env=env,
+            )  # fmt: skip
+        assert server.stdin is not None and server.stdout is not None
+        stdin, stdout = server.stdin, server.stdout
+
+        def answer() -> dict[str, Any]:
+            line = stdout.readline()
+            if not line:
+                server.wait(timeout=60)
+                tail = log_path.read_text()[-3000:]
+                raise RuntimeError(f"vLLM exited with status {server.returncode}:\n{tail}")
+            return json.loads(line)
+
+        def run() -> tuple[float, list[list[int]]]:
+            stdin.write("run\n")
+            stdin.flush()
+            result = answer()
+            tokens = result["tokens"]
+            return sum(map(len, tokens)) / result["seconds"], tokens
+
+        try:
+            answer()  # ready
+            yield run
+        finally:
+            if server.poll() is None:
+                stdin.write("quit\n")
+                stdin.flush()
+                try:
+                    server.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    server.kill()
+                    server.wait()
+
+
 def decode_split(model: CausalLM, prompts: list[list[int]], new: int) -> list[float]:
     """Median milliseconds of the engine's decode steps with every prompt running: ``[step,
     model math, attention, bookkeeping]``, from one instrumented generation."""
@@ -224,26 +300,38 @@ def decode_split(model: CausalLM, prompts: list[list[int]], new: int) -> list[fl
 
 def compare(
     count: int = 32, shortest: int = 16, longest: int = 128, new: int = 96, repeats: int = 3,
-    **overrides: Any,
+    vllm_python: Path | None = None, **overrides: Any,
 ) -> Comparison:  # fmt: skip
-    """The engine against batched ``generate`` on one model and one set of prompts (see the
-    module docstring); ``overrides`` change :data:`HF_SHAPE`."""
+    """The engine against batched ``generate``, and with ``vllm_python`` (the vLLM environment's
+    interpreter) against vLLM's CPU engine, on one model and one set of prompts (see the module
+    docstring); ``overrides`` change :data:`HF_SHAPE`."""
     hf_model = hf_llama(0, **overrides)
     model = load_hf(hf_model)
     prompts = bench_prompts(count, shortest, longest, hf_model.config.vocab_size)
     hf_generate(hf_model, prompts[:4], 4)  # warm-up
     engine_generate(model, prompts[:4], 4)
-    engine_rates, hf_rates = [], []
-    for _ in range(repeats):  # interleaved, so a noisy stretch hits both sides
-        hf_rate, expected = tokens_per_s(lambda: hf_generate(hf_model, prompts, new))
-        engine_rate, actual = tokens_per_s(lambda: engine_generate(model, prompts, new))
-        hf_rates.append(hf_rate)
-        engine_rates.append(engine_rate)
+    rates: dict[str, list[float]] = {"engine": [], "hf": [], "vllm": []}
+    with contextlib.ExitStack() as stack:
+        vllm = None
+        if vllm_python is not None:
+            vllm = stack.enter_context(vllm_server(vllm_python, hf_model, prompts, new))
+        for _ in range(repeats):  # interleaved, so a noisy stretch hits every side
+            hf_rate, expected = tokens_per_s(lambda: hf_generate(hf_model, prompts, new))
+            engine_rate, actual = tokens_per_s(lambda: engine_generate(model, prompts, new))
+            rates["hf"].append(hf_rate)
+            rates["engine"].append(engine_rate)
+            if vllm is not None:
+                vllm_rate, theirs = vllm()
+                rates["vllm"].append(vllm_rate)
     equal = sum(a == e for a, e in zip(actual, expected, strict=True))
+    vllm_rate = vllm_equal = None
+    if vllm is not None:
+        vllm_rate = statistics.median(rates["vllm"])
+        vllm_equal = sum(a == t for a, t in zip(actual, theirs, strict=True))
     step, math, attention, bookkeeping = decode_split(model, prompts, new)
     return Comparison(
-        statistics.median(engine_rates), statistics.median(hf_rates), equal, count,
-        step, math, attention, bookkeeping,
+        statistics.median(rates["engine"]), statistics.median(rates["hf"]), equal, count,
+        step, math, attention, bookkeeping, vllm_rate, vllm_equal,
     )  # fmt: skip
 
 
@@ -265,14 +353,27 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--vllm", nargs="?", const=VLLM_PYTHON, type=Path, metavar="PYTHON",
+        help="also time vLLM's CPU engine, run by this interpreter (default: the one in "
+        ".venv-vllm, which python -m properties.vllm_env builds)",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
-    result = compare(count=args.prompts, new=args.new_tokens, repeats=args.repeats)
+    result = compare(
+        count=args.prompts, new=args.new_tokens, repeats=args.repeats, vllm_python=args.vllm
+    )
     print(
         f"engine {result.engine_tokens_per_s:.0f} tok/s, transformers generate "
         f"{result.hf_tokens_per_s:.0f} tok/s: {result.ratio:.2f}x; tokens equal for "
         f"{result.tokens_equal}/{result.prompts} prompts"
     )
+    if result.vllm_tokens_per_s is not None:
+        print(
+            f"vLLM {result.vllm_tokens_per_s:.0f} tok/s (block size {VLLM_BLOCK_SIZE}): engine "
+            f"/ vLLM {result.engine_tokens_per_s / result.vllm_tokens_per_s:.2f}x; vLLM's "
+            f"tokens equal the engine's for {result.vllm_tokens_equal}/{result.prompts} prompts"
+        )
     print(
         f"decode step at batch {args.prompts}: {result.step_ms:.2f} ms = model math "
         f"{result.model_ms:.2f} + attention {result.attention_ms:.2f} + bookkeeping "
