@@ -8,11 +8,12 @@ tables; there is no ``past_key_values``. One :meth:`PagedAttentionEngine.step`:
    their cached tokens) and preempting by recompute when memory runs out;
 2. **copy-on-write**: the copy pairs the growth produced are applied with
    ``kernels.copy_blocks``, before anything is written;
-3. **block tables -> slot mapping**: the batch's tables go to ``kernels.slot_mapping``, which
-   gives every new token its physical slot;
-4. **store_kv -> attention**: every layer writes the new K/V at those slots
-   (``kernels.store_kv``) and attends through the tables (``kernels.paged_decode_attention`` for
-   decodes, a gather plus causal attention for prompts);
+3. **block tables -> slot mapping**: the batch's tables go to ``PagedKVCache.step``, which
+   validates them once, on the host, and gives every new token its physical slot
+   (``kernels.slot_mapping``);
+4. **store -> attention**: every layer writes the new K/V at those slots and attends through
+   the tables in one call for the whole mixed step (``pagedkv.impl.serving.paged_kv``), reading
+   no value on the host;
 5. **sample**: the logits of each sequence whose known tokens are now all computed give its next
    token (greedy or seeded sampling; ``n`` tokens fork a parallel-sampling request);
 6. **free**: finished sequences free their blocks at once; full blocks are registered with the
