@@ -60,7 +60,6 @@ class DeviceBlockTables:
         self._pinned = device.type == "cuda"
         self._host = torch.empty(0, 0, dtype=torch.int32)  # what the buffer holds
         self._buffer = torch.empty(0, 0, dtype=torch.int32, device=device)
-        self._uploaded: torch.cuda.Event | None = None  # the last upload's completion
         self.num_uploaded_rows = 0
 
     def update(self, tables: torch.Tensor) -> torch.Tensor:
@@ -76,18 +75,13 @@ class DeviceBlockTables:
         if changed.numel():
             rows = tables.index_select(0, changed)
             self._host[changed] = rows
-            if self._pinned:
-                if self._uploaded is not None:
-                    self._uploaded.synchronize()  # the previous staging buffers are free again
+            if self._pinned:  # torch's pinned allocator keeps them until the copies are done
                 rows, changed = rows.pin_memory(), changed.pin_memory()
             self._buffer.index_copy_(
                 0,
                 changed.to(self.device, non_blocking=True),
                 rows.to(self.device, non_blocking=True),
             )
-            if self._pinned:
-                self._uploaded = torch.cuda.Event()
-                self._uploaded.record()
             self.num_uploaded_rows += changed.numel()
         return self._buffer[:batch]
 
