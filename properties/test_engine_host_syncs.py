@@ -9,7 +9,8 @@ sliding window; the reference backend's fast path and the triton kernels) must t
 finish with the dense oracle's tokens. A planted ``.tolist()``
 in the attention is caught. On CUDA, the same run happens under
 ``torch.cuda.set_sync_debug_mode("error")`` around the layers. The persistent device
-block-table buffer uploads only the rows that changed.
+block-table buffer uploads only the rows that changed, and a step with bad tables is refused
+before anything changes.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from pagedkv.impl.serving.dense import dense_generate
 from pagedkv.impl.serving.engine import PagedAttentionEngine
 from pagedkv.impl.serving.model import CausalLM, DecoderLayer
-from pagedkv.impl.serving.paged_kv import DeviceBlockTables, PagedStep
+from pagedkv.impl.serving.paged_kv import DeviceBlockTables, PagedKVCache, PagedStep
 from pagedkv.kernels import api
 from properties.engine_cases import CONFIG, MODEL, check_against_oracle, one_thread, run
 from properties.test_engine import PRESSURE
@@ -208,3 +209,20 @@ def test_an_engine_uploads_a_decode_step_s_changed_rows_only() -> None:
     engine.generate([[i + 1] * 6 for i in range(8)], 9)
     decode_steps = len(engine.metrics) - 1
     assert engine.kv.tables.num_uploaded_rows < decode_steps * 8 / 2
+
+
+def test_a_step_is_validated_before_anything_changes() -> None:
+    """Bad tables are refused by ``PagedKVCache.step``, naming the argument, before the device
+    buffer changes: tables not on the host, an entry outside the pool, a slot written twice."""
+    cache = PagedKVCache(CONFIG, 4, 2)
+    good = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32)
+    cache.step(good, [3, 1], [3, 1])
+    uploaded = cache.tables.num_uploaded_rows
+    with pytest.raises(ValueError, match="block_tables must be on the host"):
+        cache.step(good.to("meta"), [3, 1], [3, 1])
+    with pytest.raises(IndexError, match=r"block_tables\[1, 0\] = 7"):
+        cache.step(torch.tensor([[0, 1], [7, -1]], dtype=torch.int32), [3, 1], [3, 1])
+    with pytest.raises(ValueError, match="slot_mapping writes one slot twice"):
+        cache.step(torch.tensor([[0, 1], [0, -1]], dtype=torch.int32), [1, 1], [1, 1])
+    assert cache.tables.num_uploaded_rows == uploaded
+    assert torch.equal(cache.tables.update(good), good)
