@@ -30,7 +30,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -61,8 +61,9 @@ HF_BLOCK_SIZE = 16
 
 @dataclass(frozen=True)
 class Comparison:
-    """Output tokens/s of the engine and of ``generate`` (medians), and the engine's decode step
-    at full batch, in median milliseconds: whole step, model math, attention, bookkeeping."""
+    """Output tokens/s of the engine and of ``generate`` (medians; ``runs`` has every run's), and
+    the engine's decode step at full batch, in median milliseconds: whole step, model math,
+    attention, bookkeeping."""
 
     engine_tokens_per_s: float
     hf_tokens_per_s: float
@@ -74,6 +75,7 @@ class Comparison:
     bookkeeping_ms: float
     vllm_tokens_per_s: float | None = None  # with vLLM only
     vllm_tokens_equal: int | None = None  # prompts whose vLLM tokens equal the engine's
+    runs: dict[str, list[float]] = field(default_factory=dict)  # every run's tokens/s, by side
 
     @property
     def ratio(self) -> float:
@@ -269,6 +271,7 @@ def compare(
     return Comparison(
         statistics.median(rates["engine"]), statistics.median(rates["hf"]), equal, count,
         step, math, attention, bookkeeping, vllm_rate, vllm_equal,
+        {side: values for side, values in rates.items() if values},
     )  # fmt: skip
 
 
@@ -282,6 +285,7 @@ def test_engine_against_hf_smoke() -> None:
     )  # fmt: skip
     assert result.tokens_equal == result.prompts
     assert result.engine_tokens_per_s > 0 and result.hf_tokens_per_s > 0
+    assert result.runs == {"engine": [result.engine_tokens_per_s], "hf": [result.hf_tokens_per_s]}
     assert result.step_ms >= result.attention_ms > 0
 
 
@@ -311,6 +315,8 @@ def main() -> None:
             f"/ vLLM {result.engine_tokens_per_s / result.vllm_tokens_per_s:.2f}x; vLLM's "
             f"tokens equal the engine's for {result.vllm_tokens_equal}/{result.prompts} prompts"
         )
+    for side, values in result.runs.items():
+        print(f"{side} runs, in order: {', '.join(f'{v:.0f}' for v in values)} tok/s")
     print(
         f"decode step at batch {args.prompts}: {result.step_ms:.2f} ms = model math "
         f"{result.model_ms:.2f} + attention {result.attention_ms:.2f} + bookkeeping "
