@@ -1,37 +1,37 @@
-"""Engine decode-step latency by block size and batch, on the CPU torch path.
-
-Each case builds an ``pagedkv.impl.serving.engine.PagedAttentionEngine`` over the seeded default
-``pagedkv.impl.serving.model.ModelConfig`` (a 2-layer Llama-style model), submits ``batch`` requests
-of ``CONTEXT`` prompt tokens and runs their prefill and one warm-up step (untimed). Each of the
-``ROUNDS`` timed rounds is then one ``engine.step()`` in which every sequence decodes one token:
-scheduling and block-table growth, slot mapping, K/V writes and paged attention through the tables,
-sampling, metrics. The kernels run their torch reference on CPU (``bench/gpu_kernels.py`` times the
-Triton kernels on a GPU).
-
-Groups: ``engine-decode-bs{B}``, one row per batch (1, 32, 128). Paged against contiguous
-attention is ``bench/bench_attention.py``; the engine has no batched contiguous twin.
-
-Under ``--benchmark-disable`` (CI) each case runs one step, except batch 128, which is skipped:
-its prefill and step cost seconds per block size on CPU.
+"""The engine against Hugging Face ``transformers`` ``generate`` (and vLLM), on the CPU.
 
 ``python bench/bench_engine.py`` is the comparison with Hugging Face ``transformers``: one random
 fp32 Llama (:data:`HF_SHAPE`), served by the engine and by ``generate`` (one batch, left padding)
 on the same prompts in one run, greedy, one thread. It prints each side's output tokens/s (median
 of ``--repeats`` interleaved runs, after a warm-up of each), their ratio, whether the engine's
 tokens equal ``generate``'s, and the engine's decode step at full batch split into model math,
-attention (``store_kv`` and ``paged_prefill_attention``) and bookkeeping (the rest of
-``engine.step()``: scheduling, tables, slot mapping, sampling, metrics).
+attention (``PagedStep.attend``: every layer's K/V store and attention, ``kernels.sdpa`` on the
+CPU) and bookkeeping (the rest of ``engine.step()``: scheduling, tables, validation, slot
+mapping, the step's attention plan, sampling, metrics).
 ``test_engine_against_hf_smoke`` runs a small version as a test.
+
+``--vllm`` adds vLLM's CPU engine (vLLM 0.32 in ``.venv-vllm``; ``python -m properties.vllm_env
+--build`` builds it) on the same model, written with ``save_pretrained``, and the same prompts:
+it runs in its own process (``bench/vllm_generate.py``, block size 32, the only sizes its CPU
+attention takes), interleaved with the other two, and the figure is its tokens/s of
+``LLM.generate`` (median, after a warm-up) and how many prompts' tokens equal the engine's.
+vLLM schedules in one process and computes in another, bound to one core.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
 import statistics
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -40,59 +40,9 @@ import torch
 
 from pagedkv.impl.serving.engine import PagedAttentionEngine
 from pagedkv.impl.serving.hf_loader import load_hf
-from pagedkv.impl.serving.model import CausalLM, ModelConfig
+from pagedkv.impl.serving.model import CausalLM
 from pagedkv.impl.serving.paged_kv import PagedStep
 from pagedkv.spec.block_manager import blocks_needed
-
-BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-BATCHES = (1, 32, 128)
-CONTEXT = 64
-ROUNDS = 7
-WARMUP = 1
-CONFIG = ModelConfig()
-MODEL = CausalLM.from_seed(CONFIG, seed=0)
-
-
-def decoding_engine(block_size: int, batch: int) -> PagedAttentionEngine:
-    """An engine whose ``batch`` sequences have computed their prompts and will decode (at
-    least) ``WARMUP + ROUNDS + 1`` more steps, with a pool that holds all of it."""
-    max_new_tokens = WARMUP + ROUNDS + 3
-    total_blocks = batch * blocks_needed(CONTEXT + max_new_tokens, block_size)
-    engine = PagedAttentionEngine(
-        MODEL, total_blocks, block_size, max_num_seqs=batch, max_num_batched_tokens=batch * CONTEXT
-    )
-    generator = torch.Generator().manual_seed(block_size * 1000 + batch)
-    for _ in range(batch):
-        prompt = torch.randint(CONFIG.vocab_size, (CONTEXT,), generator=generator).tolist()
-        engine.add_request(prompt, max_new_tokens)
-    prefill = engine.step().metrics
-    assert prefill.num_batched_tokens == batch * CONTEXT and prefill.num_running == batch
-    return engine
-
-
-@pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_engine_decode_step(benchmark: Any, block_size: int, batch: int) -> None:
-    if benchmark.disabled and batch == BATCHES[-1]:
-        pytest.skip("batch 128 on the CPU reference is timed only (seconds per block size)")
-    engine = decoding_engine(block_size, batch)
-    benchmark.group = f"engine-decode-bs{block_size}"
-    benchmark.extra_info.update(
-        kind="engine",
-        block_size=block_size,
-        batch=batch,
-        context=CONTEXT,
-        model=f"{CONFIG.num_layers} layers, hidden {CONFIG.hidden_size}, "
-        f"{CONFIG.num_heads}q/{CONFIG.num_kv_heads}kv heads x {CONFIG.head_dim}",
-    )
-    metrics = benchmark.pedantic(
-        lambda: engine.step().metrics, rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1
-    )
-    assert metrics.num_decodes == metrics.num_batched_tokens == batch
-    assert metrics.preemptions == 0
-
-
-# ----------------------------------------------------------------- against transformers
 
 HF_SHAPE: dict[str, Any] = {
     "vocab_size": 4096,
@@ -111,8 +61,9 @@ HF_BLOCK_SIZE = 16
 
 @dataclass(frozen=True)
 class Comparison:
-    """Output tokens/s of the engine and of ``generate`` (medians), and the engine's decode step
-    at full batch, in median milliseconds: whole step, model math, attention, bookkeeping."""
+    """Output tokens/s of the engine and of ``generate`` (medians; ``runs`` has every run's), and
+    the engine's decode step at full batch, in median milliseconds: whole step, model math,
+    attention, bookkeeping."""
 
     engine_tokens_per_s: float
     hf_tokens_per_s: float
@@ -122,6 +73,9 @@ class Comparison:
     model_ms: float
     attention_ms: float
     bookkeeping_ms: float
+    vllm_tokens_per_s: float | None = None  # with vLLM only
+    vllm_tokens_equal: int | None = None  # prompts whose vLLM tokens equal the engine's
+    runs: dict[str, list[float]] = field(default_factory=dict)  # every run's tokens/s, by side
 
     @property
     def ratio(self) -> float:
@@ -198,6 +152,67 @@ def timed(target: object, name: str, totals: dict[str, float]) -> Iterator[None]
         yield
 
 
+VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+VLLM_SCRIPT = Path(__file__).resolve().parent / "vllm_generate.py"
+VLLM_BLOCK_SIZE = 32  # vLLM 0.32's CPU attention takes only multiples of 32
+VLLM_KV_CACHE_GIB = "1"
+
+
+@contextmanager
+def vllm_server(
+    python: Path, hf_model: torch.nn.Module, prompts: list[list[int]], new: int
+) -> Iterator[Callable[[], tuple[float, list[list[int]]]]]:
+    """vLLM's CPU engine on ``hf_model`` (written with ``save_pretrained`` to a temporary
+    directory), in ``bench/vllm_generate.py`` run by the vLLM environment's ``python``. Yields a
+    function that generates ``new`` greedy tokens for every prompt and returns vLLM's output
+    tokens/s (``LLM.generate`` alone) and its tokens. ``RuntimeError`` with the end of vLLM's
+    log if it cannot start or answer."""
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        hf_model.save_pretrained(directory / "model")
+        (directory / "prompts.json").write_text(json.dumps(prompts))
+        env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+        env["VLLM_CPU_KVCACHE_SPACE"] = VLLM_KV_CACHE_GIB
+        log_path = directory / "vllm.log"
+        with log_path.open("w") as log:
+            server = subprocess.Popen(
+                [str(python), str(VLLM_SCRIPT), "model", "prompts.json", str(new),
+                 str(VLLM_BLOCK_SIZE)],
+                cwd=directory, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                text=True, env=env,
+            )  # fmt: skip
+        assert server.stdin is not None and server.stdout is not None
+        stdin, stdout = server.stdin, server.stdout
+
+        def answer() -> dict[str, Any]:
+            line = stdout.readline()
+            if not line:
+                server.wait(timeout=60)
+                tail = log_path.read_text()[-3000:]
+                raise RuntimeError(f"vLLM exited with status {server.returncode}:\n{tail}")
+            return json.loads(line)
+
+        def run() -> tuple[float, list[list[int]]]:
+            stdin.write("run\n")
+            stdin.flush()
+            result = answer()
+            tokens = result["tokens"]
+            return sum(map(len, tokens)) / result["seconds"], tokens
+
+        try:
+            answer()  # ready
+            yield run
+        finally:
+            if server.poll() is None:
+                stdin.write("quit\n")
+                stdin.flush()
+                try:
+                    server.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    server.kill()
+                    server.wait()
+
+
 def decode_split(model: CausalLM, prompts: list[list[int]], new: int) -> list[float]:
     """Median milliseconds of the engine's decode steps with every prompt running: ``[step,
     model math, attention, bookkeeping]``, from one instrumented generation."""
@@ -224,26 +239,39 @@ def decode_split(model: CausalLM, prompts: list[list[int]], new: int) -> list[fl
 
 def compare(
     count: int = 32, shortest: int = 16, longest: int = 128, new: int = 96, repeats: int = 3,
-    **overrides: Any,
+    vllm_python: Path | None = None, **overrides: Any,
 ) -> Comparison:  # fmt: skip
-    """The engine against batched ``generate`` on one model and one set of prompts (see the
-    module docstring); ``overrides`` change :data:`HF_SHAPE`."""
+    """The engine against batched ``generate``, and with ``vllm_python`` (the vLLM environment's
+    interpreter) against vLLM's CPU engine, on one model and one set of prompts (see the module
+    docstring); ``overrides`` change :data:`HF_SHAPE`."""
     hf_model = hf_llama(0, **overrides)
     model = load_hf(hf_model)
     prompts = bench_prompts(count, shortest, longest, hf_model.config.vocab_size)
     hf_generate(hf_model, prompts[:4], 4)  # warm-up
     engine_generate(model, prompts[:4], 4)
-    engine_rates, hf_rates = [], []
-    for _ in range(repeats):  # interleaved, so a noisy stretch hits both sides
-        hf_rate, expected = tokens_per_s(lambda: hf_generate(hf_model, prompts, new))
-        engine_rate, actual = tokens_per_s(lambda: engine_generate(model, prompts, new))
-        hf_rates.append(hf_rate)
-        engine_rates.append(engine_rate)
+    rates: dict[str, list[float]] = {"engine": [], "hf": [], "vllm": []}
+    with contextlib.ExitStack() as stack:
+        vllm = None
+        if vllm_python is not None:
+            vllm = stack.enter_context(vllm_server(vllm_python, hf_model, prompts, new))
+        for _ in range(repeats):  # interleaved, so a noisy stretch hits every side
+            hf_rate, expected = tokens_per_s(lambda: hf_generate(hf_model, prompts, new))
+            engine_rate, actual = tokens_per_s(lambda: engine_generate(model, prompts, new))
+            rates["hf"].append(hf_rate)
+            rates["engine"].append(engine_rate)
+            if vllm is not None:
+                vllm_rate, theirs = vllm()
+                rates["vllm"].append(vllm_rate)
     equal = sum(a == e for a, e in zip(actual, expected, strict=True))
+    vllm_rate = vllm_equal = None
+    if vllm is not None:
+        vllm_rate = statistics.median(rates["vllm"])
+        vllm_equal = sum(a == t for a, t in zip(actual, theirs, strict=True))
     step, math, attention, bookkeeping = decode_split(model, prompts, new)
     return Comparison(
-        statistics.median(engine_rates), statistics.median(hf_rates), equal, count,
-        step, math, attention, bookkeeping,
+        statistics.median(rates["engine"]), statistics.median(rates["hf"]), equal, count,
+        step, math, attention, bookkeeping, vllm_rate, vllm_equal,
+        {side: values for side, values in rates.items() if values},
     )  # fmt: skip
 
 
@@ -257,6 +285,7 @@ def test_engine_against_hf_smoke() -> None:
     )  # fmt: skip
     assert result.tokens_equal == result.prompts
     assert result.engine_tokens_per_s > 0 and result.hf_tokens_per_s > 0
+    assert result.runs == {"engine": [result.engine_tokens_per_s], "hf": [result.hf_tokens_per_s]}
     assert result.step_ms >= result.attention_ms > 0
 
 
@@ -265,14 +294,29 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--vllm", nargs="?", const=VLLM_PYTHON, type=Path, metavar="PYTHON",
+        help="also time vLLM's CPU engine, run by this interpreter (default: the one in "
+        ".venv-vllm, which python -m properties.vllm_env builds)",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
-    result = compare(count=args.prompts, new=args.new_tokens, repeats=args.repeats)
+    result = compare(
+        count=args.prompts, new=args.new_tokens, repeats=args.repeats, vllm_python=args.vllm
+    )
     print(
         f"engine {result.engine_tokens_per_s:.0f} tok/s, transformers generate "
         f"{result.hf_tokens_per_s:.0f} tok/s: {result.ratio:.2f}x; tokens equal for "
         f"{result.tokens_equal}/{result.prompts} prompts"
     )
+    if result.vllm_tokens_per_s is not None:
+        print(
+            f"vLLM {result.vllm_tokens_per_s:.0f} tok/s (block size {VLLM_BLOCK_SIZE}): engine "
+            f"/ vLLM {result.engine_tokens_per_s / result.vllm_tokens_per_s:.2f}x; vLLM's "
+            f"tokens equal the engine's for {result.vllm_tokens_equal}/{result.prompts} prompts"
+        )
+    for side, values in result.runs.items():
+        print(f"{side} runs, in order: {', '.join(f'{v:.0f}' for v in values)} tok/s")
     print(
         f"decode step at batch {args.prompts}: {result.step_ms:.2f} ms = model math "
         f"{result.model_ms:.2f} + attention {result.attention_ms:.2f} + bookkeeping "

@@ -1,4 +1,4 @@
-"""The kernels on a CUDA machine: property tests compiled, then a decode-attention latency sweep.
+"""The kernels on a CUDA machine: property tests compiled, latency sweeps, one engine step.
 
 Installs nothing (``pagedkv`` must be installed, e.g. ``pip install -e .``); runs from any
 directory::
@@ -14,9 +14,16 @@ Steps:
    tables), the same kernel over a contiguous cache (``contiguous_decode_attention``), and torch
    ``scaled_dot_product_attention`` over the contiguous K/V. Each is timed (median), checked
    against the others, and reported with the bandwidth it achieves reading K and V once.
-3. A JSON report (``--out``) with every measurement and the goals: paged within 10% of
+3. The prefill kernel: ``paged_prefill_attention`` of each sequence's last ``chunk`` tokens
+   over its cached prefix (shuffled tables, block sizes 16 and 256), against torch SDPA with the
+   same causal mask on the same contiguous data; timed and checked the same way.
+4. One end-to-end engine step: a bf16 Llama-style model (hidden 2048, 8 layers, GQA 16/4 x
+   128) on the GPU with the triton backend, 64 sequences of 512 prompt tokens prefilled, then
+   decode steps of the whole batch timed (``--small``: a tiny fp32 model, the interpreter, and
+   its tokens checked against the dense oracle).
+5. A JSON report (``--out``) with every measurement and the goals: paged within 10% of
    contiguous for block size >= 16, and >= 70% of peak HBM bandwidth (``--peak-gbps``, the
-   H200's 4800 GB/s by default) at the longest context.
+   H200's 4800 GB/s by default) at the longest context, both for decode.
 """
 
 from __future__ import annotations
@@ -54,6 +61,17 @@ SMALL = {
     "contexts": (16, 40),
     "block_sizes": (1, 4, 16, 256),
 }
+# The prefill grid: each sequence computes its last ``chunk`` tokens over its cached prefix.
+PREFILL_FULL = {"batches": (1, 8), "contexts": (512, 4096), "chunks": (128, 512)}
+PREFILL_SMALL = {"batches": (2,), "contexts": (40,), "chunks": (7,)}
+PREFILL_BLOCK_SIZES_FULL = (16, 256)
+PREFILL_BLOCK_SIZES_SMALL = (4, 16)
+# The engine step: a Llama-style model (hidden, layers, query heads, KV heads, head dim), a
+# batch of sequences with a prompt each, then decode steps timed.
+ENGINE_FULL = {"hidden": 2048, "layers": 8, "heads": (16, 4, 128), "batch": 64, "prompt": 512}
+ENGINE_SMALL = {"hidden": 64, "layers": 2, "heads": (4, 2, 16), "batch": 3, "prompt": 9}
+ENGINE_BLOCK_SIZE = 16
+ENGINE_STEPS = 3
 HEADS_FULL = (32, 8, 128)  # query heads, KV heads, head dim (a Llama-3-8B layer)
 HEADS_SMALL = (4, 2, 80)
 TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -65,7 +83,7 @@ PEAK_FRACTION_GOAL = 0.70
 class Measurement:
     """One timed kernel on one configuration."""
 
-    kernel: str  # "paged", "contiguous" or "sdpa"
+    kernel: str  # "paged", "contiguous", "sdpa", "prefill" or "prefill-sdpa"
     dtype: str
     batch: int
     context: int
@@ -73,8 +91,10 @@ class Measurement:
     ms: float
     kv_gbps: float
     peak_fraction: float
-    max_abs_diff: float  # against the contiguous kernel (for "contiguous": against sdpa)
+    max_abs_diff: float  # against the contiguous kernel (for "contiguous": against sdpa;
+    # for "prefill": against "prefill-sdpa")
     within_tolerance: bool
+    chunk: int | None = None  # prefill only: query tokens per sequence
 
 
 def run_property_tests(selection: str) -> int:
@@ -199,6 +219,137 @@ def measure(
     return results
 
 
+def measure_prefill(
+    dtype_name: str,
+    batch: int,
+    context: int,
+    chunk: int,
+    block_sizes: Sequence[int],
+    heads: tuple[int, int, int],
+    device: torch.device,
+    peak_gbps: float,
+    generators: tuple[torch.Generator, torch.Generator],
+) -> list[Measurement]:
+    """``paged_prefill_attention`` of each sequence's last ``chunk`` tokens over its whole
+    ``context`` (shuffled block tables, every block size), against torch SDPA on the same
+    contiguous data with the same causal mask. ``kv_gbps`` counts K and V read once."""
+    num_heads, num_kv_heads, head_dim = heads
+    shuffle, values = generators
+    dtype = getattr(torch, dtype_name)
+    size = (batch, context, num_kv_heads, head_dim)
+    key = torch.randn(size, generator=values, device=device, dtype=dtype)
+    value = torch.randn(size, generator=values, device=device, dtype=dtype)
+    query = torch.randn(batch * chunk, num_heads, head_dim, generator=values, device=device)
+    query = query.to(dtype)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    offsets = torch.arange(0, batch * chunk + 1, chunk, dtype=torch.int32, device=device)
+    kv_bytes = 2 * key.numel() * key.element_size()
+    small = device.type != "cuda"
+    group = num_heads // num_kv_heads
+    # SDPA: [batch, heads, chunk, dim] queries, the KV heads repeated, the causal mask of a
+    # chunk that ends at the context's end.
+    q = query.view(batch, chunk, num_heads, head_dim).transpose(1, 2)
+    k, v = (t.transpose(1, 2).repeat_interleave(group, 1) for t in (key, value))
+    positions = torch.arange(context - chunk, context, device=device)
+    mask = torch.arange(context, device=device)[None, :] <= positions[:, None]
+    attention = torch.nn.functional.scaled_dot_product_attention
+    sdpa_call = partial(attention, q, k, v, attn_mask=mask)
+    expected = sdpa_call().transpose(1, 2).reshape(batch * chunk, num_heads, head_dim)
+    results: list[Measurement] = []
+
+    def record(kernel: str, block_size: int | None, fn: Callable[[], object], diff: float) -> None:
+        ms = time_ms(fn, device, small)
+        gbps = kv_bytes / (ms * 1e-3) / 1e9
+        results.append(
+            Measurement(
+                kernel, dtype_name, batch, context, block_size, round(ms, 5), round(gbps, 1),
+                round(gbps / peak_gbps, 4), diff, diff <= TOLERANCE[dtype], chunk,
+            )
+        )  # fmt: skip
+        print(
+            f"{dtype_name:9} batch {batch:4} ctx {context:6} chunk {chunk:4} {kernel:12} bs "
+            f"{block_size or '-':>4} {ms:10.4f} ms  diff {diff:.1e}"
+            + ("" if diff <= TOLERANCE[dtype] else "  OUT OF TOLERANCE"),
+            flush=True,
+        )
+
+    record("prefill-sdpa", None, sdpa_call, 0.0)
+    del sdpa_call, k, v
+    options: dict[str, Any] = {"backend": "triton", "validate": False, "max_query_len": chunk}
+    for block_size in block_sizes:
+        k_cache, v_cache, tables = paged_pair(key, value, block_size, shuffle)
+        args = (query, k_cache, v_cache, tables, offsets, lens)
+        kernels.paged_prefill_attention(*args)  # validated once, untimed
+        prefill = partial(kernels.paged_prefill_attention, *args, **options)
+        diff = (prefill().float() - expected.float()).abs().max().item()
+        record("prefill", block_size, prefill, diff)
+        del k_cache, v_cache, tables, args, prefill
+    return results
+
+
+def engine_step(shape: dict[str, Any], device: torch.device, small: bool) -> dict[str, Any]:
+    """One end-to-end engine step on ``device`` (triton backend): ``shape["batch"]`` sequences
+    of a ``shape["prompt"]``-token prompt prefilled in one step, then ``ENGINE_STEPS`` decode
+    steps of the whole batch, each timed (scheduling, tables, slots, every layer's store and
+    attention, sampling). The greedy tokens are checked against the dense oracle on the CPU
+    (``--small`` only: the full model's oracle would take minutes there)."""
+    from pagedkv.impl.serving.dense import dense_generate
+    from pagedkv.impl.serving.engine import PagedAttentionEngine
+    from pagedkv.impl.serving.model import CausalLM, ModelConfig
+    from pagedkv.spec.block_manager import blocks_needed
+
+    num_heads, num_kv_heads, head_dim = shape["heads"]
+    config = ModelConfig(
+        vocab_size=32000 if not small else 128, hidden_size=shape["hidden"],
+        intermediate_size=4 * shape["hidden"], num_layers=shape["layers"], num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim,
+    )  # fmt: skip
+    dtype = torch.float32 if small else torch.bfloat16
+    model = CausalLM.from_seed(config, seed=0, dtype=dtype).to(device)
+    batch, prompt_len = shape["batch"], shape["prompt"]
+    new = 3 + ENGINE_STEPS  # the prefill's token, an untimed decode, the timed ones, one more
+    per_seq = blocks_needed(prompt_len + new, ENGINE_BLOCK_SIZE)
+    engine = PagedAttentionEngine(
+        model, batch * per_seq, ENGINE_BLOCK_SIZE, max_num_seqs=batch,
+        max_num_batched_tokens=batch * prompt_len, max_model_len=prompt_len + new,
+        backend="triton",
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(config.vocab_size, (prompt_len,), generator=generator).tolist()
+        for _ in range(batch)
+    ]
+    for prompt in prompts:
+        engine.add_request(prompt, new)
+    outputs: dict[int, list[int]] = {}
+    samples = []
+    while engine.has_unfinished_requests():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        out = engine.step()
+        elapsed = (time.perf_counter() - start) * 1e3
+        if 2 <= len(engine.metrics) < 2 + ENGINE_STEPS:  # past the prefill and first decode
+            assert out.metrics.num_decodes == batch, out.metrics
+            samples.append(elapsed)
+        for result in out.finished:
+            outputs[result.request_id] = result.outputs[0]
+    report: dict[str, Any] = {
+        "model": {**shape, "vocab": config.vocab_size, "dtype": str(dtype)},
+        "block_size": ENGINE_BLOCK_SIZE,
+        "decode_step_ms": [round(ms, 3) for ms in samples],
+        "median_ms": round(statistics.median(samples), 3),
+    }
+    if small:
+        cpu_model = CausalLM.from_seed(config, seed=0, dtype=dtype)
+        report["tokens_equal_dense"] = sum(
+            outputs[i] == dense_generate(cpu_model, tuple(prompt), new).tokens
+            for i, prompt in enumerate(prompts)
+        )
+    print(f"engine decode step at batch {batch}: {report['median_ms']} ms", flush=True)
+    return report
+
+
 def sweep(
     grid: dict[str, Sequence[Any]],
     heads: tuple[int, int, int],
@@ -218,11 +369,25 @@ def sweep(
         if device.type == "cuda":
             torch.cuda.empty_cache()
         progress(results)
+    prefill = grid["prefill"]
+    shapes = itertools.product(
+        grid["dtypes"], prefill["batches"], prefill["contexts"], prefill["chunks"]
+    )
+    for dtype_name, batch, context, chunk in shapes:
+        if chunk <= context:
+            results += measure_prefill(
+                dtype_name, batch, context, chunk, grid["prefill_block_sizes"], heads, device,
+                peak_gbps, generators,
+            )  # fmt: skip
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            progress(results)
     return results
 
 
 def goals(results: list[Measurement]) -> dict[str, Any]:
-    """The issue's two goals, evaluated over paged runs with block size >= 16."""
+    """The issue's two goals, evaluated over paged decode runs with block size >= 16."""
+    results = [m for m in results if m.chunk is None]  # decode only
     contiguous = {(m.dtype, m.batch, m.context): m.ms for m in results if m.kernel == "contiguous"}
     paged = [m for m in results if m.kernel == "paged" and (m.block_size or 0) >= 16]
     overheads = [
@@ -286,10 +451,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Load triton now, under the package's interpreter rule (on CPU: the interpreter), and fail
     # here, before any work, if it cannot run on this device.
     kernels.resolve_backend("triton", device)
-    grid = dict(SMALL if args.small else FULL)
+    grid: dict[str, Any] = dict(SMALL if args.small else FULL)
     for name in grid:
         if getattr(args, name) is not None:
             grid[name] = getattr(args, name)
+    grid["prefill"] = dict(PREFILL_SMALL if args.small else PREFILL_FULL)
+    grid["prefill_block_sizes"] = (
+        PREFILL_BLOCK_SIZES_SMALL if args.small else PREFILL_BLOCK_SIZES_FULL
+    )
     heads = HEADS_SMALL if args.small else HEADS_FULL
 
     selection = args.tests_k or ("test_fixed_run_matches_dense" if args.small else "kernels")
@@ -316,6 +485,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out.write_text(json.dumps(report, indent=2))
 
     write(sweep(grid, heads, device, args.peak_gbps, write))
+    report["engine_step"] = engine_step(
+        ENGINE_SMALL if args.small else ENGINE_FULL, device, args.small
+    )
     report["complete"] = True
     args.out.write_text(json.dumps(report, indent=2))
     for name, goal in report["goals"].items():

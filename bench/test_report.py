@@ -83,11 +83,6 @@ def small_run() -> Run:
         for workload in ("chapter", "sharegpt", "alpaca")
         for result in results
     ]
-    engine = [
-        benchmark({"kind": "engine", "block_size": b, "batch": n, "context": 64, "model": "m"})
-        for b in (1, 16)
-        for n in (1, 32)
-    ]
     attention = [
         benchmark(
             {"layout": layout, "block_size": b, "batch": 8, "context": 1024, "heads": "8q/2kv",
@@ -98,7 +93,7 @@ def small_run() -> Run:
         for b in (1, 16)
     ]  # fmt: skip
     machine = {"cpu": {"brand_raw": "test", "count": 1}, "device": "cpu"}
-    return Run(lifetime + serving + engine + attention, machine, {"id": "abc"}, "today", "x")
+    return Run(lifetime + serving + attention, machine, {"id": "abc"}, "today", "x")
 
 
 def test_write_renders_every_section_and_figure(tmp_path: Path) -> None:
@@ -114,9 +109,9 @@ def test_write_renders_every_section_and_figure(tmp_path: Path) -> None:
         "#### The chapter's toy, 400 slots",
         "### Where our numbers differ from the paper's, and why",
         "#### Decode attention, paged against contiguous",
-        "#### Engine decode step",
     ):
         assert heading in text, heading
+    assert "Engine decode step" not in text  # bench_engine.py reports its own comparison
     assert "| `chapter` | 40.0% | 47.6% | 66.7% | 100.0% |" in text
     assert len(list(figures.glob("*.png"))) == len(PLOTS)
     for link in text.split("](figures/")[1:]:
@@ -337,26 +332,6 @@ def test_reference_attention_timings_are_not_tabulated() -> None:
     text = rendered(latency_section, dataclasses.replace(run, benchmarks=benchmarks))
     assert "Not tabulated for this run: its backend was the torch reference on `cpu`" in text
     assert "paged / contiguous" not in text
-
-
-def test_engine_sentence_names_the_fastest_block_size() -> None:
-    def with_step(block_size: int, seconds: float) -> Run:
-        run = small_run()
-        benchmarks = [
-            {**b, "stats": {"median": seconds}}
-            if b["extra_info"].get("kind") == "engine"
-            and b["extra_info"]["block_size"] == block_size
-            else b
-            for b in run.benchmarks
-        ]
-        return dataclasses.replace(run, benchmarks=benchmarks)
-
-    assert "at batch 1, block 1 (1.0 ms) and block 16 (2.00x as long)" in rendered(
-        latency_section, with_step(16, 0.002)
-    )
-    assert "at batch 1, block 16 (1.0 ms) and block 1 (2.00x as long)" in rendered(
-        latency_section, with_step(1, 0.002)
-    )
 
 
 def test_verdict_building_blocks() -> None:

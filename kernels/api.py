@@ -31,6 +31,7 @@ import torch
 from pagedkv.kernels import reference
 from pagedkv.kernels.backend import resolve_backend
 from pagedkv.kernels.validation import (
+    INT32_MAX,
     MAX_BLOCK_SIZE,
     MAX_NUM_BLOCKS,
     check_block_tables,
@@ -43,6 +44,7 @@ from pagedkv.kernels.validation import (
     check_decode_query,
     check_int_range,
     check_kv_rows,
+    check_max_query_len,
     check_num_splits,
     check_pairs,
     check_position_values,
@@ -188,6 +190,7 @@ def paged_prefill_attention(
     scale: float | None = None,
     *,
     window: int | None = None,
+    max_query_len: int | None = None,
     backend: str | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
@@ -207,8 +210,11 @@ def paged_prefill_attention(
     j <= p``; sequence ``b`` then reads nothing before ``max(0, f_b - w + 1)``, ``f_b =
     context_lens[b] - q_b`` being its first query's position (for ``q_b = 0``, the position it
     computes next), and the table entries of blocks wholly before that are neither read nor
-    validated. Returns ``[tokens, num_heads, head_dim]`` in the query's dtype; all arithmetic is
-    fp32.
+    validated. ``max_query_len`` (an int ``>= 0``; FlashAttention's ``max_seqlen_q``) is the
+    largest ``q_b``, which the triton backend needs on the host to size its grid: given, it
+    saves reading ``cu_seqlens_q`` back from the device (a GPU synchronization); with
+    ``validate`` it must equal the largest ``q_b`` (``ValueError``). Returns ``[tokens,
+    num_heads, head_dim]`` in the query's dtype; all arithmetic is fp32.
     """
     caches = check_caches(k_cache, v_cache)
     q = check_decode_query(query, caches, k_cache.dtype)
@@ -220,20 +226,25 @@ def paged_prefill_attention(
     )
     scale = check_scale(scale, caches.head_dim)
     window = check_window(window)
+    if max_query_len is not None:
+        check_int_range("max_query_len", max_query_len, 0, INT32_MAX)
     if check_bool("validate", validate):
+        query_lens = starts[1:].to(torch.int64) - starts[:-1].to(torch.int64)
         key_starts = None  # bad offsets are refused just below, whatever starts they give
         if window is not None:
-            query_lens = starts[1:].to(torch.int64) - starts[:-1].to(torch.int64)
             key_starts = window_starts(lens, query_lens.clamp(min=0), window)
         check_context_values(lens, tables, caches.block_size, caches.num_blocks, key_starts)
         check_cu_seqlens_values(starts, lens, q.shape[0])
+        check_max_query_len(max_query_len, query_lens)
     if resolve_backend(backend, device) == "reference":
         return reference.paged_prefill_attention(
             q, k_cache, v_cache, tables, starts, lens, scale, window
         )
     from pagedkv.kernels import triton_prefill
 
-    return triton_prefill.launch(q, k_cache, v_cache, tables, starts, lens, scale, window)
+    return triton_prefill.launch(
+        q, k_cache, v_cache, tables, starts, lens, scale, window, max_query_len
+    )
 
 
 def contiguous_decode_attention(

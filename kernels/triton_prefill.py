@@ -124,9 +124,11 @@ def launch(
     context_lens: torch.Tensor,
     scale: float,
     window: int | None = None,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Run paged prefill attention on validated arguments (``kernels.paged_prefill_attention``);
-    ``window`` is the sliding window (``None``: none)."""
+    ``window`` is the sliding window (``None``: none), ``max_query_len`` the longest query
+    chunk (``None``: read from ``cu_seqlens_q``, which synchronizes a GPU)."""
     query = query.contiguous()
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -135,7 +137,8 @@ def launch(
     if num_tokens == 0 or batch == 0:
         return out
     starts = cu_seqlens_q.contiguous()
-    max_query_len = int((starts[1:] - starts[:-1]).max())
+    if max_query_len is None:
+        max_query_len = int((starts[1:] - starts[:-1]).max())
     block_g = triton.next_power_of_2(num_heads // num_kv_heads)
     block_q = max(1, ROWS_PER_TILE // block_g)
     block_d = max(16, triton.next_power_of_2(head_dim))

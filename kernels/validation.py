@@ -13,6 +13,7 @@ block of the window's first key on), and every such entry is checked here to lie
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -271,7 +272,11 @@ def check_scale(scale: object, head_dim: int) -> float:
     if scale is None:
         return head_dim**-0.5
     value = check_number("scale", scale, allow_zero=False)
-    if not 0 < torch.tensor(value, dtype=torch.float32).item() < math.inf:
+    try:  # the fp32 value, computed on the host without a tensor
+        in_fp32 = struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # beyond fp32's largest finite value: inf there
+        in_fp32 = math.inf
+    if not 0 < in_fp32 < math.inf:
         raise ValueError(f"scale must be finite and > 0 in fp32, got {scale}")
     return value
 
@@ -436,6 +441,19 @@ def check_cu_seqlens(cu_seqlens_q: object, batch: int) -> torch.Tensor:
     starts = check_tensor("cu_seqlens_q", cu_seqlens_q, 1, INDEX_DTYPES)
     check_shape("cu_seqlens_q", starts, (batch + 1,))
     return starts
+
+
+def check_max_query_len(max_query_len: int | None, query_lens: torch.Tensor) -> None:
+    """A given ``max_query_len`` equals the largest of ``query_lens`` (0 for no sequence):
+    ``ValueError`` naming both otherwise. ``None`` passes."""
+    if max_query_len is None:
+        return
+    actual = int(query_lens.max()) if query_lens.numel() else 0
+    if max_query_len != actual:
+        raise ValueError(
+            f"max_query_len = {max_query_len}, but the longest query chunk in cu_seqlens_q has "
+            f"{actual} tokens"
+        )
 
 
 def check_cu_seqlens_values(starts: torch.Tensor, lens: torch.Tensor, num_tokens: int) -> None:

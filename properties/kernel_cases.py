@@ -13,6 +13,7 @@ interpreter), so ``bench/gpu_kernels.py`` reruns them compiled on a GPU.
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -399,5 +400,6 @@ def load_mutant(module: ModuleType, original: str, mutated: str, directory: Path
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     mutant = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mutant  # importlib's recipe: a dataclass looks its module up there
     spec.loader.exec_module(mutant)
     return mutant

@@ -212,9 +212,11 @@ WINDOW_BLOCK_SIZES = (1, 2, 4, 16)  # small blocks: many of them fall wholly out
 
 
 def draw_window(data: st.DataObject, longest: int) -> int:
-    """A window from 1 (the query alone) to past the longest context (no effect)."""
+    """A window from 1 (the query alone) to past the longest context (no effect); ``longest``
+    is 0 when the scenario freed every sequence, and a window is still at least 1."""
+    longest = max(1, longest)
     edges = st.sampled_from([1, 2, longest, longest + 1, 10**6])
-    return data.draw(edges | st.integers(1, max(1, longest)), label="window")
+    return data.draw(edges | st.integers(1, longest), label="window")
 
 
 def windowed_decode(

@@ -1,4 +1,5 @@
-"""The CUDA benchmark script (``bench/gpu_kernels.py``) works end to end in its small CPU mode."""
+"""The CUDA benchmark script (``bench/gpu_kernels.py``) works end to end in its small CPU mode:
+decode and prefill sweeps, and an engine step whose tokens equal the dense oracle's."""
 
 from __future__ import annotations
 
@@ -22,9 +23,12 @@ def test_small_sweep_writes_a_complete_report(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["complete"] and report["out_of_tolerance"] == 0
     measured = {(m["kernel"], m["block_size"]) for m in report["measurements"]}
-    assert measured == {("contiguous", None), ("sdpa", None)} | {
+    assert measured == {("contiguous", None), ("sdpa", None), ("prefill-sdpa", None)} | {
         ("paged", bs) for bs in (1, 16, 256)
-    }
+    } | {("prefill", bs) for bs in gpu_kernels.PREFILL_BLOCK_SIZES_SMALL}
+    step = report["engine_step"]
+    assert len(step["decode_step_ms"]) == gpu_kernels.ENGINE_STEPS
+    assert step["tokens_equal_dense"] == gpu_kernels.ENGINE_SMALL["batch"]
     assert set(report["goals"]) == {
         "paged_within_10pct_of_contiguous_bs_ge_16",
         "peak_fraction_ge_70pct_at_context_33",

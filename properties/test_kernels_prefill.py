@@ -230,13 +230,22 @@ INVALID = {
     "query 2-d": ("query", torch.zeros(5, 32), ValueError),
     "query heads not a multiple": ("query", torch.zeros(5, 3, 8), ValueError),
     "query dtype": ("query", torch.zeros(5, 4, 8, dtype=torch.float16), TypeError),
+    "max_query_len not the longest chunk": ("max_query_len", 2, ValueError),
+    "max_query_len negative": ("max_query_len", -1, ValueError),
+    "max_query_len not an int": ("max_query_len", 3.0, TypeError),
 }
 
 
 def test_the_valid_call_passes_on_both_backends() -> None:
+    """With or without ``max_query_len`` (3, the longest chunk), the same output."""
     call = valid_call()
-    outputs = [kernels.paged_prefill_attention(**call, backend=b) for b in ("triton", "reference")]
-    assert_close(outputs[0], outputs[1], "triton vs reference")
+    outputs = [
+        kernels.paged_prefill_attention(**call, **extra, backend=b)
+        for b in ("triton", "reference")
+        for extra in ({}, {"max_query_len": 3})
+    ]
+    for output in outputs[1:]:
+        assert_close(output, outputs[0], "triton and reference, max_query_len or not")
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])

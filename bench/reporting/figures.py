@@ -150,29 +150,22 @@ def plot_over_time(run: Run, figures: Path) -> None:
 
 
 def plot_latency(run: Run, figures: Path) -> None:
-    """Decode attention (left) and the engine's decode step (right) against block size."""
-    attention, engine = run.attention(), run.engine()
-    if not attention and not engine:
+    """Decode attention, paged and contiguous, against block size."""
+    attention = run.attention()
+    if not attention:
         return
-    figure, (left, right) = plt.subplots(1, 2, figsize=(9, 3.3))
+    figure, ax = plt.subplots(figsize=(5, 3.3))
     for (layout, batch), medians in sorted(attention.items()):
         sizes = sorted(medians)
         style = "o-" if layout == "paged" else "s--"
-        left.plot(sizes, [medians[b] * 1e3 for b in sizes], style, label=f"{layout}, batch {batch}")
-    left.set_title("decode attention (bench_attention.py)", fontsize=9)
-    for batch in sorted({n for _, n in engine}):
-        sizes = sorted(b for b, n in engine if n == batch)
-        right.plot(sizes, [engine[(b, batch)]["median"] * 1e3 for b in sizes], "o-",
-                   label=f"batch {batch}")  # fmt: skip
-    right.set_title("engine decode step (bench_engine.py)", fontsize=9)
-    for ax in (left, right):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(PAPER_BLOCK_SIZES, [str(b) for b in PAPER_BLOCK_SIZES], fontsize=7)
-        ax.set_yscale("log")
-        ax.set_xlabel("block size (tokens)")
-        ax.set_ylabel("median (ms)")
-        if ax.lines:
-            ax.legend(fontsize=7)
+        ax.plot(sizes, [medians[b] * 1e3 for b in sizes], style, label=f"{layout}, batch {batch}")
+    ax.set_title("decode attention (bench_attention.py)", fontsize=9)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(PAPER_BLOCK_SIZES, [str(b) for b in PAPER_BLOCK_SIZES], fontsize=7)
+    ax.set_yscale("log")
+    ax.set_xlabel("block size (tokens)")
+    ax.set_ylabel("median (ms)")
+    ax.legend(fontsize=7)
     save(figure, "decode_latency.png", figures)
 
 

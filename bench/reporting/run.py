@@ -1,8 +1,8 @@
 """A pytest-benchmark run of ``pytest bench``, and the figures the report reads from it, by key.
 
-The report reads the ``extra_info`` of ``bench_utilization.py`` (``kind="lifetime"``),
-``bench_serving.py`` (``kind="serving"``) and ``bench_engine.py`` (``kind="engine"``), and the
-median timings of ``bench_attention.py`` (groups ``attention-bs{B}``) and ``bench_engine.py``.
+The report reads the ``extra_info`` of ``bench_utilization.py`` (``kind="lifetime"``) and
+``bench_serving.py`` (``kind="serving"``), and the median timings of ``bench_attention.py``
+(groups ``attention-bs{B}``).
 Every accessor returns an empty result when the run lacks those benchmarks.
 """
 
@@ -114,10 +114,6 @@ class Run:
         return Serving(
             {(i["workload"], i["policy"], i["shared"]): i for i in self.of_kind("serving")}
         )
-
-    def engine(self) -> dict[tuple[int, int], Info]:
-        """The ``bench_engine.py`` steps by ``(block_size, batch)``."""
-        return {(i["block_size"], i["batch"]): i for i in self.of_kind("engine")}
 
     def _attention_benchmarks(self) -> list[dict[str, Any]]:
         return [b for b in self.benchmarks if (b["group"] or "").startswith("attention-bs")]

@@ -211,50 +211,13 @@ The contiguous call does not depend on the block size, so the spread of its colu
 """
 
 
-def engine_part(run: Run) -> str:
-    """``bench_engine.py``: one engine decode step by block size and batch, and the fastest and
-    slowest block size at each batch."""
-    engine = run.engine()
-    if not engine:
-        return ""
-    batches = sorted({batch for _, batch in engine})
-    sizes = sorted({size for size, _ in engine})
-    body = [
-        [b] + [ms(engine[(b, n)]["median"], 1) if (b, n) in engine else "-" for n in batches]
-        for b in sizes
-    ]
-    extremes = []
-    for n in batches:
-        steps = {b: engine[(b, n)]["median"] for b in sizes if (b, n) in engine}
-        if len(steps) < 2:
-            continue
-        fastest, slowest = min(steps, key=steps.__getitem__), max(steps, key=steps.__getitem__)
-        extremes.append(
-            f"at batch {n}, block {fastest} ({ms(steps[fastest], 1)} ms) and block {slowest}"
-            f" ({times(steps[slowest] / steps[fastest])} as long)"
-        )
-    extremes_sentence = (
-        f" The fastest and the slowest step: {'; '.join(extremes)}." if extremes else ""
-    )
-    first = next(iter(engine.values()))
-    return f"""#### Engine decode step (`bench/bench_engine.py`)
-
-One `PagedAttentionEngine.step()` in which every sequence decodes one token after a
-{first["context"]}-token prompt: scheduling, block-table growth, slot mapping, K/V writes, paged
-attention, sampling. The seeded default `ModelConfig` ({first["model"]}), kernels' torch
-reference on CPU; median milliseconds per step.{extremes_sentence}
-
-{table(["block size", *(f"batch {n} (ms)" for n in batches)], body)}
-"""
-
-
 def latency_section(run: Run) -> str:
-    """:func:`attention_part` and :func:`engine_part` under one heading, with their figure."""
-    parts = [part for part in (attention_part(run), engine_part(run)) if part]
-    if not parts:
+    """:func:`attention_part` under its heading, with its figure."""
+    part = attention_part(run)
+    if not part:
         return ""
     return (
         "### Decode latency by block size\n\n"
-        + "\n".join(parts)
+        + part
         + "\n![decode latency](figures/decode_latency.png)\n"
     )

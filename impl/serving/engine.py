@@ -8,11 +8,12 @@ tables; there is no ``past_key_values``. One :meth:`PagedAttentionEngine.step`:
    their cached tokens) and preempting by recompute when memory runs out;
 2. **copy-on-write**: the copy pairs the growth produced are applied with
    ``kernels.copy_blocks``, before anything is written;
-3. **block tables -> slot mapping**: the batch's tables go to ``kernels.slot_mapping``, which
-   gives every new token its physical slot;
-4. **store_kv -> attention**: every layer writes the new K/V at those slots
-   (``kernels.store_kv``) and attends through the tables (``kernels.paged_decode_attention`` for
-   decodes, a gather plus causal attention for prompts);
+3. **block tables -> slot mapping**: the batch's tables go to ``PagedKVCache.step``, which
+   validates them once, on the host, and gives every new token its physical slot
+   (``kernels.slot_mapping``);
+4. **store -> attention**: every layer writes the new K/V at those slots and attends through
+   the tables in one call for the whole mixed step (``pagedkv.impl.serving.paged_kv``), reading
+   no value on the host;
 5. **sample**: the logits of each sequence whose known tokens are now all computed give its next
    token (greedy or seeded sampling; ``n`` tokens fork a parallel-sampling request);
 6. **free**: finished sequences free their blocks at once; full blocks are registered with the
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 from collections import abc
 from dataclasses import dataclass, field, replace
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -374,33 +376,38 @@ class PagedAttentionEngine:
         )
         hidden = self.model(input_ids, step.positions, step)
         sampling = [i for i, item in enumerate(items) if item.samples]
-        ends = torch.tensor([item.num_tokens for item in items]).cumsum(0).tolist()
+        ends = list(accumulate(item.num_tokens for item in items))
         # A drafted sequence's logits at its last 1 + k positions; every other one's at its last.
         lengths = [1 + len(drafts.get(items[i].seq.seq_id, ())) for i in sampling]
         picked = [range(ends[i] - n, ends[i]) for i, n in zip(sampling, lengths, strict=True)]
         index = torch.tensor([p for span in picked for p in span], dtype=torch.int64, device=device)
         logits = self.model.compute_logits(hidden[index]).float().cpu()
+        # Every row's greedy token at once: what sample_token gives at temperature 0.
+        argmax = logits.argmax(dim=-1).tolist()
         sampled: dict[int, list[int]] = {}
         rows: dict[int, torch.Tensor] = {}
         advanced: list[tuple[torch.Generator, torch.Tensor]] = []
         try:
-            for group, i in zip(logits.split(lengths), sampling, strict=True):
+            offsets = list(accumulate(lengths, initial=0))[:-1]
+            for group, i, offset in zip(logits.split(lengths), sampling, offsets, strict=True):
                 seq = items[i].seq
                 guess = drafts.get(seq.seq_id)
                 if guess:  # greedy: the drafts greedy decoding agrees with, then its next token
-                    greedy = [sample_token(row) for row in group]
+                    greedy = argmax[offset : offset + len(group)]
                     kept = accepted_drafts(guess, greedy, seq.eos_token_id)
                     sampled[seq.seq_id] = [greedy[kept]]
                     rows[seq.seq_id] = group[: kept + 1]
                     continue
-                row = group[0]
                 request = self._requests[seq.request_id]
+                if not request.temperature:
+                    sampled[seq.seq_id] = [argmax[offset]] * seq.num_samples
+                    rows[seq.seq_id] = group
+                    continue
                 tokens = []
                 for j in range(seq.num_samples):
                     generator = request.generators[seq.sample_index + j]
-                    if request.temperature:
-                        advanced.append((generator, generator.get_state()))
-                    tokens.append(sample_token(row, request.temperature, generator))
+                    advanced.append((generator, generator.get_state()))
+                    tokens.append(sample_token(group[0], request.temperature, generator))
                 sampled[seq.seq_id] = tokens
                 rows[seq.seq_id] = group
         except BaseException:

@@ -3,14 +3,25 @@
 :class:`PagedKVCache` owns one K and one V tensor per layer, each ``[num_blocks, block_size,
 num_kv_heads, head_dim]`` (the layout of ``kernels``). For one engine step,
 :meth:`PagedKVCache.step` returns a :class:`PagedStep`, the model's :class:`KVAttention` for that
-step. Per layer it writes the step's new K/V with ``kernels.store_kv`` at the step's slot
-mapping, then attends with one ``kernels.paged_prefill_attention`` call over the whole step:
-decodes (one new token), prompts, prompt chunks over a cached prefix and preempted sequences
-being recomputed are all variable-length query chunks of one batch, each reading its whole
-context, cached prefix included, through its block table; with a sliding window (the layer's
-``window``), only the part of it in the window, so the table entries of blocks wholly before
-the window of a sequence's first query in the step are never read and may name released
-blocks.
+step. Per layer it writes the step's new K/V at the step's slot mapping, then attends over
+the whole step at once: decodes (one new token), prompts, prompt
+chunks over a cached prefix and preempted sequences being recomputed are all variable-length
+query chunks of one batch, each reading its whole context, cached prefix included, through its
+block table; with the model's sliding window, only the part of it in the window, so the table
+entries of blocks wholly before the window of a sequence's first query in the step are never
+read and may name released blocks. On the triton backend the layer calls ``kernels.store_kv``
+and ``kernels.paged_prefill_attention``; on the reference backend, their CPU fast path
+``kernels.sdpa`` (one plan per step; per layer two ``index_copy_``, two row gathers and one
+SDPA call).
+
+Everything a step's layers need is made once, in :meth:`PagedKVCache.step`, before the first
+layer runs: the step's tables, lengths, positions and slots are validated there, on the host,
+where they are made (``kernels.validation``), and the layers call the kernels with
+``validate=False``. The device copy of the tables is a persistent buffer
+(:class:`DeviceBlockTables`) into which only the rows that changed since the previous step are
+uploaded, from pinned host memory when the device is CUDA; the slot mapping is computed on the
+device. So no layer reads a tensor's value on the host: on a GPU, the layer loop never waits for
+the device.
 
 Every K/V row a query reads comes out of the cache through the block table; nothing
 is kept on the side. The caches start as NaN, so reading a slot no token was written to poisons
@@ -20,12 +31,59 @@ the output instead of passing unnoticed.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from pagedkv import kernels
 from pagedkv.impl.serving.model import ModelConfig
+from pagedkv.kernels import sdpa
+from pagedkv.kernels.validation import (
+    check_context_values,
+    check_cu_seqlens_values,
+    check_slot_values,
+    window_starts,
+)
+
+
+class DeviceBlockTables:
+    """A persistent ``[rows, max_blocks]`` int32 block-table buffer on ``device``.
+
+    :meth:`update` makes its first ``batch`` rows equal a step's host tables by uploading only
+    the rows that differ from what the buffer holds (a host-side comparison with its host
+    mirror), staged in pinned memory when the device is CUDA. ``num_uploaded_rows`` counts the
+    rows uploaded so far.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pinned = device.type == "cuda"
+        self._host = torch.empty(0, 0, dtype=torch.int32)  # what the buffer holds
+        self._buffer = torch.empty(0, 0, dtype=torch.int32, device=device)
+        self.num_uploaded_rows = 0
+
+    def update(self, tables: torch.Tensor) -> torch.Tensor:
+        """The device tables for host ``tables`` (int32 ``[batch, max_blocks]``, CPU): a view of
+        the buffer's first ``batch`` rows, which equal ``tables`` once the upload is done (in
+        stream order: kernels queued after it see it)."""
+        batch, width = tables.shape
+        if width != self._host.shape[1] or batch > self._host.shape[0]:
+            rows = max(batch, self._host.shape[0])
+            self._host = torch.full((rows, width), -1, dtype=torch.int32)
+            self._buffer = torch.full((rows, width), -1, dtype=torch.int32, device=self.device)
+        changed = (self._host[:batch] != tables).any(dim=1).nonzero().view(-1)
+        if changed.numel():
+            rows = tables.index_select(0, changed)
+            self._host[changed] = rows
+            if self._pinned:  # torch's pinned allocator keeps them until the copies are done
+                rows, changed = rows.pin_memory(), changed.pin_memory()
+            self._buffer.index_copy_(
+                0,
+                changed.to(self.device, non_blocking=True),
+                rows.to(self.device, non_blocking=True),
+            )
+            self.num_uploaded_rows += changed.numel()
+        return self._buffer[:batch]
 
 
 class PagedKVCache:
@@ -45,9 +103,14 @@ class PagedKVCache:
         layers = range(config.num_layers)
         self.k = [torch.full(shape, torch.nan, dtype=dtype, device=device) for _ in layers]
         self.v = [torch.full(shape, torch.nan, dtype=dtype, device=device) for _ in layers]
+        self.num_blocks = num_blocks
         self.block_size = block_size
+        self.group = config.num_heads // config.num_kv_heads
+        self.window = config.sliding_window
         self.scale = config.head_dim**-0.5
         self.backend = backend
+        self.device = self.k[0].device
+        self.tables = DeviceBlockTables(self.device)
 
     def copy_blocks(self, pairs: torch.Tensor) -> None:
         """Copy-on-write: copy block ``src`` over ``dst`` for each ``(src, dst)`` row, every layer,
@@ -64,29 +127,58 @@ class PagedKVCache:
     ) -> PagedStep:
         """The attention of one step over a batch of sequences.
 
-        Sequence ``b`` (row ``b`` of ``block_tables``, int32 ``[B, max_blocks]``) contributes
-        ``query_lens[b]`` consecutive tokens to the flat step, in batch order: its positions
-        ``context_lens[b] - query_lens[b] .. context_lens[b] - 1``. Its table must already hold
-        ``context_lens[b]`` tokens. The slots come from ``kernels.slot_mapping``.
+        Sequence ``b`` (row ``b`` of ``block_tables``, int32 ``[B, max_blocks]`` on the host)
+        contributes ``query_lens[b]`` consecutive tokens to the flat step, in batch order: its
+        positions ``context_lens[b] - query_lens[b] .. context_lens[b] - 1``. Its table must
+        already hold ``context_lens[b]`` tokens. Everything is checked here, before any layer
+        runs (``IndexError``/``ValueError`` from ``kernels.validation``, naming the bad entry):
+        the lengths, every table entry the step reads (with the model's window, only those in
+        it) and the slots (``kernels.slot_mapping``: every position inside its table, no slot
+        written twice).
         """
-        device = self.k[0].device
-        block_tables = block_tables.to(device)
-        lens = torch.tensor(query_lens, dtype=torch.int64, device=device)
-        contexts = torch.tensor(context_lens, dtype=torch.int64, device=device)
-        rows = torch.repeat_interleave(torch.arange(len(query_lens), device=device), lens)
-        ends = torch.cumsum(lens, 0)  # one past each sequence's last flat token
-        positions = torch.arange(rows.numel(), device=device) - ends[rows] + contexts[rows]
-        slots = kernels.slot_mapping(
-            block_tables, positions, self.block_size, rows, backend=self.backend
-        )
+        if block_tables.device.type != "cpu":
+            raise ValueError(f"block_tables must be on the host, got {block_tables.device}")
+        num_queries = torch.tensor(query_lens, dtype=torch.int64)
+        contexts = torch.tensor(context_lens, dtype=torch.int64)
+        rows = torch.repeat_interleave(torch.arange(len(query_lens)), num_queries)
+        ends = torch.cumsum(num_queries, 0)  # one past each sequence's last flat token
+        positions = torch.arange(rows.numel()) - ends[rows] + contexts[rows]
         cu_seqlens = torch.cat([ends.new_zeros(1), ends])
-        return PagedStep(self, positions, slots, block_tables, cu_seqlens, contexts)
+        starts = window_starts(contexts, num_queries, self.window)
+        check_cu_seqlens_values(cu_seqlens, contexts, rows.numel())
+        check_context_values(contexts, block_tables, self.block_size, self.num_blocks, starts)
+        host_slots = kernels.slot_mapping(
+            block_tables, positions, self.block_size, rows,
+            num_blocks=self.num_blocks, backend="reference",
+        )  # fmt: skip
+        check_slot_values(host_slots, self.num_blocks * self.block_size)
+
+        tables = self.tables.update(block_tables)
+        if self.device.type == "cpu":
+            slots = host_slots
+        else:
+            positions, rows, cu_seqlens, contexts = (
+                tensor.pin_memory().to(self.device, non_blocking=True)
+                for tensor in (positions, rows, cu_seqlens, contexts)
+            )
+            slots = kernels.slot_mapping(
+                tables, positions, self.block_size, rows, backend=self.backend, validate=False
+            )
+        plan = None
+        if kernels.resolve_backend(self.backend, self.device) == "reference":
+            plan = sdpa.plan(
+                tables, query_lens, context_lens, self.block_size, self.group, self.window
+            )
+        return PagedStep(
+            self, positions, slots, tables, cu_seqlens, contexts, max(query_lens), plan
+        )
 
 
 @dataclass(frozen=True)
 class PagedStep:
     """One step's view of a :class:`PagedKVCache`: implements
-    ``pagedkv.impl.serving.model.KVAttention``."""
+    ``pagedkv.impl.serving.model.KVAttention``. Every tensor is on the caches' device and was
+    validated by :meth:`PagedKVCache.step`."""
 
     cache: PagedKVCache
     positions: torch.Tensor  # int64 [T]: each flat token's position in its sequence
@@ -94,8 +186,8 @@ class PagedStep:
     block_tables: torch.Tensor  # int32 [B, max_blocks]
     cu_seqlens_q: torch.Tensor  # int64 [B + 1]: sequence b's flat tokens start at [b]
     context_lens: torch.Tensor  # int64 [B]
-    # The windows whose table entries this step has validated (filled by attend).
-    checked_windows: set[int | None] = field(default_factory=set)
+    max_query_len: int  # the longest query chunk, on the host
+    plan: sdpa.SdpaPlan | None  # the reference backend's attention layout; None on triton
 
     def attend(
         self,
@@ -105,20 +197,25 @@ class PagedStep:
         value: torch.Tensor,
         window: int | None = None,
     ) -> torch.Tensor:
-        """Write the step's K/V for ``layer``, then attend through the block tables, within
-        ``window`` when it is given (``kernels.paged_prefill_attention``'s ``window``). The
-        step's slots, tables and lengths are the same in every layer, so their values are
-        checked only in the first layer that attends with each window (``validate=``): the
-        table entries a window reaches depend on the window."""
-        cache, validate = self.cache, window not in self.checked_windows
+        """Write the step's K/V for ``layer``, then attend through the block tables within the
+        model's sliding window (``ValueError`` for any other ``window``: the step was validated
+        for that one). The kernels run with ``validate=False``: nothing here reads a value on
+        the host."""
+        cache = self.cache
+        if window != cache.window:
+            raise ValueError(
+                f"window must be the model's sliding window ({cache.window}), got {window}"
+            )
         k_cache, v_cache = cache.k[layer], cache.v[layer]
+        if self.plan is not None:
+            sdpa.store(key, value, k_cache, v_cache, self.slot_mapping)
+            return sdpa.attention(self.plan, query, k_cache, v_cache, cache.scale)
         kernels.store_kv(
             key, value, k_cache, v_cache, self.slot_mapping,
-            backend=cache.backend, validate=validate,
+            backend=cache.backend, validate=False,
         )  # fmt: skip
-        out = kernels.paged_prefill_attention(
+        return kernels.paged_prefill_attention(
             query, k_cache, v_cache, self.block_tables, self.cu_seqlens_q, self.context_lens,
-            cache.scale, window=window, backend=cache.backend, validate=validate,
+            cache.scale, window=window, max_query_len=self.max_query_len, backend=cache.backend,
+            validate=False,
         )  # fmt: skip
-        self.checked_windows.add(window)
-        return out
