@@ -241,9 +241,22 @@ class WindowPreemptionMachine(PreemptionMachine):
             self.store.release_outside_window(ids, window, counts)
         else:
             self.store.release_outside_window(ids, window)
+        self.release_in_model(ids, counts, window)
+
+    def release_in_model(self, ids: list[int], counts: list[int], window: int) -> None:
         for seq_id, count in zip(ids, counts, strict=True):
             table, tokens = self.model[seq_id]
             self.model[seq_id] = (self.spec.release_outside_window(table, count, window), tokens)
+
+    @precondition(lambda self: self.model)
+    @rule(window=st.integers(1, 4), decode=st.booleans(), data=st.data())
+    def window_step(self, window: int, decode: bool, data: st.DataObject) -> None:
+        """The scheduler's step under a window: release at every token count, then grow every
+        sequence (preempting from the tail when the pool runs short)."""
+        ids = list(self.model)
+        self.store.release_outside_window(ids, window)
+        self.release_in_model(ids, [len(self.model[s][1]) for s in ids], window)
+        self.grow_or_preempt(data, decode)
 
 
 TestWindowPreemption = WindowPreemptionMachine.TestCase
