@@ -9,13 +9,22 @@ One benchmark per policy, timing the accounting of all the workloads (numpy; abo
 enough for a stable median): groups ``utilization-bs{B}`` (paged at block size ``B``) and
 ``utilization-orca-{max,pow2,oracle}``. ``extra_info`` holds each workload's utilization and
 shares; they are deterministic, and asserted below.
+
+Sliding window (group ``window``, ``kind="window"``): :func:`window_run` serves long generations
+(contexts of 4k to 32k tokens from 1k-token prompts, blocks of 16) through impl's real
+``Scheduler`` and ``BlockTableStore``, bookkeeping only, with Mistral's window of 4096 and with
+full attention, and measures the blocks each sequence holds after every schedule (while its step
+computes) over its whole life, and the pool's peak. ``python -m bench.bench_utilization`` prints
+the table docs/results.md shows.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pytest
 
 from bench.utilization_policies import (
@@ -29,6 +38,10 @@ from bench.utilization_policies import (
     next_power_of_two,
 )
 from bench.workloads import WORKLOADS, Workload, chapter_toy
+from pagedkv.impl.blocks.manager import BlockManager
+from pagedkv.impl.blocks.table_store import BlockTableStore
+from pagedkv.impl.serving.scheduler import Scheduler, SchedulerConfig
+from pagedkv.spec.block_manager import blocks_needed
 from pagedkv.spec.utilization import contiguous_usage, paged_usage
 
 POLICIES: dict[str, Policy] = {
@@ -147,3 +160,134 @@ def test_paged_utilization_falls_with_block_size(workload_name: str) -> None:
     utilization = [breakdown(workload_name, f"paged-bs{b}").utilization for b in PAPER_BLOCK_SIZES]
     assert utilization == sorted(utilization, reverse=True)
     assert utilization[0] == 1.0
+
+
+# ----------------------------------------------------------------- sliding window
+
+WINDOW = 4096  # Mistral 7B's sliding_window
+WINDOW_BLOCK_SIZE = 16
+WINDOW_PROMPT_LEN = 1024
+WINDOW_CONTEXTS = (4096, 8192, 16384, 32768)  # prompt plus output, one request each
+
+
+@dataclass(frozen=True)
+class HeldOverLife:
+    """The blocks one sequence held after every schedule of its life (its table's entries less
+    the released ones): the most, and the mean over those steps."""
+
+    context: int  # prompt plus output tokens
+    max_blocks: int
+    mean_blocks: float
+
+
+@dataclass(frozen=True)
+class WindowRun:
+    """One :func:`window_run`: each sequence's blocks over its life, the most blocks the pool
+    had in use after a schedule, and the steps."""
+
+    window: int | None
+    sequences: tuple[HeldOverLife, ...]
+    peak_pool_blocks: int
+    steps: int
+
+
+def window_run(
+    window: int | None,
+    contexts: tuple[int, ...] = WINDOW_CONTEXTS,
+    prompt_len: int = WINDOW_PROMPT_LEN,
+    block_size: int = WINDOW_BLOCK_SIZE,
+) -> WindowRun:
+    """Serve one request per context length (``prompt_len`` prompt tokens, the rest generated,
+    no EOS) with impl's ``Scheduler`` (``sliding_window=window``) over a ``BlockTableStore``
+    whose pool holds every sequence whole, so nothing is preempted and both runs do the same
+    steps. After every ``schedule()`` (the memory while the step computes) it records the blocks
+    each running sequence holds."""
+    pool = sum(blocks_needed(context, block_size) for context in contexts)
+    store = BlockTableStore(
+        BlockManager(pool, block_size), len(contexts), blocks_needed(max(contexts), block_size)
+    )
+    scheduler = Scheduler(store, SchedulerConfig(len(contexts), 2048, 0, window))
+    for request_id, context in enumerate(contexts):
+        scheduler.add_request(request_id, [1] * prompt_len, context - prompt_len + 1)
+    most = np.zeros(len(contexts), dtype=np.int64)
+    total = np.zeros(len(contexts), dtype=np.int64)
+    steps = np.zeros(len(contexts), dtype=np.int64)
+    peak = 0
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule()
+        rows = store.resolve(None).rows
+        held = (store.num_blocks[rows] - store.num_released[rows]).astype(np.int64)
+        seqs = np.array(store.seq_ids, dtype=np.intp)  # the request ids: one sequence each
+        np.maximum.at(most, seqs, held)
+        np.add.at(total, seqs, held)
+        np.add.at(steps, seqs, 1)
+        peak = max(peak, store.total_blocks - store.num_free_blocks)
+        scheduler.update(plan, {item.seq.seq_id: [1] for item in plan.scheduled if item.samples})
+    life = tuple(
+        HeldOverLife(context, int(m), float(t / n))
+        for context, m, t, n in zip(contexts, most, total, steps, strict=True)
+    )
+    return WindowRun(window, life, peak, int(steps.max()))
+
+
+def test_sliding_window_bounds_blocks_held(benchmark: Any) -> None:
+    """The figures docs/results.md quotes. With the window every sequence holds at most the
+    window's 256 blocks plus one (the scheduler releases before it grows;
+    ``blocks_needed(window - 1, 16) + 1 = 257``); with full attention it holds its whole
+    context. The pool's peak falls from the 32k sequence's 2048 blocks to 1024 (the four
+    sequences' windows); the 32k sequence's mean falls below a quarter of its full-attention
+    mean; the 4k sequence, never longer than the window, is unchanged. Timing: the bookkeeping
+    of both runs."""
+    benchmark.group = "window"
+    window, full = benchmark.pedantic(lambda: (window_run(WINDOW), window_run(None)), rounds=1)
+    bs = WINDOW_BLOCK_SIZE
+    for windowed, whole in zip(window.sequences, full.sequences, strict=True):
+        assert whole.max_blocks == blocks_needed(whole.context, bs)
+        assert windowed.max_blocks == min(
+            blocks_needed(windowed.context, bs), blocks_needed(WINDOW - 1, bs) + 1
+        )
+    assert (full.peak_pool_blocks, window.peak_pool_blocks) == (2048, 1024)
+    assert full.steps == window.steps
+    assert window.sequences[0] == full.sequences[0]
+    assert window.sequences[-1].mean_blocks < full.sequences[-1].mean_blocks / 4
+    benchmark.extra_info.update(
+        kind="window",
+        window=WINDOW,
+        block_size=bs,
+        prompt_len=WINDOW_PROMPT_LEN,
+        contexts=list(WINDOW_CONTEXTS),
+        **{
+            f"{name}_{field}": value
+            for name, run in (("window", window), ("full", full))
+            for field, value in (
+                ("max_blocks", [seq.max_blocks for seq in run.sequences]),
+                ("mean_blocks", [round(seq.mean_blocks, 1) for seq in run.sequences]),
+                ("peak_pool_blocks", run.peak_pool_blocks),
+                ("steps", run.steps),
+            )
+        },
+    )
+
+
+def window_table() -> str:
+    """The markdown table of both runs, as docs/results.md shows it."""
+    full, window = window_run(None), window_run(WINDOW)
+    lines = [
+        f"| context (tokens) | full attention: max / mean blocks | window {WINDOW}: max / mean "
+        "blocks |",
+        "|---|---|---|",
+    ]
+    for a, b in zip(full.sequences, window.sequences, strict=True):
+        lines.append(
+            f"| {a.context} | {a.max_blocks} / {a.mean_blocks:.1f} | "
+            f"{b.max_blocks} / {b.mean_blocks:.1f} |"
+        )
+    lines.append(
+        f"| pool peak (blocks in use) | {full.peak_pool_blocks} | {window.peak_pool_blocks} |"
+    )
+    lines.append(f"| steps | {full.steps} | {window.steps} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(window_table())

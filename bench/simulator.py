@@ -198,6 +198,14 @@ class ContiguousStore:
     ) -> int:
         return 0
 
+    def release_outside_window(
+        self,
+        seq_ids: Sequence[int] | None,
+        window: int,
+        token_counts: int | Sequence[int] | None = None,
+    ) -> None:
+        """A contiguous region is given back only whole, at ``remove``: releases nothing."""
+
 
 Store = BlockTableStore | ContiguousStore
 FloatArray = NDArray[np.float64]

@@ -3,12 +3,14 @@
 The model is a ``spec.BlockManager`` plus each sequence's table and token count. Every batch
 operation of the store must equal the spec's per-sequence calls in batch order: ``add`` is
 ``allocate``, ``fork`` is ``fork``, ``remove`` is ``free``, ``grow`` is ``append_slot`` with
-``OutOfBlocksError`` caught (those ids are returned), ``truncate`` is ``truncate``, and the
-step's copy-on-write pairs are the spec's. Every ``slot_mapping`` entry is the spec's
-``translate_slot``; the FlashInfer CSR and FlashAttention exports round-trip to the same tables
-and counts. Bad input raises the documented
-error and changes nothing. After every step the table array (including its ``-1`` padding and
-the rows no sequence holds), the free queue and every reference count agree with the model.
+``OutOfBlocksError`` caught (those ids are returned), ``truncate`` is ``truncate``,
+``release_outside_window`` is ``release_outside_window`` (a sliding window: released entries are
+the spec's ``None`` and the store's ``-1``; a write into one, or its slot, is refused with the
+spec's ``BlockTableError``), and the step's copy-on-write pairs are the spec's. Every
+``slot_mapping`` entry is the spec's ``translate_slot``; the FlashInfer CSR and FlashAttention
+exports round-trip to the same tables and counts. Bad input raises the documented error and
+changes nothing. After every step the table array (including its ``-1`` padding and the rows no
+sequence holds), the free queue and every reference count agree with the model.
 
 ``STORE`` and ``PAGE_TABLES`` are class attributes so that ``test_impl_planted_bugs`` can swap in
 broken copies.
@@ -20,15 +22,21 @@ import copy
 from typing import Any, ClassVar
 
 import numpy as np
+from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import pagedkv.spec.block_manager as spec_bm
 from pagedkv.impl.blocks import page_tables
 from pagedkv.impl.blocks.manager import BlockManager
-from pagedkv.impl.blocks.table_store import BlockTableStore, CapacityError, SeqBatch
+from pagedkv.impl.blocks.table_store import PAD, BlockTableStore, CapacityError, SeqBatch
 
 SEQ_IDS = st.integers(0, 11)
+
+
+def padded_table(table: list[int | None]) -> list[int]:
+    """A spec table as the store's arrays hold it: a released entry (None) is ``PAD``."""
+    return [PAD if block is None else block for block in table]
 
 
 class StoreMachine(RuleBasedStateMachine):
@@ -47,7 +55,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.spec = spec_bm.BlockManager(total_blocks, block_size)
         self.store = self.STORE(BlockManager(total_blocks, block_size), max_seqs, max_blocks)
         self.block_size, self.max_seqs, self.max_blocks = block_size, max_seqs, max_blocks
-        self.seqs: dict[int, tuple[list[int], int]] = {}  # seq id -> (table, token count)
+        # seq id -> (table, token count); a table's released entries are None, as in the spec
+        self.seqs: dict[int, tuple[list[int | None], int]] = {}
         self.batches: list[SeqBatch] = []
 
     # ----------------------------------------------------------------- helpers
@@ -197,6 +206,10 @@ class StoreMachine(RuleBasedStateMachine):
                 seqs[seq_id] = (trial.append_slot(table, count + k, new_tokens=k), count + k)
             except spec_bm.OutOfBlocksError:
                 failed.append(seq_id)
+            except spec_bm.BlockTableError:  # a write into a released entry: the whole batch
+                event("grow: a write into a released entry refused")
+                self.expect_error(spec_bm.BlockTableError, self.store.grow, batch, argument)
+                return
         atomic = data.draw(st.booleans(), label="atomic")
         assert self.store.grow(batch, argument, atomic=atomic) == failed
         if atomic and failed:
@@ -296,11 +309,17 @@ class StoreMachine(RuleBasedStateMachine):
         """Any ``k <= count`` tokens per sequence (a prefill is ``k == count``)."""
         ids = self.some_live(data)
         counts = [data.draw(st.integers(0, self.seqs[s][1])) for s in ids]
-        expected = [
-            self.spec.translate_slot(self.seqs[s][0], position)
-            for s, k in zip(ids, counts, strict=True)
-            for position in range(self.seqs[s][1] - k, self.seqs[s][1])
-        ]
+        try:
+            expected = [
+                self.spec.translate_slot(self.seqs[s][0], position)
+                for s, k in zip(ids, counts, strict=True)
+                for position in range(self.seqs[s][1] - k, self.seqs[s][1])
+            ]
+        except spec_bm.BlockTableError:  # a position in a released entry
+            event("slot_mapping: a released position refused")
+            batch = self.as_batch(data, ids)
+            self.expect_error(spec_bm.BlockTableError, self.store.slot_mapping, batch, counts)
+            return
         assert self.store.slot_mapping(self.as_batch(data, ids), counts).tolist() == expected
 
     @precondition(lambda self: self.seqs)
@@ -314,7 +333,7 @@ class StoreMachine(RuleBasedStateMachine):
             batch = self.as_batch(data, ids)
         tables = [self.seqs[s][0] for s in ids]
         counts = [self.seqs[s][1] for s in ids]
-        padded = [t + [-1] * (self.max_blocks - len(t)) for t in tables]
+        padded = [padded_table(t) + [PAD] * (self.max_blocks - len(t)) for t in tables]
         layouts = self.PAGE_TABLES
         block_tables = layouts.block_tables(self.store, batch)
         assert block_tables.dtype == np.int32
@@ -328,7 +347,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert indptr.tolist()[0] == 0 and len(indptr) == len(ids) + 1
         for i, (table, count) in enumerate(zip(tables, counts, strict=True)):
             pages = indices[indptr[i] : indptr[i + 1]].tolist()
-            assert pages == table  # the CSR round-trips to the spec's table
+            assert pages == padded_table(table)  # the CSR round-trips to the spec's table
             tokens = (len(pages) - 1) * self.block_size + int(last_page_len[i]) if pages else 0
             assert pages or int(last_page_len[i]) == 0  # no page: its last page holds nothing
             assert tokens == count
@@ -351,6 +370,9 @@ class StoreMachine(RuleBasedStateMachine):
         def truncate(seqs: Any, token_counts: Any = 0) -> object:
             return store.truncate(seqs, token_counts)
 
+        def release(seqs: Any) -> object:
+            return store.release_outside_window(seqs, 1)
+
         call = data.draw(
             st.sampled_from(
                 [
@@ -361,6 +383,7 @@ class StoreMachine(RuleBasedStateMachine):
                     flashinfer_page_table,
                     store.batch,
                     truncate,
+                    release,
                 ]
             )
         )
@@ -412,7 +435,8 @@ class StoreMachine(RuleBasedStateMachine):
             assert store.table(seq_id) == table
             assert store.token_count(seq_id) == count
             assert len(table) == spec_bm.blocks_needed(count, self.block_size)
-            expected_rows[store.row(seq_id), : len(table)] = table
+            expected_rows[store.row(seq_id), : len(table)] = padded_table(table)
+            assert store.num_released[store.row(seq_id)] == spec_bm.leading_released(table)
         assert store.tables.tolist() == expected_rows.tolist()  # padding and free rows are -1
         held = {store.row(s) for s in self.seqs}
         for row in range(self.max_seqs):
@@ -427,6 +451,88 @@ class StoreMachine(RuleBasedStateMachine):
 
 
 TestBlockTableStore = StoreMachine.TestCase
+
+
+class WindowStoreMachine(StoreMachine):
+    """``StoreMachine`` with sliding-window releases among its steps.
+
+    A subclass, so the searches that find the planted bugs of the base machine (and of the
+    prefix store machine built on it) stay as they were; the base machine's rules already
+    handle released entries (writes into them and their slots refused as by the spec).
+    """
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def release_outside_window(self, data: st.DataObject) -> None:
+        """Sliding window: some sequences, in any order, release the blocks no query from
+        their next position on reads: at their token counts (the default), or at drawn
+        positions up to their tables' capacity (one for all, or one each); or a refused call."""
+        window = data.draw(st.just(1) | st.integers(1, 3 * self.block_size), label="window")
+        ids = self.some_live(data)
+        capacity = {s: len(self.seqs[s][0]) * self.block_size for s in ids}
+        kind = data.draw(st.sampled_from(["token counts", "one each", "one for all", "bad"]))
+        if kind == "token counts":
+            counts, argument = [self.seqs[s][1] for s in ids], None
+        elif kind == "one each" or not ids:
+            counts = [  # the capacity itself often: it can release a partly filled last block
+                data.draw(st.just(capacity[s]) | st.integers(0, capacity[s]), label="count")
+                for s in ids
+            ]
+            argument = data.draw(st.sampled_from([counts, np.array(counts, dtype=np.int64)]))
+        elif kind == "one for all":
+            argument = data.draw(st.integers(0, min(capacity.values())), label="count")
+            counts = [argument] * len(ids)
+        else:
+            bad = data.draw(st.sampled_from(["window 0", "window 1.0", "count -1", "over", "1.0"]))
+            batch, count = self.as_batch(data, ids), self.seqs[ids[0]][1]
+            if bad.startswith("window"):
+                self.expect_error(
+                    ValueError if bad == "window 0" else TypeError,
+                    self.store.release_outside_window, batch, 0 if bad == "window 0" else 1.0,
+                )  # fmt: skip
+            elif bad == "count -1":
+                self.expect_error(ValueError, self.store.release_outside_window, batch, 1, -1)
+            elif bad == "over":
+                over = [count] * (len(ids) - 1) + [capacity[ids[-1]] + 1]
+                self.expect_error(ValueError, self.store.release_outside_window, batch, 1, over)
+            else:
+                self.expect_error(
+                    TypeError, self.store.release_outside_window, batch, 1, [1.0] * len(ids)
+                )
+            return
+        released_before = sum(b is None for s in ids for b in self.seqs[s][0])
+        self.store.release_outside_window(self.as_batch(data, ids), window, argument)
+        for seq_id, count in zip(ids, counts, strict=True):
+            table, held = self.seqs[seq_id]
+            self.seqs[seq_id] = (self.spec.release_outside_window(table, count, window), held)
+        released = sum(b is None for s in ids for b in self.seqs[s][0]) - released_before
+        event("window: released blocks" if released else "window: nothing to release")
+
+    @precondition(lambda self: any(count % self.block_size for _, count in self.seqs.values()))
+    @rule(data=st.data())
+    def release_a_partly_filled_last_block_then_decode(self, data: st.DataObject) -> None:
+        """A release at a table's capacity with a window of 1 gives back even its partly
+        filled last block; the next write there is refused, on the decode path too."""
+        partial = sorted(s for s, (_, count) in self.seqs.items() if count % self.block_size)
+        seq_id = data.draw(st.sampled_from(partial), label="sequence")
+        table, count = self.seqs[seq_id]
+        self.store.release_outside_window([seq_id], 1, len(table) * self.block_size)
+        released = self.spec.release_outside_window(table, len(table) * self.block_size, 1)
+        self.seqs[seq_id] = (released, count)
+        ids = data.draw(st.permutations(sorted(self.seqs)), label="order")
+        self.check_grow(data, ids, [1] * len(ids), 1)
+
+    @precondition(lambda self: any(None in table for table, _ in self.seqs.values()))
+    @rule(data=st.data())
+    def finish_a_windowed_sequence(self, data: st.DataObject) -> None:
+        """A sequence with released entries finishes alone (``remove``'s one-row path)."""
+        windowed = sorted(s for s, (table, _) in self.seqs.items() if None in table)
+        seq_id = data.draw(st.sampled_from(windowed), label="sequence")
+        self.store.remove([seq_id])
+        self.spec.free(self.seqs.pop(seq_id)[0])
+
+
+TestWindowStore = WindowStoreMachine.TestCase
 
 
 def test_stale_batch_is_resolved_again() -> None:

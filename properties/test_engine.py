@@ -7,22 +7,34 @@ block sizes 1..256, prefix caching on and off, pools tight enough to preempt, ch
 parallel sampling, staggered arrivals, an EOS token the model emits. Greedy samples must equal
 the oracle token for token and sampled ones must have the oracle's logits for their own tokens,
 within ``LOGIT_ATOL``/``LOGIT_RTOL``. After the run every block is free and no request is lost.
+
+With a sliding-window model the engine really releases the blocks outside the window: on fixed
+workloads (prefix hits, forked samples, preemption, chunked prompts, speculative decoding) the
+outputs still equal the windowed dense oracle's, and after every step each running sequence's
+released entries are -1 in the store's tables, exactly ``blocks_outside_window`` of its
+computed tokens, and it holds at most ``blocks_needed(window - 1, block_size) + 2`` blocks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Iterator, Sequence
 
 import pytest
 from hypothesis import given, settings
 
+from pagedkv.impl.serving.dense import dense_generate
 from pagedkv.impl.serving.engine import PagedAttentionEngine, main
+from pagedkv.impl.serving.model import CausalLM
 from pagedkv.impl.serving.paged_kv import PagedKVCache
-from pagedkv.impl.serving.scheduler import RequestTooLargeError
+from pagedkv.impl.serving.scheduler import RequestTooLargeError, SchedulerOutput
+from pagedkv.spec.block_manager import blocks_needed, blocks_outside_window
 from properties.engine_cases import (
+    CONFIG,
     MODEL,
     Request,
     Workload,
+    assert_logits_close,
     check_against_oracle,
     check_all_freed,
     one_thread,
@@ -163,3 +175,128 @@ def test_demo_runs(capsys: pytest.CaptureFixture[str]) -> None:
     main(["--requests", "4", "--max-new-tokens", "6"])
     out = capsys.readouterr().out
     assert "step    0 |" in out and "preemptions" in out
+
+
+# ----------------------------------------------------------------------- sliding window
+
+WINDOW = 6
+WINDOW_MODEL = CausalLM.from_seed(dataclasses.replace(CONFIG, sliding_window=WINDOW), seed=0)
+
+
+def check_window_bound(engine: PagedAttentionEngine, window: int) -> int:
+    """Right after a step's schedule: every running sequence released exactly the blocks
+    outside the window of its next query, they are -1 in the store's tables, and a decoding
+    one holds at most the window's blocks plus one for the token it is about to write; return
+    the number of released entries."""
+    store, bs = engine.store, engine.store.block_size
+    released_total = 0
+    for seq in engine.scheduler.running:
+        row = store.row(seq.seq_id)
+        released = int(store.num_released[row])
+        assert released == blocks_outside_window(seq.num_computed, window, bs)
+        assert (store.tables[row, :released] == -1).all()
+        assert None not in store.table(seq.seq_id)[released:]
+        held = int(store.num_blocks[row]) - released
+        if seq.num_pending == 1:  # decoding: the table holds the token about to be computed
+            assert held <= blocks_needed(window - 1, bs) + 2, (seq.seq_id, held)
+        released_total += released
+    return released_total
+
+
+def watch_window(engine: PagedAttentionEngine, window: int) -> list[int]:
+    """Check :func:`check_window_bound` after every schedule of ``engine`` from now on; the
+    returned list gets each step's released entries."""
+    schedule = engine.scheduler.schedule
+    released: list[int] = []
+
+    def checked_schedule() -> SchedulerOutput:
+        plan = schedule()
+        released.append(check_window_bound(engine, window))
+        return plan
+
+    engine.scheduler.schedule = checked_schedule  # type: ignore[method-assign]
+    return released
+
+
+def play_windowed(
+    requests: Sequence[tuple[list[int], int, int, float]], **engine_kwargs: object
+) -> tuple[PagedAttentionEngine, list[list[list[int]]], list[list[object]], int]:
+    """Serve ``(prompt, max_new_tokens, n, temperature)`` requests on the windowed model, all
+    added at once, checking the window bound after every step. Returns the engine, each
+    request's samples and their logits, and the most entries released at once."""
+    engine = PagedAttentionEngine(WINDOW_MODEL, keep_logits=True, **engine_kwargs)  # type: ignore[arg-type]
+    released = watch_window(engine, WINDOW)
+    ids = [engine.add_request(prompt, new, n=n, temperature=t) for prompt, new, n, t in requests]
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step().finished:
+            finished[out.request_id] = out
+    outs = [finished[request_id] for request_id in ids]
+    return engine, [o.outputs for o in outs], [o.logits for o in outs], max(released)
+
+
+WINDOW_SYSTEM = list(range(60, 71))  # 11 tokens: hits on the first blocks of later prompts
+WINDOW_REQUESTS = [
+    ([*WINDOW_SYSTEM, 3, 4], 14, 2, 1.0),
+    ([*WINDOW_SYSTEM, 5], 16, 1, 0.0),
+    ([*WINDOW_SYSTEM, 7, 8, 9], 12, 2, 0.0),
+    ([20, 21, 22], 15, 1, 1.0),
+]
+
+
+@pytest.mark.parametrize(
+    ("block_size", "total_blocks", "budget"),
+    [(2, 22, 8), (4, 10, 5), (1, 40, 12)],
+    ids=["bs2-tight", "bs4-chunked", "bs1"],
+)
+def test_sliding_window_releases_blocks_and_matches_dense(
+    block_size: int, total_blocks: int, budget: int
+) -> None:
+    """The windowed model through the engine with prefix caching, forks, a tight pool and
+    chunked prompts: the dense oracle's tokens (greedy) and logits (greedy and sampled), blocks
+    really released during generation, and everything freed at the end."""
+    engine, outputs, logits, most_released = play_windowed(
+        WINDOW_REQUESTS, total_blocks=total_blocks, block_size=block_size,
+        max_num_seqs=6, max_num_batched_tokens=budget, enable_prefix_caching=True,
+    )  # fmt: skip
+    metrics = engine.metrics
+    assert sum(m.prefix_hit_tokens for m in metrics) > 0
+    assert most_released > 0
+    if block_size == 2:
+        assert sum(m.preemptions for m in metrics) > 0
+    for (prompt, new, n, temperature), samples, rows in zip(
+        WINDOW_REQUESTS, outputs, logits, strict=True
+    ):
+        assert len(samples) == n
+        oracle = dense_generate(WINDOW_MODEL, prompt, new)
+        for tokens, row in zip(samples, rows, strict=True):
+            if temperature == 0.0:
+                assert tokens == oracle.tokens, f"{prompt}: paged {tokens} != {oracle.tokens}"
+            forced = dense_generate(WINDOW_MODEL, prompt, 0, forced=tokens)
+            assert_logits_close(row, forced.logits, f"prompt {prompt}")  # type: ignore[arg-type]
+    check_all_freed(engine)
+
+
+def test_sliding_window_with_speculative_decoding() -> None:
+    """Drafts that are partly right: the rollback truncates the rejected ones, and the window
+    releases only blocks before the committed tokens' window, so the output is the oracle's."""
+    greedy = [(prompt, new, 1, 0.0) for prompt, new, _, _ in WINDOW_REQUESTS]
+    oracles = {tuple(p): dense_generate(WINDOW_MODEL, p, new).tokens for p, new, _, _ in greedy}
+
+    def drafts(tokens: list[int], k: int) -> list[int]:
+        for prompt, future in oracles.items():
+            if tuple(tokens[: len(prompt)]) == prompt:
+                done = len(tokens) - len(prompt)
+                right = future[done : done + k]
+                return right[:1] + [(t + 1) % CONFIG.vocab_size for t in right[1:]]
+        raise AssertionError("an unknown sequence")
+
+    engine, outputs, _, most_released = play_windowed(
+        greedy, total_blocks=24, block_size=2, max_num_seqs=4, max_num_batched_tokens=16,
+        enable_prefix_caching=True, draft_source=drafts, num_speculative_tokens=3,
+    )  # fmt: skip
+    assert most_released > 0 and engine.num_accepted_tokens > 0
+    assert engine.num_accepted_tokens < engine.num_draft_tokens
+    for (prompt, _, _, _), samples in zip(greedy, outputs, strict=True):
+        assert samples == [oracles[tuple(prompt)]]
+    check_all_freed(engine)

@@ -11,9 +11,12 @@ same tokens within ``LOGIT_ATOL``/``LOGIT_RTOL``. Skipped when ``transformers`` 
 
 Mistral with a sliding window is checked on its own: a seeded ``MistralForCausalLM`` with
 ``sliding_window=8``, saved and loaded from its directory, served by the engine (blocks of 4,
-chunked prefill over cached prefixes) on prompts whose prompt plus output is 3 to 6 windows
-long, must give ``generate``'s greedy tokens and forward logits, as must the dense oracle, under
-both attention implementations of ``transformers`` that honour the window (eager and SDPA).
+chunked prefill over cached prefixes, two forked samples, preemption) on prompts whose prompt
+plus output is 3 to 6 windows long, must give ``generate``'s greedy tokens and forward logits,
+as must the dense oracle, under both attention implementations of ``transformers`` that honour
+the window (eager and SDPA). The engine really releases the blocks outside the window while it
+generates: after every schedule each running sequence's released entries are -1 and a decoding
+one holds at most the window's blocks plus one (``properties.test_engine.watch_window``).
 The check has teeth: the same weights with no window, or a window one token shorter or longer,
 give other tokens than ``transformers`` for some prompt. And the convention itself is read off
 ``transformers``' own mask function.
@@ -34,6 +37,7 @@ from pagedkv.impl.serving.hf_loader import ACCEPTED_MODEL_TYPES, load_hf
 from pagedkv.impl.serving.model import CausalLM
 from properties.engine_cases import assert_logits_close, one_thread
 from properties.hf_cases import hf_greedy, tiny_hf_model
+from properties.test_engine import watch_window
 
 transformers = pytest.importorskip("transformers")
 
@@ -146,21 +150,25 @@ def test_mistral_sliding_window_matches_transformers(
     expected = [hf_greedy(hf_model, prompt, WINDOW_MAX_NEW_TOKENS) for prompt in prompts]
     assert all(len(p) + len(e) >= 3 * WINDOW for p, e in zip(prompts, expected, strict=True))
 
-    # Prompts of up to 26 tokens in chunks of at most 10, over prefix-cache hits; 4 sequences
-    # of up to 13 blocks in 24 blocks, so some are preempted and recomputed.
+    # Prompts of up to 26 tokens in chunks of at most 10, over prefix-cache hits, two forked
+    # greedy samples each; the window keeps a decoding sequence to 4 blocks (of up to 13), and
+    # 8 of them do not fit 16 blocks, so some are preempted and recomputed.
     engine = PagedAttentionEngine(
-        model, total_blocks=24, block_size=4, max_num_seqs=4, max_num_batched_tokens=10,
+        model, total_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=10,
         enable_prefix_caching=True, keep_logits=True,
     )  # fmt: skip
-    outputs = engine.generate(prompts, WINDOW_MAX_NEW_TOKENS)
+    released = watch_window(engine, WINDOW)
+    outputs = engine.generate(prompts, WINDOW_MAX_NEW_TOKENS, n=2)
+    assert max(released) > 0, "no block was released"
     metrics = engine.metrics
     assert sum(m.prefix_hit_tokens for m in metrics) > 0 and sum(m.preemptions for m in metrics)
     for prompt, out, tokens in zip(prompts, outputs, expected, strict=True):
-        assert out.outputs[0] == tokens, f"prompt {prompt}: paged {out.outputs[0]} != hf {tokens}"
-        assert out.logits is not None
         with torch.no_grad():
             forward = hf_model(torch.tensor([prompt + tokens[:-1]])).logits[0]
-        assert_logits_close(out.logits[0], forward[len(prompt) - 1 :], f"prompt {prompt}")
+        assert out.logits is not None
+        for sample, logits in zip(out.outputs, out.logits, strict=True):
+            assert sample == tokens, f"prompt {prompt}: paged {sample} != hf {tokens}"
+            assert_logits_close(logits, forward[len(prompt) - 1 :], f"prompt {prompt}")
         dense = dense_generate(model, prompt, WINDOW_MAX_NEW_TOKENS)
         assert dense.tokens == tokens, f"prompt {prompt}: dense {dense.tokens} != hf {tokens}"
         assert_logits_close(dense.logits, forward[len(prompt) - 1 :], f"dense, prompt {prompt}")

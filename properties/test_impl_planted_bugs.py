@@ -3,9 +3,10 @@
 A mutant is the module's source with one snippet replaced (``properties.mutants``). Bugs in
 ``pagedkv.impl.blocks.free_queue`` and ``pagedkv.impl.blocks.manager`` run against the differential
 machine (spec vs impl in lockstep) or the free-queue machine; bugs in
-``pagedkv.impl.blocks.table_store`` run against the store machine. The control cases load unmodified
-copies the same way and must pass, so a mutant can only fail because of its bug. Settings are
-explicit, so the result does not depend on the Hypothesis profile.
+``pagedkv.impl.blocks.table_store`` run against the store machine, those in its handling of
+sliding-window releases against the store machine with releases among its steps. The control
+cases load unmodified copies the same way and must pass, so a mutant can only fail because of
+its bug. Settings are explicit, so the result does not depend on the Hypothesis profile.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pagedkv.impl.blocks.manager
 import pagedkv.impl.blocks.page_tables
 import pagedkv.impl.blocks.table_store
 from properties.mutants import FIND, load_mutant
-from properties.test_block_table_store import StoreMachine
+from properties.test_block_table_store import StoreMachine, WindowStoreMachine
 from properties.test_impl_differential import DifferentialMachine
 from properties.test_impl_free_queue import FreeQueueMachine
 
@@ -149,6 +150,60 @@ BUGS: dict[str, tuple[types.ModuleType, str, str, str]] = {
         "            positions = counts - 1 + (counts % self.block_size != 0)\n",
         "store",
     ),
+    "the window's outside count is one block too many at the edge": (
+        pagedkv.impl.blocks.table_store,
+        "outside = np.maximum(counts - (window - 1), 0) // self.block_size",
+        "outside = np.maximum(counts - window + 2, 0) // self.block_size",
+        "window store",
+    ),
+    "a window releases each row's blocks head first": (
+        pagedkv.impl.blocks.table_store,
+        "entries = batch._base[owner] + outside[owner] - 1 - within",
+        "entries = batch._base[owner] + before[owner] + within",
+        "window store",
+    ),
+    "a window forgets which entries it released": (
+        pagedkv.impl.blocks.table_store,
+        "        self._num_released[rows] = np.maximum(before, outside)\n",
+        "",
+        "window store",
+    ),
+    "remove of one sequence releases its released entries (PAD, id -1)": (
+        pagedkv.impl.blocks.table_store,
+        "held = self._tables[row, self._num_released[row] : self._num_blocks[row]]",
+        "held = self._tables[row, : self._num_blocks[row]]",
+        "window store",
+    ),
+    "fork shares a released entry (PAD, id -1)": (
+        pagedkv.impl.blocks.table_store,
+        "self.manager.share_blocks(blocks[released:].astype(np.intp))",
+        "self.manager.share_blocks(blocks.astype(np.intp))",
+        "window store",
+    ),
+    "a truncate below the released entries keeps counting them": (
+        pagedkv.impl.blocks.table_store,
+        "            self._num_released[rows] = np.minimum(self._num_released.take(rows), kept)\n",
+        "",
+        "window store",
+    ),
+    "grow writes into a released entry": (
+        pagedkv.impl.blocks.table_store,
+        "into_released = writes_last & (last == PAD)",
+        "into_released = writes_last & False",
+        "window store",
+    ),
+    "a window releasing a partly filled last block leaves the decode fast path open": (
+        pagedkv.impl.blocks.table_store,
+        "        if gone.any():\n            self._flag_tail_shared(rows[gone])\n",
+        "",
+        "window store",
+    ),
+    "slot_mapping maps a position in a released entry": (
+        pagedkv.impl.blocks.table_store,
+        "if entries.size and entries.min() == PAD:",
+        "if False:",
+        "window store",
+    ),
     "FlashInfer last page length is 0 for a full page": (
         pagedkv.impl.blocks.page_tables,
         "counts - (lengths - 1) * store.block_size",
@@ -173,6 +228,8 @@ def machine_with(module: types.ModuleType, old: str, new: str, kind: str) -> typ
         base: type[RuleBasedStateMachine] = FreeQueueMachine
     elif kind == "store":
         attrs, base = {"STORE": mutant.BlockTableStore}, StoreMachine
+    elif kind == "window store":
+        attrs, base = {"STORE": mutant.BlockTableStore}, WindowStoreMachine
     elif kind == "page tables":
         attrs, base = {"PAGE_TABLES": mutant}, StoreMachine
     else:
@@ -202,9 +259,10 @@ def machine_with(module: types.ModuleType, old: str, new: str, kind: str) -> typ
         (pagedkv.impl.blocks.free_queue, "live = window[window != TOMBSTONE]", "queue"),
         (pagedkv.impl.blocks.manager, "self._free.extend(freed[::-1].copy())", "differential"),
         (pagedkv.impl.blocks.table_store, "        self._tables[rows] = PAD\n", "store"),
+        (pagedkv.impl.blocks.table_store, "        self._tables[rows] = PAD\n", "window store"),
         (pagedkv.impl.blocks.page_tables, "def flashinfer_page_table(", "page tables"),
     ],
-    ids=["queue-in-manager", "queue", "manager", "store", "page-tables"],
+    ids=["queue-in-manager", "queue", "manager", "store", "window-store", "page-tables"],
 )
 def test_control_unmutated_copy_passes(module: types.ModuleType, snippet: str, kind: str) -> None:
     """The loading path itself is sound: an identity 'mutation' passes each machine."""

@@ -16,7 +16,11 @@ step:
 * progress: every step with work schedules a token, every request finishes with a complete
   output (``max_new_tokens`` tokens, or ending at its first EOS), and then every block is free;
 * a request that can never fit is rejected with a clear error and changes nothing;
-* the KV metrics agree with a per-block recount.
+* the KV metrics agree with a per-block recount;
+* sliding window: after every ``schedule()`` each running sequence's table has released
+  exactly the blocks outside the window of its next query (``blocks_outside_window`` of its
+  ``num_computed``: prefix hits before the first computed token's window included), and a
+  decoding one holds at most ``blocks_needed(window - 1, block_size) + 2`` blocks.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from pagedkv.impl.serving.scheduler import (
     SchedulerOutput,
     SeqStatus,
 )
-from pagedkv.spec.block_manager import blocks_needed
+from pagedkv.spec.block_manager import blocks_needed, blocks_outside_window
 
 EOS = 0
 
@@ -100,6 +104,7 @@ def cases(draw: st.DrawFn) -> Case:
         max_num_seqs=draw(st.integers(1, 6)),
         max_num_batched_tokens=draw(st.integers(1, 40)),
         watermark_blocks=draw(st.integers(0, 3)),
+        sliding_window=draw(st.none() | st.integers(1, 12)),
     )
     system = draw(st.lists(st.integers(1, 3), min_size=0, max_size=20))
     requests = sorted(
@@ -142,6 +147,8 @@ def recount_occupancy(store: BlockTableStore) -> tuple[int, int]:
     for seq_id in store.seq_ids:
         count = store.token_count(seq_id)
         for i, block in enumerate(store.table(seq_id)):
+            if block is None:  # released by a sliding window: holds nothing
+                continue
             rows = min(store.block_size, count - i * store.block_size)
             fill[block] = max(fill.get(block, 0), rows)
     return sum(fill.values()), len(fill)
@@ -192,7 +199,36 @@ def check_step(
     if running_before or waiting_before:
         assert out.scheduled, "a step with work scheduled nothing"
     assert kv_occupancy(store) == recount_occupancy(store)
+    check_window(case, scheduler)
+    window = case.config.sliding_window
+    for item in out.scheduled:
+        if (
+            window
+            and item.cached_tokens
+            and blocks_outside_window(item.start, window, case.block_size)
+        ):
+            event("window: prefix hits before the first computed token's window")
     return kept + admitted
+
+
+def check_window(case: Case, scheduler: Scheduler) -> None:
+    """Every running table released exactly what its next query no longer reads; decoding
+    ones hold the window's blocks, one for the token being written, and no more."""
+    window, bs = case.config.sliding_window, case.block_size
+    store = scheduler.store
+    assert isinstance(store, BlockTableStore)
+    for seq in scheduler.running:
+        table = store.table(seq.seq_id)
+        released = sum(block is None for block in table)
+        held = len(table) - released
+        if window is None:
+            assert released == 0
+            continue
+        assert released == blocks_outside_window(seq.num_computed, window, bs)
+        assert store.tables[store.row(seq.seq_id), :released].tolist() == [-1] * released
+        if seq.num_pending == 1:  # decoding: the table holds one token past num_computed
+            assert held <= blocks_needed(window - 1, bs) + 2, (held, window, bs)
+        event("window: released blocks" if released else "window: nothing released")
 
 
 def play(case: Case) -> dict[int, list[list[int]]]:

@@ -10,6 +10,13 @@ path (every sequence one token, no shared last block) and the batched plans (all
 alone, or shared prefix blocks) are all reached; forks make shared last blocks, which take the
 in-order path.
 
+:class:`WindowPreemptionMachine` adds a sliding window: between steps, as the scheduler does,
+the live sequences release their leading blocks (``release_outside_window`` at each one's token
+count, or at an earlier next-query position). Victims then free only the blocks they still
+hold; with prefix caching the released cached blocks stay cached in the free queue, where
+prompts hit and revive them, and later full blocks still register under keys chained over the
+whole prefix. (A subclass, so the searches that find the planted bugs above stay as they were.)
+
 ``STORE`` is a class attribute so that planted bugs can swap in broken copies.
 """
 
@@ -219,6 +226,42 @@ class PreemptionMachine(RuleBasedStateMachine):
 TestPreemption = PreemptionMachine.TestCase
 
 
+class WindowPreemptionMachine(PreemptionMachine):
+    """The preemption machine with sliding-window releases between steps."""
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), window=st.integers(1, 9))
+    def release_outside_window(self, data: st.DataObject, window: int) -> None:
+        """Every live sequence (the scheduler's running list) releases what its next query no
+        longer reads: at its token count, or at an earlier position (a prompt still computing)."""
+        ids = list(self.model)
+        counts = [len(self.model[s][1]) for s in ids]
+        if data.draw(st.booleans(), label="earlier positions"):
+            counts = [data.draw(st.integers(0, count), label="position") for count in counts]
+            self.store.release_outside_window(ids, window, counts)
+        else:
+            self.store.release_outside_window(ids, window)
+        self.release_in_model(ids, counts, window)
+
+    def release_in_model(self, ids: list[int], counts: list[int], window: int) -> None:
+        for seq_id, count in zip(ids, counts, strict=True):
+            table, tokens = self.model[seq_id]
+            self.model[seq_id] = (self.spec.release_outside_window(table, count, window), tokens)
+
+    @precondition(lambda self: self.model)
+    @rule(window=st.integers(1, 4), decode=st.booleans(), data=st.data())
+    def window_step(self, window: int, decode: bool, data: st.DataObject) -> None:
+        """The scheduler's step under a window: release at every token count, then grow every
+        sequence (preempting from the tail when the pool runs short)."""
+        ids = list(self.model)
+        self.store.release_outside_window(ids, window)
+        self.release_in_model(ids, [len(self.model[s][1]) for s in ids], window)
+        self.grow_or_preempt(data, decode)
+
+
+TestWindowPreemption = WindowPreemptionMachine.TestCase
+
+
 @pytest.mark.parametrize("method", ["grow", "grow_or_preempt"])
 def test_two_writers_of_one_block_beside_a_lone_writer_of_another(method: str) -> None:
     """Sequence 0 writes block 0, which its fork (not in the batch) shares; sequences 2 and 3
@@ -286,8 +329,8 @@ PLANTED = {
     ),
     "incremental registration never retries a block left uncached": (
         pagedkv.impl.blocks.table_store,
-        "indices = [i for i in state.retry if i < full] + list(range(state.done, full))",
-        "indices = list(range(state.done, full))",
+        "indices = [i for i in state.retry if held <= i < full]",
+        "indices = []",
     ),
     "extended keys restart the chain": (
         pagedkv.impl.blocks.prefix_cache,
@@ -318,7 +361,29 @@ PLANTED = {
 }
 
 
-def planted_machine(module: Any, old: str, new: str) -> type:
+# Bugs in the store's handling of released entries, which the window machine catches.
+WINDOW_PLANTED = {
+    "a victim's released entries count as freed blocks": (
+        pagedkv.impl.blocks.table_store,
+        "held_counts = g.lengths - self._num_released.take(g.rows)",
+        "held_counts = g.lengths",
+    ),
+    "a victim shared with others releases its released entries too": (
+        pagedkv.impl.blocks.table_store,
+        "blocks = self._tables[row, self._num_released[row] : g.lengths[victim]]",
+        "blocks = self._tables[row, : g.lengths[victim]]",
+    ),
+    "cache_blocks registers a released entry": (
+        pagedkv.impl.blocks.table_store,
+        "held = int(self._num_released[row])  # released entries lead",
+        "held = 0  # released entries lead",
+    ),
+}
+
+
+def planted_machine(
+    module: Any, old: str, new: str, base: type[PreemptionMachine] = PreemptionMachine
+) -> type:
     if module is pagedkv.impl.blocks.prefix_cache:
         mutant = load_mutant(module, old, new, ("BlockTableError",))
         store = load_mutant(
@@ -327,7 +392,7 @@ def planted_machine(module: Any, old: str, new: str) -> type:
         )  # fmt: skip
         store.PrefixCachingBlockManager = mutant.PrefixCachingBlockManager  # its isinstance
         attrs = {"PREFIX_MANAGER": mutant.PrefixCachingBlockManager, "STORE": store.BlockTableStore}
-        return type("PlantedPreemption", (PreemptionMachine,), attrs)
+        return type("PlantedPreemption", (base,), attrs)
     shared = () if module is pagedkv.impl.blocks.growth else ("CapacityError", "OutOfBlocksError")
     mutant = load_mutant(module, old, new, shared)
     if module is pagedkv.impl.blocks.growth:
@@ -337,7 +402,7 @@ def planted_machine(module: Any, old: str, new: str) -> type:
         )  # fmt: skip
         store.plan_preemption = mutant.plan_preemption
         mutant = store
-    return type("PlantedPreemption", (PreemptionMachine,), {"STORE": mutant.BlockTableStore})
+    return type("PlantedPreemption", (base,), {"STORE": mutant.BlockTableStore})
 
 
 def test_control_unmutated_copies_pass() -> None:
@@ -353,5 +418,20 @@ def test_control_unmutated_copies_pass() -> None:
 @pytest.mark.parametrize("bug", sorted(PLANTED))
 def test_planted_preemption_bug_is_caught(bug: str) -> None:
     machine = planted_machine(*PLANTED[bug])  # loading errors are not catches
+    with pytest.raises(Exception):  # noqa: B017 - an assertion or a crash inside a rule
+        run_state_machine_as_test(machine, settings=FIND)
+
+
+def test_control_unmutated_copy_passes_the_window_machine() -> None:
+    snippet = "class BlockTableStore:"
+    machine = planted_machine(
+        pagedkv.impl.blocks.table_store, snippet, snippet, WindowPreemptionMachine
+    )
+    run_state_machine_as_test(machine, settings=FIND)
+
+
+@pytest.mark.parametrize("bug", sorted(WINDOW_PLANTED))
+def test_planted_window_bug_is_caught(bug: str) -> None:
+    machine = planted_machine(*WINDOW_PLANTED[bug], WindowPreemptionMachine)
     with pytest.raises(Exception):  # noqa: B017 - an assertion or a crash inside a rule
         run_state_machine_as_test(machine, settings=FIND)

@@ -4,6 +4,11 @@ Each function reads a :class:`~pagedkv.impl.blocks.table_store.BlockTableStore` 
 public, read-only views and changes nothing. ``seqs`` is what the store's methods take: a
 ``SeqBatch``, a list, tuple or 1-D integer array of live ids, or ``None`` for every live
 sequence in the order added. ``torch.from_numpy`` turns a result into a tensor without a copy.
+
+Entries a sliding window released (``BlockTableStore.release_outside_window``) stay in place as
+``PAD`` (-1) in every layout, so logical block ``i`` is still entry ``i`` of its sequence; they
+lie wholly before the window of the sequence's next query, and a kernel reading the layout with
+that window must never read them (this project's kernels start at the window).
 """
 
 from __future__ import annotations
@@ -43,8 +48,9 @@ def flashinfer_page_table(
 ) -> tuple[Int32Array, Int32Array, Int32Array]:
     """FlashInfer's CSR page table: ``(kv_indptr, kv_indices, kv_last_page_len)``.
 
-    Sequence ``i``'s pages are ``kv_indices[kv_indptr[i]:kv_indptr[i + 1]]``, its table; its
-    last page holds ``kv_last_page_len[i]`` tokens (in ``1..block_size``; 0 for no page).
+    Sequence ``i``'s pages are ``kv_indices[kv_indptr[i]:kv_indptr[i + 1]]``, its table
+    (released entries ``PAD``); its last page holds ``kv_last_page_len[i]`` tokens (in
+    ``1..block_size``; 0 for no page).
     """
     rows = store.resolve(seqs).rows
     lengths = store.num_blocks[rows]

@@ -12,11 +12,13 @@ written there: it validates every argument before it calls it.
 
 State, for ``S = max_seqs`` rows and ``M = max_blocks_per_seq`` columns:
 
-* ``tables`` (``int32[S, M]``): row ``r`` holds its sequence's block ids in columns
-  ``0 .. num_blocks[r] - 1``; every other entry, and every entry of a row with no sequence, is
-  ``-1``.
-* ``num_blocks``, ``token_counts`` (``int32[S]``): a live row holds exactly
-  ``ceil(token_counts[r] / block_size)`` blocks (the store never over-allocates).
+* ``tables`` (``int32[S, M]``): row ``r`` holds its sequence's table in columns
+  ``0 .. num_blocks[r] - 1``: first ``num_released[r]`` released entries (``PAD``: blocks a
+  sliding window gave back, the spec's ``None``), then its block ids; every other entry, and
+  every entry of a row with no sequence, is ``-1``.
+* ``num_blocks``, ``num_released``, ``token_counts`` (``int32[S]``): a live row's table is
+  exactly ``ceil(token_counts[r] / block_size)`` entries long (the store never over-allocates),
+  of which ``num_blocks[r] - num_released[r]`` hold a block.
 * a dict from sequence id to row; rows of removed sequences are reused.
 
 With a :class:`pagedkv.impl.blocks.prefix_cache.PrefixCachingBlockManager`, ``add_prompt`` reuses a
@@ -26,6 +28,7 @@ written; with a plain manager ``add_prompt`` is ``add`` and ``cache_blocks`` doe
 Errors: ``TypeError`` for an argument of the wrong type; ``KeyError`` for an unknown sequence
 id; ``ValueError`` for a repeated id in one batch, an id that is already live, or a count out of
 range; :class:`CapacityError` when the store's shape cannot hold the request;
+``spec.block_manager.BlockTableError`` for a write into, or a slot of, a released entry;
 ``spec.block_manager.OutOfBlocksError`` when the pool is exhausted. Every call validates all of
 its input before it changes anything, so a call that raises changes nothing.
 """
@@ -39,7 +42,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from pagedkv.impl.blocks.growth import has_repeats, plan_in_order, plan_preemption
-from pagedkv.impl.blocks.manager import BlockManager, IdArray, OutOfBlocksError
+from pagedkv.impl.blocks.manager import BlockManager, BlockTableError, IdArray, OutOfBlocksError
 from pagedkv.impl.blocks.prefix_cache import (
     BlockKey,
     KVEvent,
@@ -91,7 +94,8 @@ class BlockTableStore:
     Block ids come from and return to ``manager``, whose reference counts, free-queue order and
     copy-on-write pairs evolve exactly as if each sequence's table were driven through the spec
     API: ``add`` is ``allocate``, ``fork`` is ``fork``, ``remove`` is ``free``, ``grow`` is
-    ``append_slot``, and ``truncate`` is ``truncate``; with a prefix-caching manager
+    ``append_slot``, ``truncate`` is ``truncate`` and ``release_outside_window`` is
+    ``release_outside_window``; with a prefix-caching manager
     ``add_prompt`` is ``allocate_prompt`` and ``cache_blocks`` is ``cache_blocks``. Methods
     taking ``seqs`` accept a :class:`SeqBatch` or a list, tuple or 1-D integer array of sequence
     ids; ``None`` means every live sequence, in the order added.
@@ -112,6 +116,7 @@ class BlockTableStore:
             raise ValueError("total_blocks * block_size must fit int32 slot ids")
         self._tables = np.full((max_seqs, max_blocks_per_seq), PAD, dtype=np.int32)
         self._num_blocks = np.zeros(max_seqs, dtype=np.int32)
+        self._num_released = np.zeros(max_seqs, dtype=np.int32)  # leading PAD entries per row
         self._token_counts = np.zeros(max_seqs, dtype=np.int32)
         self._row_of: dict[int, int] = {}
         self._free_rows = list(range(max_seqs - 1, -1, -1))  # pop() yields the lowest row
@@ -159,6 +164,12 @@ class BlockTableStore:
         return _read_only(self._num_blocks)
 
     @property
+    def num_released(self) -> NDArray[np.int32]:
+        """Read-only view of each row's released leading entries (a sliding window's; the
+        row holds ``num_blocks - num_released`` blocks)."""
+        return _read_only(self._num_released)
+
+    @property
     def token_counts(self) -> NDArray[np.int32]:
         """Read-only view of each row's token count."""
         return _read_only(self._token_counts)
@@ -178,10 +189,11 @@ class BlockTableStore:
         """The row of ``tables`` that holds ``seq_id``."""
         return self._row_of[self._check_live(seq_id)]
 
-    def table(self, seq_id: int) -> list[int]:
-        """``seq_id``'s block table, as the spec would hold it."""
+    def table(self, seq_id: int) -> list[int | None]:
+        """``seq_id``'s block table, as the spec would hold it: released entries are None."""
         row = self.row(seq_id)
-        return self._tables[row, : self._num_blocks[row]].tolist()
+        released = int(self._num_released[row])
+        return [None] * released + self._tables[row, released : self._num_blocks[row]].tolist()
 
     def token_counts_of(self, seqs: SeqBatch | SeqIds | None) -> list[int]:
         """The token counts of ``seqs`` (see :meth:`resolve`), in batch order."""
@@ -315,10 +327,12 @@ class BlockTableStore:
         ``TypeError``/``ValueError`` for bad token ids, ``ValueError`` for more tokens than the
         sequence holds, ``BlockTableError`` if one of its blocks is cached with other tokens.
 
-        Incremental: the store keeps each sequence's block keys, so a call whose tokens extend
-        the previous call's (checked by one list comparison) hashes and registers only the
-        blocks filled since, plus any earlier block left uncached because its content was
-        cached elsewhere. Any other call starts over, exactly as the spec walks every block.
+        Released entries (a sliding window's) are skipped; the keys after them still chain over
+        the whole prefix. Incremental: the store keeps each sequence's block keys, so a call
+        whose tokens extend the previous call's (checked by one list comparison) hashes and
+        registers only the blocks filled since, plus any earlier block left uncached because
+        its content was cached elsewhere. Any other call starts over, exactly as the spec walks
+        every block.
         """
         row = self.row(seq_id)
         if not isinstance(token_ids, (list, tuple)):
@@ -336,7 +350,9 @@ class BlockTableStore:
         new_keys = self._prefix.extend_block_keys(state.keys, token_ids, extra_key)
         full = len(token_ids) // bs
         keys = state.keys + new_keys if new_keys else state.keys
-        indices = [i for i in state.retry if i < full] + list(range(state.done, full))
+        held = int(self._num_released[row])  # released entries lead and hold nothing: skipped
+        indices = [i for i in state.retry if held <= i < full]
+        indices += range(max(state.done, held), full)
         blocks = self._tables[row].take(indices).tolist()
         newly_cached, skipped = self._prefix.register_table_blocks(
             blocks, [keys[i] for i in indices]
@@ -350,17 +366,19 @@ class BlockTableStore:
         return newly_cached
 
     def fork(self, parent_id: int, child_id: int) -> None:
-        """Add ``child_id`` sharing ``parent_id``'s blocks and token count: ``manager.fork``."""
+        """Add ``child_id`` sharing ``parent_id``'s blocks and token count: ``manager.fork``
+        (its released entries are copied; only held blocks gain an owner)."""
         parent_row = self.row(parent_id)
         child_id = self._check_new(child_id)
         if not self._free_rows:
             raise CapacityError(f"all {self.max_seqs} rows hold live sequences")
         row = self._free_rows.pop()
-        length = self._num_blocks[parent_row]
+        length, released = self._num_blocks[parent_row], self._num_released[parent_row]
         blocks = self._tables[parent_row, :length]
-        self.manager.share_blocks(blocks.astype(np.intp))
-        self._tables[row, :length] = blocks
+        self.manager.share_blocks(blocks[released:].astype(np.intp))  # the held entries only
+        self._tables[row, :length] = blocks  # released entries copied as PAD
         self._num_blocks[row] = length
+        self._num_released[row] = released
         count = self._token_counts[parent_row]
         self._token_counts[row] = count
         self._row_of[child_id] = row
@@ -374,7 +392,8 @@ class BlockTableStore:
         """Free the sequences' tables and forget them: ``manager.free`` per sequence, in order.
 
         Blocks that reach ``ref_count == 0`` join the free queue's tail in the order those
-        calls would put them there (each table's last block first).
+        calls would put them there (each table's last block first); released entries hold
+        nothing and are skipped.
         """
         batch = self.resolve(seqs)
         self._release_rows(batch.rows, batch.seq_ids)
@@ -395,6 +414,7 @@ class BlockTableStore:
         Raises, changing nothing: what :meth:`resolve` raises for bad ids, ``TypeError`` for a
         count that is not an int, ``ValueError`` for a count below 0 or above the sequence's
         token count (the store holds no slot past its tokens, so a truncate never grows).
+        Released entries hold nothing: dropping one releases nothing.
         """
         batch = self.resolve(seqs)
         rows = batch.rows
@@ -410,7 +430,11 @@ class BlockTableStore:
         last = self._tables[rows[cut], kept[cut] - 1].astype(np.intp)  # those blocks
         if self._prefix is not None and self._prefix.cached_among(last):
             # The key rule reads a cut block's count between the releases: one at a time.
-            cut_block = dict(zip(cut.tolist(), last.tolist(), strict=True))
+            cut_block = {  # a released kept last block holds nothing: no key to remove
+                i: block
+                for i, block in zip(cut.tolist(), last.tolist(), strict=True)
+                if block != PAD
+            }
             for i in range(rows.size):
                 self._cut_rows(rows[i : i + 1], kept[i : i + 1], counts[i : i + 1])
                 block = cut_block.get(i)
@@ -427,6 +451,64 @@ class BlockTableStore:
         self._clear_tail_shared(rows)
         if cut.size:
             self._flag_tail_shared(rows[cut])
+
+    def release_outside_window(
+        self, seqs: SeqBatch | SeqIds | None, window: int, token_counts: int | SeqIds | None = None
+    ) -> None:
+        """Sliding window: give back each sequence's leading blocks that no query from its
+        next position on reads: ``table = manager.release_outside_window(table, count,
+        window)`` per sequence, in batch order.
+
+        ``count`` is the sequence's token count, or its entry of ``token_counts`` (one int for
+        all, or one per sequence): the position of its next query, which is less than its
+        token count while a prompt is still being computed. The first
+        ``blocks_outside_window(count, window, block_size)`` entries of each table become
+        released (``PAD`` in :attr:`tables`, None in :meth:`table`); each block among them not
+        yet released loses this sequence's hold, and those reaching 0 join the free queue's
+        tail in the order those calls would put them there (each table's last released block
+        first; with prefix caching a cached one stays cached there, revivable). Tables keep
+        their length. Calling it again with the same or smaller counts releases nothing.
+
+        Raises, changing nothing: what :meth:`resolve` raises for bad ids, ``TypeError`` for a
+        window or count that is not an int, ``ValueError`` for a window below 1, a count below
+        0 or above the sequence's table capacity (``num_blocks * block_size``).
+        """
+        batch = self.resolve(seqs)
+        rows = batch.rows
+        step = (
+            None
+            if token_counts is None
+            else self._token_array("token_counts", token_counts, rows.size)
+        )
+        check_int("window", window, 1)
+        lengths = self._num_blocks.take(rows)
+        if step is None:
+            counts = self._token_counts.take(rows).astype(np.int64)
+        else:
+            counts = np.broadcast_to(np.asarray(step, dtype=np.int64), rows.shape)
+            over = counts > lengths.astype(np.int64) * self.block_size
+            if over.any():
+                ids = [s for s, o in zip(batch.seq_ids, over.tolist(), strict=True) if o]
+                raise ValueError(f"token_counts exceed the table capacity of sequences {ids}")
+        # The spec's blocks_outside_window(count, window, block_size), for the whole batch.
+        outside = np.maximum(counts - (window - 1), 0) // self.block_size
+        before = self._num_released.take(rows)
+        newly = np.maximum(outside - before, 0)
+        total = int(newly.sum())
+        if not total:
+            return
+        flat = self._tables.reshape(-1)  # a view
+        owner = np.repeat(np.arange(rows.size), newly)
+        within = np.arange(total) - np.repeat(np.cumsum(newly) - newly, newly)
+        entries = batch._base[owner] + outside[owner] - 1 - within  # each row's last one first
+        self.manager.release_blocks_in_order(flat[entries].astype(np.intp))
+        flat[entries] = PAD
+        self._num_released[rows] = np.maximum(before, outside)
+        # A count past the row's tokens can release its partly filled last block: the next
+        # write there must take grow's general path, which refuses it.
+        gone = (outside >= lengths) & (self._token_counts.take(rows) % self.block_size != 0)
+        if gone.any():
+            self._flag_tail_shared(rows[gone])
 
     # ----------------------------------------------------------------- a scheduler step
 
@@ -463,7 +545,9 @@ class BlockTableStore:
         sequences still try. With ``atomic=True`` the batch grows as a whole or not at all: if
         some sequence could not grow, nothing changes and those ids are returned. Raises
         (changing nothing) ``CapacityError`` if any sequence would need more than
-        ``max_blocks_per_seq`` blocks. Copy-on-write pairs go to :meth:`pop_copy_pairs`.
+        ``max_blocks_per_seq`` blocks, ``BlockTableError`` if one would write into a released
+        entry (its token count lies in a block a sliding window released). Copy-on-write pairs
+        go to :meth:`pop_copy_pairs`.
         """
         batch, _, g = self._grow_at_once(seqs, new_tokens)
         if g is None:
@@ -518,7 +602,8 @@ class BlockTableStore:
         ``grow(seqs, k)`` this is the step's new tokens (``k = 1``: decode); after
         ``add(seq, n)``, ``num_tokens=n`` maps every prompt position (prefill). With ``pad_to``
         the result is padded with ``PAD`` (-1) to that length. ``ValueError`` if some ``k``
-        exceeds its sequence's count or the slots exceed ``pad_to``.
+        exceeds its sequence's count or the slots exceed ``pad_to``, ``BlockTableError`` if a
+        position lies in a released entry.
         """
         batch = self.resolve(seqs)
         rows = batch.rows
@@ -538,10 +623,10 @@ class BlockTableStore:
             ends = np.cumsum(step)
             base = np.repeat(base, step)
             positions = np.repeat(counts - ends, step) + np.arange(base.size)
-        block_index = positions // self.block_size
-        slots = self._tables.take(base + block_index) * self.block_size + (
-            positions % self.block_size
-        )
+        entries = self._tables.take(base + positions // self.block_size)
+        if entries.size and entries.min() == PAD:  # the spec's translate_slot refuses these
+            raise BlockTableError("a position to map lies in a released block")
+        slots = entries * self.block_size + (positions % self.block_size)
         if pad_to is None:
             return slots.astype(np.int32, copy=False)
         if pad_to < slots.size:
@@ -697,7 +782,8 @@ class BlockTableStore:
 
     def _growth(self, batch: SeqBatch, step: int | NDArray[np.int64]) -> _Growth | None:
         """What growing ``batch`` by ``step`` needs, changing nothing; None if nothing grows.
-        ``CapacityError`` if a sequence would outgrow its table."""
+        ``CapacityError`` if a sequence would outgrow its table, ``BlockTableError`` if one would
+        write into a released entry."""
         rows = batch.rows
         if rows.size == 0:
             return None
@@ -717,6 +803,10 @@ class BlockTableStore:
         if not isinstance(step, int):
             writes_last &= step > 0
         last = self._tables.take(batch._base + lengths - 1)  # index -1 only if not writes_last
+        into_released = writes_last & (last == PAD)  # the spec's rule: never written
+        if into_released.any():
+            ids = np.array(batch.seq_ids)[into_released].tolist()
+            raise BlockTableError(f"sequences {ids} would write into a released block")
         last_refs = self.manager.ref_counts_of(last)
         shared = writes_last & (last_refs > 1)
         return _Growth(
@@ -727,7 +817,8 @@ class BlockTableStore:
     def _plan_preemption(self, g: _Growth, free: int) -> int:
         """With no copy on write, the first batch index that :meth:`grow_or_preempt` removes:
         sequences before it grow, it and all after it are removed (the last first)."""
-        stop = plan_preemption(g.growth, g.lengths.astype(np.int64), free)
+        held_counts = g.lengths - self._num_released.take(g.rows)  # released entries free nothing
+        stop = plan_preemption(g.growth, held_counts.astype(np.int64), free)
         victims = self._tables[g.rows[stop:]]
         held = victims[victims != PAD].astype(np.intp)
         if held.size == 0 or self.manager.ref_counts_of(held).max() == 1:
@@ -739,7 +830,9 @@ class BlockTableStore:
             while need > free:
                 victim = tail
                 tail -= 1
-                blocks = self._tables[g.rows[victim], : g.lengths[victim]].astype(np.intp)
+                row = g.rows[victim]
+                blocks = self._tables[row, self._num_released[row] : g.lengths[victim]]
+                blocks = blocks.astype(np.intp)
                 for block, count in zip(
                     blocks.tolist(), self.manager.ref_counts_of(blocks).tolist(), strict=True
                 ):
@@ -775,14 +868,16 @@ class BlockTableStore:
         """``remove`` the sequences ``seq_ids`` held in ``rows``, in order."""
         if rows.size == 1:
             row = int(rows[0])
-            self.manager.release_blocks(self._tables[row, : self._num_blocks[row]].astype(np.intp))
+            held = self._tables[row, self._num_released[row] : self._num_blocks[row]]
+            self.manager.release_blocks(held.astype(np.intp))
         elif rows.size > 1:
             reversed_tables = self._tables[rows, ::-1]  # padding first, then last block first
             self.manager.release_blocks_in_order(
-                reversed_tables[reversed_tables != PAD].astype(np.intp)
+                reversed_tables[reversed_tables != PAD].astype(np.intp)  # no released entry
             )
         self._tables[rows] = PAD
         self._num_blocks[rows] = 0
+        self._num_released[rows] = 0
         self._token_counts[rows] = 0
         self._clear_tail_shared(rows)
         for seq_id in seq_ids:
@@ -803,9 +898,10 @@ class BlockTableStore:
             columns = np.arange(self._width)
             dropped = (columns >= kept[:, None]) & (columns < lengths[:, None])
             released = tables[:, ::-1][dropped[:, ::-1]]  # each row's last block first
-            self.manager.release_blocks_in_order(released.astype(np.intp))
+            self.manager.release_blocks_in_order(released[released != PAD].astype(np.intp))
             tables[dropped] = PAD
             self._tables[rows] = tables
+            self._num_released[rows] = np.minimum(self._num_released.take(rows), kept)
         self._num_blocks[rows] = kept
         self._token_counts[rows] = counts
 

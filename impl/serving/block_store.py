@@ -85,3 +85,18 @@ class BlockStore(Protocol):
         """Register the sequence's full blocks with a prefix cache, under ``extra_key`` (the
         one it was admitted with); return how many were new."""
         ...
+
+    def release_outside_window(
+        self,
+        seqs: Sequence[int] | None,
+        window: int,
+        token_counts: int | Sequence[int] | None = None,
+    ) -> None:
+        """Sliding window: give back each sequence's leading blocks that no query from its
+        next position on reads (``spec.block_manager.blocks_outside_window`` of that position,
+        ``window`` and ``block_size``); ``token_counts`` gives each sequence's next position
+        (default: its token count). The blocks are released as ``remove`` releases them and
+        the table keeps its length; a later write into one of them raises. Releasing again at
+        the same positions changes nothing. ``None`` is every live sequence in the order
+        added."""
+        ...

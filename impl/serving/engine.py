@@ -19,6 +19,11 @@ tables; there is no ``past_key_values``. One :meth:`PagedAttentionEngine.step`:
 6. **free**: finished sequences free their blocks at once; full blocks are registered with the
    prefix cache. The step's :class:`pagedkv.impl.serving.metrics.StepMetrics` are recorded.
 
+With a sliding-window model (``ModelConfig.sliding_window``) the scheduler also releases, at
+the start of each step and after admitting a prompt with prefix hits, every block outside the
+window of a sequence's next query (``BlockTableStore.release_outside_window``): its table
+entry becomes -1, which the attention kernels never read (they start at the window).
+
 ``python -m pagedkv.impl.serving.engine`` (the ``pagedkv`` command) runs a small generation and
 prints the metrics of every step; ``--model DIR`` serves a model that ``save_pretrained`` wrote
 to DIR (``pagedkv.impl.serving.hf_loader``; local files only), its prompts given with
@@ -151,7 +156,9 @@ class PagedAttentionEngine:
         self.store = BlockTableStore(
             manager, max_num_seqs, blocks_needed(max_model_len, block_size)
         )
-        config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, watermark_blocks)
+        config = SchedulerConfig(
+            max_num_seqs, max_num_batched_tokens, watermark_blocks, model.config.sliding_window
+        )
         self.scheduler = Scheduler(self.store, config)
         self.kv = PagedKVCache(
             model.config, total_blocks, block_size,

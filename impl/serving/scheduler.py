@@ -30,6 +30,18 @@ than the pool or a table holds, or more samples than ``max_num_seqs``) is reject
 completion. The oldest running sequence is never preempted by a younger one, and alone it
 always fits, so every step makes progress.
 
+Sliding window (``SchedulerConfig.sliding_window``, every layer windowed as in Mistral): a query
+at position ``p`` reads only positions above ``p - window``, so a sequence whose next query is
+at ``num_computed`` never reads again the blocks ``blocks_outside_window(num_computed, window,
+block_size)`` of its table (``pagedkv.spec.block_manager``). The scheduler gives them back with
+``store.release_outside_window`` at the start of every step, before anything grows (every
+running sequence, at its ``num_computed``: committed tokens only, so speculative drafts are never
+counted), and right after admitting a prompt with prefix-cache hits (at the first token it
+computes: hit blocks wholly before that token's window go straight back to the free queue, still
+cached). A running sequence then holds at most ``blocks_needed(window - 1, block_size) + 1``
+blocks before a step grows it (a prompt still being computed holds its uncomputed tokens' blocks
+too). A release is idempotent, so a failed step that is scheduled again releases nothing twice.
+
 Parallel sampling: a request with ``n > 1`` runs as one sequence until its prompt is computed;
 the tokens sampled from the prompt's last logits (one per sample) then fork it into ``n``
 sequences sharing the prompt's blocks (``store.fork``). The first write into the shared,
@@ -62,16 +74,20 @@ def check_cache_salt(cache_salt: object) -> str | None:
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Limits: sequences running at once (each sample counts), tokens computed per step, and
-    the free blocks an admission must leave for running sequences to grow into."""
+    the free blocks an admission must leave for running sequences to grow into; and the model's
+    sliding window (``None``: full attention), whose blocks outside it are released."""
 
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 512
     watermark_blocks: int = 0
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_int("watermark_blocks", self.watermark_blocks, 0)
+        if self.sliding_window is not None:
+            check_int("sliding_window", self.sliding_window, 1)
 
 
 class SeqStatus(enum.Enum):
@@ -242,13 +258,18 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step: grow (or preempt for) the running sequences, then admit waiting ones.
 
-        Every table in the plan holds its sequence's tokens up to ``end``. At most
+        Every table in the plan holds its sequence's tokens up to ``end``, and with a sliding
+        window none holds a block outside the window of its first token to compute. At most
         ``max_num_batched_tokens`` tokens are scheduled, and at most ``max_num_seqs`` sequences
         run.
         """
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         admitted: list[Sequence] = []
+        window = self.config.sliding_window
+        if window is not None and self.running:  # before growing: the freed blocks can serve it
+            positions = [seq.num_computed for seq in self.running]  # the store's live order
+            self.store.release_outside_window(None, window, positions)
         preempted = self._grow_or_preempt(budget)
         for seq in self.running:  # the visited sequences that were not preempted
             if budget <= 0:
@@ -265,6 +286,8 @@ class Scheduler:
             self.waiting.popleft()  # only once its blocks are held: a failed admit loses nothing
             seq.status, seq.num_computed = SeqStatus.RUNNING, cached
             self.running.append(seq)
+            if window is not None and cached:  # hits before the first computed token's window
+                self.store.release_outside_window([seq.seq_id], window, cached)
             admitted.append(seq)
             scheduled.append(ScheduledSeq(seq, cached, min(seq.num_pending, budget), cached))
             budget -= scheduled[-1].num_tokens
