@@ -302,6 +302,15 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             for count in (0, max(0, free + offset)):
                 assert self.manager.can_allocate(count) == (count <= free), count
 
+        @rule(extra=st.integers(1, 3))
+        def allocate_too_many(self, extra: int) -> None:
+            """More blocks than are free: refused, and the pending copy pairs stay pending."""
+            count = len(self.model.queue) + extra
+            before = self.snapshot()
+            self.check_same(
+                observe(self.manager.allocate, count), self.model.allocate(count), before
+            )
+
         @rule(count=st.integers(-5, -1))
         def negative_allocate(self, count: int) -> None:
             before = self.snapshot()

@@ -42,7 +42,7 @@ from properties.prefix_cache_machine import (
     colliding_hash,
     prefix_cache_machine,
 )
-from properties.test_block_table_store import StoreMachine
+from properties.test_block_table_store import StoreMachine, WindowStoreMachine
 from properties.test_impl_differential import IntSubclass, assert_same_construction, outcome
 
 FILLER = 9  # the token a sequence holds where no rule chose one (outside ALPHABET)
@@ -578,7 +578,7 @@ class PrefixStoreMachine(StoreMachine):
             below = max(0, blocks_needed(kept, bs) - 1) * bs
             self.check_truncate(data, [parent, child], [kept, min(below, kept)])
             last = self.seqs[parent][0][-1:]
-            if kept % bs and last and self.spec.key_of(last[0]) is not None:
+            if kept % bs and last and last[0] is not None and self.spec.key_of(last[0]) is not None:
                 event("a cut block left cached, held by one table")
         else:
             self.check_truncate(data, [parent], [kept])
@@ -648,6 +648,15 @@ class PrefixStoreMachine(StoreMachine):
 
 
 TestPrefixStore = PrefixStoreMachine.TestCase
+
+
+class WindowPrefixStoreMachine(PrefixStoreMachine, WindowStoreMachine):
+    """The prefix store machine with sliding-window releases among its steps: released cached
+    blocks stay cached in the queue, and a later prompt revives or evicts them as the spec
+    does."""
+
+
+TestWindowPrefixStore = WindowPrefixStoreMachine.TestCase
 
 
 def test_store_with_a_plain_manager_caches_nothing() -> None:
