@@ -91,6 +91,12 @@ EQUIVALENT: dict[str, str] = {
     "spec/prefix_cache.py::default_block_hash::And->Or#1": (
         "the test only skips check_stable_extra for None and str, which it accepts anyway"
     ),
+    "impl/blocks/prefix_cache.py::PromptPlan::True->False#1": (
+        "frozen=False: nothing assigns to a plan's fields after it is made"
+    ),
+    "impl/blocks/prefix_cache.py::PromptPlan::False->True#1": (
+        "eq=True: no plan is ever compared or hashed"
+    ),
     "impl/blocks/prefix_cache.py::check_tokens::GtE->Gt#1": (
         "tokens with a 0 then take the per-token check, which returns the same ints (the fast "
         "path is an optimization)"

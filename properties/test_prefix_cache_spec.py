@@ -137,6 +137,12 @@ def test_keys_are_immutable() -> None:
             setattr(key, name, value)
 
 
+def test_enable_kv_events_must_be_a_bool() -> None:
+    for value in (1, "yes", None):
+        with pytest.raises(TypeError, match="enable_kv_events"):
+            PrefixCachingBlockManager(4, 2, enable_kv_events=value)  # type: ignore[arg-type]
+
+
 def test_kv_events_are_immutable() -> None:
     """An event handed to a router is a value: none of its fields can be reassigned."""
     manager = PrefixCachingBlockManager(1, 2, enable_kv_events=True)
