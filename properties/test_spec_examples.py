@@ -234,3 +234,12 @@ def test_blocks_outside_window_is_the_rule() -> None:
                     (k + 1) * bs <= token_count - window + 1 for k in range(token_count // bs + 1)
                 )
                 assert blocks_outside_window(token_count, window, bs) == expected
+
+
+@pytest.mark.parametrize(
+    ("token_pos", "error"), [(-1, ValueError), (1.0, TypeError), (True, TypeError)]
+)
+def test_module_translate_slot_rejects_a_bad_position(token_pos: object, error: type) -> None:
+    """A negative position would otherwise read the table from its end."""
+    with pytest.raises(error, match="token_pos"):
+        translate_slot([3, 4], token_pos, 2)  # type: ignore[arg-type]
