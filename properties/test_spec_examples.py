@@ -131,10 +131,23 @@ def test_reserving_slots_writes_nothing_and_copies_nothing() -> None:
         (lambda m: m.translate_slot([0, 1], -1), ValueError, "token_pos must be >= 0"),
         (lambda m: m.translate_slot([0, 1], 8), IndexError, "beyond the table's capacity of 8"),
         (lambda m: m.ref_count(10), BlockTableError, "unknown block id 10"),
+        (lambda m: m.release_outside_window([0, 1], -1, 1), ValueError, "token_count must be"),
+        (lambda m: m.release_outside_window([0, 1], 2.0, 1), TypeError, "token_count must be"),
+        (lambda m: m.release_outside_window([0, 1], 9, 1), ValueError, "capacity of 8"),
+        (lambda m: m.release_outside_window([0, 1], 8, 0), ValueError, "window must be >= 1"),
+        (lambda m: m.release_outside_window([0, 1], 8, 1.0), TypeError, "window must be an int"),
+        (lambda m: m.release_outside_window([0, 2], 8, 1), BlockTableError, "free"),
+        (lambda m: m.release_outside_window([0, None], 8, 1), TypeError, "block id must be"),
+        (lambda m: m.append_slot([None, 1], 2), BlockTableError, "released"),
     ],
 )
-def test_bad_input_raises_typed_error_and_changes_nothing(call, error, message) -> None:
-    manager = BlockManager(10, 4)
+@pytest.mark.parametrize(
+    "manager_cls", [BlockManager, impl_manager.BlockManager], ids=["spec", "impl"]
+)
+def test_bad_input_raises_typed_error_and_changes_nothing(
+    call, error, message, manager_cls: type
+) -> None:
+    manager = manager_cls(10, 4)
     manager.allocate(2)
     before = (manager.free_block_ids(), [manager.ref_count(b) for b in range(10)])
     with pytest.raises(error, match=message):
@@ -243,3 +256,17 @@ def test_module_translate_slot_rejects_a_bad_position(token_pos: object, error: 
     """A negative position would otherwise read the table from its end."""
     with pytest.raises(error, match="token_pos"):
         translate_slot([3, 4], token_pos, 2)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "manager_cls", [BlockManager, impl_manager.BlockManager], ids=["spec", "impl"]
+)
+def test_a_write_after_released_entries_copies_only_what_it_writes(manager_cls: type) -> None:
+    """Released entries shift the table's indices, not the written range: with blocks 2 and 3
+    reserved ahead and shared with a fork, a write into block 1 copies block 1 alone."""
+    manager = manager_cls(10, 2)
+    table = manager.release_outside_window(manager.allocate(4), 3, 1)
+    assert table == [None, 1, 2, 3]
+    manager.fork(table)
+    assert manager.append_slot(table, 4) == [None, 4, 2, 3]  # position 3, in block 1
+    assert manager.pop_copy_pairs() == [(1, 4)]
