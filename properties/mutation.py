@@ -99,6 +99,14 @@ EQUIVALENT: dict[str, str] = {
         "zip(..., strict=False): the batch's ids and the capacity flags have one entry per "
         "sequence by construction"
     ),
+    "impl/blocks/table_store.py::BlockTableStore.release_outside_window::1->2#3": (
+        "reshape(-2): numpy infers a dimension given any negative size, so it is the same flat "
+        "view"
+    ),
+    "impl/blocks/table_store.py::BlockTableStore.release_outside_window::BitAnd->BitOr#1": (
+        "flagging more rows tail-shared only routes their next growth through grow's general "
+        "path, which decides the same growth (the flag is conservative by design)"
+    ),
     "impl/blocks/prefix_cache.py::PromptPlan::True->False#1": (
         "frozen=False: nothing assigns to a plan's fields after it is made"
     ),
