@@ -100,8 +100,7 @@ EQUIVALENT: dict[str, str] = {
         "sequence by construction"
     ),
     "impl/blocks/table_store.py::BlockTableStore.release_outside_window::1->2#3": (
-        "reshape(-2): numpy infers a dimension given any negative size, so it is the same flat "
-        "view"
+        "reshape(-2): numpy infers a dimension given any negative size, so it is the same flat view"
     ),
     "impl/blocks/table_store.py::BlockTableStore.release_outside_window::BitAnd->BitOr#1": (
         "flagging more rows tail-shared only routes their next growth through grow's general "
