@@ -137,18 +137,22 @@ def expected_outputs(prompt: list[int], max_new: int, n: int, eos: int | None) -
     return outputs
 
 
+SCHEDULER_SETUP = {
+    "total_blocks": st.integers(4, 16),
+    "block_size": st.sampled_from([1, 2, 4]),
+    "prefix": st.booleans(),
+    "max_num_seqs": st.integers(1, 4),
+    "budget": st.integers(1, 12),
+}
+"""The pools, budgets and sequence limits the scheduler fault machines draw."""
+
+
 class SchedulerFaultMachine(RuleBasedStateMachine):
     """The scheduler and a real store, a simulated K/V cache, and faults anywhere."""
 
     SCHEDULER: ClassVar[type] = Scheduler
 
-    @initialize(
-        total_blocks=st.integers(4, 16),
-        block_size=st.sampled_from([1, 2, 4]),
-        prefix=st.booleans(),
-        max_num_seqs=st.integers(1, 4),
-        budget=st.integers(1, 12),
-    )
+    @initialize(**SCHEDULER_SETUP)
     def start(
         self, total_blocks: int, block_size: int, prefix: bool, max_num_seqs: int, budget: int
     ) -> None:
@@ -271,14 +275,7 @@ class WindowSchedulerFaultMachine(SchedulerFaultMachine):
     fault anywhere, ``release_outside_window`` included, still loses nothing. A subclass, so
     the base machine's search for its planted bugs stays as it was."""
 
-    @initialize(
-        total_blocks=st.integers(4, 16),
-        block_size=st.sampled_from([1, 2, 4]),
-        prefix=st.booleans(),
-        max_num_seqs=st.integers(1, 4),
-        budget=st.integers(1, 12),
-        window=st.integers(1, 6),
-    )
+    @initialize(**SCHEDULER_SETUP, window=st.integers(1, 6))
     def start(  # type: ignore[override]
         self,
         total_blocks: int,
