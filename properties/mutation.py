@@ -106,6 +106,13 @@ EQUIVALENT: dict[str, str] = {
         "flagging more rows tail-shared only routes their next growth through grow's general "
         "path, which decides the same growth (the flag is conservative by design)"
     ),
+    "impl/blocks/table_store.py::SeqBatch::False->True#1": (
+        "field(repr=True): only a batch's repr shows its row offsets, and nothing reads it"
+    ),
+    "impl/blocks/table_store.py::BlockTableStore.__init__::0->1#2": (
+        "a tail-shared count that starts at 1 never reaches 0, so every growth takes grow's "
+        "general path, which decides the same growth (the count only gates the fast path)"
+    ),
     "impl/blocks/prefix_cache.py::PromptPlan::True->False#1": (
         "frozen=False: nothing assigns to a plan's fields after it is made"
     ),

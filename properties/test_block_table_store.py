@@ -22,6 +22,7 @@ import copy
 from typing import Any, ClassVar
 
 import numpy as np
+import pytest
 from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -562,3 +563,19 @@ def test_other_stores_batch_is_refused() -> None:
     except ValueError:
         return
     raise AssertionError("a SeqBatch of another store must be refused")
+
+
+def test_the_store_shape_is_checked() -> None:
+    """Row and column counts are ints >= 1, and the token counts and slot ids the store hands
+    out must fit int32: typed errors naming the argument."""
+    manager = BlockManager(4, 2)
+    for bad, error in ((0, ValueError), (-1, ValueError), (1.0, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="max_seqs"):
+            BlockTableStore(manager, bad, 4)  # type: ignore[arg-type]
+        with pytest.raises(error, match="max_blocks_per_seq"):
+            BlockTableStore(manager, 4, bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="slot ids"):
+        BlockTableStore(BlockManager(2**16, 2**15), 1, 1)  # 2**31 slots
+    with pytest.raises(ValueError, match="token counts"):
+        BlockTableStore(BlockManager(4, 2**15), 1, 2**16)
+    BlockTableStore(BlockManager(2**16 - 1, 2**15), 1, 2**16 - 1)  # the largest that fits
