@@ -113,6 +113,14 @@ EQUIVALENT: dict[str, str] = {
         "a tail-shared count that starts at 1 never reaches 0, so every growth takes grow's "
         "general path, which decides the same growth (the count only gates the fast path)"
     ),
+    "impl/blocks/table_store.py::BlockTableStore.admit::Eq->NotEq#1": (
+        "the refused prompt's keys depend on its tokens and extra key, not on its sequence "
+        "id: reusing them for another id, or recomputing them, gives the same keys"
+    ),
+    "impl/blocks/table_store.py::BlockTableStore.truncate::True->False#1": (
+        "zip(..., strict=False): the ids, counts and token counts have one entry per sequence "
+        "by construction"
+    ),
     "impl/blocks/prefix_cache.py::PromptPlan::True->False#1": (
         "frozen=False: nothing assigns to a plan's fields after it is made"
     ),

@@ -30,6 +30,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import pagedkv.spec.block_manager as spec_bm
 from pagedkv.impl.blocks import page_tables
 from pagedkv.impl.blocks.manager import BlockManager
+from pagedkv.impl.blocks.prefix_cache import PrefixCachingBlockManager
 from pagedkv.impl.blocks.table_store import PAD, BlockTableStore, CapacityError, SeqBatch
 
 SEQ_IDS = st.integers(0, 11)
@@ -579,3 +580,32 @@ def test_the_store_shape_is_checked() -> None:
     with pytest.raises(ValueError, match="token counts"):
         BlockTableStore(BlockManager(4, 2**15), 1, 2**16)
     BlockTableStore(BlockManager(2**16 - 1, 2**15), 1, 2**16 - 1)  # the largest that fits
+
+
+def test_admit_refuses_a_prompt_longer_than_a_row() -> None:
+    """A plain store's admit checks the row width before it takes a block."""
+    store = BlockTableStore(BlockManager(8, 2), 2, 2)
+    with pytest.raises(CapacityError):
+        store.admit(0, [1, 2, 3, 4, 5])
+    assert store.num_free_blocks == 8 and 0 not in store
+
+
+def test_cache_blocks_refuses_tokens_that_are_not_a_list() -> None:
+    for manager in (BlockManager(8, 2), PrefixCachingBlockManager(8, 2)):
+        store = BlockTableStore(manager, 2, 4)
+        store.add_prompt(0, [1, 2, 3])
+        for tokens in ("123", 3, None):
+            with pytest.raises(TypeError, match="token_ids"):
+                store.cache_blocks(0, tokens)  # type: ignore[arg-type]
+
+
+def test_cache_blocks_skips_blocks_released_before_they_were_cached() -> None:
+    """A window can release a prompt's first blocks before their K/V is registered; then
+    nothing is registered for them, as the spec's cache_blocks skips released entries."""
+    manager = PrefixCachingBlockManager(8, 2)
+    store = BlockTableStore(manager, 2, 4)
+    store.add_prompt(0, [1, 2, 3, 4, 5])
+    store.release_outside_window([0], 1)  # blocks 0 and 1 (positions 0..3) go back
+    assert store.table(0) == [None, None, 2]
+    assert store.cache_blocks(0, [1, 2, 3, 4, 5]) == 0
+    assert manager.num_cached_blocks == 0
