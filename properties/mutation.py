@@ -121,6 +121,11 @@ EQUIVALENT: dict[str, str] = {
         "zip(..., strict=False): the ids, counts and token counts have one entry per sequence "
         "by construction"
     ),
+    "impl/blocks/table_store.py::BlockTableStore.truncate::Gt->GtE#3": (
+        "cutting a sequence's key state at the count it already holds keeps every key; it "
+        "only drops the unkeyed tokens of a partial block, which the next cache_blocks checks "
+        "again"
+    ),
     "impl/blocks/prefix_cache.py::PromptPlan::True->False#1": (
         "frozen=False: nothing assigns to a plan's fields after it is made"
     ),
