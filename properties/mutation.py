@@ -126,6 +126,14 @@ EQUIVALENT: dict[str, str] = {
         "only drops the unkeyed tokens of a partial block, which the next cache_blocks checks "
         "again"
     ),
+    "impl/blocks/table_store.py::BlockTableStore._check_live::delete-Raise#1": (
+        "the dict lookup that follows raises KeyError for an unknown id all the same; only "
+        "the message differs"
+    ),
+    "impl/blocks/table_store.py::BlockTableStore._token_array::Lt->LtE#1": (
+        "counts with a 0 then take the per-count check, which accepts them (the fast path is "
+        "an optimization)"
+    ),
     "impl/blocks/prefix_cache.py::PromptPlan::True->False#1": (
         "frozen=False: nothing assigns to a plan's fields after it is made"
     ),

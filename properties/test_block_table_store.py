@@ -609,3 +609,16 @@ def test_cache_blocks_skips_blocks_released_before_they_were_cached() -> None:
     assert store.table(0) == [None, None, 2]
     assert store.cache_blocks(0, [1, 2, 3, 4, 5]) == 0
     assert manager.num_cached_blocks == 0
+
+
+def test_an_int_subclass_count_is_the_int_it_equals() -> None:
+    """As the spec's ``check_int`` takes it: an int subclass of 0 grows by nothing."""
+
+    class Count(int):
+        pass
+
+    store = BlockTableStore(BlockManager(8, 2), 2, 4)
+    store.add(0, 3)
+    store.grow([0], Count(0))
+    store.grow([0], Count(1))
+    assert store.token_count(0) == 4 and store.table(0) == [0, 1]
