@@ -622,3 +622,20 @@ def test_an_int_subclass_count_is_the_int_it_equals() -> None:
     store.grow([0], Count(0))
     store.grow([0], Count(1))
     assert store.token_count(0) == 4 and store.table(0) == [0, 1]
+
+
+@pytest.mark.parametrize("step", [1, 2])
+def test_a_batch_grow_at_block_boundaries_is_the_spec_per_sequence(step: int) -> None:
+    """Two sequences at a block boundary and one inside a block grow by ``step`` tokens (the
+    decode fast path when ``step`` is 1): the spec's tables, one ``append_slot`` each."""
+    store = BlockTableStore(BlockManager(12, 2), 3, 6)
+    spec = spec_bm.BlockManager(12, 2)
+    tables = {}
+    for seq_id, prompt_len in ((0, 2), (1, 3), (2, 4)):
+        store.add(seq_id, prompt_len)
+        tables[seq_id] = (spec.allocate(-(-prompt_len // 2)), prompt_len)
+    store.grow([0, 1, 2], step)
+    for seq_id, (table, count) in tables.items():
+        assert store.table(seq_id) == spec.append_slot(table, count + step, step)
+        assert store.token_count(seq_id) == count + step
+    assert store.manager.free_block_ids() == spec.free_block_ids()
