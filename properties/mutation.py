@@ -138,6 +138,20 @@ EQUIVALENT: dict[str, str] = {
         "which free row the next sequence takes is not part of the store's contract: every "
         "sequence's table, counts and blocks are the same in any row"
     ),
+    "impl/blocks/table_store.py::BlockTableStore._cut_rows::Lt->LtE#2": (
+        "the extra column is each row's first padding entry, which the release filters out "
+        "and which is padding again after"
+    ),
+    "impl/blocks/table_store.py::BlockTableStore._apply_growth::BitOr->BitAnd#1": (
+        "clearing the tail-shared flag of fewer rows only routes their next growth through "
+        "grow's general path, which decides the same growth"
+    ),
+    "impl/blocks/table_store.py::_SeqKeys::False->True#1": (
+        "eq=True: no key state is ever compared"
+    ),
+    "impl/blocks/table_store.py::_Growth::True->False#1": (
+        "frozen=False: nothing assigns to a growth plan's fields after it is made"
+    ),
     "impl/blocks/prefix_cache.py::PromptPlan::True->False#1": (
         "frozen=False: nothing assigns to a plan's fields after it is made"
     ),
