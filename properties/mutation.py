@@ -152,6 +152,13 @@ EQUIVALENT: dict[str, str] = {
     "impl/blocks/table_store.py::_Growth::True->False#1": (
         "frozen=False: nothing assigns to a growth plan's fields after it is made"
     ),
+    "impl/blocks/table_store.py::BlockTableStore._grow_decode::Eq->NotEq#2": (
+        "rows.size != 0 sends every non-empty batch to grow's general path, which decides the "
+        "same growth (the decode path is an optimization)"
+    ),
+    "impl/blocks/table_store.py::BlockTableStore._grow_decode::1->2#3": (
+        "reshape(-2): numpy infers a dimension given any negative size, so it is the same flat view"
+    ),
     "impl/blocks/prefix_cache.py::PromptPlan::True->False#1": (
         "frozen=False: nothing assigns to a plan's fields after it is made"
     ),
