@@ -57,6 +57,7 @@ HF_SHAPE: dict[str, Any] = {
     "eos_token_id": 2,
 }
 HF_BLOCK_SIZE = 16
+TARGET_RATIO = 1.5  # the engine's goal: this many times generate's tokens/s
 
 
 @dataclass(frozen=True)
@@ -76,11 +77,28 @@ class Comparison:
     vllm_tokens_per_s: float | None = None  # with vLLM only
     vllm_tokens_equal: int | None = None  # prompts whose vLLM tokens equal the engine's
     runs: dict[str, list[float]] = field(default_factory=dict)  # every run's tokens/s, by side
+    new_tokens: int = 1  # tokens generated per prompt
+    # Seconds to the first token of every prompt (median; building the inputs, the prefill and
+    # the first sampling), by side: "engine" and "hf".
+    first_token_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def ratio(self) -> float:
         """Engine tokens/s over ``generate``'s."""
         return self.engine_tokens_per_s / self.hf_tokens_per_s
+
+    def decode_step_ms(self, side: str) -> float:
+        """One decode step of ``side`` ("engine" or "hf"), in ms: the whole run's time (from its
+        median tokens/s) less the time to the first token, over the remaining steps."""
+        rate = self.engine_tokens_per_s if side == "engine" else self.hf_tokens_per_s
+        total = self.prompts * self.new_tokens / rate
+        return (total - self.first_token_s[side]) / (self.new_tokens - 1) * 1e3
+
+    def step_ms_for_ratio(self, target: float) -> float:
+        """The longest engine decode step, in ms, at which the engine's tokens/s would be
+        ``target`` times ``generate``'s, its time to the first token unchanged."""
+        total = self.prompts * self.new_tokens / (target * self.hf_tokens_per_s)
+        return (total - self.first_token_s["engine"]) / (self.new_tokens - 1) * 1e3
 
 
 def hf_llama(seed: int, **overrides: Any) -> torch.nn.Module:
@@ -134,6 +152,13 @@ def tokens_per_s(fn: Callable[[], list[list[int]]]) -> tuple[float, list[list[in
     start = time.perf_counter()
     tokens = fn()
     return sum(map(len, tokens)) / (time.perf_counter() - start), tokens
+
+
+def seconds(fn: Callable[[], object]) -> float:
+    """Wall seconds of one call of ``fn``."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 @contextmanager
@@ -250,6 +275,7 @@ def compare(
     hf_generate(hf_model, prompts[:4], 4)  # warm-up
     engine_generate(model, prompts[:4], 4)
     rates: dict[str, list[float]] = {"engine": [], "hf": [], "vllm": []}
+    first: dict[str, list[float]] = {"engine": [], "hf": []}
     with contextlib.ExitStack() as stack:
         vllm = None
         if vllm_python is not None:
@@ -259,6 +285,9 @@ def compare(
             engine_rate, actual = tokens_per_s(lambda: engine_generate(model, prompts, new))
             rates["hf"].append(hf_rate)
             rates["engine"].append(engine_rate)
+            if new > 1:
+                first["hf"].append(seconds(lambda: hf_generate(hf_model, prompts, 1)))
+                first["engine"].append(seconds(lambda: engine_generate(model, prompts, 1)))
             if vllm is not None:
                 vllm_rate, theirs = vllm()
                 rates["vllm"].append(vllm_rate)
@@ -271,7 +300,8 @@ def compare(
     return Comparison(
         statistics.median(rates["engine"]), statistics.median(rates["hf"]), equal, count,
         step, math, attention, bookkeeping, vllm_rate, vllm_equal,
-        {side: values for side, values in rates.items() if values},
+        {side: values for side, values in rates.items() if values}, new,
+        {side: statistics.median(values) for side, values in first.items() if values},
     )  # fmt: skip
 
 
@@ -287,6 +317,10 @@ def test_engine_against_hf_smoke() -> None:
     assert result.engine_tokens_per_s > 0 and result.hf_tokens_per_s > 0
     assert result.runs == {"engine": [result.engine_tokens_per_s], "hf": [result.hf_tokens_per_s]}
     assert result.step_ms >= result.attention_ms > 0
+    assert result.first_token_s.keys() == {"engine", "hf"}
+    # At the measured ratio the bound is the engine's own decode step.
+    bound = result.step_ms_for_ratio(result.ratio)
+    assert bound == pytest.approx(result.decode_step_ms("engine"))
 
 
 def main() -> None:
@@ -321,6 +355,16 @@ def main() -> None:
         f"decode step at batch {args.prompts}: {result.step_ms:.2f} ms = model math "
         f"{result.model_ms:.2f} + attention {result.attention_ms:.2f} + bookkeeping "
         f"{result.bookkeeping_ms:.2f}"
+    )
+    first = result.first_token_s
+    print(
+        f"first token of every prompt: engine {first['engine'] * 1e3:.0f} ms, generate "
+        f"{first['hf'] * 1e3:.0f} ms; each decode step after it (from the medians): engine "
+        f"{result.decode_step_ms('engine'):.2f} ms, generate {result.decode_step_ms('hf'):.2f} ms"
+    )
+    print(
+        f"for {TARGET_RATIO}x generate's tokens/s the engine's decode step would have to take "
+        f"at most {result.step_ms_for_ratio(TARGET_RATIO):.2f} ms"
     )
 
 
