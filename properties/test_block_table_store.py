@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import pagedkv.spec.block_manager as spec_bm
+import pagedkv.spec.prefix_cache as spec_pc
 from pagedkv.impl.blocks import page_tables
 from pagedkv.impl.blocks.manager import BlockManager
 from pagedkv.impl.blocks.prefix_cache import PrefixCachingBlockManager
@@ -639,3 +640,30 @@ def test_a_batch_grow_at_block_boundaries_is_the_spec_per_sequence(step: int) ->
         assert store.table(seq_id) == spec.append_slot(table, count + step, step)
         assert store.token_count(seq_id) == count + step
     assert store.manager.free_block_ids() == spec.free_block_ids()
+
+
+def test_a_write_into_a_cached_block_a_truncate_left_alone_removes_its_key() -> None:
+    """A truncate cuts into a cached block another table holds (the row is flagged tail-shared);
+    once the other holder is gone, the next write lands in that block in place, so its key must
+    go first, as the spec's ``append_slot`` removes it: a later prompt with the old content hits
+    only the untouched block. The spec runs the same calls."""
+    prompt = [1, 2, 3, 4]
+    manager = PrefixCachingBlockManager(8, 2)
+    store = BlockTableStore(manager, 2, 4)
+    spec = spec_pc.PrefixCachingBlockManager(8, 2)
+    store.add_prompt(0, prompt)
+    store.cache_blocks(0, prompt)
+    spec_table, _ = spec.allocate_prompt(prompt)
+    spec.cache_blocks(spec_table, prompt)
+    assert store.add_prompt(1, [*prompt, 5]) == 4  # both blocks hit: shared with sequence 0
+    other, _ = spec.allocate_prompt([*prompt, 5])
+    store.truncate([0], 3)  # into the shared, cached second block
+    spec_table = spec.truncate(spec_table, 3)
+    store.remove([1])
+    spec.free(other)
+    store.grow([0])  # position 3 of the now unshared second block, written in place
+    spec_table = spec.append_slot(spec_table, 4)
+    assert store.table(0) == spec_table
+    assert store.pop_copy_pairs().tolist() == []
+    longer = [*prompt, 5]  # a prompt that may hit both blocks
+    assert manager.lookup(longer) == spec.lookup(longer) == spec_table[:1]
