@@ -143,6 +143,17 @@ def test_enable_kv_events_must_be_a_bool() -> None:
             PrefixCachingBlockManager(4, 2, enable_kv_events=value)  # type: ignore[arg-type]
 
 
+def test_kv_events_are_off_by_default() -> None:
+    """Without ``enable_kv_events`` a manager records nothing, however much it caches, evicts
+    and clears."""
+    manager = PrefixCachingBlockManager(1, 2)
+    table, _ = manager.allocate_prompt([1, 2])
+    manager.cache_blocks(table, [1, 2])
+    manager.free(table)
+    manager.allocate_prompt([3, 4])  # evicts [1, 2]
+    assert manager.take_events() == []
+
+
 def test_kv_events_are_immutable() -> None:
     """An event handed to a router is a value: none of its fields can be reassigned."""
     manager = PrefixCachingBlockManager(1, 2, enable_kv_events=True)
