@@ -169,6 +169,25 @@ def test_kv_events_are_immutable() -> None:
             item.block_id = 5  # type: ignore[misc, union-attr]
 
 
+def test_a_reset_forgets_both_directions_of_the_key_map() -> None:
+    """After a reset no block carries a key and no content hits; the blocks it forgot are not
+    evicted again when reused, and the free queue keeps its order."""
+    manager = PrefixCachingBlockManager(2, 2, enable_kv_events=True)
+    table, _ = manager.allocate_prompt([1, 2, 3, 4])
+    manager.cache_blocks(table, [1, 2, 3, 4])
+    manager.free(table)
+    order = manager.free_block_ids()
+    manager.take_events()
+    assert manager.reset_prefix_cache()
+    assert manager.num_cached_blocks == 0 and manager.free_block_ids() == order
+    assert [manager.key_of(block) for block in order] == [None, None]
+    assert manager.lookup([1, 2, 3, 4, 5]) == []
+    manager.take_stats()
+    assert manager.allocate_prompt([1, 2, 3, 4]) == (order, 0)  # nothing to hit or evict
+    assert manager.take_stats().evictions == 0
+    assert [type(e).__name__ for e in manager.take_events()] == ["AllBlocksCleared"]
+
+
 def test_lookup_stops_at_the_first_miss_though_a_later_block_is_cached() -> None:
     """A block is found only through its whole prefix. Here the parent's content is evicted
     while a child stays cached (its table held an uncached duplicate of the parent): no hit."""
