@@ -66,7 +66,7 @@ SPEC_BUGS = {
         "kept = token_count // self.block_size",
     ),
     "truncate past the table's capacity": (
-        "        self._check_capacity(table, token_count)\n        kept =",
+        "        check_capacity(len(table), token_count, self.block_size)\n        kept =",
         "        kept =",
     ),
     "the window releases one block it still reads": (
@@ -92,7 +92,7 @@ SPEC_BUGS = {
         "if False:",
     ),
     "the window past the table's capacity": (
-        "        self._check_capacity(table, token_count)\n        outside =",
+        "        check_capacity(len(table), token_count, self.block_size)\n        outside =",
         "        outside =",
     ),
 }

@@ -61,6 +61,16 @@ def blocks_outside_window(token_count: int, window: int, block_size: int) -> int
     return max(0, token_count - window + 1) // block_size
 
 
+def check_capacity(num_entries: int, token_count: int, block_size: int) -> None:
+    """Rule: a token count names only slots a table of ``num_entries`` entries holds,
+    ``num_entries * block_size`` (``ValueError`` otherwise)."""
+    if token_count > num_entries * block_size:
+        raise ValueError(
+            f"token_count {token_count} exceeds the table's capacity of "
+            f"{num_entries * block_size} slots"
+        )
+
+
 def leading_released(block_table: Sequence[int | None]) -> int:
     """How many entries at the start of ``block_table`` are released (``None``)."""
     count = 0
@@ -179,14 +189,6 @@ class BlockManager:
             raise BlockTableError(f"blocks {already_free} are free (double free or stale table)")
         return [None] * released + table
 
-    def _check_capacity(self, table: list[int | None], token_count: int) -> None:
-        """Rule: a token count names only slots the table holds, ``len(table) * block_size``."""
-        if token_count > len(table) * self.block_size:
-            raise ValueError(
-                f"token_count {token_count} exceeds the table's capacity of "
-                f"{len(table) * self.block_size} slots"
-            )
-
     def _check_available(self, num_blocks: int) -> None:
         """Rule: allocation is all-or-nothing; too few free blocks raises before any change."""
         if num_blocks > len(self._free):
@@ -302,7 +304,7 @@ class BlockManager:
         """
         table = self._check_live_table(block_table)
         check_int("token_count", token_count, 0)
-        self._check_capacity(table, token_count)
+        check_capacity(len(table), token_count, self.block_size)
         kept = blocks_needed(token_count, self.block_size)  # Rule: ceil(count / size) stay.
         self._release(held_ids(table[kept:]))  # Rule: dropped blocks go as free releases them.
         return table[:kept]
@@ -331,7 +333,7 @@ class BlockManager:
         table = self._check_live_table(block_table)
         check_int("token_count", token_count, 0)
         check_int("window", window, 1)
-        self._check_capacity(table, token_count)
+        check_capacity(len(table), token_count, self.block_size)
         outside = blocks_outside_window(token_count, window, self.block_size)
         self._release(held_ids(table[:outside]))  # Rule: released as free releases them.
         return [None] * outside + table[outside:]  # Rule: the entries stay, as None.

@@ -24,6 +24,7 @@ from pagedkv.spec.block_manager import (
     OutOfBlocksError,
     blocks_needed,
     blocks_outside_window,
+    check_capacity,
     check_int,
     leading_released,
     translate_slot,
@@ -184,7 +185,7 @@ class BlockManager:
         """
         released, ids, held = self._live_table(block_table)
         check_int("token_count", token_count, 0)
-        self._check_capacity(released + ids.size, token_count)
+        check_capacity(released + ids.size, token_count, self.block_size)
         kept = blocks_needed(token_count, self.block_size)
         first_dropped = max(0, kept - released)  # among the held ids
         if first_dropped < ids.size:
@@ -203,7 +204,7 @@ class BlockManager:
         released, ids, held = self._live_table(block_table)
         check_int("token_count", token_count, 0)
         check_int("window", window, 1)
-        self._check_capacity(released + ids.size, token_count)
+        check_capacity(released + ids.size, token_count, self.block_size)
         outside = blocks_outside_window(token_count, window, self.block_size)
         if outside > released:
             self._release_held(ids[: outside - released], held[: outside - released])
@@ -303,14 +304,6 @@ class BlockManager:
     def _raise_repeated(self, ids: IdArray) -> None:
         unique, counts = np.unique(ids, return_counts=True)
         raise BlockTableError(f"block ids repeated within one table: {unique[counts > 1].tolist()}")
-
-    def _check_capacity(self, num_entries: int, token_count: int) -> None:
-        """Rule: a token count names only slots the table holds, ``entries * block_size``."""
-        if token_count > num_entries * self.block_size:
-            raise ValueError(
-                f"token_count {token_count} exceeds the table's capacity of "
-                f"{num_entries * self.block_size} slots"
-            )
 
     def _check_available(self, num_blocks: int) -> None:
         """Rule: allocation is all-or-nothing; too few free blocks raises before any change."""
