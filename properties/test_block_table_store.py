@@ -581,6 +581,26 @@ def test_the_store_shape_is_checked() -> None:
     with pytest.raises(ValueError, match="token counts"):
         BlockTableStore(BlockManager(4, 2**15), 1, 2**16)
     BlockTableStore(BlockManager(2**16 - 1, 2**15), 1, 2**16 - 1)  # the largest that fits
+    # 2**31 - 1 is prime: only a block of that size makes a count or slot id exactly int32's
+    # largest, which fits.
+    store = BlockTableStore(BlockManager(1, 2**31 - 1), 1, 1)
+    store.add(0, 2**31 - 1)
+    assert store.token_count(0) == 2**31 - 1
+    with pytest.raises(TypeError, match="manager"):
+        BlockTableStore(spec_bm.BlockManager(4, 2), 1, 1)  # type: ignore[arg-type]
+
+
+def test_a_batch_is_an_immutable_value_that_shows_only_its_ids_and_rows() -> None:
+    """A :class:`SeqBatch` is kept across steps, so none of its fields can be reassigned, and
+    its repr is its ids and rows (not the store behind it)."""
+    store = BlockTableStore(BlockManager(8, 2), 4, 4)
+    store.add(5, 1)
+    store.add(7, 1)
+    batch = store.batch([7, 5])
+    for name in ("seq_ids", "rows", "_base", "_store", "_epoch"):
+        with pytest.raises(AttributeError):  # FrozenInstanceError is an AttributeError
+            setattr(batch, name, getattr(batch, name))
+    assert repr(batch) == "SeqBatch(seq_ids=(7, 5), rows=array([1, 0]))"
 
 
 def test_admit_refuses_a_prompt_longer_than_a_row() -> None:
