@@ -34,7 +34,8 @@ from pagedkv.impl.blocks.manager import BlockManager
 from pagedkv.impl.blocks.prefix_cache import PrefixCachingBlockManager
 from pagedkv.impl.blocks.table_store import PAD, BlockTableStore, CapacityError, SeqBatch
 
-SEQ_IDS = st.integers(0, 11)
+MAX_SEQ_ID = 11
+SEQ_IDS = st.integers(0, MAX_SEQ_ID)
 
 
 def padded_table(table: list[int | None]) -> list[int]:
@@ -432,7 +433,11 @@ class StoreMachine(RuleBasedStateMachine):
 
         The pending pairs are read from copies, so the invariant changes nothing."""
         store = self.store
-        assert sorted(store.seq_ids) == sorted(self.seqs)
+        assert sorted(store.seq_ids) == sorted(self.seqs) and len(store) == len(self.seqs)
+        assert (store.max_seqs, store.max_blocks_per_seq) == (self.max_seqs, self.max_blocks)
+        for seq_id in range(MAX_SEQ_ID + 1):
+            assert (seq_id in store) == (seq_id in self.seqs)
+        assert True not in store and "0" not in store  # only plain ints are ids
         expected_rows = np.full((self.max_seqs, self.max_blocks), -1)
         for seq_id, (table, count) in self.seqs.items():
             assert store.table(seq_id) == table

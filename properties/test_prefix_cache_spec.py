@@ -120,6 +120,21 @@ def test_caching_other_tokens_into_a_cached_block_is_refused() -> None:
         manager.allocate_prompt("1234")
 
 
+def test_other_tokens_before_a_cached_block_are_refused() -> None:
+    """A key covers its block's whole prefix. Here a table's first block is an uncached
+    duplicate and its second is cached; registering it again with other tokens in the first
+    block names another key for the second: ``BlockTableError``, and nothing changes."""
+    manager = PrefixCachingBlockManager(8, 2)
+    a, _ = manager.allocate_prompt([1, 2, 3, 4, 0])
+    b, _ = manager.allocate_prompt([1, 2, 5, 6, 0])  # computed concurrently: no hit yet
+    manager.cache_blocks(a, [1, 2, 3, 4, 0])
+    assert manager.cache_blocks(b, [1, 2, 5, 6, 0]) == 1  # b[0] duplicates a[0]: uncached
+    with pytest.raises(BlockTableError, match="cached with other tokens"):
+        manager.cache_blocks(b, [7, 8, 5, 6, 0])
+    assert manager.key_of(b[0]) is None and manager.num_cached_blocks == 3
+    assert manager.lookup([1, 2, 5, 6, 0]) == [a[0], b[1]]
+
+
 def test_duplicate_content_keeps_one_cached_copy() -> None:
     manager = PrefixCachingBlockManager(10, 4)
     a, _ = manager.allocate_prompt([1, 2, 3, 4, 0])
