@@ -106,8 +106,16 @@ EQUIVALENT: dict[str, str] = {
         "flagging more rows tail-shared only routes their next growth through grow's general "
         "path, which decides the same growth (the flag is conservative by design)"
     ),
-    "impl/blocks/table_store.py::SeqBatch::False->True#1": (
-        "field(repr=True): only a batch's repr shows its row offsets, and nothing reads it"
+    "impl/blocks/table_store.py::SeqBatch::False->True#4": (
+        "eq=True: no batch is ever compared or hashed"
+    ),
+    "impl/blocks/table_store.py::SeqBatch::True->False#2": (
+        "slots=False: only the instance's memory layout changes; nothing reads __dict__ or "
+        "__slots__"
+    ),
+    "impl/blocks/table_store.py::BlockTableStore.__init__::0->1#1": (
+        "an epoch that starts at 1: a batch's epoch is only compared for equality with its own "
+        "store's, and every remove bumps it"
     ),
     "impl/blocks/table_store.py::BlockTableStore.__init__::0->1#2": (
         "a tail-shared count that starts at 1 never reaches 0, so every growth takes grow's "
@@ -168,6 +176,22 @@ EQUIVALENT: dict[str, str] = {
     "impl/blocks/prefix_cache.py::check_tokens::GtE->Gt#1": (
         "tokens with a 0 then take the per-token check, which returns the same ints (the fast "
         "path is an optimization)"
+    ),
+    "impl/blocks/prefix_cache.py::check_tokens::0->1#1": (
+        "min(token_ids) >= 1: tokens with a 0 then take the per-token check, which returns the "
+        "same ints (the fast path is an optimization)"
+    ),
+    "impl/blocks/prefix_cache.py::PrefixCachingBlockManager.register_table_blocks::True->False#1": (
+        "zip(..., strict=False): both callers pass one key per block, sliced alike"
+    ),
+    "impl/blocks/prefix_cache.py::PrefixCachingBlockManager.register_table_blocks::True->False#2": (
+        "zip(..., strict=False): the blocks, their keys and the keys' holders have one entry "
+        "per block by construction"
+    ),
+    "impl/blocks/prefix_cache.py::PrefixCachingBlockManager.take_blocks::And->Or#1": (
+        "evicted or enable_kv_events: with events off the evicted keys are removed in queue "
+        "order instead of set order, which leaves the same key maps; with events on and none "
+        "evicted the list is empty either way"
     ),
     "spec/block_manager.py::BlockManager._check_live_table::Gt->GtE#1": MESSAGE_ONLY,
     "spec/block_manager.py::BlockManager._check_live_table::1->2#1": MESSAGE_ONLY,

@@ -11,7 +11,7 @@ import ast
 import subprocess
 import sys
 
-from properties.mutation import ROOT, apply, module_name, mutants_of, sites
+from properties.mutation import EQUIVALENT, ROOT, apply, module_name, mutants_of, sites
 
 EXAMPLE = '''
 def f(x: int = 1) -> bool:
@@ -61,3 +61,11 @@ def test_a_sample_of_spec_mutants_is_killed() -> None:
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "6 mutants run" in result.stdout
+
+
+def test_every_recorded_equivalent_names_a_mutant_of_its_file() -> None:
+    """An entry of ``EQUIVALENT`` whose id no longer names a mutant (its function was edited or
+    renamed) would label nothing, or the wrong mutant if the numbering moved onto another."""
+    paths = {ident.split("::")[0] for ident in EQUIVALENT}
+    idents = {mutant.ident for path in paths for mutant in mutants_of(path)}
+    assert sorted(set(EQUIVALENT) - idents) == []
