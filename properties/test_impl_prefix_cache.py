@@ -32,7 +32,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import pagedkv.spec.prefix_cache as spec_pc
 import properties.test_prefix_cache_spec as spec_scenarios
 from pagedkv.impl.blocks.manager import BlockManager
-from pagedkv.impl.blocks.prefix_cache import PrefixCachingBlockManager
+from pagedkv.impl.blocks.prefix_cache import PrefixCacheStats, PrefixCachingBlockManager
 from pagedkv.impl.blocks.table_store import BlockTableStore, CapacityError
 from pagedkv.spec import BlockTableError, OutOfBlocksError, blocks_needed
 from properties.prefix_cache_machine import (
@@ -673,7 +673,8 @@ def test_store_with_a_plain_manager_caches_nothing() -> None:
     reference.add(2, 5)
     assert plain.tables.tolist() == reference.tables.tolist()
     assert plain.manager.free_block_ids() == reference.manager.free_block_ids()
-    assert plain.prefix_cache_stats is None
+    assert plain.prefix_cache_stats is None and plain.take_prefix_cache_stats() is None
+    assert plain.take_kv_events() == [] and plain.reset_prefix_cache() is True
     for call, args, error in [
         (plain.add_prompt, (3, "12345"), TypeError),
         (plain.add_prompt, (3, [1, -1]), ValueError),
@@ -687,6 +688,21 @@ def test_store_with_a_plain_manager_caches_nothing() -> None:
         with pytest.raises(error):
             call(*args)
     assert plain.tables.tolist() == reference.tables.tolist()
+
+
+def test_store_hands_on_the_managers_events_stats_and_reset() -> None:
+    """The store's event, counter and reset calls are its prefix-caching manager's."""
+    store = BlockTableStore(PrefixCachingBlockManager(8, 2, enable_kv_events=True), 2, 4)
+    store.add_prompt(0, [1, 2, 3])
+    assert store.cache_blocks(0, [1, 2, 3]) == 1
+    assert [type(event).__name__ for event in store.take_kv_events()] == ["BlockStored"]
+    assert store.take_kv_events() == []
+    assert store.take_prefix_cache_stats() == PrefixCacheStats(queried_blocks=1)
+    assert store.reset_prefix_cache() is False  # a block is held
+    store.remove([0])
+    assert store.reset_prefix_cache() is True and store.manager.num_cached_blocks == 0
+    assert [type(event).__name__ for event in store.take_kv_events()] == ["AllBlocksCleared"]
+    assert store.take_prefix_cache_stats() == PrefixCacheStats(resets=1)
 
 
 def test_store_prefix_lifecycle() -> None:
