@@ -692,3 +692,18 @@ def test_a_write_into_a_cached_block_a_truncate_left_alone_removes_its_key() -> 
     assert store.pop_copy_pairs().tolist() == []
     longer = [*prompt, 5]  # a prompt that may hit both blocks
     assert manager.lookup(longer) == spec.lookup(longer) == spec_table[:1]
+
+
+def test_add_and_admit_check_their_counts() -> None:
+    """A bad ``prompt_len`` or ``headroom`` is a typed error naming it, changing nothing; and
+    an ``admit`` without a headroom may take the last free blocks."""
+    for manager in (BlockManager(2, 2), PrefixCachingBlockManager(2, 2)):
+        store = BlockTableStore(manager, 2, 4)
+        for bad, error in ((-1, ValueError), (1.5, TypeError), (True, TypeError)):
+            with pytest.raises(error, match="prompt_len"):
+                store.add(0, bad)  # type: ignore[arg-type]
+            with pytest.raises(error, match="headroom"):
+                store.admit(0, [1, 2], bad)  # type: ignore[arg-type]
+        assert len(store) == 0 and manager.num_free_blocks == 2
+        assert store.admit(0, [1, 2, 3, 4]) == 0
+        assert store.table(0) == [0, 1] and manager.num_free_blocks == 0
