@@ -173,14 +173,6 @@ EQUIVALENT: dict[str, str] = {
     "impl/blocks/prefix_cache.py::PromptPlan::False->True#1": (
         "eq=True: no plan is ever compared or hashed"
     ),
-    "impl/blocks/prefix_cache.py::check_tokens::GtE->Gt#1": (
-        "tokens with a 0 then take the per-token check, which returns the same ints (the fast "
-        "path is an optimization)"
-    ),
-    "impl/blocks/prefix_cache.py::check_tokens::0->1#1": (
-        "min(token_ids) >= 1: tokens with a 0 then take the per-token check, which returns the "
-        "same ints (the fast path is an optimization)"
-    ),
     "impl/blocks/prefix_cache.py::PrefixCachingBlockManager.register_table_blocks::True->False#1": (
         "zip(..., strict=False): both callers pass one key per block, sliced alike"
     ),

@@ -32,7 +32,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import pagedkv.spec.prefix_cache as spec_pc
 import properties.test_prefix_cache_spec as spec_scenarios
 from pagedkv.impl.blocks.manager import BlockManager
-from pagedkv.impl.blocks.prefix_cache import PrefixCacheStats, PrefixCachingBlockManager
+from pagedkv.impl.blocks.prefix_cache import (
+    PrefixCacheStats,
+    PrefixCachingBlockManager,
+    check_tokens,
+)
 from pagedkv.impl.blocks.table_store import BlockTableStore, CapacityError
 from pagedkv.spec import BlockTableError, OutOfBlocksError, blocks_needed
 from properties.prefix_cache_machine import (
@@ -657,6 +661,16 @@ class WindowPrefixStoreMachine(PrefixStoreMachine, WindowStoreMachine):
 
 
 TestWindowPrefixStore = WindowPrefixStoreMachine.TestCase
+
+
+@pytest.mark.parametrize("tokens", [[0], [3, 0, 1], (0, 2), [5]])
+def test_valid_tokens_are_returned_without_a_copy(tokens: list[int] | tuple[int, ...]) -> None:
+    """Plain non-negative ints, 0 among them, come back as the very argument; with an int
+    subclass among them, as a new list of the same tokens."""
+    assert check_tokens(tokens) is tokens
+    mixed = [*tokens, IntSubclass(4)]
+    checked = check_tokens(mixed)
+    assert checked == mixed and checked is not mixed
 
 
 def test_store_with_a_plain_manager_caches_nothing() -> None:

@@ -59,7 +59,9 @@ HashFn = Callable[[BlockKey | None, tuple[int, ...], Hashable], int]
 
 
 def check_tokens(token_ids: object) -> Sequence[int]:
-    """Rule (the spec's): token ids are a list or tuple of non-negative ints. Returns them.
+    """Rule (the spec's): token ids are a list or tuple of non-negative ints. Returns them: the
+    argument itself, not a copy, when it holds tokens and all are plain ints (a long prompt is
+    not copied); otherwise a new list of the same tokens.
 
     The common case is checked in C; otherwise each token is checked in order, so the first bad
     one decides between ``TypeError`` and ``ValueError`` as in the spec.
