@@ -609,11 +609,25 @@ def test_a_batch_is_an_immutable_value_that_shows_only_its_ids_and_rows() -> Non
 
 
 def test_admit_refuses_a_prompt_longer_than_a_row() -> None:
-    """A plain store's admit checks the row width before it takes a block."""
-    store = BlockTableStore(BlockManager(8, 2), 2, 2)
-    with pytest.raises(CapacityError):
-        store.admit(0, [1, 2, 3, 4, 5])
-    assert store.num_free_blocks == 8 and 0 not in store
+    """Admit checks the row width before it takes a block, with or without prefix caching."""
+    for manager in (BlockManager(8, 2), PrefixCachingBlockManager(8, 2)):
+        store = BlockTableStore(manager, 2, 2)
+        with pytest.raises(CapacityError):
+            store.admit(0, [1, 2, 3, 4, 5])
+        assert store.num_free_blocks == 8 and 0 not in store
+
+
+def test_a_refused_prompt_retried_with_another_salt_is_planned_again() -> None:
+    """Admit keeps a refused prompt's keys for a retry with the same tokens and extra key; a
+    retry with another extra key (a cache salt) must not reuse them: its hits are its own."""
+    manager = PrefixCachingBlockManager(8, 2)
+    store = BlockTableStore(manager, 3, 4)
+    prompt = [1, 2, 3, 4, 5]
+    store.add_prompt(0, prompt, "a")
+    store.cache_blocks(0, prompt, "a")
+    assert store.admit(1, prompt, headroom=8, extra_key="b") is None  # refused: keys kept
+    assert store.admit(1, prompt, extra_key="a") == 4  # salt a's two blocks hit
+    assert store.table(1)[:2] == store.table(0)[:2]
 
 
 def test_cache_blocks_refuses_tokens_that_are_not_a_list() -> None:
