@@ -129,6 +129,11 @@ EQUIVALENT: dict[str, str] = {
         "zip(..., strict=False): the ids, counts and token counts have one entry per sequence "
         "by construction"
     ),
+    "impl/blocks/table_store.py::BlockTableStore.truncate::Gt->GtE#2": MESSAGE_ONLY,
+    "impl/blocks/table_store.py::BlockTableStore.truncate::True->False#2": (
+        "zip(..., strict=False): the cut rows' indices and their last blocks are read from "
+        "the same rows"
+    ),
     "impl/blocks/table_store.py::BlockTableStore.truncate::Gt->GtE#3": (
         "cutting a sequence's key state at the count it already holds keeps every key; it "
         "only drops the unkeyed tokens of a partial block, which the next cache_blocks checks "

@@ -721,3 +721,44 @@ def test_add_and_admit_check_their_counts() -> None:
         assert len(store) == 0 and manager.num_free_blocks == 2
         assert store.admit(0, [1, 2, 3, 4]) == 0
         assert store.table(0) == [0, 1] and manager.num_free_blocks == 0
+
+
+def test_cache_blocks_under_another_extra_key_starts_over_as_the_spec() -> None:
+    """The store keys a sequence's blocks incrementally, for one extra key. A call with
+    another extra key (a cache salt) names other keys for blocks already cached: the spec's
+    ``BlockTableError``, changing nothing."""
+    prompt = [1, 2, 3, 4, 5]
+    manager = PrefixCachingBlockManager(8, 2)
+    store = BlockTableStore(manager, 2, 4)
+    spec = spec_pc.PrefixCachingBlockManager(8, 2)
+    store.add_prompt(0, prompt, "a")
+    table, _ = spec.allocate_prompt(prompt, "a")
+    store.grow([0])
+    table = spec.append_slot(table, 6)
+    assert store.cache_blocks(0, prompt, "a") == spec.cache_blocks(table, prompt, "a") == 2
+    for manager_under_test, call in (
+        (spec, lambda: spec.cache_blocks(table, [*prompt, 6], "b")),
+        (manager, lambda: store.cache_blocks(0, [*prompt, 6], "b")),
+    ):
+        with pytest.raises(spec_bm.BlockTableError, match="cached with other tokens"):
+            call()
+        assert manager_under_test.num_cached_blocks == 2
+
+
+def test_a_block_left_uncached_is_registered_once_its_other_copy_is_evicted() -> None:
+    """Two prompts computed at once share a first block's content: the second's copy stays
+    uncached. Once the first copy is evicted, the second sequence's next registration caches
+    its copy, as the spec's walk over every block does; the prefix hits again."""
+    manager = PrefixCachingBlockManager(4, 2)
+    store = BlockTableStore(manager, 2, 4)
+    store.add_prompt(0, [1, 2, 3])
+    store.add_prompt(1, [1, 2, 4])  # no hit yet: computed concurrently
+    assert store.cache_blocks(0, [1, 2, 3]) == 1
+    assert store.cache_blocks(1, [1, 2, 4]) == 0  # its block 0 duplicates sequence 0's
+    kept = store.table(1)[0]
+    store.remove([0])  # sequence 0's blocks join the queue, block 0 still cached
+    store.add(2, 4)  # takes both: block 0's key is evicted
+    assert manager.key_of(kept) is None and manager.num_cached_blocks == 0
+    store.grow([1])
+    assert store.cache_blocks(1, [1, 2, 4, 5]) == 2  # block 0 retried, block 1 new
+    assert manager.lookup([1, 2, 4, 5, 6]) == store.table(1)

@@ -351,7 +351,9 @@ class BlockTableStore:
         full = len(token_ids) // bs
         keys = state.keys + new_keys if new_keys else state.keys
         held = int(self._num_released[row])  # released entries lead and hold nothing: skipped
-        indices = [i for i in state.retry if held <= i < full]
+        # Ascending and below full: retry holds keyed blocks (below done), and a call that
+        # extends the keyed tokens has full >= len(state.keys) >= done.
+        indices = [i for i in state.retry if i >= held]
         indices += range(max(state.done, held), full)
         blocks = self._tables[row].take(indices).tolist()
         newly_cached, skipped = self._prefix.register_table_blocks(
@@ -360,8 +362,8 @@ class BlockTableStore:
         # Registered: record what the keys now cover (in place: O(new blocks)).
         state.tokens.extend(token_ids[len(state.tokens) : len(keys) * bs])
         state.keys = keys
-        state.retry = sorted([indices[i] for i in skipped] + [i for i in state.retry if i >= full])
-        state.done = max(state.done, full)
+        state.retry = [indices[i] for i in skipped]  # ascending, as indices are
+        state.done = full
         self._keys[seq_id] = state
         return newly_cached
 
