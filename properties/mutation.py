@@ -134,6 +134,9 @@ EQUIVALENT: dict[str, str] = {
         "zip(..., strict=False): the cut rows' indices and their last blocks are read from "
         "the same rows"
     ),
+    "impl/blocks/table_store.py::BlockTableStore.truncate::True->False#3": (
+        "zip(..., strict=False): the counts are broadcast to one per sequence"
+    ),
     "impl/blocks/table_store.py::BlockTableStore.truncate::Gt->GtE#3": (
         "cutting a sequence's key state at the count it already holds keeps every key; it "
         "only drops the unkeyed tokens of a partial block, which the next cache_blocks checks "
