@@ -7,7 +7,10 @@ of ``--repeats`` interleaved runs, after a warm-up of each), their ratio, whethe
 tokens equal ``generate``'s, and the engine's decode step at full batch split into model math,
 attention (``PagedStep.attend``: every layer's K/V store and attention, ``kernels.sdpa`` on the
 CPU) and bookkeeping (the rest of ``engine.step()``: scheduling, tables, validation, slot
-mapping, the step's attention plan, sampling, metrics).
+mapping, the step's attention plan, sampling, metrics). It also times each side's first token
+of every prompt (a run of one new token: inputs, prefill, first sampling), and from it and the
+median run each side's decode step, and the longest engine decode step at which the engine
+would make :data:`TARGET_RATIO` times ``generate``'s tokens/s.
 ``test_engine_against_hf_smoke`` runs a small version as a test.
 
 ``--vllm`` adds vLLM's CPU engine (vLLM 0.32 in ``.venv-vllm``; ``python -m properties.vllm_env
