@@ -137,6 +137,13 @@ EQUIVALENT: dict[str, str] = {
     "impl/blocks/table_store.py::BlockTableStore.truncate::True->False#3": (
         "zip(..., strict=False): the counts are broadcast to one per sequence"
     ),
+    "impl/blocks/table_store.py::BlockTableStore.truncate::delete-Expr#5": (
+        "the cut rows keep their tail-shared flags from before: the flag only routes a row's "
+        "next growth through grow's general path, which decides the same growth"
+    ),
+    "impl/blocks/table_store.py::BlockTableStore.grow::True->False#1": (
+        "zip(..., strict=False): the plan has one verdict per sequence of the batch"
+    ),
     "impl/blocks/table_store.py::BlockTableStore.truncate::Gt->GtE#3": (
         "cutting a sequence's key state at the count it already holds keeps every key; it "
         "only drops the unkeyed tokens of a partial block, which the next cache_blocks checks "

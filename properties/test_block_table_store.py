@@ -762,3 +762,55 @@ def test_a_block_left_uncached_is_registered_once_its_other_copy_is_evicted() ->
     store.grow([1])
     assert store.cache_blocks(1, [1, 2, 4, 5]) == 2  # block 0 retried, block 1 new
     assert manager.lookup([1, 2, 4, 5, 6]) == store.table(1)
+
+
+def test_a_rollback_then_the_same_tokens_on_reused_blocks_caches_them_again() -> None:
+    """A truncate cuts the sequence's own block keys to its kept full blocks. Here the dropped
+    blocks are the only free ones, so the regrowth takes them back and evicts their keys; a
+    registration of the same tokens must then cache them again, as the spec's does."""
+    tokens = [1, 2, 3, 4, 5, 6]
+    manager = PrefixCachingBlockManager(3, 2)
+    store = BlockTableStore(manager, 1, 3)
+    spec = spec_pc.PrefixCachingBlockManager(3, 2)
+    store.add_prompt(0, tokens)
+    table, _ = spec.allocate_prompt(tokens)
+    assert store.cache_blocks(0, tokens) == spec.cache_blocks(table, tokens) == 3
+    store.truncate([0], 2)
+    table = spec.truncate(table, 2)
+    store.grow([0], 4)
+    table = spec.append_slot(table, 6, 4)
+    assert store.table(0) == table
+    assert store.cache_blocks(0, tokens) == spec.cache_blocks(table, tokens) == 2
+    assert manager.num_cached_blocks == spec.num_cached_blocks == 3
+
+
+def test_batch_and_slot_mapping_arguments_are_checked() -> None:
+    """A batch is made of a 1-D integer array or a list; its rows, and the live batch's, are
+    read-only; ``slot_mapping`` checks ``pad_to`` and refuses a sequence with no token."""
+    store = BlockTableStore(BlockManager(8, 2), 3, 4)
+    store.add(0, 3)
+    store.add(1, 0)
+    for bad in (np.array([[0]]), np.array([0.0]), np.array([True])):
+        with pytest.raises(TypeError, match="seq_ids"):
+            store.batch(bad)
+    for batch in (store.batch(np.array([0])), store.resolve(None)):
+        with pytest.raises(ValueError, match="read-only"):
+            batch.rows[0] = 2
+    for bad, error in ((-1, ValueError), (True, TypeError), (1.0, TypeError)):
+        with pytest.raises(error, match="pad_to must be"):
+            store.slot_mapping([0], 1, pad_to=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_tokens exceeds"):
+        store.slot_mapping([1])  # the default: each sequence's last position
+    assert store.slot_mapping([0]).tolist() == [2]
+
+
+def test_default_growth_is_one_token_and_not_atomic() -> None:
+    """``grow`` and ``grow_or_preempt`` add one token by default, and a default ``grow`` still
+    grows the sequences that fit when another cannot."""
+    store = BlockTableStore(BlockManager(3, 2), 3, 4)
+    store.add(0, 2)
+    store.add(1, 2)
+    assert store.grow([0, 1]) == [1]  # one free block: sequence 0 takes it
+    assert [store.token_count(s) for s in (0, 1)] == [3, 2]
+    assert store.grow_or_preempt([0]) == []
+    assert store.token_count(0) == 4
