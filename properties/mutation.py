@@ -157,6 +157,21 @@ EQUIVALENT: dict[str, str] = {
         "a count of 0 then takes the general check, which returns the same 0 (the fast path "
         "is an optimization)"
     ),
+    "impl/blocks/table_store.py::BlockTableStore._token_array::0->1#1": (
+        "a count of 0 then takes the general check, which returns the same 0 (the fast path "
+        "is an optimization)"
+    ),
+    "impl/blocks/table_store.py::BlockTableStore._token_array::LtE->Lt#2": (
+        "a count of int32's largest then takes the general check, which returns it too (the "
+        "fast path is an optimization)"
+    ),
+    "impl/blocks/table_store.py::BlockTableStore._token_array::0->1#3": (
+        "counts with a 0 then take the per-count check, which accepts them (the fast path is "
+        "an optimization)"
+    ),
+    "impl/blocks/table_store.py::BlockTableStore.slot_mapping::False->True#1": (
+        "astype(copy=True): the slots are a new array already; a copy holds the same values"
+    ),
     "impl/blocks/table_store.py::BlockTableStore._token_array::Lt->LtE#1": (
         "counts with a 0 then take the per-count check, which accepts them (the fast path is "
         "an optimization)"

@@ -33,6 +33,7 @@ from pagedkv.impl.blocks import page_tables
 from pagedkv.impl.blocks.manager import BlockManager
 from pagedkv.impl.blocks.prefix_cache import PrefixCachingBlockManager
 from pagedkv.impl.blocks.table_store import PAD, BlockTableStore, CapacityError, SeqBatch
+from properties.test_impl_differential import IntSubclass
 
 MAX_SEQ_ID = 11
 SEQ_IDS = st.integers(0, MAX_SEQ_ID)
@@ -654,13 +655,10 @@ def test_cache_blocks_skips_blocks_released_before_they_were_cached() -> None:
 def test_an_int_subclass_count_is_the_int_it_equals() -> None:
     """As the spec's ``check_int`` takes it: an int subclass of 0 grows by nothing."""
 
-    class Count(int):
-        pass
-
     store = BlockTableStore(BlockManager(8, 2), 2, 4)
     store.add(0, 3)
-    store.grow([0], Count(0))
-    store.grow([0], Count(1))
+    store.grow([0], IntSubclass(0))
+    store.grow([0], IntSubclass(1))
     assert store.token_count(0) == 4 and store.table(0) == [0, 1]
 
 
@@ -814,3 +812,56 @@ def test_default_growth_is_one_token_and_not_atomic() -> None:
     assert [store.token_count(s) for s in (0, 1)] == [3, 2]
     assert store.grow_or_preempt([0]) == []
     assert store.token_count(0) == 4
+
+
+def test_token_counts_are_checked_as_an_int_or_one_per_sequence() -> None:
+    """``grow``, ``truncate`` and ``slot_mapping`` take one count for all or one per sequence:
+    a count array must be 1-D integers, a list one entry per sequence, and no count beyond
+    int32 (``CapacityError``, even where a smaller count would be another error)."""
+    store = BlockTableStore(BlockManager(8, 2), 2, 4)
+    store.add(0, 3)
+    store.add(1, 1)
+    for bad in (np.array([[1, 1]]), np.array([1.0, 1.0])):
+        with pytest.raises(TypeError, match="new_tokens must be an int or a 1-D integer array"):
+            store.grow([0, 1], bad)
+    with pytest.raises(ValueError, match="token_counts has 1 entries for 2 sequences"):
+        store.truncate([0, 1], [1])
+    with pytest.raises(CapacityError, match="token_counts"):
+        store.truncate([0], 2**31)
+    with pytest.raises(CapacityError, match="token_counts"):
+        store.truncate([0], [2**31])
+    with pytest.raises(ValueError, match="do not fit pad_to=1"):
+        store.slot_mapping([0, 1], 1, pad_to=1)
+    assert [store.token_count(s) for s in (0, 1)] == [3, 1]
+
+
+def test_counts_of_int32s_largest_are_taken() -> None:
+    """Int32's largest count, given as an int subclass or in a list, is a count like any other
+    (a block of that size holds it)."""
+    for count in (IntSubclass(2**31 - 1), [2**31 - 1]):
+        store = BlockTableStore(BlockManager(1, 2**31 - 1), 1, 1)
+        store.add(0, 0)
+        assert store.grow([0], count) == []  # type: ignore[arg-type]
+        assert store.token_count(0) == 2**31 - 1
+
+
+def test_the_live_batch_maps_the_slots_its_ids_map() -> None:
+    """``None`` (every live sequence) resolves to the same rows and offsets as its ids."""
+    store = BlockTableStore(BlockManager(16, 2), 3, 4)
+    for seq_id, count in ((4, 5), (2, 3), (9, 7)):
+        store.add(seq_id, count)
+    assert store.slot_mapping(None, 2).tolist() == store.slot_mapping([4, 2, 9], 2).tolist()
+
+
+def test_a_prompt_registered_with_other_tokens_than_planned_is_keyed_by_them() -> None:
+    """``cache_blocks`` is told what the K/V holds; when that differs from the admitted
+    prompt in a full block, the blocks are keyed by what it is told, as the spec keys them."""
+    prompt, written = [1, 2, 3, 4, 5], [1, 2, 9, 4, 5]
+    manager = PrefixCachingBlockManager(8, 2)
+    store = BlockTableStore(manager, 1, 4)
+    spec = spec_pc.PrefixCachingBlockManager(8, 2)
+    store.add_prompt(0, prompt)
+    table, _ = spec.allocate_prompt(prompt)
+    assert store.cache_blocks(0, written) == spec.cache_blocks(table, written) == 2
+    for tokens in ([*prompt, 0], [*written, 0]):
+        assert manager.lookup(tokens) == spec.lookup(tokens)
