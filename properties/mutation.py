@@ -198,6 +198,14 @@ EQUIVALENT: dict[str, str] = {
         "rows.size != 0 sends every non-empty batch to grow's general path, which decides the "
         "same growth (the decode path is an optimization)"
     ),
+    "impl/blocks/table_store.py::BlockTableStore._grow_decode::Gt->GtE#1": (
+        "with exactly as many sequences at a boundary as free blocks the decode path declines "
+        "and grow's general path decides the same growth (the decode path is an optimization)"
+    ),
+    "impl/blocks/table_store.py::BlockTableStore._growth::True->False#1": (
+        "zip(..., strict=False): the batch's ids and the blocks they need have one entry per "
+        "sequence"
+    ),
     "impl/blocks/table_store.py::BlockTableStore._grow_decode::1->2#3": (
         "reshape(-2): numpy infers a dimension given any negative size, so it is the same flat view"
     ),
