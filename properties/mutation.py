@@ -198,6 +198,14 @@ EQUIVALENT: dict[str, str] = {
         "rows.size != 0 sends every non-empty batch to grow's general path, which decides the "
         "same growth (the decode path is an optimization)"
     ),
+    "impl/blocks/table_store.py::BlockTableStore._release_rows::Gt->GtE#1": (
+        "rows.size >= 1 in the elif: a single row already took the branch before it"
+    ),
+    "impl/blocks/table_store.py::BlockTableStore._keyed_in_place::BitAnd->BitOr#2": (
+        "candidates | isin(last, cached): cached holds only candidates' last blocks, and a "
+        "row whose last block is a candidate's shares it, so it writes no block in place and "
+        "is no candidate: no other row can match"
+    ),
     "impl/blocks/table_store.py::BlockTableStore._grow_decode::Gt->GtE#1": (
         "with exactly as many sequences at a boundary as free blocks the decode path declines "
         "and grow's general path decides the same growth (the decode path is an optimization)"

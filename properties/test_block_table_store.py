@@ -865,3 +865,32 @@ def test_a_prompt_registered_with_other_tokens_than_planned_is_keyed_by_them() -
     assert store.cache_blocks(0, written) == spec.cache_blocks(table, written) == 2
     for tokens in ([*prompt, 0], [*written, 0]):
         assert manager.lookup(tokens) == spec.lookup(tokens)
+
+
+def test_a_general_path_growth_keeps_the_keys_of_blocks_it_does_not_write() -> None:
+    """A truncate into a shared cached block sends the batch's next growth down grow's general
+    path, which removes a key only from a cached block written in place (here sequence 0's,
+    once its other holder is gone). Another sequence of the batch whose full, cached last
+    block stays as it is (it grows into a fresh block) keeps that block's key, as the spec
+    does."""
+    manager = PrefixCachingBlockManager(10, 2)
+    store = BlockTableStore(manager, 3, 4)
+    spec = spec_pc.PrefixCachingBlockManager(10, 2)
+    tables = {}
+    for seq_id, prompt in ((0, [1, 2, 3, 4]), (1, [1, 2, 3, 4, 5]), (2, [7, 8, 9, 10])):
+        store.add_prompt(seq_id, prompt)
+        tables[seq_id], _ = spec.allocate_prompt(prompt)
+        store.cache_blocks(seq_id, prompt)
+        spec.cache_blocks(tables[seq_id], prompt)
+    store.truncate([0], 3)  # into block 1, which sequence 1 shares
+    tables[0] = spec.truncate(tables[0], 3)
+    store.remove([1])  # block 1 is sequence 0's alone now: its next write is in place
+    spec.free(tables.pop(1))
+    store.grow([0, 2])
+    tables[0] = spec.append_slot(tables[0], 4)
+    tables[2] = spec.append_slot(tables[2], 5)
+    for seq_id, table in tables.items():
+        assert store.table(seq_id) == table
+    for tokens in ([1, 2, 3, 4, 0], [7, 8, 9, 10, 0]):
+        assert manager.lookup(tokens) == spec.lookup(tokens)
+    assert manager.lookup([7, 8, 9, 10, 0]) == tables[2][:2]
