@@ -206,6 +206,10 @@ EQUIVALENT: dict[str, str] = {
         "row whose last block is a candidate's shares it, so it writes no block in place and "
         "is no candidate: no other row can match"
     ),
+    "impl/blocks/table_store.py::BlockTableStore._clear_tail_shared::negate-if-test#1": (
+        "flags that are never cleared only route more growths through grow's general path, "
+        "which decides the same growth (the flag is conservative by design)"
+    ),
     "impl/blocks/table_store.py::BlockTableStore._grow_decode::Gt->GtE#1": (
         "with exactly as many sequences at a boundary as free blocks the decode path declines "
         "and grow's general path decides the same growth (the decode path is an optimization)"
