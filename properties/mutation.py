@@ -210,6 +210,10 @@ EQUIVALENT: dict[str, str] = {
         "flags that are never cleared only route more growths through grow's general path, "
         "which decides the same growth (the flag is conservative by design)"
     ),
+    "impl/blocks/table_store.py::BlockTableStore._apply_growth::0->1#3": (
+        "_take_fresh reads total only without keyed blocks; with them each sequence takes its "
+        "own count"
+    ),
     "impl/blocks/table_store.py::BlockTableStore._grow_decode::Gt->GtE#1": (
         "with exactly as many sequences at a boundary as free blocks the decode path declines "
         "and grow's general path decides the same growth (the decode path is an optimization)"

@@ -977,7 +977,8 @@ class BlockTableStore:
         if total:
             fresh = self._take_fresh(num_fresh, total, last, keyed)
             flat = self._tables.reshape(-1)  # a view
-            if total == np.count_nonzero(growth) and not shared.any():  # decode: <= 1 block each
+            # total counts the copies too, so this is: no copy, and at most one block each.
+            if total == np.count_nonzero(growth):
                 growing = growth.nonzero()[0]
                 flat[base.take(growing) + lengths.take(growing)] = fresh
             else:
