@@ -894,3 +894,21 @@ def test_a_general_path_growth_keeps_the_keys_of_blocks_it_does_not_write() -> N
     for tokens in ([1, 2, 3, 4, 0], [7, 8, 9, 10, 0]):
         assert manager.lookup(tokens) == spec.lookup(tokens)
     assert manager.lookup([7, 8, 9, 10, 0]) == tables[2][:2]
+
+
+def test_a_zero_token_growth_leaves_a_shared_tail_to_be_copied() -> None:
+    """A sequence given 0 new tokens in a batch grow writes nothing, so its partly filled last
+    block, still shared by a fork, must be copied at its next write, as the spec copies it."""
+    store = BlockTableStore(BlockManager(8, 2), 3, 4)
+    spec = spec_bm.BlockManager(8, 2)
+    store.add(0, 3)
+    table = spec.allocate(2)
+    store.fork(0, 1)
+    store.fork(0, 2)
+    forks = [spec.fork(table), spec.fork(table)]
+    store.grow([0, 1], [0, 1])  # sequence 1 copies the shared block; 0 and 2 still share it
+    forks[0] = spec.append_slot(forks[0], 4)
+    store.grow([0])
+    table = spec.append_slot(table, 4)
+    assert [store.table(s) for s in (0, 1, 2)] == [table, *forks]
+    assert store.pop_copy_pairs().tolist() == [list(pair) for pair in spec.pop_copy_pairs()]
