@@ -214,6 +214,21 @@ EQUIVALENT: dict[str, str] = {
         "_take_fresh reads total only without keyed blocks; with them each sequence takes its "
         "own count"
     ),
+    "impl/blocks/table_store.py::BlockTableStore._apply_growth::BitOr->BitAnd#2": (
+        "clearing the tail-shared flag of fewer rows only routes their next growth through "
+        "grow's general path, which decides the same growth"
+    ),
+    "impl/blocks/table_store.py::BlockTableStore._release_rows::delete-Expr#3": (
+        "a freed row keeps its tail-shared flag: the flag only routes its next sequence's "
+        "growth through grow's general path, which decides the same growth"
+    ),
+    "impl/blocks/table_store.py::BlockTableStore._grow_or_preempt_in_order::True->False#1": (
+        "zip(..., strict=False): one step per sequence of the batch by construction"
+    ),
+    "impl/blocks/table_store.py::BlockTableStore._grow_or_preempt_in_order::break->continue#1": (
+        "ids only shrink, so once an index is past them every later one is too: skipping "
+        "them one by one ends the loop with the same victims"
+    ),
     "impl/blocks/table_store.py::BlockTableStore._grow_decode::Gt->GtE#1": (
         "with exactly as many sequences at a boundary as free blocks the decode path declines "
         "and grow's general path decides the same growth (the decode path is an optimization)"

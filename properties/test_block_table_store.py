@@ -912,3 +912,17 @@ def test_a_zero_token_growth_leaves_a_shared_tail_to_be_copied() -> None:
     table = spec.append_slot(table, 4)
     assert [store.table(s) for s in (0, 1, 2)] == [table, *forks]
     assert store.pop_copy_pairs().tolist() == [list(pair) for pair in spec.pop_copy_pairs()]
+
+
+def test_a_removed_sequences_keys_do_not_outlive_it() -> None:
+    """A new sequence that reuses a removed one's id starts with no block keys: when it holds
+    the same tokens in blocks whose old keys were evicted, registering caches them again."""
+    tokens = [1, 2, 3, 4]
+    manager = PrefixCachingBlockManager(2, 2)
+    store = BlockTableStore(manager, 1, 2)
+    store.add_prompt(0, tokens)
+    assert store.cache_blocks(0, tokens) == 2
+    store.remove([0])
+    store.add(0, 4)  # takes both blocks back: their keys are evicted
+    assert manager.num_cached_blocks == 0
+    assert store.cache_blocks(0, tokens) == 2
