@@ -229,6 +229,28 @@ EQUIVALENT: dict[str, str] = {
         "ids only shrink, so once an index is past them every later one is too: skipping "
         "them one by one ends the loop with the same victims"
     ),
+    "impl/blocks/table_store.py::BlockTableStore._release_rows::Add->Sub#1": (
+        "an epoch that falls by one at each remove still takes a new value at each, which is "
+        "all a batch's epoch check needs"
+    ),
+    "impl/blocks/table_store.py::BlockTableStore._release_rows::1->2#5": (
+        "an epoch that rises by two at each remove still takes a new value at each, which is "
+        "all a batch's epoch check needs"
+    ),
+    "impl/blocks/table_store.py::BlockTableStore._apply_growth::0->1#5": (
+        "a row that grew by one block without writing its last keeps its tail-shared flag: the "
+        "flag only routes its next growth through grow's general path, which decides the same "
+        "growth"
+    ),
+    "impl/blocks/table_store.py::_SeqKeys.extends::Eq->NotEq#2": (
+        "the branches swapped compare a longer list whole, which fails: the registration then "
+        "starts over, which keys and registers the same blocks (the incremental path is an "
+        "optimization)"
+    ),
+    "impl/blocks/table_store.py::_SeqKeys.cut::delete-Delete#2": (
+        "the keyed tokens past the cut kept: a registration whose tokens differ there starts "
+        "over, one that repeats them extends the cut keys; both key the same blocks"
+    ),
     "impl/blocks/table_store.py::BlockTableStore._grow_decode::Gt->GtE#1": (
         "with exactly as many sequences at a boundary as free blocks the decode path declines "
         "and grow's general path decides the same growth (the decode path is an optimization)"
