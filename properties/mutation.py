@@ -251,6 +251,18 @@ EQUIVALENT: dict[str, str] = {
         "the keyed tokens past the cut kept: a registration whose tokens differ there starts "
         "over, one that repeats them extends the cut keys; both key the same blocks"
     ),
+    "impl/blocks/table_store.py::BlockTableStore._cut_rows::Lt->LtE#1": (
+        "kept <= lengths also enters the release for rows that drop nothing: an empty mask "
+        "releases no block"
+    ),
+    "impl/blocks/table_store.py::BlockTableStore._clear_tail_shared::False->True#1": (
+        "setting the flags it should clear only routes those rows' next growth through grow's "
+        "general path, which decides the same growth (the flag is conservative by design)"
+    ),
+    "impl/blocks/table_store.py::::drop-USub#2": (
+        "a 'nothing refused' sentinel with id 1 matches only sequence 1 retrying an empty "
+        "prompt without an extra key, whose keys are the empty tuple the sentinel holds"
+    ),
     "impl/blocks/table_store.py::BlockTableStore._grow_decode::Gt->GtE#1": (
         "with exactly as many sequences at a boundary as free blocks the decode path declines "
         "and grow's general path decides the same growth (the decode path is an optimization)"
