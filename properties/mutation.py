@@ -263,6 +263,14 @@ EQUIVALENT: dict[str, str] = {
         "a 'nothing refused' sentinel with id 1 matches only sequence 1 retrying an empty "
         "prompt without an extra key, whose keys are the empty tuple the sentinel holds"
     ),
+    "impl/blocks/table_store.py::BlockTableStore._apply_growth::1->2#1": (
+        "reshape(-2): numpy infers a dimension given any negative size, so it is the same flat view"
+    ),
+    "impl/blocks/table_store.py::BlockTableStore._apply_growth::negate-if-test#3": (
+        "flags left uncleared after a write only route those rows' next growth through grow's "
+        "general path, which decides the same growth; with no flag the clear does nothing"
+    ),
+    "impl/blocks/table_store.py::_repeats::In->NotIn#1": MESSAGE_ONLY,
     "impl/blocks/table_store.py::BlockTableStore._grow_decode::Gt->GtE#1": (
         "with exactly as many sequences at a boundary as free blocks the decode path declines "
         "and grow's general path decides the same growth (the decode path is an optimization)"
