@@ -237,6 +237,11 @@ EQUIVALENT: dict[str, str] = {
         "an epoch that rises by two at each remove still takes a new value at each, which is "
         "all a batch's epoch check needs"
     ),
+    "impl/blocks/table_store.py::BlockTableStore._apply_growth::0->1#4": (
+        "a row that grew by one block without writing its last keeps its tail-shared flag: the "
+        "flag only routes its next growth through grow's general path, which decides the same "
+        "growth"
+    ),
     "impl/blocks/table_store.py::BlockTableStore._apply_growth::0->1#5": (
         "a row that grew by one block without writing its last keeps its tail-shared flag: the "
         "flag only routes its next growth through grow's general path, which decides the same "
