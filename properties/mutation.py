@@ -242,6 +242,10 @@ EQUIVALENT: dict[str, str] = {
         "flag only routes its next growth through grow's general path, which decides the same "
         "growth"
     ),
+    "impl/blocks/table_store.py::BlockTableStore._apply_growth::delete-Expr#3": (
+        "flags never cleared after a write only route those rows' next growth through grow's "
+        "general path, which decides the same growth (the flag is conservative by design)"
+    ),
     "impl/blocks/table_store.py::BlockTableStore._apply_growth::0->1#5": (
         "a row that grew by one block without writing its last keeps its tail-shared flag: the "
         "flag only routes its next growth through grow's general path, which decides the same "

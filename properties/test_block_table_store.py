@@ -896,18 +896,27 @@ def test_a_general_path_growth_keeps_the_keys_of_blocks_it_does_not_write() -> N
     assert manager.lookup([7, 8, 9, 10, 0]) == tables[2][:2]
 
 
-def test_a_zero_token_growth_leaves_a_shared_tail_to_be_copied() -> None:
+@pytest.mark.parametrize("another_fails", [False, True])
+def test_a_zero_token_growth_leaves_a_shared_tail_to_be_copied(another_fails: bool) -> None:
     """A sequence given 0 new tokens in a batch grow writes nothing, so its partly filled last
-    block, still shared by a fork, must be copied at its next write, as the spec copies it."""
-    store = BlockTableStore(BlockManager(8, 2), 3, 4)
-    spec = spec_bm.BlockManager(8, 2)
+    block, still shared by a fork, must be copied at its next write, as the spec copies it;
+    whether the batch grew at once or, with ``another_fails``, in order with a sequence that
+    could not grow."""
+    store = BlockTableStore(BlockManager(4, 2), 4, 4)
+    spec = spec_bm.BlockManager(4, 2)
     store.add(0, 3)
     table = spec.allocate(2)
     store.fork(0, 1)
     store.fork(0, 2)
     forks = [spec.fork(table), spec.fork(table)]
-    store.grow([0, 1], [0, 1])  # sequence 1 copies the shared block; 0 and 2 still share it
+    store.add(3, 2)
+    other = spec.allocate(1)
+    ids, counts = ([0, 1, 3], [0, 1, 4]) if another_fails else ([0, 1], [0, 1])
+    # Sequence 1 copies the shared block (the last free one); 0 and 2 still share it.
+    assert store.grow(ids, counts) == ([3] if another_fails else [])
     forks[0] = spec.append_slot(forks[0], 4)
+    store.remove([3])
+    spec.free(other)
     store.grow([0])
     table = spec.append_slot(table, 4)
     assert [store.table(s) for s in (0, 1, 2)] == [table, *forks]
