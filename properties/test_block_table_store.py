@@ -935,3 +935,23 @@ def test_a_removed_sequences_keys_do_not_outlive_it() -> None:
     store.add(0, 4)  # takes both blocks back: their keys are evicted
     assert manager.num_cached_blocks == 0
     assert store.cache_blocks(0, tokens) == 2
+
+
+def test_after_a_rollback_other_tokens_in_a_kept_block_are_refused_as_the_spec() -> None:
+    """A truncate keeps the sequence's keys of its kept full blocks, with their tokens. A
+    registration that then names other tokens for a kept cached block is refused with the
+    spec's ``BlockTableError``, however few of the kept tokens differ."""
+    tokens = [1, 2, 3, 4, 5, 6]
+    manager = PrefixCachingBlockManager(4, 2)
+    store = BlockTableStore(manager, 1, 3)
+    spec = spec_pc.PrefixCachingBlockManager(4, 2)
+    store.add_prompt(0, tokens)
+    table, _ = spec.allocate_prompt(tokens)
+    store.cache_blocks(0, tokens)
+    spec.cache_blocks(table, tokens)
+    store.truncate([0], 4)
+    table = spec.truncate(table, 4)
+    other = [1, 2, 9, 4]  # block 1 named with another token
+    for call in (lambda: spec.cache_blocks(table, other), lambda: store.cache_blocks(0, other)):
+        with pytest.raises(spec_bm.BlockTableError, match="cached with other tokens"):
+            call()
