@@ -251,6 +251,10 @@ EQUIVALENT: dict[str, str] = {
         "flag only routes its next growth through grow's general path, which decides the same "
         "growth"
     ),
+    "impl/blocks/table_store.py::_SeqKeys::True->False#1": (
+        "slots=False: only the instance's memory layout changes; nothing reads __dict__ or "
+        "__slots__"
+    ),
     "impl/blocks/table_store.py::_SeqKeys.extends::Lt->LtE#1": (
         "a call with exactly the keyed tokens then starts over, which keys and registers the "
         "same blocks (the incremental path is an optimization)"

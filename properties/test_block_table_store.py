@@ -955,3 +955,22 @@ def test_after_a_rollback_other_tokens_in_a_kept_block_are_refused_as_the_spec()
     for call in (lambda: spec.cache_blocks(table, other), lambda: store.cache_blocks(0, other)):
         with pytest.raises(spec_bm.BlockTableError, match="cached with other tokens"):
             call()
+
+
+def test_a_rollback_forgets_the_retries_of_the_blocks_it_drops() -> None:
+    """Blocks left uncached (their content cached in another sequence's blocks) are retried
+    at the next registration; a truncate drops the retries of the blocks it drops, so the
+    next registration of the kept tokens retries only kept blocks, as the spec's walk does."""
+    tokens = [1, 2, 3, 4, 5, 6]
+    manager = PrefixCachingBlockManager(8, 2)
+    store = BlockTableStore(manager, 2, 3)
+    spec = spec_pc.PrefixCachingBlockManager(8, 2)
+    tables = []
+    for seq_id in (0, 1):  # computed concurrently: no hit
+        store.add_prompt(seq_id, tokens)
+        tables.append(spec.allocate_prompt(tokens)[0])
+    for seq_id, table in enumerate(tables):
+        assert store.cache_blocks(seq_id, tokens) == spec.cache_blocks(table, tokens)
+    store.truncate([1], 4)
+    tables[1] = spec.truncate(tables[1], 4)
+    assert store.cache_blocks(1, tokens[:4]) == spec.cache_blocks(tables[1], tokens[:4]) == 0
