@@ -255,6 +255,14 @@ EQUIVALENT: dict[str, str] = {
         "slots=False: only the instance's memory layout changes; nothing reads __dict__ or "
         "__slots__"
     ),
+    "impl/blocks/table_store.py::::1->2#3": (
+        "a 'nothing refused' sentinel with id -2 matches only sequence -2 retrying an empty "
+        "prompt without an extra key, whose keys are the empty tuple the sentinel holds"
+    ),
+    "impl/blocks/table_store.py::_Growth.fits_at_once::LtE->Lt#1": (
+        "a batch that needs exactly the free blocks then grows in order, which decides the "
+        "same growth (growing at once is an optimization)"
+    ),
     "impl/blocks/table_store.py::_SeqKeys.extends::Lt->LtE#1": (
         "a call with exactly the keyed tokens then starts over, which keys and registers the "
         "same blocks (the incremental path is an optimization)"
