@@ -263,6 +263,11 @@ EQUIVALENT: dict[str, str] = {
         "a batch that needs exactly the free blocks then grows in order, which decides the "
         "same growth (growing at once is an optimization)"
     ),
+    "impl/blocks/table_store.py::_Growth::True->False#2": (
+        "slots=False: only the instance's memory layout changes; nothing reads __dict__ or "
+        "__slots__"
+    ),
+    "impl/blocks/table_store.py::_repeats::Or->And#1": MESSAGE_ONLY,
     "impl/blocks/table_store.py::_SeqKeys.extends::Lt->LtE#1": (
         "a call with exactly the keyed tokens then starts over, which keys and registers the "
         "same blocks (the incremental path is an optimization)"

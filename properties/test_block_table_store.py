@@ -783,8 +783,8 @@ def test_a_rollback_then_the_same_tokens_on_reused_blocks_caches_them_again() ->
 
 
 def test_batch_and_slot_mapping_arguments_are_checked() -> None:
-    """A batch is made of a 1-D integer array or a list; its rows, and the live batch's, are
-    read-only; ``slot_mapping`` checks ``pad_to`` and refuses a sequence with no token."""
+    """A batch is made of a 1-D integer array or a list; its rows, the live batch's and the
+    store's array views are read-only; ``slot_mapping`` checks ``pad_to`` and refuses a sequence with no token."""
     store = BlockTableStore(BlockManager(8, 2), 3, 4)
     store.add(0, 3)
     store.add(1, 0)
@@ -794,6 +794,9 @@ def test_batch_and_slot_mapping_arguments_are_checked() -> None:
     for batch in (store.batch(np.array([0])), store.resolve(None)):
         with pytest.raises(ValueError, match="read-only"):
             batch.rows[0] = 2
+    for view in (store.tables, store.num_blocks, store.num_released, store.token_counts):
+        with pytest.raises(ValueError, match="read-only"):
+            view[0] = 1
     for bad, error in ((-1, ValueError), (True, TypeError), (1.0, TypeError)):
         with pytest.raises(error, match="pad_to must be"):
             store.slot_mapping([0], 1, pad_to=bad)  # type: ignore[arg-type]
