@@ -784,7 +784,8 @@ def test_a_rollback_then_the_same_tokens_on_reused_blocks_caches_them_again() ->
 
 def test_batch_and_slot_mapping_arguments_are_checked() -> None:
     """A batch is made of a 1-D integer array or a list; its rows, the live batch's and the
-    store's array views are read-only; ``slot_mapping`` checks ``pad_to`` and refuses a sequence with no token."""
+    store's array views are read-only; ``slot_mapping`` checks ``pad_to`` and refuses a
+    sequence with no token."""
     store = BlockTableStore(BlockManager(8, 2), 3, 4)
     store.add(0, 3)
     store.add(1, 0)
