@@ -301,6 +301,15 @@ EQUIVALENT: dict[str, str] = {
         "general path, which decides the same growth; with no flag the clear does nothing"
     ),
     "impl/blocks/table_store.py::_repeats::In->NotIn#1": MESSAGE_ONLY,
+    "impl/blocks/table_store.py::BlockTableStore._grow_decode::0->1#1": (
+        "rows.size == 1 sends a one-sequence batch to grow's general path, which decides the "
+        "same growth (the decode path is an optimization)"
+    ),
+    "impl/blocks/table_store.py::BlockTableStore._grow_decode::And->Or#2": (
+        "declining the decode path whenever any row is flagged, in the batch or not, only "
+        "routes more growths through grow's general path, which decides the same growth"
+    ),
+    "impl/blocks/table_store.py::BlockTableStore._growth::Gt->GtE#2": MESSAGE_ONLY,
     "impl/blocks/table_store.py::BlockTableStore._grow_decode::Gt->GtE#1": (
         "with exactly as many sequences at a boundary as free blocks the decode path declines "
         "and grow's general path decides the same growth (the decode path is an optimization)"

@@ -834,6 +834,8 @@ def test_token_counts_are_checked_as_an_int_or_one_per_sequence() -> None:
         store.truncate([0], 2**31)
     with pytest.raises(CapacityError, match="token_counts"):
         store.truncate([0], [2**31])
+    with pytest.raises(CapacityError, match="token_counts"):
+        store.truncate([0, 1], [1, 2**31])  # the largest count decides
     with pytest.raises(ValueError, match="do not fit pad_to=1"):
         store.slot_mapping([0, 1], 1, pad_to=1)
     assert [store.token_count(s) for s in (0, 1)] == [3, 1]
