@@ -310,6 +310,9 @@ EQUIVALENT: dict[str, str] = {
         "routes more growths through grow's general path, which decides the same growth"
     ),
     "impl/blocks/table_store.py::BlockTableStore._growth::Gt->GtE#2": MESSAGE_ONLY,
+    "impl/blocks/table_store.py::BlockTableStore._plan_preemption::True->False#1": (
+        "zip(..., strict=False): a victim's blocks and their reference counts are read alike"
+    ),
     "impl/blocks/table_store.py::BlockTableStore._grow_decode::Gt->GtE#1": (
         "with exactly as many sequences at a boundary as free blocks the decode path declines "
         "and grow's general path decides the same growth (the decode path is an optimization)"

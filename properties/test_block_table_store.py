@@ -980,3 +980,20 @@ def test_a_rollback_forgets_the_retries_of_the_blocks_it_drops() -> None:
     store.truncate([1], 4)
     tables[1] = spec.truncate(tables[1], 4)
     assert store.cache_blocks(1, tokens[:4]) == spec.cache_blocks(tables[1], tokens[:4]) == 0
+
+
+def test_preemption_over_shared_prefix_blocks_stops_once_the_rest_can_grow() -> None:
+    """Victims that share prefix-cache blocks free only the blocks they held last. Here the
+    tail sequence's removal lets the first grow, and the one between needs no new block: it
+    grows too, and only the tail is preempted."""
+    system = [1, 2, 3, 4]
+    manager = PrefixCachingBlockManager(5, 2)
+    store = BlockTableStore(manager, 4, 4)
+    store.add_prompt(9, [*system, 0])
+    store.cache_blocks(9, [*system, 0])
+    store.remove([9])  # the system prompt's two blocks stay cached
+    for seq_id, tail in ((0, [5, 6]), (1, [7]), (2, [8, 9])):
+        assert store.add_prompt(seq_id, [*system, *tail]) == 4
+    assert manager.num_free_blocks == 0
+    assert store.grow_or_preempt([0, 1, 2]) == [2]
+    assert [store.token_count(s) for s in (0, 1)] == [7, 6]
