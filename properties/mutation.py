@@ -191,6 +191,13 @@ EQUIVALENT: dict[str, str] = {
     "impl/blocks/table_store.py::_SeqKeys::False->True#1": (
         "eq=True: no key state is ever compared"
     ),
+    "impl/blocks/table_store.py::_Growth::False->True#1": (
+        "eq=True: no growth plan is ever compared or hashed"
+    ),
+    "impl/blocks/table_store.py::_Growth.fits_at_once::And->Or#2": (
+        "any batch with a copy on write then grows in order, which decides the same growth "
+        "(growing at once is an optimization)"
+    ),
     "impl/blocks/table_store.py::_Growth::True->False#1": (
         "frozen=False: nothing assigns to a growth plan's fields after it is made"
     ),
