@@ -679,18 +679,38 @@ def test_a_batch_grow_at_block_boundaries_is_the_spec_per_sequence(step: int) ->
     assert store.manager.free_block_ids() == spec.free_block_ids()
 
 
+def store_and_spec(
+    total_blocks: int, max_seqs: int, max_blocks: int
+) -> tuple[PrefixCachingBlockManager, BlockTableStore, spec_pc.PrefixCachingBlockManager]:
+    """A prefix-caching store over a pool of ``total_blocks`` blocks of 2 tokens, its manager,
+    and the spec's prefix cache of the same pool, for examples that run the same calls on
+    both."""
+    manager = PrefixCachingBlockManager(total_blocks, 2)
+    store = BlockTableStore(manager, max_seqs, max_blocks)
+    return manager, store, spec_pc.PrefixCachingBlockManager(total_blocks, 2)
+
+
+def admit_on_both(
+    store: BlockTableStore,
+    spec: spec_pc.PrefixCachingBlockManager,
+    seq_id: int,
+    tokens: list[int],
+    extra_key: str | None = None,
+) -> list[int | None]:
+    """``add_prompt`` on the store and ``allocate_prompt`` on the spec; the spec's table."""
+    store.add_prompt(seq_id, tokens, extra_key)
+    return spec.allocate_prompt(tokens, extra_key)[0]
+
+
 def test_a_write_into_a_cached_block_a_truncate_left_alone_removes_its_key() -> None:
     """A truncate cuts into a cached block another table holds (the row is flagged tail-shared);
     once the other holder is gone, the next write lands in that block in place, so its key must
     go first, as the spec's ``append_slot`` removes it: a later prompt with the old content hits
     only the untouched block. The spec runs the same calls."""
     prompt = [1, 2, 3, 4]
-    manager = PrefixCachingBlockManager(8, 2)
-    store = BlockTableStore(manager, 2, 4)
-    spec = spec_pc.PrefixCachingBlockManager(8, 2)
-    store.add_prompt(0, prompt)
+    manager, store, spec = store_and_spec(8, 2, 4)
+    spec_table = admit_on_both(store, spec, 0, prompt)
     store.cache_blocks(0, prompt)
-    spec_table, _ = spec.allocate_prompt(prompt)
     spec.cache_blocks(spec_table, prompt)
     assert store.add_prompt(1, [*prompt, 5]) == 4  # both blocks hit: shared with sequence 0
     other, _ = spec.allocate_prompt([*prompt, 5])
@@ -726,11 +746,8 @@ def test_cache_blocks_under_another_extra_key_starts_over_as_the_spec() -> None:
     another extra key (a cache salt) names other keys for blocks already cached: the spec's
     ``BlockTableError``, changing nothing."""
     prompt = [1, 2, 3, 4, 5]
-    manager = PrefixCachingBlockManager(8, 2)
-    store = BlockTableStore(manager, 2, 4)
-    spec = spec_pc.PrefixCachingBlockManager(8, 2)
-    store.add_prompt(0, prompt, "a")
-    table, _ = spec.allocate_prompt(prompt, "a")
+    manager, store, spec = store_and_spec(8, 2, 4)
+    table = admit_on_both(store, spec, 0, prompt, "a")
     store.grow([0])
     table = spec.append_slot(table, 6)
     assert store.cache_blocks(0, prompt, "a") == spec.cache_blocks(table, prompt, "a") == 2
@@ -767,11 +784,8 @@ def test_a_rollback_then_the_same_tokens_on_reused_blocks_caches_them_again() ->
     blocks are the only free ones, so the regrowth takes them back and evicts their keys; a
     registration of the same tokens must then cache them again, as the spec's does."""
     tokens = [1, 2, 3, 4, 5, 6]
-    manager = PrefixCachingBlockManager(3, 2)
-    store = BlockTableStore(manager, 1, 3)
-    spec = spec_pc.PrefixCachingBlockManager(3, 2)
-    store.add_prompt(0, tokens)
-    table, _ = spec.allocate_prompt(tokens)
+    manager, store, spec = store_and_spec(3, 1, 3)
+    table = admit_on_both(store, spec, 0, tokens)
     assert store.cache_blocks(0, tokens) == spec.cache_blocks(table, tokens) == 3
     store.truncate([0], 2)
     table = spec.truncate(table, 2)
@@ -863,11 +877,8 @@ def test_a_prompt_registered_with_other_tokens_than_planned_is_keyed_by_them() -
     """``cache_blocks`` is told what the K/V holds; when that differs from the admitted
     prompt in a full block, the blocks are keyed by what it is told, as the spec keys them."""
     prompt, written = [1, 2, 3, 4, 5], [1, 2, 9, 4, 5]
-    manager = PrefixCachingBlockManager(8, 2)
-    store = BlockTableStore(manager, 1, 4)
-    spec = spec_pc.PrefixCachingBlockManager(8, 2)
-    store.add_prompt(0, prompt)
-    table, _ = spec.allocate_prompt(prompt)
+    manager, store, spec = store_and_spec(8, 1, 4)
+    table = admit_on_both(store, spec, 0, prompt)
     assert store.cache_blocks(0, written) == spec.cache_blocks(table, written) == 2
     for tokens in ([*prompt, 0], [*written, 0]):
         assert manager.lookup(tokens) == spec.lookup(tokens)
@@ -879,13 +890,10 @@ def test_a_general_path_growth_keeps_the_keys_of_blocks_it_does_not_write() -> N
     once its other holder is gone). Another sequence of the batch whose full, cached last
     block stays as it is (it grows into a fresh block) keeps that block's key, as the spec
     does."""
-    manager = PrefixCachingBlockManager(10, 2)
-    store = BlockTableStore(manager, 3, 4)
-    spec = spec_pc.PrefixCachingBlockManager(10, 2)
+    manager, store, spec = store_and_spec(10, 3, 4)
     tables = {}
     for seq_id, prompt in ((0, [1, 2, 3, 4]), (1, [1, 2, 3, 4, 5]), (2, [7, 8, 9, 10])):
-        store.add_prompt(seq_id, prompt)
-        tables[seq_id], _ = spec.allocate_prompt(prompt)
+        tables[seq_id] = admit_on_both(store, spec, seq_id, prompt)
         store.cache_blocks(seq_id, prompt)
         spec.cache_blocks(tables[seq_id], prompt)
     store.truncate([0], 3)  # into block 1, which sequence 1 shares
@@ -948,11 +956,8 @@ def test_after_a_rollback_other_tokens_in_a_kept_block_are_refused_as_the_spec()
     registration that then names other tokens for a kept cached block is refused with the
     spec's ``BlockTableError``, however few of the kept tokens differ."""
     tokens = [1, 2, 3, 4, 5, 6]
-    manager = PrefixCachingBlockManager(4, 2)
-    store = BlockTableStore(manager, 1, 3)
-    spec = spec_pc.PrefixCachingBlockManager(4, 2)
-    store.add_prompt(0, tokens)
-    table, _ = spec.allocate_prompt(tokens)
+    _, store, spec = store_and_spec(4, 1, 3)
+    table = admit_on_both(store, spec, 0, tokens)
     store.cache_blocks(0, tokens)
     spec.cache_blocks(table, tokens)
     store.truncate([0], 4)
@@ -968,13 +973,10 @@ def test_a_rollback_forgets_the_retries_of_the_blocks_it_drops() -> None:
     at the next registration; a truncate drops the retries of the blocks it drops, so the
     next registration of the kept tokens retries only kept blocks, as the spec's walk does."""
     tokens = [1, 2, 3, 4, 5, 6]
-    manager = PrefixCachingBlockManager(8, 2)
-    store = BlockTableStore(manager, 2, 3)
-    spec = spec_pc.PrefixCachingBlockManager(8, 2)
+    _, store, spec = store_and_spec(8, 2, 3)
     tables = []
     for seq_id in (0, 1):  # computed concurrently: no hit
-        store.add_prompt(seq_id, tokens)
-        tables.append(spec.allocate_prompt(tokens)[0])
+        tables.append(admit_on_both(store, spec, seq_id, tokens))
     for seq_id, table in enumerate(tables):
         assert store.cache_blocks(seq_id, tokens) == spec.cache_blocks(table, tokens)
     store.truncate([1], 4)
