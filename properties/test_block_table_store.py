@@ -702,6 +702,21 @@ def admit_on_both(
     return spec.allocate_prompt(tokens, extra_key)[0]
 
 
+def cache_on_both(
+    store: BlockTableStore,
+    spec: spec_pc.PrefixCachingBlockManager,
+    seq_id: int,
+    table: list[int | None],
+    tokens: list[int],
+    extra_key: str | None = None,
+) -> int:
+    """``cache_blocks`` on the store's sequence and on the spec's table; both must register
+    the same number of blocks, which is returned."""
+    newly_cached = store.cache_blocks(seq_id, tokens, extra_key)
+    assert newly_cached == spec.cache_blocks(table, tokens, extra_key)
+    return newly_cached
+
+
 def test_a_write_into_a_cached_block_a_truncate_left_alone_removes_its_key() -> None:
     """A truncate cuts into a cached block another table holds (the row is flagged tail-shared);
     once the other holder is gone, the next write lands in that block in place, so its key must
@@ -710,8 +725,7 @@ def test_a_write_into_a_cached_block_a_truncate_left_alone_removes_its_key() -> 
     prompt = [1, 2, 3, 4]
     manager, store, spec = store_and_spec(8, 2, 4)
     spec_table = admit_on_both(store, spec, 0, prompt)
-    store.cache_blocks(0, prompt)
-    spec.cache_blocks(spec_table, prompt)
+    cache_on_both(store, spec, 0, spec_table, prompt)
     assert store.add_prompt(1, [*prompt, 5]) == 4  # both blocks hit: shared with sequence 0
     other, _ = spec.allocate_prompt([*prompt, 5])
     store.truncate([0], 3)  # into the shared, cached second block
@@ -750,7 +764,7 @@ def test_cache_blocks_under_another_extra_key_starts_over_as_the_spec() -> None:
     table = admit_on_both(store, spec, 0, prompt, "a")
     store.grow([0])
     table = spec.append_slot(table, 6)
-    assert store.cache_blocks(0, prompt, "a") == spec.cache_blocks(table, prompt, "a") == 2
+    assert cache_on_both(store, spec, 0, table, prompt, "a") == 2
     for manager_under_test, call in (
         (spec, lambda: spec.cache_blocks(table, [*prompt, 6], "b")),
         (manager, lambda: store.cache_blocks(0, [*prompt, 6], "b")),
@@ -786,13 +800,13 @@ def test_a_rollback_then_the_same_tokens_on_reused_blocks_caches_them_again() ->
     tokens = [1, 2, 3, 4, 5, 6]
     manager, store, spec = store_and_spec(3, 1, 3)
     table = admit_on_both(store, spec, 0, tokens)
-    assert store.cache_blocks(0, tokens) == spec.cache_blocks(table, tokens) == 3
+    assert cache_on_both(store, spec, 0, table, tokens) == 3
     store.truncate([0], 2)
     table = spec.truncate(table, 2)
     store.grow([0], 4)
     table = spec.append_slot(table, 6, 4)
     assert store.table(0) == table
-    assert store.cache_blocks(0, tokens) == spec.cache_blocks(table, tokens) == 2
+    assert cache_on_both(store, spec, 0, table, tokens) == 2
     assert manager.num_cached_blocks == spec.num_cached_blocks == 3
 
 
@@ -879,7 +893,7 @@ def test_a_prompt_registered_with_other_tokens_than_planned_is_keyed_by_them() -
     prompt, written = [1, 2, 3, 4, 5], [1, 2, 9, 4, 5]
     manager, store, spec = store_and_spec(8, 1, 4)
     table = admit_on_both(store, spec, 0, prompt)
-    assert store.cache_blocks(0, written) == spec.cache_blocks(table, written) == 2
+    assert cache_on_both(store, spec, 0, table, written) == 2
     for tokens in ([*prompt, 0], [*written, 0]):
         assert manager.lookup(tokens) == spec.lookup(tokens)
 
@@ -894,8 +908,7 @@ def test_a_general_path_growth_keeps_the_keys_of_blocks_it_does_not_write() -> N
     tables = {}
     for seq_id, prompt in ((0, [1, 2, 3, 4]), (1, [1, 2, 3, 4, 5]), (2, [7, 8, 9, 10])):
         tables[seq_id] = admit_on_both(store, spec, seq_id, prompt)
-        store.cache_blocks(seq_id, prompt)
-        spec.cache_blocks(tables[seq_id], prompt)
+        cache_on_both(store, spec, seq_id, tables[seq_id], prompt)
     store.truncate([0], 3)  # into block 1, which sequence 1 shares
     tables[0] = spec.truncate(tables[0], 3)
     store.remove([1])  # block 1 is sequence 0's alone now: its next write is in place
@@ -958,8 +971,7 @@ def test_after_a_rollback_other_tokens_in_a_kept_block_are_refused_as_the_spec()
     tokens = [1, 2, 3, 4, 5, 6]
     _, store, spec = store_and_spec(4, 1, 3)
     table = admit_on_both(store, spec, 0, tokens)
-    store.cache_blocks(0, tokens)
-    spec.cache_blocks(table, tokens)
+    cache_on_both(store, spec, 0, table, tokens)
     store.truncate([0], 4)
     table = spec.truncate(table, 4)
     other = [1, 2, 9, 4]  # block 1 named with another token
@@ -978,10 +990,10 @@ def test_a_rollback_forgets_the_retries_of_the_blocks_it_drops() -> None:
     for seq_id in (0, 1):  # computed concurrently: no hit
         tables.append(admit_on_both(store, spec, seq_id, tokens))
     for seq_id, table in enumerate(tables):
-        assert store.cache_blocks(seq_id, tokens) == spec.cache_blocks(table, tokens)
+        cache_on_both(store, spec, seq_id, table, tokens)
     store.truncate([1], 4)
     tables[1] = spec.truncate(tables[1], 4)
-    assert store.cache_blocks(1, tokens[:4]) == spec.cache_blocks(tables[1], tokens[:4]) == 0
+    assert cache_on_both(store, spec, 1, tables[1], tokens[:4]) == 0
 
 
 def test_preemption_over_shared_prefix_blocks_stops_once_the_rest_can_grow() -> None:
