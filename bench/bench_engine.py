@@ -94,14 +94,18 @@ class Comparison:
         """One decode step of ``side`` ("engine" or "hf"), in ms: the whole run's time (from its
         median tokens/s) less the time to the first token, over the remaining steps."""
         rate = self.engine_tokens_per_s if side == "engine" else self.hf_tokens_per_s
-        total = self.prompts * self.new_tokens / rate
-        return (total - self.first_token_s[side]) / (self.new_tokens - 1) * 1e3
+        return self._step_ms(rate, self.first_token_s[side])
 
     def step_ms_for_ratio(self, target: float) -> float:
         """The longest engine decode step, in ms, at which the engine's tokens/s would be
         ``target`` times ``generate``'s, its time to the first token unchanged."""
-        total = self.prompts * self.new_tokens / (target * self.hf_tokens_per_s)
-        return (total - self.first_token_s["engine"]) / (self.new_tokens - 1) * 1e3
+        return self._step_ms(target * self.hf_tokens_per_s, self.first_token_s["engine"])
+
+    def _step_ms(self, tokens_per_s: float, first_token_s: float) -> float:
+        """The decode step, in ms, of a run at ``tokens_per_s`` whose first token took
+        ``first_token_s``."""
+        total = self.prompts * self.new_tokens / tokens_per_s
+        return (total - first_token_s) / (self.new_tokens - 1) * 1e3
 
 
 def hf_llama(seed: int, **overrides: Any) -> torch.nn.Module:
