@@ -38,7 +38,10 @@ def test_sleep(benchmark):
 
 
 def pytest_run(directory: Path, delay: float, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "BENCH_DELAY": str(delay), "PYTHONPATH": str(ROOT)}
+    # The child is a plain pytest run: under pytest-xdist this test's worker variables would make
+    # pytest-benchmark in the child believe it is an xdist worker too, and save nothing.
+    outer = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    env = {**outer, "BENCH_DELAY": str(delay), "PYTHONPATH": str(ROOT)}
     plugins = ["-p", "bench.conftest", "-p", "no:cacheprovider", "-p", "no:hypothesispytest"]
     command = [sys.executable, "-m", "pytest", *plugins]
     return subprocess.run(

@@ -1,8 +1,8 @@
 """The mutation tool: its edits are the documented ones, and a sample of spec mutants is killed.
 
-The full run (``python -m properties.mutation``, minutes per file) stays out of CI; here a few
-mutants of the spec's block manager, spread evenly over the file, run as CI would run them,
-and each must be killed or listed in ``EQUIVALENT``.
+The full run (``python -m properties.mutation``, minutes per file) stays out of CI. The long
+command (``pytest -m long``) runs a few mutants of the spec's block manager, spread evenly over
+the file, as CI would run them; each must be killed or listed in ``EQUIVALENT``.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+
+import pytest
 
 from properties.mutation import EQUIVALENT, ROOT, apply, module_name, mutants_of, sites
 
@@ -48,6 +50,7 @@ def test_mutant_ids_name_the_file_scope_and_edit() -> None:
     assert module_name("impl/blocks/manager.py") == "pagedkv.impl.blocks.manager"
 
 
+@pytest.mark.long
 def test_a_sample_of_spec_mutants_is_killed() -> None:
     """Exit status 0: every sampled mutant killed or known equivalent (after a passing baseline)."""
     command = [

@@ -1,11 +1,12 @@
-"""vLLM's v1 block manager checked against the spec, from the main suite, never skipped.
+"""vLLM's v1 block manager checked against the spec, from the long command, never skipped.
 
 :func:`test_vllm_conforms_to_the_spec_under_the_named_divergences` builds ``.venv-vllm`` (or
 reuses it when complete; ``properties/vllm_env.py``) and runs the conformance machine,
 ``properties/vllm_machine.py``, there under the ``ci`` profile; the next test replays
 bench_trace's vLLM systems there (identical steps asserted). If the environment cannot be built
 the tests FAIL with the reason: a missing vLLM is a failure, not a skip. The first build
-downloads about 3.5 GB and takes about 2 minutes; a reused one costs seconds.
+downloads about 3.5 GB and takes about 2 minutes; a reused one costs seconds. Both are marked
+``long``: the quick command (plain ``pytest``) builds no vLLM; ``pytest -m long`` runs them.
 
 The other tests need no vLLM: the divergence table in docs/design.md lists exactly the
 divergences the adapter names, and the environment builder picks the right steps.
@@ -42,11 +43,13 @@ def ensure_vllm_env() -> None:
         pytest.fail(f"vLLM cannot be checked: .venv-vllm could not be built.\n{error}")
 
 
+@pytest.mark.long
 def test_vllm_conforms_to_the_spec_under_the_named_divergences() -> None:
     ensure_vllm_env()
     passed_in_vllm_env(vllm_env.run_machine(), allow_deselected=False)
 
 
+@pytest.mark.long
 def test_vllm_takes_the_trace_s_identical_steps() -> None:
     """bench_trace's vLLM systems (plain and prefix, roomy and tight) replay the trace with the
     floor's steps, in .venv-vllm; four tests, none skipped."""
