@@ -22,6 +22,8 @@ processes load it.
 
 from __future__ import annotations
 
+import math
+
 import numba
 import numpy as np
 import torch
@@ -37,7 +39,7 @@ def as_array(tensor: torch.Tensor) -> np.ndarray:
 def as_bytes(tensor: torch.Tensor) -> np.ndarray:
     """A contiguous tensor's memory as ``uint8`` ``[rows, bytes per row]`` (rows: its first
     dimension), whatever its dtype; a view, no copy."""
-    flat = tensor.detach().reshape(tensor.shape[0], -1)
+    flat = tensor.detach().reshape(tensor.shape[0], math.prod(tensor.shape[1:]))
     return flat.view(torch.uint8).numpy()
 
 
