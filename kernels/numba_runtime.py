@@ -6,11 +6,22 @@ kernel that writes it writes the tensor. Float tensors of 2-byte dtypes (fp16, b
 numpy arithmetic here, so the byte-moving kernels (``store_kv``, ``copy_blocks``) see every cache
 as raw bytes (``as_bytes``), one compiled signature for every dtype.
 
-**Threads.** A parallel kernel runs on ``torch.get_num_threads()`` threads, capped at numba's
-pool (``numba.config.NUMBA_NUM_THREADS``, the machine's cores unless ``NUMBA_NUM_THREADS`` says
-otherwise). One knob, ``torch.set_num_threads``, so sets the threads of the model's matmuls and
-of attention alike; ``bench/bench_attention.py`` fixes it. ``apply_thread_policy`` applies it
-before each launch (numba keeps the setting per calling thread).
+**Threads.** Every attention kernel is compiled twice: a serial driver that runs its programs on
+the calling thread, and a parallel one that spreads them over numba's pool. ``launch_threads``
+picks, per call: the pool, on ``torch.get_num_threads()`` threads capped at numba's pool size
+(``numba.config.NUMBA_NUM_THREADS``, the machine's cores unless ``NUMBA_NUM_THREADS`` says
+otherwise), when that is more than one thread and the call reads at least
+``PARALLEL_MIN_BYTES`` of K/V; the calling thread otherwise, because a parallel launch costs
+about 50 us (``docs/kernels.md``), more than a small call's whole work. One knob,
+``torch.set_num_threads``, so sets the threads of the model's matmuls and of attention alike;
+``bench/bench_attention.py`` fixes it at one.
+
+**Threading layer.** Unless ``NUMBA_THREADING_LAYER`` is set, importing this module asks numba
+for its own ``workqueue`` layer (numba picks the layer at its first parallel launch). numba's
+OpenMP layer loads the libgomp that torch also runs its thread pool on, and with GOMP's default
+active wait a launch measured 16 ms instead of 0.3 ms (batch 1, context 1024, one thread, on
+this project's 2-core machine; ``docs/kernels.md``). ``workqueue`` does not support parallel
+launches from several Python threads at once; pagedkv launches from one.
 
 **Compile flags.** ``FASTMATH`` lets LLVM reorder and contract fp32 sums (so the dot products
 vectorize) but keeps NaN and infinity semantics: a NaN read from a slot no token was written to
@@ -23,12 +34,18 @@ processes load it.
 from __future__ import annotations
 
 import math
+import os
 
 import numba
 import numpy as np
 import torch
 
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}  # no "nnan"/"ninf": NaN must propagate
+THREADING_LAYER = "workqueue"
+PARALLEL_MIN_BYTES = 1 << 20  # K/V a call must read before a parallel launch pays
+
+if "NUMBA_THREADING_LAYER" not in os.environ:
+    numba.config.THREADING_LAYER = THREADING_LAYER
 
 
 def as_array(tensor: torch.Tensor) -> np.ndarray:
@@ -48,9 +65,13 @@ def num_threads() -> int:
     return max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
 
 
-def apply_thread_policy() -> int:
-    """Set numba's thread count for this calling thread to ``num_threads()``; return it."""
+def launch_threads(work_bytes: int) -> int:
+    """Threads for a call that reads about ``work_bytes`` of K/V: 1 (run the serial driver)
+    below ``PARALLEL_MIN_BYTES`` or when ``num_threads()`` is 1; else ``num_threads()``, which
+    it sets as numba's thread count for this calling thread (numba keeps it per thread)."""
     threads = num_threads()
+    if threads == 1 or work_bytes < PARALLEL_MIN_BYTES:
+        return 1
     if numba.get_num_threads() != threads:
         numba.set_num_threads(threads)
     return threads

@@ -23,13 +23,14 @@ import tempfile
 from pathlib import Path
 from types import ModuleType
 
+import numba
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv import kernels
-from pagedkv.kernels import numba_attention, numba_cache
+from pagedkv.kernels import numba_attention, numba_cache, numba_runtime
 from properties.kernel_cases import (
     BLOCK_SIZES,
     DEVICE,
@@ -240,16 +241,53 @@ def test_splits_follow_the_threads_and_the_length() -> None:
     assert choose(programs=1, max_tokens=10**9, threads=1000) == 64
 
 
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="numba's pool has one thread")
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_the_parallel_drivers_equal_the_serial_ones(
+    block_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every call here is below ``PARALLEL_MIN_BYTES``, so the tests above run the serial
+    drivers; with the threshold at 0 and two threads the pool runs the same programs, and the
+    outputs are the same, bit for bit (splits chosen by the thread count included)."""
+    cache = numba_cache_of(fixed_scenario(block_size), Shape(block_size, 2, 4, 64, torch.float32))
+    seqs, tables, lens = cache.batch(extra_columns=1, padding_row=True)
+    query = cache.randn(len(seqs), 8, 64)
+    query_lens = [seq.length if seq else 0 for seq in seqs]
+    flat = cache.randn(sum(query_lens), 8, 64)
+    offsets = torch.tensor([0, *query_lens]).cumsum(0)
+    args = (cache.k_cache, cache.v_cache, tables)
+
+    def both() -> tuple[torch.Tensor, ...]:
+        return (
+            numba_decode(2)(query, *args, lens, 0.125, window=5),
+            numba_decode()(query, *args, lens, 0.125),
+            numba_prefill(flat, *args, offsets, lens, 0.125, window=7),
+        )
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        serial = both()
+        monkeypatch.setattr(numba_runtime, "PARALLEL_MIN_BYTES", 0)
+        parallel = both()
+        check_attention(cache, numba_decode(), extra_columns=1, padding_row=True)
+        check_prefill(cache, query_lens[:-1], numba_prefill)
+    finally:
+        torch.set_num_threads(threads)
+    for one, other in zip(serial, parallel, strict=True):
+        assert torch.equal(one, other)
+
+
 # ----------------------------------------------------------------------- planted bugs
 
 DECODE_MUTANTS = {
     "table read off by one": (
-        "return tables[b, n // block_size], row,",
-        "return tables[b, n // block_size + 1], row,",
+        "base = np.int64(tables[b, column]) * block_size",
+        "base = np.int64(tables[b, column + 1]) * block_size",
     ),
     "wrong row inside a block": (
-        "key = k_cache[block, row + t, kv_head]",
-        "key = k_cache[block, (row + t + 1) % block_size, kv_head]",
+        "rows[n - start + t] = base + row + t",
+        "rows[n - start + t] = base + (row + t + 1) % block_size",
     ),
     "query heads interleaved over KV heads": (
         "q[g, d] = query[b, h0 + g, d] * scale",
