@@ -64,7 +64,7 @@ def serving_info(workload: str, result: Any) -> dict[str, Any]:
 
 
 def benchmark(info: dict[str, Any], group: str = "g") -> dict[str, Any]:
-    return {"group": group, "extra_info": info, "stats": {"median": 0.001}}
+    return {"group": group, "extra_info": info, "stats": {"median": 0.001, "iqr": 0.00002}}
 
 
 def small_run() -> Run:
@@ -299,7 +299,7 @@ def test_sharing_sentence_follows_the_saving_and_the_batch() -> None:
 def slower_contiguous(run: Run, factor: float) -> Run:
     """``run`` with the block-16 contiguous attention's median multiplied by ``factor``."""
     benchmarks = [
-        {**b, "stats": {"median": b["stats"]["median"] * factor}}
+        {**b, "stats": {**b["stats"], "median": b["stats"]["median"] * factor}}
         if b["group"] == "attention-bs16" and b["extra_info"]["layout"] == "contiguous"
         else b
         for b in run.benchmarks
@@ -310,14 +310,18 @@ def slower_contiguous(run: Run, factor: float) -> Run:
 def test_noise_and_latency_sentences_follow_the_timings() -> None:
     quiet = rendered(header_section, small_run(), "cmd")
     assert "medians of the same work stay within 15%: the contiguous" in quiet
-    assert "span up to 1.00x (batch 8)." in quiet
+    assert "span up to 1.00x (batch 8, context 1024)." in quiet
     noisy = rendered(header_section, slower_contiguous(small_run(), 2.0), "cmd")
     assert "move by more than 15%: " in noisy
-    assert "span up to 2.00x (batch 8). Compare on a quiet machine" in noisy
+    assert "span up to 2.00x (batch 8, context 1024). Compare on a quiet machine" in noisy
     even = rendered(latency_section, small_run())
-    assert "the paged call is the slower one at 0 of the 2 points" in even
+    assert "Paged / contiguous ranges from 1.00x to 1.00x (median 1.00x)" in even
+    assert "paged within 10% of contiguous, holds at 1 of the 1 points (worst 1.00x)" in even
+    assert "is at most 2.0% (median 2.0%); 0 of the 4 medians have a spread of 10%" in even
+    assert "| 16 | 1.000 (2.0%) | 1.000 (2.0%) | 1.00x |" in even
     faster = rendered(latency_section, slower_contiguous(small_run(), 0.5))
-    assert "from 1.00x to 2.00x (median 1.50x): the paged call is the slower one at 1 of" in faster
+    assert "from 1.00x to 2.00x (median 1.50x). At block sizes of 16 and more" in faster
+    assert "holds at 0 of the 1 points (worst 2.00x)" in faster
 
 
 def test_reference_attention_timings_are_not_tabulated() -> None:

@@ -1,8 +1,8 @@
 """A pytest-benchmark run of ``pytest bench``, and the figures the report reads from it, by key.
 
 The report reads the ``extra_info`` of ``bench_utilization.py`` (``kind="lifetime"``) and
-``bench_serving.py`` (``kind="serving"``), and the median timings of ``bench_attention.py``
-(groups ``attention-bs{B}``).
+``bench_serving.py`` (``kind="serving"``), and the median timings and their spread of
+``bench_attention.py`` (groups ``attention-bs{B}``).
 Every accessor returns an empty result when the run lacks those benchmarks.
 """
 
@@ -24,6 +24,9 @@ Info = dict[str, Any]
 
 ServingKey = tuple[str, str, bool]
 """``(workload, policy, shared)`` of a ``bench_serving.py`` run."""
+
+AttentionKey = tuple[str, int, int]
+"""``(layout, batch, context)`` of a ``bench_attention.py`` case."""
 
 
 @dataclass(frozen=True)
@@ -118,33 +121,51 @@ class Run:
     def _attention_benchmarks(self) -> list[dict[str, Any]]:
         return [b for b in self.benchmarks if (b["group"] or "").startswith("attention-bs")]
 
-    def attention(self) -> dict[tuple[str, int], dict[int, float]]:
-        """Median seconds of ``bench_attention.py`` by ``(layout, batch)``, then block size."""
-        medians: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
+    def attention(self) -> dict[AttentionKey, dict[int, float]]:
+        """Median seconds of ``bench_attention.py`` by ``(layout, batch, context)``, then block
+        size."""
+        medians: dict[AttentionKey, dict[int, float]] = defaultdict(dict)
         for b in self._attention_benchmarks():
             info = b["extra_info"]
-            medians[info["layout"], info["batch"]][info["block_size"]] = b["stats"]["median"]
+            key = (info["layout"], info["batch"], info["context"])
+            medians[key][info["block_size"]] = b["stats"]["median"]
         return dict(medians)
+
+    def attention_spread(self) -> dict[AttentionKey, dict[int, float]]:
+        """Interquartile range / median of each :meth:`attention` median (0 where the run has
+        no interquartile range, as under ``--benchmark-disable``)."""
+        spreads: dict[AttentionKey, dict[int, float]] = defaultdict(dict)
+        for b in self._attention_benchmarks():
+            info, stats = b["extra_info"], b["stats"]
+            key = (info["layout"], info["batch"], info["context"])
+            spreads[key][info["block_size"]] = stats.get("iqr", 0.0) / stats["median"]
+        return dict(spreads)
 
     def attention_info(self) -> dict[str, Any]:
         """The ``extra_info`` of the first ``bench_attention.py`` benchmark (the shapes, dtype,
         backend and device all of them share); empty if there is none."""
         return next((b["extra_info"] for b in self._attention_benchmarks()), {})
 
-    def attention_batches(self) -> list[int]:
-        """The batches at which both the paged and the contiguous attention were timed."""
+    def attention_batches(self) -> list[tuple[int, int]]:
+        """The ``(context, batch)`` pairs at which both the paged and the contiguous attention
+        were timed."""
         attention = self.attention()
         return sorted(
-            n for layout, n in attention if layout == "paged" and ("contiguous", n) in attention
+            (context, n)
+            for layout, n, context in attention
+            if layout == "paged" and ("contiguous", n, context) in attention
         )
 
-    def contiguous_spread(self) -> dict[int, tuple[float, float]]:
-        """``batch: (fastest, slowest)`` median seconds of the contiguous attention over the
-        block sizes, for each of :meth:`attention_batches`. The contiguous call does not depend
-        on the block size, so the spread is the machine's noise between benchmarks of the same
-        work."""
+    def contiguous_spread(self) -> dict[tuple[int, int], tuple[float, float]]:
+        """``(context, batch): (fastest, slowest)`` median seconds of the contiguous attention
+        over the block sizes, for each of :meth:`attention_batches`. The contiguous call does not
+        depend on the block size, so the spread is the machine's noise between benchmarks of the
+        same work."""
         attention = self.attention()
         return {
-            n: (min(attention["contiguous", n].values()), max(attention["contiguous", n].values()))
-            for n in self.attention_batches()
+            (context, n): (
+                min(attention["contiguous", n, context].values()),
+                max(attention["contiguous", n, context].values()),
+            )
+            for context, n in self.attention_batches()
         }
