@@ -26,6 +26,7 @@ timed, the achieved bandwidth.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -110,28 +111,40 @@ def iterations_per_round(call: Callable[[], torch.Tensor]) -> int:
     return max(1, round(ROUND_SECONDS / max(fastest, 1e-7)))
 
 
-@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def round_of(call: Callable[[], torch.Tensor], calls: int) -> Callable[[], torch.Tensor]:
+    """``calls`` calls of ``call`` in a row; returns the last output."""
+
+    def run() -> torch.Tensor:
+        for _ in range(calls - 1):
+            call()
+        return call()
+
+    return run
+
+
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("context", CONTEXTS)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_decode_attention(
-    benchmark: Any, block_size: int, context: int, batch: int, layout: str
-) -> None:
+def test_decode_attention(benchmark: Any, block_size: int, context: int, batch: int) -> None:
+    """Paged rounds timed by pytest-benchmark, each preceded (in its untimed ``setup``) by a
+    contiguous round of as many calls, timed here: the two layouts alternate round by round, so
+    the paired ratio of round ``i`` compares two measurements taken under the same load."""
     inputs = make_inputs(block_size, batch, context)
     q, lens = inputs["query"], inputs["context_lens"]
-    if layout == "paged":
-        args = (q, inputs["k_cache"], inputs["v_cache"], inputs["block_tables"], lens)
+    paged_args = (q, inputs["k_cache"], inputs["v_cache"], inputs["block_tables"], lens)
+    contiguous_args = (q, inputs["key"], inputs["value"], lens)
+    paged = synchronized(lambda: kernels.paged_decode_attention(*paged_args, validate=False))
+    contiguous = synchronized(
+        lambda: kernels.contiguous_decode_attention(*contiguous_args, validate=False)
+    )
+    calls = iterations_per_round(paged) if not benchmark.disabled else 1
+    contiguous_rounds: list[float] = []
 
-        def call() -> torch.Tensor:
-            return kernels.paged_decode_attention(*args, validate=False)
+    def time_contiguous_round() -> None:
+        start = time.perf_counter()
+        round_of(contiguous, calls)()
+        contiguous_rounds.append((time.perf_counter() - start) / calls)
 
-    else:
-        args = (q, inputs["key"], inputs["value"], lens)
-
-        def call() -> torch.Tensor:
-            return kernels.contiguous_decode_attention(*args, validate=False)
-
-    timed = synchronized(call)
     kv_bytes = 2 * inputs["key"].numel() * inputs["key"].element_size()
     benchmark.group = f"attention-bs{block_size}"
     benchmark.extra_info.update(
@@ -139,21 +152,36 @@ def test_decode_attention(
         device=str(DEVICE),
         threads=CPU_THREADS if DEVICE.type == "cpu" else None,
         dtype=str(DTYPE).removeprefix("torch."),
-        layout=layout,
         block_size=block_size,
         batch=batch,
         context=context,
         heads=f"{NUM_KV_HEADS * GROUP}q/{NUM_KV_HEADS}kv x {HEAD_DIM}",
         kv_bytes=kv_bytes,
+        calls_per_round=calls,
     )
-    enabled = not benchmark.disabled
-    iterations = iterations_per_round(timed) if enabled else 1
-    out = benchmark.pedantic(timed, rounds=ROUNDS, iterations=iterations, warmup_rounds=WARMUP)
+    out = benchmark.pedantic(
+        round_of(paged, calls), setup=time_contiguous_round, rounds=ROUNDS, warmup_rounds=WARMUP
+    )
     stats = getattr(benchmark, "stats", None)
-    if stats is not None and stats.stats.mean > 0:
-        benchmark.extra_info["kv_gbps"] = round(kv_bytes / stats.stats.median / 1e9, 2)
+    if stats is not None and stats.stats.median > 0:
+        paged_rounds = [t / calls for t in stats.stats.data]
+        timed = contiguous_rounds[-len(paged_rounds) :]  # setup also runs before warm-up rounds
+        benchmark.extra_info.update(
+            paged_iqr=iqr(paged_rounds),
+            contiguous_median=statistics.median(timed),
+            contiguous_iqr=iqr(timed),
+            paired_ratio=statistics.median(p / c for p, c in zip(paged_rounds, timed, strict=True)),
+            kv_gbps=round(kv_bytes / (stats.stats.median / calls) / 1e9, 2),
+        )
 
     expected = kernels.contiguous_decode_attention(
         q, inputs["key"], inputs["value"], lens, backend="reference"
     )
     torch.testing.assert_close(out, expected, atol=TOLERANCE, rtol=TOLERANCE)
+    torch.testing.assert_close(contiguous(), expected, atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def iqr(values: list[float]) -> float:
+    """The interquartile range of ``values`` (``statistics.quantiles``, exclusive method)."""
+    quartiles = statistics.quantiles(values, n=4)
+    return quartiles[2] - quartiles[0]

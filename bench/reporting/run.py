@@ -122,24 +122,38 @@ class Run:
         return [b for b in self.benchmarks if (b["group"] or "").startswith("attention-bs")]
 
     def attention(self) -> dict[AttentionKey, dict[int, float]]:
-        """Median seconds of ``bench_attention.py`` by ``(layout, batch, context)``, then block
-        size."""
+        """Median seconds per call of ``bench_attention.py`` by ``(layout, batch, context)``, then
+        block size: the paged rounds' (pytest-benchmark's median over the calls of a round) and
+        the contiguous rounds' interleaved with them (``extra_info``)."""
         medians: dict[AttentionKey, dict[int, float]] = defaultdict(dict)
         for b in self._attention_benchmarks():
             info = b["extra_info"]
-            key = (info["layout"], info["batch"], info["context"])
-            medians[key][info["block_size"]] = b["stats"]["median"]
+            n, context, size = info["batch"], info["context"], info["block_size"]
+            medians["paged", n, context][size] = b["stats"]["median"] / info["calls_per_round"]
+            medians["contiguous", n, context][size] = info["contiguous_median"]
         return dict(medians)
 
     def attention_spread(self) -> dict[AttentionKey, dict[int, float]]:
-        """Interquartile range / median of each :meth:`attention` median (0 where the run has
-        no interquartile range, as under ``--benchmark-disable``)."""
+        """Interquartile range / median of the rounds behind each :meth:`attention` median."""
         spreads: dict[AttentionKey, dict[int, float]] = defaultdict(dict)
         for b in self._attention_benchmarks():
-            info, stats = b["extra_info"], b["stats"]
-            key = (info["layout"], info["batch"], info["context"])
-            spreads[key][info["block_size"]] = stats.get("iqr", 0.0) / stats["median"]
+            info = b["extra_info"]
+            n, context, size = info["batch"], info["context"], info["block_size"]
+            paged = b["stats"]["median"] / info["calls_per_round"]
+            spreads["paged", n, context][size] = info["paged_iqr"] / paged
+            spreads["contiguous", n, context][size] = (
+                info["contiguous_iqr"] / info["contiguous_median"]
+            )
         return dict(spreads)
+
+    def attention_ratio(self) -> dict[tuple[int, int], dict[int, float]]:
+        """Paged / contiguous by ``(context, batch)``, then block size: the median over rounds of
+        each paged round's time over the contiguous round's just before it."""
+        ratios: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)
+        for b in self._attention_benchmarks():
+            info = b["extra_info"]
+            ratios[info["context"], info["batch"]][info["block_size"]] = info["paired_ratio"]
+        return dict(ratios)
 
     def attention_info(self) -> dict[str, Any]:
         """The ``extra_info`` of the first ``bench_attention.py`` benchmark (the shapes, dtype,
