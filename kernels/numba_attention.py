@@ -34,7 +34,14 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from pagedkv.kernels.numba_runtime import FASTMATH, as_array, launch_threads
+from pagedkv.kernels.numba_runtime import (
+    CACHE_LINE_FLOATS,
+    FASTMATH,
+    PREFETCH_AHEAD,
+    as_array,
+    launch_threads,
+    prefetch,
+)
 from pagedkv.kernels.validation import MAX_SPLITS
 
 NO_WINDOW = 2**62  # a window no context reaches: it hides nothing
@@ -92,6 +99,9 @@ def _attend(
     count = end - start
     scores = np.empty((rows, max(count, 1)), np.float32)
     for column in range(count):  # pass 1: every score of the range
+        if column + PREFETCH_AHEAD < count:
+            for d in range(0, head_dim, CACHE_LINE_FLOATS):
+                prefetch(k_rows, cache_rows[column + PREFETCH_AHEAD], kv_head, d)
         key = k_rows[cache_rows[column], kv_head]
         for r in range(rows):
             s = np.float32(0.0)
@@ -116,6 +126,9 @@ def _attend(
         scores[r, :count] /= total if total > 0 else np.float32(1.0)
     out[:, :] = 0.0
     for column in range(count):  # pass 3: the weighted sum of the V rows
+        if column + PREFETCH_AHEAD < count:
+            for d in range(0, head_dim, CACHE_LINE_FLOATS):
+                prefetch(v_rows, cache_rows[column + PREFETCH_AHEAD], kv_head, d)
         value = v_rows[cache_rows[column], kv_head]
         for r in range(rows):
             weight = scores[r, column]
