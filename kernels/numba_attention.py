@@ -317,16 +317,22 @@ def decode(
     return out
 
 
-def query_tiles(query_lens: np.ndarray, group: int) -> np.ndarray:
-    """``[tiles, 3]`` int64 rows ``(sequence, first query, end query)``: each sequence's chunk cut
-    into tiles of at most ``TILE_ROWS // group`` queries (at least one)."""
-    per_tile = max(1, TILE_ROWS // group)
-    rows = [
-        (b, lo, min(lo + per_tile, int(count)))
-        for b, count in enumerate(query_lens)
-        for lo in range(0, int(count), per_tile)
-    ]
-    return np.array(rows, dtype=np.int64).reshape(-1, 3)
+@njit(cache=True)
+def query_tiles(cu_seqlens: np.ndarray, per_tile: int) -> np.ndarray:
+    """``[tiles, 3]`` int64 rows ``(sequence, first query, end query)``: each sequence's chunk
+    (``cu_seqlens`` int64 ``[batch + 1]``) cut into tiles of at most ``per_tile`` queries."""
+    batch = cu_seqlens.shape[0] - 1
+    count = 0
+    for b in range(batch):
+        count += (cu_seqlens[b + 1] - cu_seqlens[b] + per_tile - 1) // per_tile
+    tiles = np.empty((count, 3), np.int64)
+    t = 0
+    for b in range(batch):
+        queries = cu_seqlens[b + 1] - cu_seqlens[b]
+        for lo in range(0, queries, per_tile):
+            tiles[t, 0], tiles[t, 1], tiles[t, 2] = b, lo, min(lo + per_tile, queries)
+            t += 1
+    return tiles
 
 
 def prefill(
@@ -349,7 +355,7 @@ def prefill(
     keys = min(capacity, window if window is not None else capacity)  # read per query, at most
     threads = launch_threads(8 * tokens * keys * head_dim * num_heads // TILE_ROWS)
     starts = as_array(cu_seqlens_q.to(torch.int64))
-    tiles = query_tiles(np.diff(starts), num_heads // k_cache.shape[2])
+    tiles = query_tiles(starts, max(1, TILE_ROWS // (num_heads // k_cache.shape[2])))
     kernel = _prefill_parallel if threads > 1 else _prefill_serial
     kernel(
         as_array(query),
