@@ -157,31 +157,26 @@ def plot_latency(run: Run, figures: Path) -> None:
         return
     figure, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
     longest = max(context for _, _, context in attention)
+    batches = sorted({batch for _, batch, _ in attention})
     for (layout, batch, context), medians in sorted(attention.items()):
         if context != longest:
             continue
         sizes = sorted(medians)
         style = "o-" if layout == "paged" else "s--"
-        left.plot(sizes, [medians[b] * 1e3 for b in sizes], style, label=f"{layout}, batch {batch}")
+        color = f"C{batches.index(batch)}"
+        label = f"{layout}, batch {batch}"
+        left.plot(sizes, [medians[b] * 1e3 for b in sizes], style, color=color, label=label)
     left.set_title(f"decode attention, context {longest}", fontsize=9)
     left.set_yscale("log")
     left.set_ylabel("median (ms)")
-    for context, batch in run.attention_batches():
-        paged, contiguous = (
-            attention["paged", batch, context],
-            attention["contiguous", batch, context],
-        )
-        sizes = sorted(set(paged) & set(contiguous))
-        right.plot(
-            sizes,
-            [paged[b] / contiguous[b] for b in sizes],
-            "o-",
-            label=f"ctx {context}, batch {batch}",
-        )
+    for (context, batch), ratios in sorted(run.attention_ratio().items()):
+        sizes = sorted(ratios)
+        label = f"ctx {context}, batch {batch}"
+        right.plot(sizes, [ratios[b] for b in sizes], "o-", label=label)
     right.axhline(1.1, color="grey", linestyle=":", linewidth=1, label="+10%")
     right.axhline(1.0, color="black", linewidth=0.5)
-    right.set_title("paged / contiguous", fontsize=9)
-    right.set_ylabel("ratio of medians")
+    right.set_title("paged / contiguous (paired rounds)", fontsize=9)
+    right.set_ylabel("median ratio")
     for ax in (left, right):
         ax.set_xscale("log", base=2)
         ax.set_xticks(PAPER_BLOCK_SIZES, [str(b) for b in PAPER_BLOCK_SIZES], fontsize=7)
