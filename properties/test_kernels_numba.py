@@ -90,6 +90,16 @@ def numba_cache_of(scenario, shape: Shape) -> KVCache:
     return KVCache(scenario, shape, backend="numba")
 
 
+def draw_numba_cache(data: st.DataObject, block_size: int) -> KVCache:
+    """An fp32 cache filled through numba by a drawn scenario: drawn GQA ratio, head dim and
+    one or two KV heads."""
+    group = data.draw(st.sampled_from(GQA_RATIOS), label="group")
+    head_dim = data.draw(st.sampled_from(HEAD_DIMS), label="head_dim")
+    num_kv_heads = data.draw(st.sampled_from([1, 2]), label="num_kv_heads")
+    scenario = data.draw(scenarios(block_size), label="scenario")
+    return numba_cache_of(scenario, Shape(block_size, num_kv_heads, group, head_dim, torch.float32))
+
+
 def draw_window(data: st.DataObject, cache: KVCache) -> int | None:
     """No window, or one from 1 to past the longest context."""
     longest = max((seq.length for seq in cache.run.seqs), default=1)
@@ -101,13 +111,7 @@ def draw_window(data: st.DataObject, cache: KVCache) -> int | None:
 @settings(max_examples=kernel_examples(10))
 @given(data=st.data())
 def test_decode_matches_dense_for_every_block_size(block_size: int, data: st.DataObject) -> None:
-    group = data.draw(st.sampled_from(GQA_RATIOS), label="group")
-    head_dim = data.draw(st.sampled_from(HEAD_DIMS), label="head_dim")
-    num_kv_heads = data.draw(st.sampled_from([1, 2]), label="num_kv_heads")
-    scenario = data.draw(scenarios(block_size), label="scenario")
-    cache = numba_cache_of(
-        scenario, Shape(block_size, num_kv_heads, group, head_dim, torch.float32)
-    )
+    cache = draw_numba_cache(data, block_size)
     num_splits = data.draw(st.none() | st.integers(1, 5), label="num_splits")
     check_attention(
         cache,
@@ -186,13 +190,7 @@ def test_contiguous_decode_matches_dense(
 @given(data=st.data())
 def test_prefill_matches_spec_for_every_block_size(block_size: int, data: st.DataObject) -> None:
     """Chunks over cached prefixes (0 to the whole sequence), windows, poisoned blocks."""
-    group = data.draw(st.sampled_from(GQA_RATIOS), label="group")
-    head_dim = data.draw(st.sampled_from(HEAD_DIMS), label="head_dim")
-    num_kv_heads = data.draw(st.sampled_from([1, 2]), label="num_kv_heads")
-    scenario = data.draw(scenarios(block_size), label="scenario")
-    cache = numba_cache_of(
-        scenario, Shape(block_size, num_kv_heads, group, head_dim, torch.float32)
-    )
+    cache = draw_numba_cache(data, block_size)
     padding_row = data.draw(st.booleans(), label="padding_row")
     seqs, _, _ = cache.batch(padding_row=padding_row)
     query_lens = draw_query_lens(data, seqs, block_size)
