@@ -30,7 +30,7 @@ The ``pagedkv`` command is ``pagedkv.impl.serving.cli``.
 from __future__ import annotations
 
 from collections import abc
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
@@ -45,12 +45,13 @@ from pagedkv.impl.blocks.prefix_cache import (
     check_tokens,
 )
 from pagedkv.impl.blocks.table_store import BlockTableStore
+from pagedkv.impl.serving import speculative
 from pagedkv.impl.serving.metrics import StepMetrics, step_metrics
 from pagedkv.impl.serving.model import CausalLM
 from pagedkv.impl.serving.paged_kv import PagedKVCache
 from pagedkv.impl.serving.sampling import check_temperature, sample_token
 from pagedkv.impl.serving.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Sequence
-from pagedkv.impl.serving.speculative import DraftSource, accepted_drafts, check_drafts
+from pagedkv.impl.serving.speculative import DraftSource, accepted_drafts
 from pagedkv.kernels import resolve_backend
 from pagedkv.kernels.validation import check_bool
 from pagedkv.spec.block_manager import blocks_needed, check_int
@@ -268,18 +269,24 @@ class PagedAttentionEngine:
         next step.
         """
         plan = self.scheduler.schedule()
-        plan, drafts = self._draft(plan) if self.num_speculative_tokens else (plan, {})
+        drafts: dict[int, list[int]] = {}
+        if self.draft_source is not None:
+            budget = self.scheduler.config.max_num_batched_tokens - plan.num_batched_tokens
+            plan, drafts = speculative.draft(
+                plan, self.store, self.draft_source, self.num_speculative_tokens, budget,
+                self.model.config.vocab_size,
+            )  # fmt: skip
         try:
             pairs = self.store.pending_copy_pairs()
             if len(pairs):
                 self.kv.copy_blocks(torch.from_numpy(pairs))
             self.store.pop_copy_pairs()  # forgotten only once copied: copying again is harmless
             sampled, rows = self._run(plan, drafts) if plan.scheduled else ({}, {})
-            verified = self._roll_back(plan, drafts, rows) if drafts else plan
+            verified = speculative.roll_back(plan, drafts, rows, self.store) if drafts else plan
             forked, finished = self.scheduler.update(verified, sampled)
         except BaseException:
             if drafts:
-                self._undraft(plan, drafts)
+                speculative.undraft(plan, drafts, self.store)
             raise
         if self.keep_logits:
             for seq_id, row in rows.items():
@@ -416,73 +423,6 @@ class PagedAttentionEngine:
                 generator.set_state(state)
             raise
         return sampled, rows
-
-    def _draft(self, plan: SchedulerOutput) -> tuple[SchedulerOutput, dict[int, list[int]]]:
-        """Speculation: give each sequence whose step samples (one sample) up to
-        ``num_speculative_tokens`` drafts, within the step's token budget and the room left in
-        its output, and grow its table by them. Returns the plan that also computes the drafts,
-        and the drafts by sequence id. Every draft source call is made and checked before
-        anything changes; a sequence the pool cannot grow now is not speculated this step."""
-        budget = self.scheduler.config.max_num_batched_tokens - plan.num_batched_tokens
-        vocab = self.model.config.vocab_size
-        drafts: dict[int, list[int]] = {}
-        for item in plan.scheduled:
-            seq = item.seq
-            room = seq.max_new_tokens - len(seq.output) - 1  # beyond the token it samples
-            k = min(self.num_speculative_tokens, budget, room)
-            if self.draft_source is None or not item.samples or seq.num_samples > 1 or k < 1:
-                continue
-            guess = check_drafts(self.draft_source(list(seq.tokens), k), k, vocab)
-            if guess:
-                drafts[seq.seq_id] = guess
-                budget -= len(guess)
-        if not drafts:
-            return plan, drafts
-        for seq_id in self.store.grow(list(drafts), [len(d) for d in drafts.values()]):
-            del drafts[seq_id]  # no free block for its drafts now
-        scheduled = []
-        for item in plan.scheduled:
-            guess = drafts.get(item.seq.seq_id, [])
-            item.seq.tokens.extend(guess)
-            scheduled.append(replace(item, num_tokens=item.num_tokens + len(guess)))
-        return replace(plan, scheduled=scheduled), drafts
-
-    def _roll_back(
-        self,
-        plan: SchedulerOutput,
-        drafts: abc.Mapping[int, list[int]],
-        rows: abc.Mapping[int, torch.Tensor],
-    ) -> SchedulerOutput:
-        """Keep each drafted sequence's accepted drafts (``len(rows[seq_id]) - 1`` of them): its
-        table is truncated after them (``store.truncate``) and the rest leave its tokens.
-        Returns the plan as verified: each drafted item computes up to its last kept draft."""
-        kept = {}
-        for item in plan.scheduled:
-            seq_id = item.seq.seq_id
-            if seq_id in drafts:
-                kept[seq_id] = item.end - len(drafts[seq_id]) + len(rows[seq_id]) - 1
-        self.store.truncate(list(kept), list(kept.values()))
-        scheduled = []
-        for item in plan.scheduled:
-            end = kept.get(item.seq.seq_id)
-            if end is not None:
-                del item.seq.tokens[end:]
-                item = replace(item, num_tokens=end - item.start)
-            scheduled.append(item)
-        return replace(plan, scheduled=scheduled)
-
-    def _undraft(self, plan: SchedulerOutput, drafts: abc.Mapping[int, list[int]]) -> None:
-        """A speculative step failed: each drafted sequence's table and tokens go back to what
-        they were before its drafts, so the next step schedules the same work again."""
-        before = {
-            item.seq.seq_id: item.end - len(drafts[item.seq.seq_id])
-            for item in plan.scheduled
-            if item.seq.seq_id in drafts
-        }
-        self.store.truncate(list(before), list(before.values()))
-        for item in plan.scheduled:
-            if item.seq.seq_id in before:
-                del item.seq.tokens[before[item.seq.seq_id] :]
 
     def _record(self, forked: list[Sequence], finished: list[Sequence]) -> list[RequestOutput]:
         """Track forked samples; return the requests whose every sample has finished."""
