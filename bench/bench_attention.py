@@ -10,18 +10,22 @@ the contiguous call as the same kernel compiled without the table lookup (Triton
 reference sends both calls through one gather; the report does not tabulate it.)
 
 Timings must hold still. On CPU every call runs on ``CPU_THREADS`` thread (``torch`` and numba
-alike, ``kernels.numba_runtime``), so the figure is the kernel's, not the scheduler's; each case
-is ``pedantic``: ``WARMUP`` untimed calls, then ``ROUNDS`` rounds of enough calls to last about
+alike, ``kernels.numba_runtime``), so the figure is the kernel's, not the scheduler's. Each case
+is ``pedantic``: ``WARMUP`` warm-up rounds, then ``ROUNDS`` rounds of enough calls to last about
 ``ROUND_SECONDS`` (a round shorter than the OS's time slice is hit by preemption whole or not at
-all, so the median round is a clean one), and the median round counts. The report puts the
-spread, interquartile range / median, beside each median.
+all, so the median round is a clean one). Paged rounds are timed by pytest-benchmark; before
+each, its untimed ``setup`` times a contiguous round of as many calls, so the two alternate and
+the ratio is the median over rounds of each pair's. The report puts the spread, interquartile
+range / median, beside each median. On a shared machine run it at real-time priority, pinned to
+one core (``docs/results.md`` says why and how).
 
-Context 256 is the quick suite's (with ``--benchmark-disable`` every case runs once and the
-paged output is checked against the contiguous one); contexts 1,024 and 4,096 are marked
-``long`` (``pytest -m long bench/bench_attention.py``, about 10 minutes on 2 cores). On CUDA the
-shapes are the GPU's (fp16, head dim 128); ``bench/gpu_kernels.py`` is the full GPU sweep.
-``extra_info`` records backend, device, threads, shapes, the K/V bytes one call reads and, when
-timed, the achieved bandwidth.
+Context 256 is the quick suite's (with ``--benchmark-disable`` every case runs once and both
+layouts are checked against the reference); contexts 1,024 and 4,096 are marked ``long``
+(``pytest -m long``). The whole file, timed, took 32 to 41 s at real-time priority on the
+2-core development machine. On CUDA the shapes are the GPU's (fp16, head dim 128);
+``bench/gpu_kernels.py`` is the full GPU sweep. ``extra_info`` records backend, device, threads,
+shapes, the K/V bytes one call reads, calls per round and, when timed, the contiguous median,
+both interquartile ranges, the paired ratio and the achieved bandwidth.
 """
 
 from __future__ import annotations
