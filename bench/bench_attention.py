@@ -2,26 +2,37 @@
 
 One group per block size, ``attention-bs{B}``, each holding ``paged`` (``paged_decode_attention``
 reading K/V through shuffled block tables) and ``contiguous`` (``contiguous_decode_attention``
-over the same K/V laid out ``[batch, len, heads, dim]``) at each batch of ``BATCHES``, so the
-table reads as "what paging costs at this block size". The backend is whichever ``auto`` picks:
-the compiled Triton kernel on CUDA, the torch reference on CPU (the Triton interpreter is for
-correctness only).
+over the same K/V laid out ``[batch, len, heads, dim]``) at each batch of ``BATCHES`` and context
+of ``CONTEXTS``, so the table reads as "what paging costs at this block size". The backend is
+whichever ``auto`` picks: the compiled Triton kernel on CUDA, the numba kernel on CPU. Both run
+the contiguous call as the same kernel compiled without the table lookup (Triton's
+``PAGED=False``; numba's ``block_tables=None``), so the ratio is the table's cost. (The torch
+reference sends both calls through one gather; the report does not tabulate it.)
 
-Timings must hold still, because the report reads the contiguous column (which does not depend
-on the block size) as this machine's noise. So each case is ``pedantic``: ``WARMUP`` untimed
-calls, then ``ROUNDS`` rounds of ``ITERATIONS`` calls each, and the median round counts. On CPU
-the shapes are small (context 256, batch up to 32: a few MB of K/V, which stays in cache), as in
-the engine's decode steps; on CUDA they are the GPU's (context 1024, batch up to 128).
-``extra_info`` records backend, device, shapes, the K/V bytes one call reads and, when timed, the
-achieved bandwidth.
+Timings must hold still. On CPU every call runs on ``CPU_THREADS`` thread (``torch`` and numba
+alike, ``kernels.numba_runtime``), so the figure is the kernel's, not the scheduler's. Each case
+is ``pedantic``: ``WARMUP`` warm-up rounds, then ``ROUNDS`` rounds of enough calls to last about
+``ROUND_SECONDS`` (a round shorter than the OS's time slice is hit by preemption whole or not at
+all, so the median round is a clean one). Paged rounds are timed by pytest-benchmark; before
+each, its untimed ``setup`` times a contiguous round of as many calls, so the two alternate and
+the ratio is the median over rounds of each pair's. The report puts the spread, interquartile
+range / median, beside each median. On a shared machine run it at real-time priority, pinned to
+one core (``docs/results.md`` says why and how).
 
-Under ``--benchmark-disable`` each case runs once, and the paged result is still checked
-against the contiguous one. ``bench/gpu_kernels.py`` is the full sweep for a CUDA machine.
+Context 256 is the quick suite's (with ``--benchmark-disable`` every case runs once and both
+layouts are checked against the reference); contexts 1,024 and 4,096 are marked ``long``
+(``pytest -m long``). The whole file, timed, took 32 to 41 s at real-time priority on the
+2-core development machine. On CUDA the shapes are the GPU's (fp16, head dim 128);
+``bench/gpu_kernels.py`` is the full GPU sweep. ``extra_info`` records backend, device, threads,
+shapes, the K/V bytes one call reads, calls per round and, when timed, the contiguous median,
+both interquartile ranges, the paired ratio and the achieved bandwidth.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import statistics
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -33,22 +44,37 @@ from pagedkv.kernels.backend import resolve_backend
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPE = torch.float16 if DEVICE.type == "cuda" else torch.float32
-BATCHES, CONTEXT = ((1, 32, 128), 1024) if DEVICE.type == "cuda" else ((1, 8, 32), 256)
+BATCHES = (1, 8, 32)
+CONTEXTS = (
+    256,
+    pytest.param(1024, marks=pytest.mark.long),
+    pytest.param(4096, marks=pytest.mark.long),
+)
 NUM_KV_HEADS, GROUP, HEAD_DIM = 2, 4, 128 if DEVICE.type == "cuda" else 64
-WARMUP, ROUNDS, ITERATIONS = 3, 15, 5
+CPU_THREADS = 1
+WARMUP, ROUNDS, ROUND_SECONDS = 3, 21, 2e-3
 TOLERANCE = {torch.float16: 2e-3, torch.float32: 2e-5}[DTYPE]
 
 
-def make_inputs(block_size: int, batch: int) -> dict[str, torch.Tensor]:
+@pytest.fixture(autouse=True)
+def fixed_threads() -> Iterator[None]:
+    """``CPU_THREADS`` torch (and so numba) threads for the test, restored after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(CPU_THREADS)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_inputs(block_size: int, batch: int, context: int) -> dict[str, torch.Tensor]:
     """Query, contiguous K/V, and the same K/V paged through shuffled block tables."""
-    generator = torch.Generator().manual_seed(block_size * 1000 + batch)
+    generator = torch.Generator().manual_seed(block_size * 1000 + batch + context * 7)
 
     def randn(*size: int) -> torch.Tensor:
         return torch.randn(*size, generator=generator).to(DTYPE).to(DEVICE)
 
-    key = randn(batch, CONTEXT, NUM_KV_HEADS, HEAD_DIM)
-    value = randn(batch, CONTEXT, NUM_KV_HEADS, HEAD_DIM)
-    blocks_per_seq = CONTEXT // block_size
+    key = randn(batch, context, NUM_KV_HEADS, HEAD_DIM)
+    value = randn(batch, context, NUM_KV_HEADS, HEAD_DIM)
+    blocks_per_seq = context // block_size
     num_blocks = batch * blocks_per_seq
     # Physical block p holds logical block order[p]; the table maps logical to physical.
     order = torch.randperm(num_blocks, generator=generator)
@@ -62,7 +88,7 @@ def make_inputs(block_size: int, batch: int) -> dict[str, torch.Tensor]:
         "k_cache": key.reshape(shape)[order.to(DEVICE)].contiguous(),
         "v_cache": value.reshape(shape)[order.to(DEVICE)].contiguous(),
         "block_tables": tables.reshape(batch, blocks_per_seq).to(DEVICE),
-        "context_lens": torch.full((batch,), CONTEXT, dtype=torch.int32, device=DEVICE),
+        "context_lens": torch.full((batch,), context, dtype=torch.int32, device=DEVICE),
     }
 
 
@@ -79,43 +105,87 @@ def synchronized(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
     return run
 
 
-@pytest.mark.parametrize("layout", ["paged", "contiguous"])
+def iterations_per_round(call: Callable[[], torch.Tensor]) -> int:
+    """Calls per round: about ``ROUND_SECONDS`` of them, from the fastest of three timed calls."""
+    fastest = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        call()
+        fastest = min(fastest, time.perf_counter() - start)
+    return max(1, round(ROUND_SECONDS / max(fastest, 1e-7)))
+
+
+def round_of(call: Callable[[], torch.Tensor], calls: int) -> Callable[[], torch.Tensor]:
+    """``calls`` calls of ``call`` in a row; returns the last output."""
+
+    def run() -> torch.Tensor:
+        for _ in range(calls - 1):
+            call()
+        return call()
+
+    return run
+
+
 @pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("context", CONTEXTS)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_decode_attention(benchmark: Any, block_size: int, batch: int, layout: str) -> None:
-    inputs = make_inputs(block_size, batch)
+def test_decode_attention(benchmark: Any, block_size: int, context: int, batch: int) -> None:
+    """Paged rounds timed by pytest-benchmark, each preceded (in its untimed ``setup``) by a
+    contiguous round of as many calls, timed here: the two layouts alternate round by round, so
+    the paired ratio of round ``i`` compares two measurements taken under the same load."""
+    inputs = make_inputs(block_size, batch, context)
     q, lens = inputs["query"], inputs["context_lens"]
-    if layout == "paged":
-        args = (q, inputs["k_cache"], inputs["v_cache"], inputs["block_tables"], lens)
+    paged_args = (q, inputs["k_cache"], inputs["v_cache"], inputs["block_tables"], lens)
+    contiguous_args = (q, inputs["key"], inputs["value"], lens)
+    paged = synchronized(lambda: kernels.paged_decode_attention(*paged_args, validate=False))
+    contiguous = synchronized(
+        lambda: kernels.contiguous_decode_attention(*contiguous_args, validate=False)
+    )
+    calls = iterations_per_round(paged) if not benchmark.disabled else 1
+    contiguous_rounds: list[float] = []
 
-        def call() -> torch.Tensor:
-            return kernels.paged_decode_attention(*args, validate=False)
-
-    else:
-        args = (q, inputs["key"], inputs["value"], lens)
-
-        def call() -> torch.Tensor:
-            return kernels.contiguous_decode_attention(*args, validate=False)
+    def time_contiguous_round() -> None:
+        start = time.perf_counter()
+        round_of(contiguous, calls)()
+        contiguous_rounds.append((time.perf_counter() - start) / calls)
 
     kv_bytes = 2 * inputs["key"].numel() * inputs["key"].element_size()
     benchmark.group = f"attention-bs{block_size}"
     benchmark.extra_info.update(
         backend=resolve_backend(None, DEVICE),
         device=str(DEVICE),
+        threads=CPU_THREADS if DEVICE.type == "cpu" else None,
         dtype=str(DTYPE).removeprefix("torch."),
-        layout=layout,
         block_size=block_size,
         batch=batch,
-        context=CONTEXT,
+        context=context,
         heads=f"{NUM_KV_HEADS * GROUP}q/{NUM_KV_HEADS}kv x {HEAD_DIM}",
         kv_bytes=kv_bytes,
+        calls_per_round=calls,
     )
     out = benchmark.pedantic(
-        synchronized(call), rounds=ROUNDS, iterations=ITERATIONS, warmup_rounds=WARMUP
+        round_of(paged, calls), setup=time_contiguous_round, rounds=ROUNDS, warmup_rounds=WARMUP
     )
     stats = getattr(benchmark, "stats", None)
-    if stats is not None and stats.stats.mean > 0:
-        benchmark.extra_info["kv_gbps"] = round(kv_bytes / stats.stats.mean / 1e9, 2)
+    if stats is not None and stats.stats.median > 0:
+        paged_rounds = [t / calls for t in stats.stats.data]
+        timed = contiguous_rounds[-len(paged_rounds) :]  # setup also runs before warm-up rounds
+        benchmark.extra_info.update(
+            paged_iqr=iqr(paged_rounds),
+            contiguous_median=statistics.median(timed),
+            contiguous_iqr=iqr(timed),
+            paired_ratio=statistics.median(p / c for p, c in zip(paged_rounds, timed, strict=True)),
+            kv_gbps=round(kv_bytes / (stats.stats.median / calls) / 1e9, 2),
+        )
 
-    expected = kernels.contiguous_decode_attention(q, inputs["key"], inputs["value"], lens)
+    expected = kernels.contiguous_decode_attention(
+        q, inputs["key"], inputs["value"], lens, backend="reference"
+    )
     torch.testing.assert_close(out, expected, atol=TOLERANCE, rtol=TOLERANCE)
+    torch.testing.assert_close(contiguous(), expected, atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def iqr(values: list[float]) -> float:
+    """The interquartile range of ``values`` (``statistics.quantiles``, exclusive method)."""
+    quartiles = statistics.quantiles(values, n=4)
+    return quartiles[2] - quartiles[0]

@@ -64,7 +64,7 @@ def serving_info(workload: str, result: Any) -> dict[str, Any]:
 
 
 def benchmark(info: dict[str, Any], group: str = "g") -> dict[str, Any]:
-    return {"group": group, "extra_info": info, "stats": {"median": 0.001}}
+    return {"group": group, "extra_info": info, "stats": {"median": 0.001, "iqr": 0.00002}}
 
 
 def small_run() -> Run:
@@ -85,11 +85,11 @@ def small_run() -> Run:
     ]
     attention = [
         benchmark(
-            {"layout": layout, "block_size": b, "batch": 8, "context": 1024, "heads": "8q/2kv",
-             "dtype": "float16", "backend": "triton", "device": "cuda"},
+            {"block_size": b, "batch": 8, "context": 1024, "heads": "8q/2kv", "dtype": "float16",
+             "backend": "triton", "device": "cuda", "calls_per_round": 1, "paged_iqr": 0.00002,
+             "contiguous_median": 0.001, "contiguous_iqr": 0.00002, "paired_ratio": 1.0},
             group=f"attention-bs{b}",
         )
-        for layout in ("paged", "contiguous")
         for b in (1, 16)
     ]  # fmt: skip
     machine = {"cpu": {"brand_raw": "test", "count": 1}, "device": "cpu"}
@@ -297,27 +297,36 @@ def test_sharing_sentence_follows_the_saving_and_the_batch() -> None:
 
 
 def slower_contiguous(run: Run, factor: float) -> Run:
-    """``run`` with the block-16 contiguous attention's median multiplied by ``factor``."""
+    """``run`` with the block-16 contiguous attention's rounds multiplied by ``factor``."""
     benchmarks = [
-        {**b, "stats": {"median": b["stats"]["median"] * factor}}
-        if b["group"] == "attention-bs16" and b["extra_info"]["layout"] == "contiguous"
+        {**b, "extra_info": {
+            **b["extra_info"],
+            "contiguous_median": b["extra_info"]["contiguous_median"] * factor,
+            "contiguous_iqr": b["extra_info"]["contiguous_iqr"] * factor,
+            "paired_ratio": b["extra_info"]["paired_ratio"] / factor,
+        }}
+        if b["group"] == "attention-bs16"
         else b
         for b in run.benchmarks
-    ]
+    ]  # fmt: skip
     return dataclasses.replace(run, benchmarks=benchmarks)
 
 
 def test_noise_and_latency_sentences_follow_the_timings() -> None:
     quiet = rendered(header_section, small_run(), "cmd")
     assert "medians of the same work stay within 15%: the contiguous" in quiet
-    assert "span up to 1.00x (batch 8)." in quiet
+    assert "span up to 1.00x (batch 8, context 1024)." in quiet
     noisy = rendered(header_section, slower_contiguous(small_run(), 2.0), "cmd")
     assert "move by more than 15%: " in noisy
-    assert "span up to 2.00x (batch 8). Compare on a quiet machine" in noisy
+    assert "span up to 2.00x (batch 8, context 1024). Compare on a quiet machine" in noisy
     even = rendered(latency_section, small_run())
-    assert "the paged call is the slower one at 0 of the 2 points" in even
+    assert "Paged / contiguous ranges from 1.00x to 1.00x (median 1.00x)" in even
+    assert "paged within 10% of contiguous, holds at 1 of the 1 points (worst 1.00x)" in even
+    assert "is at most 2.0% (median 2.0%); 0 of the 4 medians have a spread of 10%" in even
+    assert "| 16 | 1.000 (2.0%) | 1.000 (2.0%) | 1.00x |" in even
     faster = rendered(latency_section, slower_contiguous(small_run(), 0.5))
-    assert "from 1.00x to 2.00x (median 1.50x): the paged call is the slower one at 1 of" in faster
+    assert "from 1.00x to 2.00x (median 1.50x). At block sizes of 16 and more" in faster
+    assert "holds at 0 of the 1 points (worst 2.00x)" in faster
 
 
 def test_reference_attention_timings_are_not_tabulated() -> None:

@@ -1,7 +1,7 @@
 """The public kernel functions: validate every argument, pick the backend, run.
 
-Every function accepts ``backend=`` (``"auto"``, ``"triton"`` or ``"reference"``; see
-``kernels.backend``). Types, shapes, dtypes and devices are always checked. Checks that read
+Every function accepts ``backend=`` (``"auto"``, ``"triton"``, ``"numba"`` or ``"reference"``;
+see ``kernels.backend``). Types, shapes, dtypes and devices are always checked. Checks that read
 tensor values (block ids, context lengths, slots, positions), and so synchronize a GPU, run unless
 ``validate=False``; pass that only for arguments already known to be valid, because the kernels
 trust them and a bad block id would read or write outside the caches. Every check runs before
@@ -9,7 +9,9 @@ anything is launched or written, so a call that raises leaves the caches untouch
 
 The Triton kernel modules import triton, so each function imports its kernel module only on the
 triton branch, after ``resolve_backend`` has loaded triton under the interpreter rule: the
-reference backend never imports triton and works without it installed.
+reference backend never imports triton and works without it installed. The numba kernel
+modules are imported on the numba branch likewise; attention runs there in fp32, and fp16 or bf16
+attention on the numba backend runs the reference.
 
 The attention functions take ``window=`` (``None``, or an int ``w >= 1``): sliding-window
 attention, in which a query at position ``p`` attends only the keys at positions ``j`` with
@@ -95,6 +97,10 @@ def slot_mapping(
     backend_name = resolve_backend(backend, device)
     if tables.numel() == 0:  # no entry to read: every (valid) position is padding
         return torch.full_like(pos, -1)
+    if backend_name == "numba":
+        from pagedkv.kernels import numba_cache
+
+        return numba_cache.slot_mapping(tables, pos, seq, block_size)
     if backend_name == "reference":
         return reference.slot_mapping(tables, pos, seq, block_size)
     from pagedkv.kernels import triton_slot_mapping
@@ -127,7 +133,12 @@ def store_kv(
     device = check_same_device(k_cache=k_cache, key=key, value=value, slot_mapping=slots)
     if validate:
         check_slot_values(slots, caches.num_blocks * caches.block_size)
-    if resolve_backend(backend, device) == "reference":
+    backend_name = resolve_backend(backend, device)
+    if backend_name == "numba":
+        from pagedkv.kernels import numba_cache
+
+        numba_cache.store_kv(key, value, k_cache, v_cache, slots)
+    elif backend_name == "reference":
         reference.store_kv(key, value, k_cache, v_cache, slots)
     else:
         from pagedkv.kernels import triton_store_kv
@@ -155,8 +166,9 @@ def paged_decode_attention(
     max_blocks]``; ``context_lens`` ``[batch]``, each in ``[0, max_blocks * block_size]`` (0 gives
     zeros). ``num_heads`` must be a multiple of ``num_kv_heads``; query head ``h`` reads KV head
     ``h // (num_heads // num_kv_heads)``. ``scale`` defaults to ``1 / sqrt(head_dim)``.
-    ``num_splits`` (triton backend; 1 to 64) cuts each sequence's tokens into that many ranges
-    merged by log-sum-exp; ``None`` chooses from the GPU's size. ``window`` (``None`` or an int
+    ``num_splits`` (triton and numba backends; 1 to 64) cuts each sequence's tokens into that
+    many ranges merged by log-sum-exp; ``None`` chooses from the GPU's size (numba: from the
+    thread count). ``window`` (``None`` or an int
     ``w >= 1``) is a sliding window: the query, at position ``p = context_lens[b] - 1``, attends
     only keys ``p - w < j <= p``, the last ``w`` tokens; the table entries of blocks wholly
     before them are neither read nor validated. Returns ``[batch, num_heads, head_dim]`` in the
@@ -173,7 +185,12 @@ def paged_decode_attention(
     if check_bool("validate", validate):
         starts = window_starts(lens, 1, window) if window is not None else None
         check_context_values(lens, tables, caches.block_size, caches.num_blocks, starts)
-    if resolve_backend(backend, device) == "reference":
+    backend_name = resolve_backend(backend, device)
+    if backend_name == "numba" and q.dtype == torch.float32:
+        from pagedkv.kernels import numba_attention
+
+        return numba_attention.decode(q, k_cache, v_cache, tables, lens, scale, num_splits, window)
+    if backend_name != "triton":  # the reference, and numba's fp16 / bf16
         return reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window)
     from pagedkv.kernels import triton_decode
 
@@ -236,7 +253,12 @@ def paged_prefill_attention(
         check_context_values(lens, tables, caches.block_size, caches.num_blocks, key_starts)
         check_cu_seqlens_values(starts, lens, q.shape[0])
         check_max_query_len(max_query_len, query_lens)
-    if resolve_backend(backend, device) == "reference":
+    backend_name = resolve_backend(backend, device)
+    if backend_name == "numba" and q.dtype == torch.float32:
+        from pagedkv.kernels import numba_attention
+
+        return numba_attention.prefill(q, k_cache, v_cache, tables, starts, lens, scale, window)
+    if backend_name != "triton":  # the reference, and numba's fp16 / bf16
         return reference.paged_prefill_attention(
             q, k_cache, v_cache, tables, starts, lens, scale, window
         )
@@ -280,7 +302,12 @@ def contiguous_decode_attention(
     if check_bool("validate", validate):  # contiguous: a paged cache whose table for b is [b]
         identity = torch.arange(q.shape[0], dtype=torch.int32, device=device)[:, None]
         check_context_values(lens, identity, caches.block_size, caches.num_blocks)
-    if resolve_backend(backend, device) == "reference":
+    backend_name = resolve_backend(backend, device)
+    if backend_name == "numba" and q.dtype == torch.float32:
+        from pagedkv.kernels import numba_attention
+
+        return numba_attention.decode(q, key, value, None, lens, scale, num_splits, window)
+    if backend_name != "triton":  # the reference, and numba's fp16 / bf16
         return reference.contiguous_decode_attention(q, key, value, lens, scale, window)
     from pagedkv.kernels import triton_decode
 
@@ -305,7 +332,11 @@ def copy_blocks(
     backend_name = resolve_backend(backend, k_cache.device)
     if not checked:
         return
-    if backend_name == "reference":
+    if backend_name == "numba":
+        from pagedkv.kernels import numba_cache
+
+        numba_cache.copy_blocks(k_cache, v_cache, checked)
+    elif backend_name == "reference":
         reference.copy_blocks(k_cache, v_cache, checked)
     else:
         from pagedkv.kernels import triton_copy_blocks

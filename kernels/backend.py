@@ -5,12 +5,16 @@ Two backends compute the same functions:
 * ``"triton"``: the Triton kernels. Compiled on CUDA tensors; on CPU tensors they run in the
   Triton interpreter, which executes the same kernels in numpy (slowly: it is for proving the
   kernels correct, not for speed).
-* ``"reference"``: plain torch (``kernels.reference``), obviously correct; the CPU fast path. It
-  needs only torch: triton is an optional dependency.
+* ``"numba"``: the numba kernels (``kernels/numba_*.py``), compiled for the CPU (CPU tensors
+  only); the CPU fast path. Attention is fp32: fp16 and bf16 attention calls on this backend run
+  the reference (numba has no fp16 arithmetic); slot mapping, ``store_kv`` and ``copy_blocks``
+  run every dtype.
+* ``"reference"``: plain torch (``kernels.reference``), obviously correct. It needs only torch:
+  triton and numba are optional dependencies.
 
 Precedence, first match wins: the ``backend=`` argument of a call, the ``PAGEDKV_BACKEND``
-environment variable, then ``"auto"`` (``"triton"`` for CUDA tensors when triton is installed,
-``"reference"`` otherwise).
+environment variable, then ``"auto"``: ``"triton"`` for CUDA tensors when triton is installed,
+``"numba"`` for CPU tensors when numba imports, ``"reference"`` otherwise.
 
 **The interpreter rule.** Triton reads ``TRITON_INTERPRET`` when it *decorates* a function with
 ``@triton.jit``, and that includes its own helpers (``tl.sum``, ``tl.max``, ``tl.zeros``),
@@ -38,6 +42,7 @@ before the rule could choose the interpreter. The reference backend works in eve
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -46,12 +51,12 @@ from typing import Literal
 
 import torch
 
-Backend = Literal["triton", "reference"]
-BackendChoice = Literal["auto", "triton", "reference"]
+Backend = Literal["triton", "numba", "reference"]
+BackendChoice = Literal["auto", "triton", "numba", "reference"]
 
 BACKEND_ENV = "PAGEDKV_BACKEND"
 INTERPRET_ENV = "TRITON_INTERPRET"
-_CHOICES: tuple[BackendChoice, ...] = ("auto", "triton", "reference")
+_CHOICES: tuple[BackendChoice, ...] = ("auto", "triton", "numba", "reference")
 _TRUE = ("1", "true", "on", "yes", "y")  # Triton 3.9's getenv_bool, case-insensitive
 _TRITON_IMPORT = "pagedkv.kernels.triton_import"
 
@@ -145,13 +150,38 @@ def _load_triton(device: torch.device) -> None:
     )
 
 
+@functools.cache
+def numba_importable() -> bool:
+    """Whether ``numba`` imports in this process (tried once, then remembered)."""
+    try:
+        importlib.import_module("numba")
+    except ImportError:
+        return False
+    return True
+
+
+def _check_numba(device: torch.device) -> None:
+    """``RuntimeError`` unless the numba backend can run on ``device``."""
+    if not numba_importable():
+        raise RuntimeError(
+            "the numba backend needs the numba package, which does not import here: install it "
+            "with `pip install numba`, or use backend='reference', which needs only torch"
+        )
+    if device.type != "cpu":
+        raise RuntimeError(
+            f"the numba backend runs on CPU tensors only (got {device.type}): use "
+            "backend='triton' on a GPU, or backend='reference'"
+        )
+
+
 def resolve_backend(backend: str | None, device: torch.device) -> Backend:
     """Return the backend that runs a call on tensors living on ``device``.
 
     Resolving to ``"triton"`` loads triton (choosing the interpreter per the rule above).
     Raises ``TypeError`` for a ``backend`` that is neither ``None`` nor a ``str``,
     ``ValueError`` for an unknown name and ``RuntimeError`` when ``"triton"`` is asked for
-    where it cannot run: triton not installed, or CPU tensors without a working interpreter.
+    where it cannot run: triton not installed, or CPU tensors without a working interpreter,
+    and when ``"numba"`` is asked for without numba or for tensors off the CPU.
     """
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
@@ -161,7 +191,14 @@ def resolve_backend(backend: str | None, device: torch.device) -> Backend:
         source = "backend" if backend is not None else BACKEND_ENV
         raise ValueError(f"{source} must be one of {_CHOICES}, got {choice!r}")
     if choice == "auto":
-        choice = "triton" if device.type == "cuda" and _triton_installed() else "reference"
+        if device.type == "cuda" and _triton_installed():
+            choice = "triton"
+        elif device.type == "cpu" and numba_importable():
+            choice = "numba"
+        else:
+            choice = "reference"
     if choice == "triton":
         _load_triton(device)
+    elif choice == "numba":
+        _check_numba(device)
     return choice  # type: ignore[return-value]

@@ -12,6 +12,7 @@ interpreter), so ``bench/gpu_kernels.py`` reruns them compiled on a GPU.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import sys
 from collections.abc import Callable, Sequence
@@ -389,14 +390,19 @@ def load_mutant(module: ModuleType, original: str, mutated: str, directory: Path
     """A copy of ``module`` whose source has its one ``original`` replaced by ``mutated``.
 
     The copy is written under ``directory`` and imported from there, so Triton sees real source
-    for its kernels. Tests use it to prove that a check fails for a plausible bug.
+    for its kernels. Tests use it to prove that a check fails for a plausible bug. The file is
+    named by a hash of its source and left alone when it already holds that source, so in a
+    directory kept between runs numba's cache of its compiled kernels stays valid.
     """
     assert module.__file__ is not None
     source = Path(module.__file__).read_text()
     assert source.count(original) == 1, f"{original!r} must occur once in {module.__name__}"
-    name = f"mutant_{module.__name__.rsplit('.', 1)[-1]}_{len(list(directory.iterdir()))}"
+    mutated_source = source.replace(original, mutated)
+    digest = hashlib.sha256(mutated_source.encode()).hexdigest()[:16]
+    name = f"mutant_{module.__name__.rsplit('.', 1)[-1]}_{digest}"
     path = directory / f"{name}.py"
-    path.write_text(source.replace(original, mutated))
+    if not path.exists() or path.read_text() != mutated_source:
+        path.write_text(mutated_source)
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     mutant = importlib.util.module_from_spec(spec)

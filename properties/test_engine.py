@@ -23,8 +23,9 @@ from collections.abc import Iterator, Sequence
 import pytest
 from hypothesis import given, settings
 
+from pagedkv.impl.serving.cli import main
 from pagedkv.impl.serving.dense import dense_generate
-from pagedkv.impl.serving.engine import PagedAttentionEngine, main
+from pagedkv.impl.serving.engine import PagedAttentionEngine
 from pagedkv.impl.serving.model import CausalLM
 from pagedkv.impl.serving.paged_kv import PagedKVCache
 from pagedkv.impl.serving.scheduler import RequestTooLargeError, SchedulerOutput

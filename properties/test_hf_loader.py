@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from pagedkv.impl.serving.engine import main
+from pagedkv.impl.serving.cli import main
 from pagedkv.impl.serving.hf_loader import config_from_hf, load_hf, load_tokenizer
 from properties.hf_cases import hf_greedy, tiny_hf_model
 

@@ -75,7 +75,7 @@ def test_copy_blocks_matches_sequential_copies(
     size = (num_blocks, block_size, num_kv_heads, head_dim)
     cache = torch.randn(2, *size, generator=generator).to(dtype).to(DEVICE)
     arg = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2) if as_tensor else pairs
-    for backend in ("triton", "reference"):
+    for backend in ("triton", "numba", "reference"):
         check_copy_blocks(cache, arg, public_copy_blocks(backend))
 
 

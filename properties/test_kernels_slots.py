@@ -28,7 +28,7 @@ from properties.kernel_cases import (
     scenarios,
 )
 
-BACKENDS = ("triton", "reference")
+BACKENDS = ("triton", "numba", "reference")
 
 # slot_mapping(block_tables, positions, block_size, seq_ids) -> slots
 SlotMapping = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]

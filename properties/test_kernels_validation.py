@@ -1,6 +1,6 @@
 """Properties: invalid arguments raise a clear, typed error and leave the caches untouched.
 
-Every case runs on both backends. A kernel launched on bad block ids would read or write outside
+Every case runs on every backend. A kernel launched on bad block ids would read or write outside
 the caches (in the interpreter that kills the process), so these checks are what keeps it in.
 """
 
@@ -19,7 +19,7 @@ from pagedkv import kernels
 from properties.kernel_cases import DEVICE, kernel_examples
 
 NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 6, 4, 2, 8
-BACKENDS = ("triton", "reference")
+BACKENDS = ("triton", "numba", "reference")
 
 
 @dataclass

@@ -48,7 +48,7 @@ ALLOWED_THIRD_PARTY = {  # besides the standard library
     "spec": set(),
     "impl": set(),
     "blocks": {"numpy"},
-    "kernels": {"numpy", "torch", "triton"},
+    "kernels": {"numpy", "torch", "triton", "numba", "llvmlite"},  # llvmlite: numba's, for prefetch
     "serving": {"numpy", "torch", "tqdm", "transformers"},
 }
 

@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pagedkv.impl.serving.engine as engine_module
+import pagedkv.impl.serving.speculative as speculative_module
 import properties.engine_cases as engine_cases
 from pagedkv.impl.serving.dense import dense_generate
 from pagedkv.impl.serving.engine import PagedAttentionEngine
@@ -356,10 +357,6 @@ def check_fault(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 # Planted bugs in a copy of the engine; each fails one of the checks above.
 ENGINE_BUGS = {
-    "speculation silently off": (
-        "            if guess:\n                drafts[seq.seq_id] = guess",
-        "            if False:\n                drafts[seq.seq_id] = guess",
-    ),
     "every draft is kept": (
         "kept = accepted_drafts(guess, greedy, seq.eos_token_id)",
         "kept = len(guess)",
@@ -372,23 +369,35 @@ ENGINE_BUGS = {
         "sampled[seq.seq_id] = [greedy[kept]]",
         "sampled[seq.seq_id] = [greedy[0]]",
     ),
+}
+# Planted bugs in a copy of pagedkv.impl.serving.speculative, which the engine then calls.
+SPECULATIVE_BUGS = {
+    "speculation silently off": (
+        "        if guess:\n            drafts[seq.seq_id] = guess",
+        "        if False:\n            drafts[seq.seq_id] = guess",
+    ),
     "the rejected drafts keep their slots": (
-        "        self.store.truncate(list(kept), list(kept.values()))",
-        "        pass",
+        "    store.truncate(list(kept), list(kept.values()))",
+        "    pass",
     ),
     "a failed step keeps its drafts' slots": (
-        "        self.store.truncate(list(before), list(before.values()))",
-        "        pass",
+        "    store.truncate(list(before), list(before.values()))",
+        "    pass",
     ),
 }
 
 
-@pytest.mark.parametrize("bug", sorted(ENGINE_BUGS))
+@pytest.mark.parametrize("bug", sorted(ENGINE_BUGS) + sorted(SPECULATIVE_BUGS))
 def test_planted_engine_bug_is_caught(bug: str) -> None:
     """The checks above fail on an engine with the bug: an assertion, or the engine raising."""
-    mutant = load_mutant(engine_module, *ENGINE_BUGS[bug], ("RequestOutput", "StepOutput"))
     with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setattr(engine_cases, "PagedAttentionEngine", mutant.PagedAttentionEngine)
+        if bug in ENGINE_BUGS:
+            shared = ("RequestOutput", "StepOutput")
+            mutant = load_mutant(engine_module, *ENGINE_BUGS[bug], shared)
+            monkeypatch.setattr(engine_cases, "PagedAttentionEngine", mutant.PagedAttentionEngine)
+        else:
+            mutant = load_mutant(speculative_module, *SPECULATIVE_BUGS[bug], ())
+            monkeypatch.setattr(engine_module, "speculative", mutant)
         with pytest.raises(Exception):  # noqa: B017 - either kind of failure is a catch
             for source in SOURCES:
                 check_source(source, 4, True, 3)

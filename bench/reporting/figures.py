@@ -150,22 +150,38 @@ def plot_over_time(run: Run, figures: Path) -> None:
 
 
 def plot_latency(run: Run, figures: Path) -> None:
-    """Decode attention, paged and contiguous, against block size."""
+    """Decode attention against block size: paged and contiguous medians at the longest context
+    (left), and paged / contiguous at every batch and context (right)."""
     attention = run.attention()
     if not attention:
         return
-    figure, ax = plt.subplots(figsize=(5, 3.3))
-    for (layout, batch), medians in sorted(attention.items()):
+    figure, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
+    longest = max(context for _, _, context in attention)
+    batches = sorted({batch for _, batch, _ in attention})
+    for (layout, batch, context), medians in sorted(attention.items()):
+        if context != longest:
+            continue
         sizes = sorted(medians)
         style = "o-" if layout == "paged" else "s--"
-        ax.plot(sizes, [medians[b] * 1e3 for b in sizes], style, label=f"{layout}, batch {batch}")
-    ax.set_title("decode attention (bench_attention.py)", fontsize=9)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(PAPER_BLOCK_SIZES, [str(b) for b in PAPER_BLOCK_SIZES], fontsize=7)
-    ax.set_yscale("log")
-    ax.set_xlabel("block size (tokens)")
-    ax.set_ylabel("median (ms)")
-    ax.legend(fontsize=7)
+        color = f"C{batches.index(batch)}"
+        label = f"{layout}, batch {batch}"
+        left.plot(sizes, [medians[b] * 1e3 for b in sizes], style, color=color, label=label)
+    left.set_title(f"decode attention, context {longest}", fontsize=9)
+    left.set_yscale("log")
+    left.set_ylabel("median (ms)")
+    for (context, batch), ratios in sorted(run.attention_ratio().items()):
+        sizes = sorted(ratios)
+        label = f"ctx {context}, batch {batch}"
+        right.plot(sizes, [ratios[b] for b in sizes], "o-", label=label)
+    right.axhline(1.1, color="grey", linestyle=":", linewidth=1, label="+10%")
+    right.axhline(1.0, color="black", linewidth=0.5)
+    right.set_title("paged / contiguous (paired rounds)", fontsize=9)
+    right.set_ylabel("median ratio")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(PAPER_BLOCK_SIZES, [str(b) for b in PAPER_BLOCK_SIZES], fontsize=7)
+        ax.set_xlabel("block size (tokens)")
+        ax.legend(fontsize=6)
     save(figure, "decode_latency.png", figures)
 
 

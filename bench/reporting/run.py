@@ -1,8 +1,8 @@
 """A pytest-benchmark run of ``pytest bench``, and the figures the report reads from it, by key.
 
 The report reads the ``extra_info`` of ``bench_utilization.py`` (``kind="lifetime"``) and
-``bench_serving.py`` (``kind="serving"``), and the median timings of ``bench_attention.py``
-(groups ``attention-bs{B}``).
+``bench_serving.py`` (``kind="serving"``), and the median timings and their spread of
+``bench_attention.py`` (groups ``attention-bs{B}``).
 Every accessor returns an empty result when the run lacks those benchmarks.
 """
 
@@ -24,6 +24,9 @@ Info = dict[str, Any]
 
 ServingKey = tuple[str, str, bool]
 """``(workload, policy, shared)`` of a ``bench_serving.py`` run."""
+
+AttentionKey = tuple[str, int, int]
+"""``(layout, batch, context)`` of a ``bench_attention.py`` case."""
 
 
 @dataclass(frozen=True)
@@ -118,33 +121,65 @@ class Run:
     def _attention_benchmarks(self) -> list[dict[str, Any]]:
         return [b for b in self.benchmarks if (b["group"] or "").startswith("attention-bs")]
 
-    def attention(self) -> dict[tuple[str, int], dict[int, float]]:
-        """Median seconds of ``bench_attention.py`` by ``(layout, batch)``, then block size."""
-        medians: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
+    def attention(self) -> dict[AttentionKey, dict[int, float]]:
+        """Median seconds per call of ``bench_attention.py`` by ``(layout, batch, context)``, then
+        block size: the paged rounds' (pytest-benchmark's median over the calls of a round) and
+        the contiguous rounds' interleaved with them (``extra_info``)."""
+        medians: dict[AttentionKey, dict[int, float]] = defaultdict(dict)
         for b in self._attention_benchmarks():
             info = b["extra_info"]
-            medians[info["layout"], info["batch"]][info["block_size"]] = b["stats"]["median"]
+            n, context, size = info["batch"], info["context"], info["block_size"]
+            medians["paged", n, context][size] = b["stats"]["median"] / info["calls_per_round"]
+            medians["contiguous", n, context][size] = info["contiguous_median"]
         return dict(medians)
+
+    def attention_spread(self) -> dict[AttentionKey, dict[int, float]]:
+        """Interquartile range / median of the rounds behind each :meth:`attention` median."""
+        spreads: dict[AttentionKey, dict[int, float]] = defaultdict(dict)
+        for b in self._attention_benchmarks():
+            info = b["extra_info"]
+            n, context, size = info["batch"], info["context"], info["block_size"]
+            paged = b["stats"]["median"] / info["calls_per_round"]
+            spreads["paged", n, context][size] = info["paged_iqr"] / paged
+            spreads["contiguous", n, context][size] = (
+                info["contiguous_iqr"] / info["contiguous_median"]
+            )
+        return dict(spreads)
+
+    def attention_ratio(self) -> dict[tuple[int, int], dict[int, float]]:
+        """Paged / contiguous by ``(context, batch)``, then block size: the median over rounds of
+        each paged round's time over the contiguous round's just before it."""
+        ratios: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)
+        for b in self._attention_benchmarks():
+            info = b["extra_info"]
+            ratios[info["context"], info["batch"]][info["block_size"]] = info["paired_ratio"]
+        return dict(ratios)
 
     def attention_info(self) -> dict[str, Any]:
         """The ``extra_info`` of the first ``bench_attention.py`` benchmark (the shapes, dtype,
         backend and device all of them share); empty if there is none."""
         return next((b["extra_info"] for b in self._attention_benchmarks()), {})
 
-    def attention_batches(self) -> list[int]:
-        """The batches at which both the paged and the contiguous attention were timed."""
+    def attention_batches(self) -> list[tuple[int, int]]:
+        """The ``(context, batch)`` pairs at which both the paged and the contiguous attention
+        were timed."""
         attention = self.attention()
         return sorted(
-            n for layout, n in attention if layout == "paged" and ("contiguous", n) in attention
+            (context, n)
+            for layout, n, context in attention
+            if layout == "paged" and ("contiguous", n, context) in attention
         )
 
-    def contiguous_spread(self) -> dict[int, tuple[float, float]]:
-        """``batch: (fastest, slowest)`` median seconds of the contiguous attention over the
-        block sizes, for each of :meth:`attention_batches`. The contiguous call does not depend
-        on the block size, so the spread is the machine's noise between benchmarks of the same
-        work."""
+    def contiguous_spread(self) -> dict[tuple[int, int], tuple[float, float]]:
+        """``(context, batch): (fastest, slowest)`` median seconds of the contiguous attention
+        over the block sizes, for each of :meth:`attention_batches`. The contiguous call does not
+        depend on the block size, so the spread is the machine's noise between benchmarks of the
+        same work."""
         attention = self.attention()
         return {
-            n: (min(attention["contiguous", n].values()), max(attention["contiguous", n].values()))
-            for n in self.attention_batches()
+            (context, n): (
+                min(attention["contiguous", n, context].values()),
+                max(attention["contiguous", n, context].values()),
+            )
+            for context, n in self.attention_batches()
         }

@@ -24,19 +24,14 @@ the start of each step and after admitting a prompt with prefix hits, every bloc
 window of a sequence's next query (``BlockTableStore.release_outside_window``): its table
 entry becomes -1, which the attention kernels never read (they start at the window).
 
-``python -m pagedkv.impl.serving.engine`` (the ``pagedkv`` command) runs a small generation and
-prints the metrics of every step; ``--model DIR`` serves a model that ``save_pretrained`` wrote
-to DIR (``pagedkv.impl.serving.hf_loader``; local files only), its prompts given with
-``--prompt`` as text (DIR must hold a tokenizer) or, with ``--token-ids``, as token ids.
+The ``pagedkv`` command is ``pagedkv.impl.serving.cli``.
 """
 
 from __future__ import annotations
 
-import argparse
 from collections import abc
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -50,13 +45,13 @@ from pagedkv.impl.blocks.prefix_cache import (
     check_tokens,
 )
 from pagedkv.impl.blocks.table_store import BlockTableStore
-from pagedkv.impl.serving.hf_loader import load_hf, load_tokenizer
+from pagedkv.impl.serving import speculative
 from pagedkv.impl.serving.metrics import StepMetrics, step_metrics
-from pagedkv.impl.serving.model import CausalLM, ModelConfig
+from pagedkv.impl.serving.model import CausalLM
 from pagedkv.impl.serving.paged_kv import PagedKVCache
 from pagedkv.impl.serving.sampling import check_temperature, sample_token
 from pagedkv.impl.serving.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Sequence
-from pagedkv.impl.serving.speculative import DraftSource, accepted_drafts, check_drafts
+from pagedkv.impl.serving.speculative import DraftSource, accepted_drafts
 from pagedkv.kernels import resolve_backend
 from pagedkv.kernels.validation import check_bool
 from pagedkv.spec.block_manager import blocks_needed, check_int
@@ -274,18 +269,24 @@ class PagedAttentionEngine:
         next step.
         """
         plan = self.scheduler.schedule()
-        plan, drafts = self._draft(plan) if self.num_speculative_tokens else (plan, {})
+        drafts: dict[int, list[int]] = {}
+        if self.draft_source is not None:
+            budget = self.scheduler.config.max_num_batched_tokens - plan.num_batched_tokens
+            plan, drafts = speculative.draft(
+                plan, self.store, self.draft_source, self.num_speculative_tokens, budget,
+                self.model.config.vocab_size,
+            )  # fmt: skip
         try:
             pairs = self.store.pending_copy_pairs()
             if len(pairs):
                 self.kv.copy_blocks(torch.from_numpy(pairs))
             self.store.pop_copy_pairs()  # forgotten only once copied: copying again is harmless
             sampled, rows = self._run(plan, drafts) if plan.scheduled else ({}, {})
-            verified = self._roll_back(plan, drafts, rows) if drafts else plan
+            verified = speculative.roll_back(plan, drafts, rows, self.store) if drafts else plan
             forked, finished = self.scheduler.update(verified, sampled)
         except BaseException:
             if drafts:
-                self._undraft(plan, drafts)
+                speculative.undraft(plan, drafts, self.store)
             raise
         if self.keep_logits:
             for seq_id, row in rows.items():
@@ -423,73 +424,6 @@ class PagedAttentionEngine:
             raise
         return sampled, rows
 
-    def _draft(self, plan: SchedulerOutput) -> tuple[SchedulerOutput, dict[int, list[int]]]:
-        """Speculation: give each sequence whose step samples (one sample) up to
-        ``num_speculative_tokens`` drafts, within the step's token budget and the room left in
-        its output, and grow its table by them. Returns the plan that also computes the drafts,
-        and the drafts by sequence id. Every draft source call is made and checked before
-        anything changes; a sequence the pool cannot grow now is not speculated this step."""
-        budget = self.scheduler.config.max_num_batched_tokens - plan.num_batched_tokens
-        vocab = self.model.config.vocab_size
-        drafts: dict[int, list[int]] = {}
-        for item in plan.scheduled:
-            seq = item.seq
-            room = seq.max_new_tokens - len(seq.output) - 1  # beyond the token it samples
-            k = min(self.num_speculative_tokens, budget, room)
-            if self.draft_source is None or not item.samples or seq.num_samples > 1 or k < 1:
-                continue
-            guess = check_drafts(self.draft_source(list(seq.tokens), k), k, vocab)
-            if guess:
-                drafts[seq.seq_id] = guess
-                budget -= len(guess)
-        if not drafts:
-            return plan, drafts
-        for seq_id in self.store.grow(list(drafts), [len(d) for d in drafts.values()]):
-            del drafts[seq_id]  # no free block for its drafts now
-        scheduled = []
-        for item in plan.scheduled:
-            guess = drafts.get(item.seq.seq_id, [])
-            item.seq.tokens.extend(guess)
-            scheduled.append(replace(item, num_tokens=item.num_tokens + len(guess)))
-        return replace(plan, scheduled=scheduled), drafts
-
-    def _roll_back(
-        self,
-        plan: SchedulerOutput,
-        drafts: abc.Mapping[int, list[int]],
-        rows: abc.Mapping[int, torch.Tensor],
-    ) -> SchedulerOutput:
-        """Keep each drafted sequence's accepted drafts (``len(rows[seq_id]) - 1`` of them): its
-        table is truncated after them (``store.truncate``) and the rest leave its tokens.
-        Returns the plan as verified: each drafted item computes up to its last kept draft."""
-        kept = {}
-        for item in plan.scheduled:
-            seq_id = item.seq.seq_id
-            if seq_id in drafts:
-                kept[seq_id] = item.end - len(drafts[seq_id]) + len(rows[seq_id]) - 1
-        self.store.truncate(list(kept), list(kept.values()))
-        scheduled = []
-        for item in plan.scheduled:
-            end = kept.get(item.seq.seq_id)
-            if end is not None:
-                del item.seq.tokens[end:]
-                item = replace(item, num_tokens=end - item.start)
-            scheduled.append(item)
-        return replace(plan, scheduled=scheduled)
-
-    def _undraft(self, plan: SchedulerOutput, drafts: abc.Mapping[int, list[int]]) -> None:
-        """A speculative step failed: each drafted sequence's table and tokens go back to what
-        they were before its drafts, so the next step schedules the same work again."""
-        before = {
-            item.seq.seq_id: item.end - len(drafts[item.seq.seq_id])
-            for item in plan.scheduled
-            if item.seq.seq_id in drafts
-        }
-        self.store.truncate(list(before), list(before.values()))
-        for item in plan.scheduled:
-            if item.seq.seq_id in before:
-                del item.seq.tokens[before[item.seq.seq_id] :]
-
     def _record(self, forked: list[Sequence], finished: list[Sequence]) -> list[RequestOutput]:
         """Track forked samples; return the requests whose every sample has finished."""
         for child in forked:
@@ -513,99 +447,3 @@ class PagedAttentionEngine:
             vocab = self.model.config.vocab_size
             logits = [torch.stack(r) if r else torch.empty(0, vocab) for r in rows]
         return RequestOutput(request_id, request.prompt, [seq.output for seq in seqs], logits)
-
-
-def main(argv: abc.Sequence[str] | None = None) -> None:
-    """A small generation, printing every step's metrics: a tiny seeded model by default, or with
-    ``--model DIR`` a ``transformers`` Llama or Mistral saved in DIR (local files only)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m pagedkv.impl.serving.engine", description=main.__doc__
-    )
-    parser.add_argument("--blocks", type=int, default=24, help="KV blocks in the pool")
-    parser.add_argument("--block-size", type=int, default=4)
-    parser.add_argument("--requests", type=int, default=8, help="demo requests (no --model)")
-    parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--n", type=int, default=2, help="samples per request")
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--backend", choices=("auto", "triton", "reference"), default=None)
-    parser.add_argument(
-        "--model", metavar="DIR", help="serve the model that save_pretrained wrote to DIR"
-    )
-    parser.add_argument(
-        "--prompt", action="append", default=[], metavar="PROMPT",
-        help="with --model, one prompt (repeatable): text, which needs a tokenizer in DIR",
-    )  # fmt: skip
-    parser.add_argument(
-        "--token-ids", action="store_true",
-        help="each --prompt is token ids separated by commas or spaces, not text",
-    )  # fmt: skip
-    args = parser.parse_args(argv)
-
-    torch.set_num_threads(1)  # the model is tiny: more threads only add synchronization
-    if args.model is None:
-        if args.prompt:
-            parser.error("--prompt needs --model")
-        model, tokenizer = CausalLM.from_seed(ModelConfig(), seed=0), None
-        prompts = _demo_prompts(model.config.vocab_size, args.requests)
-    else:
-        try:
-            model, tokenizer = load_hf(args.model), load_tokenizer(args.model)
-            prompts = [_parse_prompt(text, tokenizer, args.token_ids) for text in args.prompt]
-        except ValueError as error:
-            parser.error(str(error))
-        if not prompts:
-            parser.error("--model needs at least one --prompt")
-    engine = PagedAttentionEngine(
-        model, args.blocks, args.block_size,
-        max_num_seqs=8, max_num_batched_tokens=64, watermark_blocks=1,
-        enable_prefix_caching=not args.no_prefix_caching, backend=args.backend,
-    )  # fmt: skip
-    print(
-        f"{len(prompts)} requests x {args.n} samples, {args.max_new_tokens} new tokens each; "
-        f"{args.blocks} blocks of {args.block_size} tokens; prefix caching "
-        f"{'off' if args.no_prefix_caching else 'on'}"
-    )
-    outputs = engine.generate(
-        prompts, args.max_new_tokens, n=args.n, temperature=args.temperature,
-        progress=True, on_step=lambda m: tqdm.write(m.line()),
-    )  # fmt: skip
-    for out in outputs:
-        print(f"request {out.request_id}: prompt {len(out.prompt)} tokens -> {out.outputs}")
-        if tokenizer is not None:
-            for sample in out.outputs:
-                print(f"  {tokenizer.decode(sample)!r}")
-    total = sum(m.preemptions for m in engine.metrics)
-    hits = sum(m.prefix_hit_tokens for m in engine.metrics)
-    print(
-        f"{len(engine.metrics)} steps, {total} preemptions, {hits} prompt tokens from the "
-        f"prefix cache; free blocks at the end: {engine.store.num_free_blocks}/"
-        f"{args.blocks}"
-    )
-
-
-def _demo_prompts(vocab_size: int, requests: int) -> list[list[int]]:
-    """Seeded prompts that share a 9-token system prefix, of 12 to 16 tokens."""
-    generator = torch.Generator().manual_seed(0)
-    system = torch.randint(vocab_size, (9,), generator=generator).tolist()
-    return [
-        system + torch.randint(vocab_size, (3 + i % 5,), generator=generator).tolist()
-        for i in range(requests)
-    ]
-
-
-def _parse_prompt(prompt: str, tokenizer: Any | None, token_ids: bool) -> list[int]:
-    """A ``--prompt``'s tokens: its ids with ``token_ids``, else its text tokenized.
-    ``ValueError`` for ids that are not integers, or text without a tokenizer."""
-    if token_ids:
-        try:
-            return [int(token) for token in prompt.replace(",", " ").split()]
-        except ValueError:
-            raise ValueError(f"--token-ids: {prompt!r} is not integers") from None
-    if tokenizer is None:
-        raise ValueError("a text --prompt needs a tokenizer in the --model directory")
-    return list(tokenizer.encode(prompt))
-
-
-if __name__ == "__main__":
-    main()

@@ -9,10 +9,10 @@ chunks over a cached prefix and preempted sequences being recomputed are all var
 query chunks of one batch, each reading its whole context, cached prefix included, through its
 block table; with the model's sliding window, only the part of it in the window, so the table
 entries of blocks wholly before the window of a sequence's first query in the step are never
-read and may name released blocks. On the triton backend the layer calls ``kernels.store_kv``
-and ``kernels.paged_prefill_attention``; on the reference backend, their CPU fast path
-``kernels.sdpa`` (one plan per step; per layer two ``index_copy_``, two row gathers and one
-SDPA call).
+read and may name released blocks. On the triton and numba backends the layer calls
+``kernels.store_kv`` and ``kernels.paged_prefill_attention``; on the reference backend, their
+CPU fast path ``kernels.sdpa`` (one plan per step; per layer two ``index_copy_``, two row
+gathers and one SDPA call).
 
 Everything a step's layers need is made once, in :meth:`PagedKVCache.step`, before the first
 layer runs: the step's tables, lengths, positions and slots are validated there, on the host,
@@ -187,7 +187,7 @@ class PagedStep:
     cu_seqlens_q: torch.Tensor  # int64 [B + 1]: sequence b's flat tokens start at [b]
     context_lens: torch.Tensor  # int64 [B]
     max_query_len: int  # the longest query chunk, on the host
-    plan: sdpa.SdpaPlan | None  # the reference backend's attention layout; None on triton
+    plan: sdpa.SdpaPlan | None  # the reference backend's attention layout; else None
 
     def attend(
         self,

@@ -13,12 +13,21 @@ when speculation is on.
 A *draft source* is any callable ``draft_source(tokens, k)`` that returns up to ``k`` guesses
 of the tokens that follow ``tokens`` (a sequence's prompt and output so far, as a new list): a
 small model, an n-gram lookup, or, in the tests, the dense oracle or a fixed guess.
+
+The engine's step calls three functions here: :func:`draft` before the pass (every draft source
+call, then the tables grown by the drafts), :func:`roll_back` after it (the rejected drafts'
+slots given back), and :func:`undraft` when the step fails (every draft given back).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
+import torch
+
+from pagedkv.impl.blocks.table_store import BlockTableStore
+from pagedkv.impl.serving.scheduler import SchedulerOutput
 from pagedkv.spec.block_manager import check_int
 
 DraftSource = Callable[[list[int], int], Sequence[int]]
@@ -53,3 +62,78 @@ def accepted_drafts(drafts: Sequence[int], greedy: Sequence[int], eos_token_id: 
             break
         kept += 1
     return kept
+
+
+def draft(
+    plan: SchedulerOutput,
+    store: BlockTableStore,
+    draft_source: DraftSource,
+    num_speculative_tokens: int,
+    budget: int,
+    vocab_size: int,
+) -> tuple[SchedulerOutput, dict[int, list[int]]]:
+    """Give each sequence whose step samples (one sample) up to ``num_speculative_tokens``
+    drafts, within ``budget`` more tokens in the step and the room left in its output, and grow
+    its table by them. Returns the plan that also computes the drafts, and the drafts by
+    sequence id. Every draft source call is made and checked before anything changes; a
+    sequence the pool cannot grow now is not speculated this step."""
+    drafts: dict[int, list[int]] = {}
+    for item in plan.scheduled:
+        seq = item.seq
+        room = seq.max_new_tokens - len(seq.output) - 1  # beyond the token it samples
+        k = min(num_speculative_tokens, budget, room)
+        if not item.samples or seq.num_samples > 1 or k < 1:
+            continue
+        guess = check_drafts(draft_source(list(seq.tokens), k), k, vocab_size)
+        if guess:
+            drafts[seq.seq_id] = guess
+            budget -= len(guess)
+    if not drafts:
+        return plan, drafts
+    for seq_id in store.grow(list(drafts), [len(d) for d in drafts.values()]):
+        del drafts[seq_id]  # no free block for its drafts now
+    scheduled = []
+    for item in plan.scheduled:
+        guess = drafts.get(item.seq.seq_id, [])
+        item.seq.tokens.extend(guess)
+        scheduled.append(replace(item, num_tokens=item.num_tokens + len(guess)))
+    return replace(plan, scheduled=scheduled), drafts
+
+
+def roll_back(
+    plan: SchedulerOutput,
+    drafts: Mapping[int, list[int]],
+    rows: Mapping[int, torch.Tensor],
+    store: BlockTableStore,
+) -> SchedulerOutput:
+    """Keep each drafted sequence's accepted drafts (``len(rows[seq_id]) - 1`` of them): its
+    table is truncated after them (``store.truncate``) and the rest leave its tokens. Returns
+    the plan as verified: each drafted item computes up to its last kept draft."""
+    kept = {}
+    for item in plan.scheduled:
+        seq_id = item.seq.seq_id
+        if seq_id in drafts:
+            kept[seq_id] = item.end - len(drafts[seq_id]) + len(rows[seq_id]) - 1
+    store.truncate(list(kept), list(kept.values()))
+    scheduled = []
+    for item in plan.scheduled:
+        end = kept.get(item.seq.seq_id)
+        if end is not None:
+            del item.seq.tokens[end:]
+            item = replace(item, num_tokens=end - item.start)
+        scheduled.append(item)
+    return replace(plan, scheduled=scheduled)
+
+
+def undraft(plan: SchedulerOutput, drafts: Mapping[int, list[int]], store: BlockTableStore) -> None:
+    """A speculative step failed: each drafted sequence's table and tokens go back to what they
+    were before its drafts, so the next step schedules the same work again."""
+    before = {
+        item.seq.seq_id: item.end - len(drafts[item.seq.seq_id])
+        for item in plan.scheduled
+        if item.seq.seq_id in drafts
+    }
+    store.truncate(list(before), list(before.values()))
+    for item in plan.scheduled:
+        if item.seq.seq_id in before:
+            del item.seq.tokens[before[item.seq.seq_id] :]
