@@ -226,7 +226,7 @@ def paged_prefill_attention(
     largest ``q_b``, which the triton backend needs on the host to size its grid: given, it
     saves reading ``cu_seqlens_q`` back from the device (a GPU synchronization); with
     ``validate`` it must equal the largest ``q_b`` (``ValueError``). Returns ``[tokens,
-    num_heads, head_dim]`` in the query's dtype; all arithmetic is fp32.
+    num_heads, head_dim]`` in the query's dtype; scores, softmax and sums are fp32.
     """
     caches = check_caches(k_cache, v_cache)
     q = check_decode_query(query, caches, k_cache.dtype)

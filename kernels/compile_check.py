@@ -155,12 +155,12 @@ def variants(sample: bool = False, grid: Grid | None = None) -> list[Variant]:
         ]
     else:
         found = []
-        for dtype in DTYPES:
-            for head_dim in sorted(BUDGETED_HEAD_DIMS + REPORTED_HEAD_DIMS):
+        for dtype in grid.dtypes:
+            for head_dim in grid.head_dims:
                 found.append(merge(dtype, head_dim))
-                for group in GROUPS:
+                for group in grid.groups:
                     found += [decode(dtype, head_dim, 0, group, s) for s in (False, True)]
-                    for block_size in BLOCK_SIZES:
+                    for block_size in grid.block_sizes:
                         found += [
                             decode(dtype, head_dim, block_size, group, s) for s in (False, True)
                         ]
@@ -242,9 +242,11 @@ def compile_variant(variant: Variant, capability: int) -> Figures:
 
 
 def matrix_instruction(ptx: str) -> str:
-    """The PTX's matrix instructions (``mma.sync.aligned.m16n8k16...f16``, ``wgmma...``), or
-    ``FMA`` when a dot was lowered to scalar fused multiply-adds, or ``-`` with no dot."""
-    found = sorted(set(re.findall(r"\b((?:wgmma\.mma_async|mma)\.[\w.]+)", ptx)))
+    """The PTX's matrix instructions (``mma.sync.aligned.m16n8k16...f16`` on sm_80,
+    ``wgmma.mma_async...`` on sm_90, ``tcgen05.mma...kind::f16`` on sm_100), or ``FMA`` when a
+    dot was lowered to scalar fused multiply-adds, or ``-`` with no dot."""
+    pattern = r"(?<![\w.])((?:tcgen05\.mma|wgmma\.mma_async|mma)\.[\w.:]+)"
+    found = sorted(set(re.findall(pattern, ptx)))
     if found:
         return " ".join(found)
     return "FMA" if "fma.rn.f32" in ptx else "-"
@@ -262,6 +264,7 @@ def rows_of(variant: Variant, figures: Figures) -> dict:
         "num_stages": variant.config.num_stages,
         "block_n": variant.config.constexprs.get("BLOCK_N"),
         **asdict(figures),
+        **({"mma": "-"} if variant.kind == "merge" else {}),  # no tl.dot: its FMAs are not one
     }
 
 
@@ -351,6 +354,8 @@ def short_mma(mma: str) -> str:
     """``mma.m16n8k16 f16`` / ``wgmma f16`` / ``FMA``: the instruction and its operand type."""
     if mma in ("FMA", "-"):
         return mma
+    if mma.startswith("tcgen05"):  # its operand types live in the instruction descriptor
+        return "tcgen05 " + mma.split("kind::")[-1].split(".")[0]
     kinds = {"wgmma" if "mma_async" in part else "mma" for part in mma.split()}
     operand = next(t for t in ("bf16", "f16", "tf32", "f32") if f".{t}." in mma + ".")
     return "+".join(sorted(kinds)) + f" {operand}"

@@ -97,7 +97,7 @@ def tiles(kernel: str, dtype: torch.dtype, head_dim: int, capability: int) -> Ti
     if kernel == "prefill":
         if half:  # 64 rows read each K/V tile once for 64 query rows; 8 warps hold them at D 128
             rows = 64 if block_d <= 128 else 32
-            block_n = 32 if block_d <= 128 else 16
+            block_n = 32 if block_d <= 64 else 16
             num_warps = 8 if block_d == 128 else 4
         else:
             rows = 32 if block_d <= 64 else 16

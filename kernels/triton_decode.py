@@ -8,21 +8,25 @@ spec's ``translate_slot``:
 
     slot = block_tables[b, n // block_size] * block_size + n % block_size
 
-so a tile may span several blocks (small block sizes) or part of one (large ones). Scores and
-the running softmax (max ``m``, denominator ``l``, accumulator ``acc``) are fp32: K/V are
-upcast right after the load. With one split the program writes the normalized output;
+so a tile may span several blocks (small block sizes) or part of one (large ones). q, K and V
+stay in the cache dtype: ``q K^T`` is a native ``tl.dot`` with fp32 sums, the scale multiplies
+the fp32 scores, and the unnormalized weights ``P`` are rounded to the cache dtype for ``P V``
+(fp32 caches: exact IEEE fp32 dots). The running softmax (max ``m``, denominator ``l``,
+accumulator ``acc``) is fp32. ``DOT_FP32`` upcasts the operands instead, for bf16 under the
+interpreter only, whose bf16 ``tl.dot`` multiplies raw storage bits (docs/kernels.md,
+Tolerances). With one split the program writes the normalized output;
 with several (flash-decoding, for long contexts and few sequences) each writes its normalized
 partial output and log-sum-exp, and ``_merge_kernel`` combines them:
 
     out = sum_s exp(lse_s - max lse) * out_s / sum_s exp(lse_s - max lse)
 
-With a sliding window ``w`` the query (at position ``context_len - 1``) attends only the last
-``w`` tokens, so a program's range starts at ``lo = max(0, context_len - w)``: the splits cut
-``[lo, lo + w)`` instead of ``[0, capacity)``, and the tiles wholly before ``lo`` are skipped, not
-masked. Without a window ``w`` is the table's capacity and ``lo`` is 0. Only tokens in ``[lo,
-context_len)`` are loaded, so only the table entries the validation checked are read: never
-those of blocks wholly before the window. A sequence of length 0 gives zeros.
-"""
+With a sliding window ``w`` the query (at position ``context_len - 1``) attends only the last ``w``
+tokens, so a program's range starts at ``lo = max(0, context_len - w)``: the splits cut ``[lo, lo +
+T)``, ``T = min(max_context_len, w)``, into whole tiles (:func:`split_work`), and the tiles wholly
+before ``lo`` are skipped, not masked. Without a window ``lo`` is 0. Every launch comes from
+:func:`decode_config` (and :func:`merge_config`), which the compile gate compiles. Only tokens in
+``[lo, context_len)`` are loaded, so only the table entries the validation checked are read: never
+those of blocks wholly before the window. A sequence of length 0 gives zeros."""
 
 from __future__ import annotations
 

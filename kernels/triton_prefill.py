@@ -11,16 +11,16 @@ table with the spec's ``translate_slot``:
 
     slot = block_tables[b, n // block_size] * block_size + n % block_size
 
-and masks key ``n`` for a query at position ``p`` unless ``n <= p`` (causal). With a sliding
-window ``w`` it also masks ``n <= p - w``, and the walk starts at ``max(0, p0 - w + 1)``, ``p0``
-being the tile's first query position: tiles wholly before every query's window are skipped, not
-masked, so a program reads at most ``w - 1 + BLOCK_Q`` keys. Without a window ``w`` is the
-table's capacity and the walk starts at 0. Scores and the online softmax are fp32, as in
-``triton_decode``; a row that has seen no key yet keeps a running max of ``-inf`` and weight 0
-(a window can leave a whole tile of keys before a row's window). Only keys in ``[max(0, f - w +
-1), context_len)``, ``f`` the sequence's first query position, are loaded, so only the table
-entries the validation checked are read: never those of blocks wholly before the window.
-"""
+and masks key ``n`` for a query at position ``p`` unless ``n <= p`` (causal). With a sliding window
+``w`` it also masks ``n <= p - w``, and the walk starts at ``max(0, p0 - w + 1)``, ``p0`` being the
+tile's first query position: tiles wholly before every query's window are skipped, not masked, so a
+program reads at most ``w - 1 + BLOCK_Q`` keys. Without a window ``w`` is the table's capacity and
+the walk starts at 0. Products, scores and the online softmax are as in ``triton_decode`` (native
+16-bit dots with fp32 sums, ``P`` rounded to the cache dtype); a row that has seen no key yet keeps
+a running max of ``-inf`` and weight 0 (a window can leave a whole tile of keys before a row's
+window). Only keys in ``[max(0, f - w + 1), context_len)``, ``f`` the sequence's first query
+position, are loaded, so only the table entries the validation checked are read: never those of
+blocks wholly before the window."""
 
 from __future__ import annotations
 
