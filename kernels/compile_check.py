@@ -93,9 +93,10 @@ class Grid:
     groups: tuple[int, ...] = GROUPS
 
 
-def variants(sample: bool = False, grid: Grid | None = None) -> list[Variant]:
-    """The documented grid (or ``grid``), through the launchers' config functions, one per
-    distinct compile; with ``sample``, the few the quick suite compiles."""
+def variants(sample: bool = False, grid: Grid | None = None, capability: int = 90) -> list[Variant]:
+    """The documented grid (or ``grid``), through the launchers' config functions for target
+    ``capability``, one per distinct compile; with ``sample``, the few the quick suite
+    compiles."""
     grid = grid or Grid()
     from pagedkv.kernels import triton_decode, triton_prefill
 
@@ -116,6 +117,7 @@ def variants(sample: bool = False, grid: Grid | None = None) -> list[Variant]:
             paged=block_size > 0,
             max_tokens=CONTEXT,
             num_splits=num_splits,
+            capability=capability,
         )
         kind = "contiguous" if block_size == 0 else "decode-split" if split else "decode"
         return Variant(DECODE, kind, dtype, head_dim, block_size, group, config)
@@ -132,6 +134,7 @@ def variants(sample: bool = False, grid: Grid | None = None) -> list[Variant]:
             table_stride=CONTEXT // block_size,
             window=CONTEXT,
             max_query_len=chunk,
+            capability=capability,
         )
         return Variant(PREFILL, "prefill", dtype, head_dim, block_size, group, config)
 
@@ -300,9 +303,8 @@ def budget_failures(rows: list[dict]) -> list[str]:
 
 def compile_all(sample: bool, wanted: tuple[int, ...], grid: Grid | None = None) -> Iterator[dict]:
     """Every variant on every supported target, as report rows (in this process)."""
-    targets = targets_supported(wanted)
-    for variant in variants(sample, grid):
-        for capability in targets:
+    for capability in targets_supported(wanted):
+        for variant in variants(sample, grid, capability):
             yield rows_of(variant, compile_variant(variant, capability))
 
 

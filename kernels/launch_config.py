@@ -82,13 +82,12 @@ def padded_head_dim(head_dim: int) -> int:
 
 def tiles(kernel: str, dtype: torch.dtype, head_dim: int, capability: int) -> Tiles:
     """The tile table: tiles, warps and pipeline stages per kernel (``"decode"`` or
-    ``"prefill"``), cache dtype and padded head dim. The same on sm_80, sm_90 and sm_100
-    (``capability`` selects nothing yet; docs/kernels.md has each target's figures).
+    ``"prefill"``), cache dtype, padded head dim and target (``capability``: one row differs on
+    sm_80). docs/kernels.md gives the measurement behind each row.
 
     16-bit caches feed ``tl.dot`` their own dtype (native ``mma``); fp32 caches run exact IEEE
     fp32 dots, which Triton lowers to FMA, so their tiles are smaller to keep the operands in
     registers without spilling."""
-    del capability  # one table for every target: each row was measured on all three
     block_d = padded_head_dim(head_dim)
     half = dtype != torch.float32
     if kernel == "decode":
@@ -99,6 +98,8 @@ def tiles(kernel: str, dtype: torch.dtype, head_dim: int, capability: int) -> Ti
             rows = 64 if block_d <= 128 else 32
             block_n = 32 if block_d <= 64 else 16
             num_warps = 8 if block_d == 128 else 4
+            if block_d == 128 and capability < 90:  # sm_80: 8 warps of 64 rows spill at D80/96
+                rows, block_n, num_warps = 32, 32, 4
         else:
             rows = 32 if block_d <= 64 else 16
             block_n = 16
