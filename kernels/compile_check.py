@@ -33,7 +33,13 @@ from pathlib import Path
 
 import torch
 
-from pagedkv.kernels.launch_config import TARGETS, LaunchConfig, occupancy, programs_per_sm
+from pagedkv.kernels.launch_config import (
+    TARGETS,
+    Call,
+    LaunchConfig,
+    occupancy,
+    programs_per_sm,
+)
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 BUDGETED_HEAD_DIMS = (64, 80, 96, 128)
@@ -100,41 +106,30 @@ def variants(sample: bool = False, grid: Grid | None = None, capability: int = 9
     grid = grid or Grid()
     from pagedkv.kernels import triton_decode, triton_prefill
 
+    def call(dtype: str, head_dim: int, block_size: int, group: int) -> Call:
+        """One sequence whose table spans ``CONTEXT`` tokens (block size 0: contiguous)."""
+        stride = CONTEXT // max(1, block_size)
+        heads = group * NUM_KV_HEADS
+        return Call(1, heads, NUM_KV_HEADS, head_dim, DTYPES[dtype], torch.int64, block_size,
+                    stride, capability)  # fmt: skip
+
     def decode(dtype: str, head_dim: int, block_size: int, group: int, split: bool) -> Variant:
         num_splits = 1
         if split:  # the launcher's automatic split, for one sequence at the longest context
             num_splits = triton_decode.auto_num_splits(NUM_KV_HEADS, CONTEXT, SM_COUNT, 8)
         config = triton_decode.decode_config(
-            batch=1,
-            num_heads=group * NUM_KV_HEADS,
-            num_kv_heads=NUM_KV_HEADS,
-            head_dim=head_dim,
-            dtype=DTYPES[dtype],
-            index_dtype=torch.int64,
-            block_size=block_size,
-            table_stride=CONTEXT // max(1, block_size),
+            call(dtype, head_dim, block_size, group),
             rows_per_seq=CONTEXT,
             paged=block_size > 0,
             max_tokens=CONTEXT,
             num_splits=num_splits,
-            capability=capability,
         )
         kind = "contiguous" if block_size == 0 else "decode-split" if split else "decode"
         return Variant(DECODE, kind, dtype, head_dim, block_size, group, config)
 
     def prefill(dtype: str, head_dim: int, block_size: int, group: int, chunk: int) -> Variant:
         config = triton_prefill.prefill_config(
-            batch=1,
-            num_heads=group * NUM_KV_HEADS,
-            num_kv_heads=NUM_KV_HEADS,
-            head_dim=head_dim,
-            dtype=DTYPES[dtype],
-            index_dtype=torch.int64,
-            block_size=block_size,
-            table_stride=CONTEXT // block_size,
-            window=CONTEXT,
-            max_query_len=chunk,
-            capability=capability,
+            call(dtype, head_dim, block_size, group), window=CONTEXT, max_query_len=chunk
         )
         return Variant(PREFILL, "prefill", dtype, head_dim, block_size, group, config)
 

@@ -109,6 +109,24 @@ def tiles(kernel: str, dtype: torch.dtype, head_dim: int, capability: int) -> Ti
 
 
 @dataclass(frozen=True)
+class Call:
+    """What an attention launch's configuration reads from its call: shapes, dtypes, the block
+    table's row stride, and where it runs (``capability`` selects the tile-table row;
+    ``interpreted``: the tensors are not on CUDA, so the Triton interpreter runs the kernel)."""
+
+    batch: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype  # the query's and the caches'
+    index_dtype: torch.dtype  # context_lens' (and cu_seqlens_q's)
+    block_size: int
+    table_stride: int
+    capability: int = DEFAULT_CAPABILITY
+    interpreted: bool = False
+
+
+@dataclass(frozen=True)
 class LaunchConfig:
     """Everything one kernel launch is made of, except the tensors' addresses.
 

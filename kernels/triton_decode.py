@@ -39,6 +39,7 @@ from pagedkv.kernels.launch_config import (
     INDEX_TYPES,
     SCALAR_TYPES,
     TARGETS,
+    Call,
     LaunchConfig,
     aligned,
     padded_head_dim,
@@ -201,43 +202,33 @@ def auto_num_splits(num_programs: int, max_tokens: int, sm_count: int, resident:
 
 
 def decode_config(
+    call: Call,
     *,
-    batch: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    index_dtype: torch.dtype,
-    block_size: int,
-    table_stride: int,
     rows_per_seq: int,
     paged: bool,
     max_tokens: int,
     num_splits: int,
-    capability: int = DEFAULT_CAPABILITY,
     scale: float = 1.0,
-    interpreted: bool = False,
 ) -> LaunchConfig:
     """The decode kernel's launch: pure, shared by :func:`launch` and the compile gate.
 
     ``max_tokens`` is the most tokens a sequence of the batch reads (its longest context, or
     the window when shorter; at least 1), ``num_splits`` the splits asked for, lowered by
-    :func:`split_work` so the longest sequence's splits all have work. ``table_stride`` is the
-    table's row stride (paged) and ``rows_per_seq`` the contiguous cache's ``max_len``.
-    ``index_dtype`` is ``context_lens``' dtype."""
-    tile = tiles("decode", dtype, head_dim, capability)
+    :func:`split_work` so the longest sequence's splits all have work. ``rows_per_seq`` is the
+    contiguous cache's ``max_len`` (``paged=False``)."""
+    tile = tiles("decode", call.dtype, call.head_dim, call.capability)
     num_splits, tokens_per_split = split_work(max_tokens, num_splits, tile.block_n)
-    group = num_heads // num_kv_heads
-    kind = SCALAR_TYPES[dtype]
+    group = call.num_heads // call.num_kv_heads
+    kind = SCALAR_TYPES[call.dtype]
     return LaunchConfig(
         kernel="_decode_kernel",
-        grid=(batch, num_kv_heads, num_splits),
+        grid=(call.batch, call.num_kv_heads, num_splits),
         signature={
             "query_ptr": f"*{kind}",
             "k_cache_ptr": f"*{kind}",
             "v_cache_ptr": f"*{kind}",
             "block_tables_ptr": "*i32",
-            "context_lens_ptr": f"*{INDEX_TYPES[index_dtype]}",
+            "context_lens_ptr": f"*{INDEX_TYPES[call.index_dtype]}",
             "out_ptr": f"*{kind}" if num_splits == 1 else "*fp32",
             "lse_ptr": "*fp32",
             "scale": "fp32",
@@ -249,22 +240,22 @@ def decode_config(
         },
         scalars={
             "scale": scale,
-            "table_stride": table_stride,
+            "table_stride": call.table_stride,
             "rows_per_seq": rows_per_seq,
             "window": max_tokens,
             "tokens_per_split": tokens_per_split,
             "num_splits": num_splits,
         },
         constexprs={
-            "NUM_HEADS": num_heads,
-            "NUM_KV_HEADS": num_kv_heads,
-            "HEAD_DIM": head_dim,
-            "BLOCK_SIZE": block_size if paged else 1,
+            "NUM_HEADS": call.num_heads,
+            "NUM_KV_HEADS": call.num_kv_heads,
+            "HEAD_DIM": call.head_dim,
+            "BLOCK_SIZE": call.block_size if paged else 1,
             "PAGED": paged,
-            "DOT_PRECISION": dot_precision(dtype, interpreted),
-            "DOT_FP32": interpreted and dtype == torch.bfloat16,
+            "DOT_PRECISION": dot_precision(call.dtype, call.interpreted),
+            "DOT_FP32": call.interpreted and call.dtype == torch.bfloat16,
             "BLOCK_G": max(tile.rows, triton.next_power_of_2(group)),
-            "BLOCK_D": padded_head_dim(head_dim),
+            "BLOCK_D": padded_head_dim(call.head_dim),
             "BLOCK_N": tile.block_n,
         },
         num_warps=tile.num_warps,
@@ -376,22 +367,17 @@ def launch(
     # The most tokens a query reads: its context, within the window. At least 1, and within
     # int32 (context lengths are validated to fit it).
     max_tokens = max(1, min(longest, capacity, INT32_MAX if window is None else window))
+    call = Call(
+        batch, num_heads, num_kv_heads, head_dim, query.dtype, lens.dtype, block_size,
+        tables.stride(0), capability(query.device), interpreted=not cuda,
+    )  # fmt: skip
     config = functools.partial(
         decode_config,
-        batch=batch,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        dtype=query.dtype,
-        index_dtype=lens.dtype,
-        block_size=block_size,
-        table_stride=tables.stride(0),
+        call,
         rows_per_seq=k_cache.shape[1],
         paged=paged,
         max_tokens=max_tokens,
-        capability=capability(query.device),
         scale=scale,
-        interpreted=query.device.type != "cuda",
     )
     if num_splits is None:  # CUDA: as many splits as fill the SMs with the resident programs
         resident = resident_programs(config(num_splits=MAX_SPLITS), query.device)

@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 
 from pagedkv.kernels.launch_config import (
-    DEFAULT_CAPABILITY,
     INDEX_TYPES,
     SCALAR_TYPES,
+    Call,
     LaunchConfig,
     aligned,
     padded_head_dim,
@@ -132,34 +132,21 @@ def _prefill_kernel(
 
 
 def prefill_config(
-    *,
-    batch: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    index_dtype: torch.dtype,
-    block_size: int,
-    table_stride: int,
-    window: int,
-    max_query_len: int,
-    capability: int = DEFAULT_CAPABILITY,
-    scale: float = 1.0,
-    interpreted: bool = False,
+    call: Call, *, window: int, max_query_len: int, scale: float = 1.0
 ) -> LaunchConfig:
     """The prefill kernel's launch: pure, shared by :func:`launch` and the compile gate.
 
     ``window`` is the kernel's window (the capacity, or int32's limit, when there is none),
-    ``max_query_len`` the longest query chunk, ``index_dtype`` that of ``cu_seqlens_q`` and
-    ``context_lens``."""
-    tile = tiles("prefill", dtype, head_dim, capability)
-    block_g = triton.next_power_of_2(num_heads // num_kv_heads)
+    ``max_query_len`` the longest query chunk; ``call.index_dtype`` is that of both
+    ``cu_seqlens_q`` and ``context_lens``."""
+    tile = tiles("prefill", call.dtype, call.head_dim, call.capability)
+    block_g = triton.next_power_of_2(call.num_heads // call.num_kv_heads)
     block_q = max(1, tile.rows // block_g)
-    kind = SCALAR_TYPES[dtype]
-    index = f"*{INDEX_TYPES[index_dtype]}"
+    kind = SCALAR_TYPES[call.dtype]
+    index = f"*{INDEX_TYPES[call.index_dtype]}"
     return LaunchConfig(
         kernel="_prefill_kernel",
-        grid=(batch, num_kv_heads, triton.cdiv(max_query_len, block_q)),
+        grid=(call.batch, call.num_kv_heads, triton.cdiv(max_query_len, block_q)),
         signature={
             "query_ptr": f"*{kind}",
             "k_cache_ptr": f"*{kind}",
@@ -172,17 +159,17 @@ def prefill_config(
             "table_stride": "i32",
             "window": "i32",
         },
-        scalars={"scale": scale, "table_stride": table_stride, "window": window},
+        scalars={"scale": scale, "table_stride": call.table_stride, "window": window},
         constexprs={
-            "NUM_HEADS": num_heads,
-            "NUM_KV_HEADS": num_kv_heads,
-            "HEAD_DIM": head_dim,
-            "BLOCK_SIZE": block_size,
-            "DOT_PRECISION": dot_precision(dtype, interpreted),
-            "DOT_FP32": interpreted and dtype == torch.bfloat16,
+            "NUM_HEADS": call.num_heads,
+            "NUM_KV_HEADS": call.num_kv_heads,
+            "HEAD_DIM": call.head_dim,
+            "BLOCK_SIZE": call.block_size,
+            "DOT_PRECISION": dot_precision(call.dtype, call.interpreted),
+            "DOT_FP32": call.interpreted and call.dtype == torch.bfloat16,
             "BLOCK_Q": block_q,
             "BLOCK_G": block_g,
-            "BLOCK_D": padded_head_dim(head_dim),
+            "BLOCK_D": padded_head_dim(call.head_dim),
             "BLOCK_N": tile.block_n,
         },
         num_warps=tile.num_warps,
@@ -218,20 +205,11 @@ def launch(
     # The kernel's window: the capacity (or int32's limit) when there is none or it is longer.
     capacity = tables.shape[1] * k_cache.shape[1]
     window = max(1, min(capacity, INT32_MAX if window is None else window, INT32_MAX))
-    config = prefill_config(
-        batch=batch,
-        num_heads=query.shape[1],
-        num_kv_heads=k_cache.shape[2],
-        head_dim=query.shape[2],
-        dtype=query.dtype,
-        index_dtype=starts.dtype,
-        block_size=k_cache.shape[1],
-        table_stride=tables.stride(0),
-        window=window,
-        max_query_len=max_query_len,
-        capability=capability(query.device),
-        scale=scale,
+    call = Call(
+        batch, query.shape[1], k_cache.shape[2], query.shape[2], query.dtype, starts.dtype,
+        k_cache.shape[1], tables.stride(0), capability(query.device),
         interpreted=query.device.type != "cuda",
-    )
+    )  # fmt: skip
+    config = prefill_config(call, window=window, max_query_len=max_query_len, scale=scale)
     run(_prefill_kernel, config, query, k_cache, v_cache, tables, starts, lens, out)
     return out

@@ -19,7 +19,7 @@ from pagedkv import kernels
 from pagedkv.impl.serving.model import ModelConfig
 from pagedkv.impl.serving.paged_kv import PagedKVCache
 from pagedkv.kernels import compile_check
-from pagedkv.kernels.launch_config import TARGETS, occupancy, programs_per_sm, tiles
+from pagedkv.kernels.launch_config import TARGETS, Call, occupancy, programs_per_sm, tiles
 from pagedkv.kernels.validation import INT32_MAX, MAX_SPLITS
 
 triton_decode = pytest.importorskip("pagedkv.kernels.triton_decode")
@@ -43,11 +43,10 @@ def test_every_split_has_work_for_the_longest_context(
     """The launch's splits cover the longest sequence's range ``[max(0, L - w), L)`` with whole
     tiles, at most the splits asked for, and each of them starts inside it."""
     reads = min(longest, window or longest)
+    call = Call(2, 8, 2, head_dim, dtype, torch.int64, block_size=16, table_stride=4)
     config = triton_decode.decode_config(
-        batch=2, num_heads=8, num_kv_heads=2, head_dim=head_dim, dtype=dtype,
-        index_dtype=torch.int64, block_size=16, table_stride=4, rows_per_seq=1, paged=True,
-        max_tokens=reads, num_splits=num_splits,
-    )  # fmt: skip
+        call, rows_per_seq=1, paged=True, max_tokens=reads, num_splits=num_splits
+    )
     splits, per_split = config.grid[2], config.scalars["tokens_per_split"]
     assert 1 <= splits <= num_splits
     assert per_split % config.constexprs["BLOCK_N"] == 0
@@ -98,11 +97,10 @@ def test_the_launchers_launch_their_config(monkeypatch: pytest.MonkeyPatch) -> N
     kernels.paged_decode_attention(
         query, k_cache, v_cache, tables, lens, num_splits=4, max_context_len=9, backend="triton"
     )
+    call = Call(2, 8, 2, 64, torch.float16, torch.int64, 4, table_stride=8, interpreted=True)
     expected = triton_decode.decode_config(
-        batch=2, num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16,
-        index_dtype=torch.int64, block_size=4, table_stride=8, rows_per_seq=4, paged=True,
-        max_tokens=9, num_splits=4, scale=0.125, interpreted=True,
-    )  # fmt: skip
+        call, rows_per_seq=4, paged=True, max_tokens=9, num_splits=4, scale=0.125
+    )
     assert launched == [expected], "9 tokens are one 32-key tile: one split, no merge"
     assert expected.grid[2] == 1
     launched.clear()
@@ -111,11 +109,7 @@ def test_the_launchers_launch_their_config(monkeypatch: pytest.MonkeyPatch) -> N
         torch.randn(5, 8, 64, generator=generator).half(), k_cache, v_cache, tables, starts,
         lens, max_query_len=3, backend="triton",
     )  # fmt: skip
-    expected = triton_prefill.prefill_config(
-        batch=2, num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16,
-        index_dtype=torch.int64, block_size=4, table_stride=8, window=32, max_query_len=3,
-        scale=0.125, interpreted=True,
-    )  # fmt: skip
+    expected = triton_prefill.prefill_config(call, window=32, max_query_len=3, scale=0.125)
     assert launched == [expected]
 
 
