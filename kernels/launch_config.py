@@ -99,7 +99,7 @@ def tiles(kernel: str, dtype: torch.dtype, head_dim: int, capability: int) -> Ti
             block_n = 32 if block_d <= 64 else 16
             num_warps = 8 if block_d == 128 else 4
             if block_d == 128 and capability < 90:  # sm_80: 8 warps of 64 rows spill at D80/96
-                rows, block_n, num_warps = 32, 32, 4
+                rows, block_n, num_warps = 32, 16, 4
         else:
             rows = 32 if block_d <= 64 else 16
             block_n = 16
