@@ -198,7 +198,8 @@ def measure(
             flush=True,
         )
 
-    options: dict[str, Any] = {"backend": "triton", "validate": False}
+    # The host knows the longest context: splits are cut over it, nothing is read back.
+    options: dict[str, Any] = {"backend": "triton", "validate": False, "max_context_len": context}
     contiguous = partial(kernels.contiguous_decode_attention, query, key, value, lens, **options)
     expected = contiguous()
     sdpa_call = sdpa(query, key.transpose(1, 2).contiguous(), value.transpose(1, 2).contiguous())
@@ -474,6 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "heads": dict(zip(("num_heads", "num_kv_heads", "head_dim"), heads, strict=True)),
         "grid": grid,
         "peak_gbps": args.peak_gbps,
+        "launch": launch_table(device, heads),
         "property_tests": {"selection": selection, "exit_code": tests},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -494,6 +496,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"goal {name}: {'met' if goal['met'] else 'NOT met'}; worst {goal['worst']}")
     print(f"wrote {args.out}")
     return 1 if tests or report["out_of_tolerance"] else 0
+
+
+def launch_table(device: torch.device, heads: tuple[int, int, int]) -> dict[str, Any]:
+    """The tile-table rows (``kernels.launch_config.tiles``) this run's kernels launch with."""
+    from pagedkv.kernels.launch_config import tiles
+    from pagedkv.kernels.triton_decode import capability
+
+    target = capability(device)
+    return {
+        f"{kernel} {dtype}": asdict(tiles(kernel, getattr(torch, dtype), heads[2], target))
+        for kernel in ("decode", "prefill")
+        for dtype in ("float16", "bfloat16")
+    } | {"capability": target}
 
 
 def _triton_version() -> str:

@@ -46,6 +46,7 @@ from pagedkv.kernels.validation import (
     check_decode_query,
     check_int_range,
     check_kv_rows,
+    check_max_context_len,
     check_max_query_len,
     check_num_splits,
     check_pairs,
@@ -156,6 +157,7 @@ def paged_decode_attention(
     *,
     num_splits: int | None = None,
     window: int | None = None,
+    max_context_len: int | None = None,
     backend: str | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
@@ -168,11 +170,15 @@ def paged_decode_attention(
     ``h // (num_heads // num_kv_heads)``. ``scale`` defaults to ``1 / sqrt(head_dim)``.
     ``num_splits`` (triton and numba backends; 1 to 64) cuts each sequence's tokens into that
     many ranges merged by log-sum-exp; ``None`` chooses from the GPU's size (numba: from the
-    thread count). ``window`` (``None`` or an int
-    ``w >= 1``) is a sliding window: the query, at position ``p = context_lens[b] - 1``, attends
-    only keys ``p - w < j <= p``, the last ``w`` tokens; the table entries of blocks wholly
-    before them are neither read nor validated. Returns ``[batch, num_heads, head_dim]`` in the
-    query's dtype; all arithmetic is fp32.
+    thread count). ``window`` (``None`` or an int ``w >= 1``) is a sliding window: the query, at
+    position ``p = context_lens[b] - 1``, attends only keys ``p - w < j <= p``, the last ``w``
+    tokens; the table entries of blocks wholly before them are neither read nor validated.
+    ``max_context_len`` (an int ``>= 0``; vLLM's
+    ``max_seq_len``) is the largest ``context_lens[b]``, on the host: the triton backend cuts its
+    splits over it (or the window, when shorter), and without it reads ``context_lens`` back
+    when it splits (a GPU synchronization); with ``validate`` it must equal the largest
+    (``ValueError``). Returns ``[batch, num_heads, head_dim]`` in the query's dtype; scores,
+    softmax and sums are fp32 (docs/kernels.md, Tolerances).
     """
     caches = check_caches(k_cache, v_cache)
     q = check_decode_query(query, caches, k_cache.dtype)
@@ -182,9 +188,12 @@ def paged_decode_attention(
     scale = check_scale(scale, caches.head_dim)
     num_splits = check_num_splits(num_splits)
     window = check_window(window)
+    if max_context_len is not None:
+        check_int_range("max_context_len", max_context_len, 0, INT32_MAX)
     if check_bool("validate", validate):
         starts = window_starts(lens, 1, window) if window is not None else None
         check_context_values(lens, tables, caches.block_size, caches.num_blocks, starts)
+        check_max_context_len(max_context_len, lens)
     backend_name = resolve_backend(backend, device)
     if backend_name == "numba" and q.dtype == torch.float32:
         from pagedkv.kernels import numba_attention
@@ -194,7 +203,10 @@ def paged_decode_attention(
         return reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window)
     from pagedkv.kernels import triton_decode
 
-    return triton_decode.launch(q, k_cache, v_cache, tables, lens, scale, num_splits, window)
+    return triton_decode.launch(
+        q, k_cache, v_cache, tables, lens, scale, num_splits, window,
+        max_context_len=max_context_len,
+    )  # fmt: skip
 
 
 def paged_prefill_attention(
@@ -231,7 +243,7 @@ def paged_prefill_attention(
     largest ``q_b``, which the triton backend needs on the host to size its grid: given, it
     saves reading ``cu_seqlens_q`` back from the device (a GPU synchronization); with
     ``validate`` it must equal the largest ``q_b`` (``ValueError``). Returns ``[tokens,
-    num_heads, head_dim]`` in the query's dtype; all arithmetic is fp32.
+    num_heads, head_dim]`` in the query's dtype; scores, softmax and sums are fp32.
     """
     caches = check_caches(k_cache, v_cache)
     q = check_decode_query(query, caches, k_cache.dtype)
@@ -278,6 +290,7 @@ def contiguous_decode_attention(
     *,
     num_splits: int | None = None,
     window: int | None = None,
+    max_context_len: int | None = None,
     backend: str | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
@@ -285,7 +298,8 @@ def contiguous_decode_attention(
 
     The same kernel with the block-table lookup replaced by ``row = seq * max_len + pos``: the
     baseline that measures what paging costs. ``context_lens`` must lie in ``[0, max_len]``.
-    ``window`` is ``paged_decode_attention``'s: only the last ``w`` tokens are read.
+    ``window`` and ``max_context_len`` are ``paged_decode_attention``'s: only the last ``w``
+    tokens are read.
     """
     caches = check_caches(key, value)
     q = check_decode_query(query, caches, key.dtype)
@@ -299,9 +313,12 @@ def contiguous_decode_attention(
     scale = check_scale(scale, caches.head_dim)
     num_splits = check_num_splits(num_splits)
     window = check_window(window)
+    if max_context_len is not None:
+        check_int_range("max_context_len", max_context_len, 0, INT32_MAX)
     if check_bool("validate", validate):  # contiguous: a paged cache whose table for b is [b]
         identity = torch.arange(q.shape[0], dtype=torch.int32, device=device)[:, None]
         check_context_values(lens, identity, caches.block_size, caches.num_blocks)
+        check_max_context_len(max_context_len, lens)
     backend_name = resolve_backend(backend, device)
     if backend_name == "numba" and q.dtype == torch.float32:
         from pagedkv.kernels import numba_attention
@@ -311,7 +328,9 @@ def contiguous_decode_attention(
         return reference.contiguous_decode_attention(q, key, value, lens, scale, window)
     from pagedkv.kernels import triton_decode
 
-    return triton_decode.launch(q, key, value, None, lens, scale, num_splits, window)
+    return triton_decode.launch(
+        q, key, value, None, lens, scale, num_splits, window, max_context_len=max_context_len
+    )
 
 
 def copy_blocks(

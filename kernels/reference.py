@@ -97,6 +97,7 @@ def masked_attention(
     *,
     window: int | None = None,
     key_starts: torch.Tensor | None = None,
+    gpu_rounding: bool = False,
 ) -> torch.Tensor:
     """Causal attention of a padded batch, in fp32: the one formula every reference path runs.
 
@@ -108,6 +109,12 @@ def masked_attention(
     that sees no key gets NaN. Hidden keys get weight exactly 0, so they may hold anything
     finite. Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``. Returns
     ``[batch, Q, num_heads, dim]`` in ``query``'s dtype.
+
+    The score product's operands are the inputs' own values (exact in fp32) and the scale
+    applies to the fp32 scores, as in the Triton kernels. With ``gpu_rounding`` the weights are
+    also rounded where a compiled kernel rounds them: the unnormalized ``exp(s - max)`` is cast
+    to the cache dtype for the PV product, and the denominator sums it in fp32 before the cast
+    (docs/kernels.md, Tolerances). For fp32 inputs the cast changes nothing.
     """
     batch, num_queries, num_heads, head_dim = query.shape
     num_kv_heads, length = key.shape[1], key.shape[2]
@@ -123,7 +130,12 @@ def masked_attention(
     hidden = key_positions[:, None, :] > p
     if window is not None:
         hidden |= key_positions[:, None, :] <= p - window
-    weights = torch.softmax(scores.masked_fill(hidden[:, None, None], float("-inf")), dim=-1)
+    scores = scores.masked_fill(hidden[:, None, None], float("-inf"))
+    if gpu_rounding:  # exp(s - max) in the cache dtype over its fp32 sum
+        p = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+        weights = p.to(key.dtype).float() / p.sum(dim=-1, keepdim=True)
+    else:
+        weights = torch.softmax(scores, dim=-1)
     out = weights.view(batch, num_kv_heads, group * num_queries, length) @ value.float()
     out = out.view(batch, num_kv_heads, group, num_queries, head_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(batch, num_queries, num_heads, head_dim).to(query.dtype)
@@ -159,10 +171,13 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     window: int | None = None,
+    *,
+    gpu_rounding: bool = False,
 ) -> torch.Tensor:
     """All sequences at once: gather K/V through the tables into a padded batch, then
     :func:`masked_attention` with each query at its last position. Length 0 gives zeros. With
-    ``window`` ``w`` each sequence gathers only its last ``w`` tokens."""
+    ``window`` ``w`` each sequence gathers only its last ``w`` tokens. ``gpu_rounding`` is
+    :func:`masked_attention`'s."""
     lens = context_lens.to(torch.int64)
     starts = (lens - window).clamp(min=0) if window is not None else torch.zeros_like(lens)
     width = int((lens - starts).max()) if lens.numel() else 0
@@ -172,8 +187,9 @@ def paged_decode_attention(
     value = gather_kv(v_cache, block_tables, lens, width, starts)
     positions = (lens - 1)[:, None]
     out = masked_attention(
-        query[:, None], key, value, positions, scale, window=window, key_starts=starts
-    )[:, 0]
+        query[:, None], key, value, positions, scale,
+        window=window, key_starts=starts, gpu_rounding=gpu_rounding,
+    )[:, 0]  # fmt: skip
     return torch.where((lens > 0)[:, None, None], out, 0)
 
 
@@ -201,12 +217,15 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
     window: int | None = None,
+    *,
+    gpu_rounding: bool = False,
 ) -> torch.Tensor:
     """Variable-length causal attention through the tables: scatter the flat queries into a
     padded ``[batch, max_query_len]`` batch, gather K/V as :func:`paged_decode_attention` does
     (with ``window`` ``w``, from each sequence's first query's window start ``max(0, first - w +
     1)``), run :func:`masked_attention`, and gather the real rows back (``[tokens, heads,
-    dim]``). Padding queries sit at their sequence's last position; their rows are dropped."""
+    dim]``). Padding queries sit at their sequence's last position; their rows are dropped.
+    ``gpu_rounding`` is :func:`masked_attention`'s."""
     starts = cu_seqlens_q.to(torch.int64)
     query_lens = starts[1:] - starts[:-1]
     lens = context_lens.to(torch.int64)
@@ -224,7 +243,10 @@ def paged_prefill_attention(
     width = int((lens - starts).max())
     key = gather_kv(k_cache, block_tables, lens, width, starts)
     value = gather_kv(v_cache, block_tables, lens, width, starts)
-    out = masked_attention(padded, key, value, positions, scale, window=window, key_starts=starts)
+    out = masked_attention(
+        padded, key, value, positions, scale,
+        window=window, key_starts=starts, gpu_rounding=gpu_rounding,
+    )  # fmt: skip
     return out[rows, columns]
 
 

@@ -8,31 +8,48 @@ spec's ``translate_slot``:
 
     slot = block_tables[b, n // block_size] * block_size + n % block_size
 
-so a tile may span several blocks (small block sizes) or part of one (large ones). Scores and
-the running softmax (max ``m``, denominator ``l``, accumulator ``acc``) are fp32: K/V are
-upcast right after the load. With one split the program writes the normalized output;
+so a tile may span several blocks (small block sizes) or part of one (large ones). q, K and V
+stay in the cache dtype: ``q K^T`` is a native ``tl.dot`` with fp32 sums, the scale multiplies
+the fp32 scores, and the unnormalized weights ``P`` are rounded to the cache dtype for ``P V``
+(fp32 caches: exact IEEE fp32 dots). The running softmax (max ``m``, denominator ``l``,
+accumulator ``acc``) is fp32. ``DOT_FP32`` upcasts the operands instead, for bf16 under the
+interpreter only, whose bf16 ``tl.dot`` multiplies raw storage bits (docs/kernels.md,
+Tolerances). With one split the program writes the normalized output;
 with several (flash-decoding, for long contexts and few sequences) each writes its normalized
 partial output and log-sum-exp, and ``_merge_kernel`` combines them:
 
     out = sum_s exp(lse_s - max lse) * out_s / sum_s exp(lse_s - max lse)
 
-With a sliding window ``w`` the query (at position ``context_len - 1``) attends only the last
-``w`` tokens, so a program's range starts at ``lo = max(0, context_len - w)``: the splits cut
-``[lo, lo + w)`` instead of ``[0, capacity)``, and the tiles wholly before ``lo`` are skipped, not
-masked. Without a window ``w`` is the table's capacity and ``lo`` is 0. Only tokens in ``[lo,
-context_len)`` are loaded, so only the table entries the validation checked are read: never
-those of blocks wholly before the window. A sequence of length 0 gives zeros.
-"""
+With a sliding window ``w`` the query (at position ``context_len - 1``) attends only the last ``w``
+tokens, so a program's range starts at ``lo = max(0, context_len - w)``: the splits cut ``[lo, lo +
+T)``, ``T = min(max_context_len, w)``, into whole tiles (:func:`split_work`), and the tiles wholly
+before ``lo`` are skipped, not masked. Without a window ``lo`` is 0. Every launch comes from
+:func:`decode_config` (and :func:`merge_config`), which the compile gate compiles. Only tokens in
+``[lo, context_len)`` are loaded, so only the table entries the validation checked are read: never
+those of blocks wholly before the window. A sequence of length 0 gives zeros."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from pagedkv.kernels.launch_config import (
+    DEFAULT_CAPABILITY,
+    INDEX_TYPES,
+    SCALAR_TYPES,
+    TARGETS,
+    Call,
+    LaunchConfig,
+    aligned,
+    padded_head_dim,
+    programs_per_sm,
+    tiles,
+)
 from pagedkv.kernels.triton_import import tl, triton
 from pagedkv.kernels.validation import INT32_MAX, MAX_SPLITS
 
 MIN_TOKENS_PER_SPLIT = 512
-PROGRAMS_PER_SM = 4  # enough resident programs per SM to keep loads in flight
 
 
 @triton.jit
@@ -56,6 +73,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     PAGED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -80,7 +98,9 @@ def _decode_kernel(
     dim_mask = d < HEAD_DIM
     q_offsets = (seq * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :]
     q_mask = head_mask[:, None] & dim_mask[None, :]
-    q = tl.load(query_ptr + q_offsets, mask=q_mask, other=0.0).to(tl.float32) * scale
+    q = tl.load(query_ptr + q_offsets, mask=q_mask, other=0.0)  # the cache dtype: native dots
+    if DOT_FP32:
+        q = q.to(tl.float32)
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_G], tl.float32)
@@ -97,16 +117,22 @@ def _decode_kernel(
             rows = seq.to(tl.int64) * rows_per_seq + n
         kv_offsets = (rows * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
         kv_mask = n_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k, v = k.to(tl.float32), v.to(tl.float32)
 
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
+        # Products of cache-dtype operands, summed in fp32; the scale applies to fp32 scores.
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [G, N]
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))  # finite: the tile has a live token
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
         denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        # P is rounded to the cache dtype for the second product, as the first's operands are.
+        p = p.to(v_cache_ptr.dtype.element_ty).to(v.dtype)
+        pv = tl.dot(p, v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
         m = m_new
 
     has_tokens = denom > 0  # false for an empty range (and for padding heads)
@@ -148,22 +174,153 @@ def _merge_kernel(
     tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """``tl.dot``'s precision for a cache dtype: IEEE fp32 for fp32 caches; TF32 for fp16 and
-    bf16, whose upcast values TF32 holds exactly (docs/kernels.md, Tolerances)."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+def dot_precision(dtype: torch.dtype, interpreted: bool = False) -> str:
+    """``tl.dot``'s precision for a cache dtype: exact IEEE fp32 for fp32 caches, and for bf16
+    operands upcast under the interpreter. For fp16 and bf16 the operands stay 16-bit and the
+    product is the native one whatever this says (docs/kernels.md, Tolerances)."""
+    return "ieee" if dtype == torch.float32 or interpreted else "tf32"
 
 
-def choose_num_splits(num_programs: int, max_tokens: int, device: torch.device) -> int:
-    """Splits per sequence (flash-decoding): enough programs for about four per SM, each
-    covering at least ``MIN_TOKENS_PER_SPLIT`` of the ``max_tokens`` a sequence can read (the
-    capacity, or the window when it is smaller). Always 1 off CUDA."""
-    if device.type != "cuda":
-        return 1
-    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-    by_parallelism = triton.cdiv(PROGRAMS_PER_SM * sm_count, num_programs)
+def split_work(max_tokens: int, num_splits: int, block_n: int) -> tuple[int, int]:
+    """``(num_splits, tokens_per_split)`` for cutting ``max_tokens`` (the most tokens a
+    sequence of the batch reads: its longest context, or the window when that is shorter) into
+    at most ``num_splits`` ranges of whole ``block_n``-key tiles. Every split of the longest
+    sequence has work: the count is lowered until the last range starts before its end."""
+    max_tokens = max(1, max_tokens)
+    tiles_per_split = triton.cdiv(triton.cdiv(max_tokens, block_n), num_splits)
+    tokens_per_split = tiles_per_split * block_n
+    return triton.cdiv(max_tokens, tokens_per_split), tokens_per_split
+
+
+def auto_num_splits(num_programs: int, max_tokens: int, sm_count: int, resident: int) -> int:
+    """Splits per sequence (flash-decoding) on a GPU of ``sm_count`` SMs where ``resident``
+    programs of the compiled kernel fit per SM: enough programs to fill them, each covering at
+    least ``MIN_TOKENS_PER_SPLIT`` of the ``max_tokens`` the longest sequence reads."""
+    by_parallelism = triton.cdiv(max(1, resident) * sm_count, num_programs)
     by_length = max(1, max_tokens // MIN_TOKENS_PER_SPLIT)
     return max(1, min(by_parallelism, by_length, MAX_SPLITS))
+
+
+def decode_config(
+    call: Call,
+    *,
+    rows_per_seq: int,
+    paged: bool,
+    max_tokens: int,
+    num_splits: int,
+    scale: float = 1.0,
+) -> LaunchConfig:
+    """The decode kernel's launch: pure, shared by :func:`launch` and the compile gate.
+
+    ``max_tokens`` is the most tokens a sequence of the batch reads (its longest context, or
+    the window when shorter; at least 1), ``num_splits`` the splits asked for, lowered by
+    :func:`split_work` so the longest sequence's splits all have work. ``rows_per_seq`` is the
+    contiguous cache's ``max_len`` (``paged=False``)."""
+    tile = tiles("decode", call.dtype, call.head_dim, call.capability)
+    num_splits, tokens_per_split = split_work(max_tokens, num_splits, tile.block_n)
+    group = call.num_heads // call.num_kv_heads
+    kind = SCALAR_TYPES[call.dtype]
+    return LaunchConfig(
+        kernel="_decode_kernel",
+        grid=(call.batch, call.num_kv_heads, num_splits),
+        signature={
+            "query_ptr": f"*{kind}",
+            "k_cache_ptr": f"*{kind}",
+            "v_cache_ptr": f"*{kind}",
+            "block_tables_ptr": "*i32",
+            "context_lens_ptr": f"*{INDEX_TYPES[call.index_dtype]}",
+            "out_ptr": f"*{kind}" if num_splits == 1 else "*fp32",
+            "lse_ptr": "*fp32",
+            "scale": "fp32",
+            "table_stride": "i32",
+            "rows_per_seq": "i32",
+            "window": "i32",
+            "tokens_per_split": "i32",
+            "num_splits": "i32",
+        },
+        scalars={
+            "scale": scale,
+            "table_stride": call.table_stride,
+            "rows_per_seq": rows_per_seq,
+            "window": max_tokens,
+            "tokens_per_split": tokens_per_split,
+            "num_splits": num_splits,
+        },
+        constexprs={
+            "NUM_HEADS": call.num_heads,
+            "NUM_KV_HEADS": call.num_kv_heads,
+            "HEAD_DIM": call.head_dim,
+            "BLOCK_SIZE": call.block_size if paged else 1,
+            "PAGED": paged,
+            "DOT_PRECISION": dot_precision(call.dtype, call.interpreted),
+            "DOT_FP32": call.interpreted and call.dtype == torch.bfloat16,
+            "BLOCK_G": max(tile.rows, triton.next_power_of_2(group)),
+            "BLOCK_D": padded_head_dim(call.head_dim),
+            "BLOCK_N": tile.block_n,
+        },
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+    )
+
+
+def merge_config(
+    *, batch: int, num_heads: int, head_dim: int, dtype: torch.dtype, num_splits: int
+) -> LaunchConfig:
+    """The split-K merge's launch: one program per (sequence, query head)."""
+    return LaunchConfig(
+        kernel="_merge_kernel",
+        grid=(batch * num_heads, 1, 1),
+        signature={
+            "partial_ptr": "*fp32",
+            "lse_ptr": "*fp32",
+            "out_ptr": f"*{SCALAR_TYPES[dtype]}",
+            "num_splits": "i32",
+        },
+        scalars={"num_splits": num_splits},
+        constexprs={
+            "HEAD_DIM": head_dim,
+            "BLOCK_S": triton.next_power_of_2(num_splits),
+            "BLOCK_D": triton.next_power_of_2(head_dim),
+        },
+        num_warps=4,
+        num_stages=1,
+    )
+
+
+def run(kernel: triton.JITFunction, config: LaunchConfig, *tensors: torch.Tensor) -> None:
+    """Launch ``kernel`` with ``config``: the tensors fill the signature's pointers, in order."""
+    kernel[config.grid](
+        *tensors,
+        *config.scalars.values(),
+        **config.constexprs,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+def resident_programs(config: LaunchConfig, device: torch.device) -> int:
+    """Programs per SM that the compiled decode kernel of ``config`` fits on ``device`` (CUDA),
+    from its registers and shared memory as the driver loaded it; cached per variant."""
+    major, minor = torch.cuda.get_device_capability(device)
+    key = (device.index, repr(config.constexprs), repr(config.signature))
+    if key not in _RESIDENT:
+        compiled = _decode_kernel.warmup(  # compiles (or finds) the variant, launches nothing
+            *config.pointer_dtypes(),
+            *config.scalars.values(),
+            **config.constexprs,
+            grid=config.grid,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+        compiled._init_handles()
+        target = TARGETS.get(10 * major + minor, TARGETS[DEFAULT_CAPABILITY])
+        _RESIDENT[key] = programs_per_sm(
+            target, compiled.n_regs, compiled.metadata.shared, config.num_warps
+        )
+    return _RESIDENT[key]
+
+
+_RESIDENT: dict[tuple, int] = {}
 
 
 def launch(
@@ -175,35 +332,59 @@ def launch(
     scale: float,
     num_splits: int | None,
     window: int | None = None,
+    *,
+    max_context_len: int | None = None,
 ) -> torch.Tensor:
     """Run decode attention on validated arguments.
 
     With ``block_tables`` the caches are paged ``[num_blocks, block_size, kv_heads, dim]``;
     with ``None`` they are contiguous ``[batch, max_len, kv_heads, dim]`` (the same kernel without
     the table lookup, for comparison). ``window`` is the sliding window (``None``: none).
+    ``max_context_len`` is the largest of ``context_lens``; splits are cut over it (or the
+    window, when shorter). ``None`` reads it from ``context_lens`` when splits need it, which
+    synchronizes a GPU; one split needs nothing.
     """
-    query = query.contiguous()
+    query = aligned(query.contiguous())
     batch, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     paged = block_tables is not None
     if paged:
-        tables = block_tables.contiguous()
-        block_size, max_tokens = k_cache.shape[1], tables.shape[1] * k_cache.shape[1]
+        tables = aligned(block_tables.contiguous())
+        block_size, capacity = k_cache.shape[1], tables.shape[1] * k_cache.shape[1]
     else:  # a dummy table, never read
         tables = torch.zeros(1, 1, dtype=torch.int32, device=query.device)
-        block_size, max_tokens = 1, k_cache.shape[1]
+        block_size, capacity = 1, k_cache.shape[1]
     out = torch.empty_like(query)
     if batch == 0:
         return out
-    # The most tokens a query reads, the kernel's window: a longer window changes nothing. At
-    # least 1, and within int32 (context lengths are validated to fit it).
-    max_tokens = max(1, min(max_tokens, INT32_MAX if window is None else window, INT32_MAX))
-
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n = 64 if block_d <= 128 else 32
-    if num_splits is None:
-        num_splits = choose_num_splits(batch * num_kv_heads, max_tokens, query.device)
-    tokens_per_split = max(1, triton.cdiv(max_tokens, num_splits))
+    lens = aligned(context_lens.contiguous())
+    cuda = query.device.type == "cuda"
+    if num_splits == 1 or (num_splits is None and not cuda):
+        longest = capacity  # one split reads each sequence to its end: no length needed
+        num_splits = 1
+    else:
+        longest = max_context_len if max_context_len is not None else int(lens.max())
+    # The most tokens a query reads: its context, within the window. At least 1, and within
+    # int32 (context lengths are validated to fit it).
+    max_tokens = max(1, min(longest, capacity, INT32_MAX if window is None else window))
+    call = Call(
+        batch, num_heads, num_kv_heads, head_dim, query.dtype, lens.dtype, block_size,
+        tables.stride(0), capability(query.device), interpreted=not cuda,
+    )  # fmt: skip
+    config = functools.partial(
+        decode_config,
+        call,
+        rows_per_seq=k_cache.shape[1],
+        paged=paged,
+        max_tokens=max_tokens,
+        scale=scale,
+    )
+    if num_splits is None:  # CUDA: as many splits as fill the SMs with the resident programs
+        resident = resident_programs(config(num_splits=MAX_SPLITS), query.device)
+        sm_count = torch.cuda.get_device_properties(query.device).multi_processor_count
+        num_splits = auto_num_splits(batch * num_kv_heads, max_tokens, sm_count, resident)
+    decode = config(num_splits=num_splits)
+    num_splits = decode.grid[2]
     split = num_splits > 1
     partial = (
         torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=out.device)
@@ -211,39 +392,22 @@ def launch(
         else out
     )
     lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=out.device)
-
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
-        query,
-        k_cache,
-        v_cache,
-        tables,
-        context_lens.contiguous(),
-        partial,
-        lse,
-        scale,
-        tables.stride(0),
-        k_cache.shape[1],
-        max_tokens,
-        tokens_per_split,
-        num_splits,
-        NUM_HEADS=num_heads,
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        PAGED=paged,
-        DOT_PRECISION=dot_precision(query.dtype),
-        BLOCK_G=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
-        BLOCK_D=block_d,
-        BLOCK_N=block_n,
-    )
+    run(_decode_kernel, decode, query, k_cache, v_cache, tables, lens, partial, lse)
     if split:
-        _merge_kernel[(batch * num_heads,)](
-            partial,
-            lse,
-            out,
-            num_splits,
-            HEAD_DIM=head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_D=triton.next_power_of_2(head_dim),
+        merge = merge_config(
+            batch=batch,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            dtype=query.dtype,
+            num_splits=num_splits,
         )
+        run(_merge_kernel, merge, partial, lse, out)
     return out
+
+
+def capability(device: torch.device) -> int:
+    """The tile table's row for ``device``: its compute capability on CUDA, else the default."""
+    if device.type != "cuda":
+        return DEFAULT_CAPABILITY
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor

@@ -11,26 +11,33 @@ table with the spec's ``translate_slot``:
 
     slot = block_tables[b, n // block_size] * block_size + n % block_size
 
-and masks key ``n`` for a query at position ``p`` unless ``n <= p`` (causal). With a sliding
-window ``w`` it also masks ``n <= p - w``, and the walk starts at ``max(0, p0 - w + 1)``, ``p0``
-being the tile's first query position: tiles wholly before every query's window are skipped, not
-masked, so a program reads at most ``w - 1 + BLOCK_Q`` keys. Without a window ``w`` is the
-table's capacity and the walk starts at 0. Scores and the online softmax are fp32, as in
-``triton_decode``; a row that has seen no key yet keeps a running max of ``-inf`` and weight 0
-(a window can leave a whole tile of keys before a row's window). Only keys in ``[max(0, f - w +
-1), context_len)``, ``f`` the sequence's first query position, are loaded, so only the table
-entries the validation checked are read: never those of blocks wholly before the window.
-"""
+and masks key ``n`` for a query at position ``p`` unless ``n <= p`` (causal). With a sliding window
+``w`` it also masks ``n <= p - w``, and the walk starts at ``max(0, p0 - w + 1)``, ``p0`` being the
+tile's first query position: tiles wholly before every query's window are skipped, not masked, so a
+program reads at most ``w - 1 + BLOCK_Q`` keys. Without a window ``w`` is the table's capacity and
+the walk starts at 0. Products, scores and the online softmax are as in ``triton_decode`` (native
+16-bit dots with fp32 sums, ``P`` rounded to the cache dtype); a row that has seen no key yet keeps
+a running max of ``-inf`` and weight 0 (a window can leave a whole tile of keys before a row's
+window). Only keys in ``[max(0, f - w + 1), context_len)``, ``f`` the sequence's first query
+position, are loaded, so only the table entries the validation checked are read: never those of
+blocks wholly before the window."""
 
 from __future__ import annotations
 
 import torch
 
-from pagedkv.kernels.triton_decode import dot_precision
+from pagedkv.kernels.launch_config import (
+    INDEX_TYPES,
+    SCALAR_TYPES,
+    Call,
+    LaunchConfig,
+    aligned,
+    padded_head_dim,
+    tiles,
+)
+from pagedkv.kernels.triton_decode import capability, dot_precision, run
 from pagedkv.kernels.triton_import import tl, triton
 from pagedkv.kernels.validation import INT32_MAX
-
-ROWS_PER_TILE = 64  # query rows (tokens x heads of a group) per program
 
 
 @triton.jit
@@ -50,6 +57,7 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -76,7 +84,9 @@ def _prefill_kernel(
     token_rows = ((q_start + i) * NUM_HEADS + heads).to(tl.int64) * HEAD_DIM
     q_offsets = token_rows[:, None] + d[None, :]
     q_mask = row_mask[:, None] & dim_mask[None, :]
-    q = tl.load(query_ptr + q_offsets, mask=q_mask, other=0.0).to(tl.float32) * scale
+    q = tl.load(query_ptr + q_offsets, mask=q_mask, other=0.0)  # the cache dtype: native dots
+    if DOT_FP32:
+        q = q.to(tl.float32)
 
     # Keys from the window of the tile's first query to the tile's last position; none for a
     # tile past the sequence's queries.
@@ -96,10 +106,13 @@ def _prefill_kernel(
         rows = block_id * BLOCK_SIZE + n % BLOCK_SIZE
         kv_offsets = (rows * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
         kv_mask = n_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k, v = k.to(tl.float32), v.to(tl.float32)
 
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [rows, BLOCK_N]
+        # Products of cache-dtype operands, summed in fp32; the scale applies to fp32 scores.
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [rows, N]
         causal = n[None, :] <= positions[:, None]
         in_window = n[None, :] > positions[:, None] - window
         scores = tl.where(n_mask[None, :] & causal & in_window, scores, float("-inf"))
@@ -108,11 +121,60 @@ def _prefill_kernel(
         alpha = tl.exp(m - m_safe)
         p = tl.exp(scores - m_safe[:, None])
         denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        # P is rounded to the cache dtype for the second product, as the first's operands are.
+        p = p.to(v_cache_ptr.dtype.element_ty).to(v.dtype)
+        pv = tl.dot(p, v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
         m = m_new
 
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def prefill_config(
+    call: Call, *, window: int, max_query_len: int, scale: float = 1.0
+) -> LaunchConfig:
+    """The prefill kernel's launch: pure, shared by :func:`launch` and the compile gate.
+
+    ``window`` is the kernel's window (the capacity, or int32's limit, when there is none),
+    ``max_query_len`` the longest query chunk; ``call.index_dtype`` is that of both
+    ``cu_seqlens_q`` and ``context_lens``."""
+    tile = tiles("prefill", call.dtype, call.head_dim, call.capability)
+    block_g = triton.next_power_of_2(call.num_heads // call.num_kv_heads)
+    block_q = max(1, tile.rows // block_g)
+    kind = SCALAR_TYPES[call.dtype]
+    index = f"*{INDEX_TYPES[call.index_dtype]}"
+    return LaunchConfig(
+        kernel="_prefill_kernel",
+        grid=(call.batch, call.num_kv_heads, triton.cdiv(max_query_len, block_q)),
+        signature={
+            "query_ptr": f"*{kind}",
+            "k_cache_ptr": f"*{kind}",
+            "v_cache_ptr": f"*{kind}",
+            "block_tables_ptr": "*i32",
+            "cu_seqlens_ptr": index,
+            "context_lens_ptr": index,
+            "out_ptr": f"*{kind}",
+            "scale": "fp32",
+            "table_stride": "i32",
+            "window": "i32",
+        },
+        scalars={"scale": scale, "table_stride": call.table_stride, "window": window},
+        constexprs={
+            "NUM_HEADS": call.num_heads,
+            "NUM_KV_HEADS": call.num_kv_heads,
+            "HEAD_DIM": call.head_dim,
+            "BLOCK_SIZE": call.block_size,
+            "DOT_PRECISION": dot_precision(call.dtype, call.interpreted),
+            "DOT_FP32": call.interpreted and call.dtype == torch.bfloat16,
+            "BLOCK_Q": block_q,
+            "BLOCK_G": block_g,
+            "BLOCK_D": padded_head_dim(call.head_dim),
+            "BLOCK_N": tile.block_n,
+        },
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+    )
 
 
 def launch(
@@ -129,42 +191,25 @@ def launch(
     """Run paged prefill attention on validated arguments (``kernels.paged_prefill_attention``);
     ``window`` is the sliding window (``None``: none), ``max_query_len`` the longest query
     chunk (``None``: read from ``cu_seqlens_q``, which synchronizes a GPU)."""
-    query = query.contiguous()
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
+    query = aligned(query.contiguous())
+    num_tokens = query.shape[0]
     out = torch.empty_like(query)
     batch = context_lens.shape[0]
     if num_tokens == 0 or batch == 0:
         return out
-    starts = cu_seqlens_q.contiguous()
+    starts = aligned(cu_seqlens_q.contiguous())
+    lens = aligned(context_lens.to(starts.dtype).contiguous())
     if max_query_len is None:
         max_query_len = int((starts[1:] - starts[:-1]).max())
-    block_g = triton.next_power_of_2(num_heads // num_kv_heads)
-    block_q = max(1, ROWS_PER_TILE // block_g)
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    tables = block_tables.contiguous()
+    tables = aligned(block_tables.contiguous())
     # The kernel's window: the capacity (or int32's limit) when there is none or it is longer.
     capacity = tables.shape[1] * k_cache.shape[1]
     window = max(1, min(capacity, INT32_MAX if window is None else window, INT32_MAX))
-    _prefill_kernel[(batch, num_kv_heads, triton.cdiv(max_query_len, block_q))](
-        query,
-        k_cache,
-        v_cache,
-        tables,
-        starts,
-        context_lens.contiguous(),
-        out,
-        scale,
-        tables.stride(0),
-        window,
-        NUM_HEADS=num_heads,
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[1],
-        DOT_PRECISION=dot_precision(query.dtype),
-        BLOCK_Q=block_q,
-        BLOCK_G=block_g,
-        BLOCK_D=block_d,
-        BLOCK_N=64 if block_d <= 128 else 32,
-    )
+    call = Call(
+        batch, query.shape[1], k_cache.shape[2], query.shape[2], query.dtype, starts.dtype,
+        k_cache.shape[1], tables.stride(0), capability(query.device),
+        interpreted=query.device.type != "cuda",
+    )  # fmt: skip
+    config = prefill_config(call, window=window, max_query_len=max_query_len, scale=scale)
+    run(_prefill_kernel, config, query, k_cache, v_cache, tables, starts, lens, out)
     return out

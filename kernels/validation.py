@@ -456,6 +456,19 @@ def check_max_query_len(max_query_len: int | None, query_lens: torch.Tensor) -> 
         )
 
 
+def check_max_context_len(max_context_len: int | None, lens: torch.Tensor) -> None:
+    """A given ``max_context_len`` equals the largest of ``context_lens`` (0 for no sequence):
+    ``ValueError`` naming both otherwise. ``None`` passes."""
+    if max_context_len is None:
+        return
+    actual = int(lens.max()) if lens.numel() else 0
+    if max_context_len != actual:
+        raise ValueError(
+            f"max_context_len = {max_context_len}, but the longest context in context_lens has "
+            f"{actual} tokens"
+        )
+
+
 def check_cu_seqlens_values(starts: torch.Tensor, lens: torch.Tensor, num_tokens: int) -> None:
     """Offsets that cut the ``num_tokens`` flat queries into the batch's sequences, in order.
 

@@ -26,6 +26,7 @@ def test_small_sweep_writes_a_complete_report(tmp_path: Path) -> None:
     assert measured == {("contiguous", None), ("sdpa", None), ("prefill-sdpa", None)} | {
         ("paged", bs) for bs in (1, 16, 256)
     } | {("prefill", bs) for bs in gpu_kernels.PREFILL_BLOCK_SIZES_SMALL}
+    assert report["launch"]["decode float16"]["block_n"] == 16  # the tile table's row
     step = report["engine_step"]
     assert len(step["decode_step_ms"]) == gpu_kernels.ENGINE_STEPS
     assert step["tokens_equal_dense"] == gpu_kernels.ENGINE_SMALL["batch"]

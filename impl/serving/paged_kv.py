@@ -10,9 +10,11 @@ query chunks of one batch, each reading its whole context, cached prefix include
 block table; with the model's sliding window, only the part of it in the window, so the table
 entries of blocks wholly before the window of a sequence's first query in the step are never
 read and may name released blocks. On the triton and numba backends the layer calls
-``kernels.store_kv`` and ``kernels.paged_prefill_attention``; on the reference backend, their
-CPU fast path ``kernels.sdpa`` (one plan per step; per layer two ``index_copy_``, two row
-gathers and one SDPA call).
+``kernels.store_kv`` and then, for a step of decodes only (one query per sequence), the split-K
+``kernels.paged_decode_attention``, for any other step ``kernels.paged_prefill_attention``
+(vLLM routes pure decode to its split kernel the same way); on the reference backend, their CPU
+fast path ``kernels.sdpa`` (one plan per step; per layer two ``index_copy_``, two row gathers and
+one SDPA call).
 
 Everything a step's layers need is made once, in :meth:`PagedKVCache.step`, before the first
 layer runs: the step's tables, lengths, positions and slots are validated there, on the host,
@@ -169,9 +171,11 @@ class PagedKVCache:
             plan = sdpa.plan(
                 tables, query_lens, context_lens, self.block_size, self.group, self.window
             )
+        decode = all(count == 1 for count in query_lens)
         return PagedStep(
-            self, positions, slots, tables, cu_seqlens, contexts, max(query_lens), plan
-        )
+            self, positions, slots, tables, cu_seqlens, contexts, max(query_lens),
+            max(context_lens), decode, plan,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -187,6 +191,8 @@ class PagedStep:
     cu_seqlens_q: torch.Tensor  # int64 [B + 1]: sequence b's flat tokens start at [b]
     context_lens: torch.Tensor  # int64 [B]
     max_query_len: int  # the longest query chunk, on the host
+    max_context_len: int  # the longest context, on the host
+    decode: bool  # every sequence has exactly one query: the split-K decode kernel runs
     plan: sdpa.SdpaPlan | None  # the reference backend's attention layout; else None
 
     def attend(
@@ -214,6 +220,12 @@ class PagedStep:
             key, value, k_cache, v_cache, self.slot_mapping,
             backend=cache.backend, validate=False,
         )  # fmt: skip
+        if self.decode:  # query [B, heads, dim]: one token per sequence
+            return kernels.paged_decode_attention(
+                query, k_cache, v_cache, self.block_tables, self.context_lens, cache.scale,
+                window=window, max_context_len=self.max_context_len, backend=cache.backend,
+                validate=False,
+            )  # fmt: skip
         return kernels.paged_prefill_attention(
             query, k_cache, v_cache, self.block_tables, self.cu_seqlens_q, self.context_lens,
             cache.scale, window=window, max_query_len=self.max_query_len, backend=cache.backend,

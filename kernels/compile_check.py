@@ -1,0 +1,398 @@
+"""The compile gate: every attention-kernel variant the launchers produce, compiled for real GPUs.
+
+``python -m pagedkv.kernels.compile_check`` needs no GPU and no driver. It builds each variant's
+:class:`~pagedkv.kernels.launch_config.LaunchConfig` with the launchers' own pure functions
+(``triton_decode.decode_config``, ``merge_config``, ``triton_prefill.prefill_config``) over the
+documented grid (:func:`variants`), compiles it ahead of time with ``triton.compile`` for sm_80,
+sm_90 and sm_100 (where the wheel's ``ptxas`` knows it), and reads, per variant and target:
+
+* registers and spill bytes from ``ptxas -v``, run on the PTX with the flags Triton itself uses;
+* shared memory from the compiled kernel's metadata (Triton's dynamic shared memory) plus the
+  static shared memory ``ptxas`` reports;
+* the matrix instruction in the PTX (``mma.sync``/``wgmma`` with its operand types, or ``FMA``);
+* the resident programs and occupancy that implies (``launch_config.programs_per_sm``).
+
+It then checks the budgets of docs/kernels.md (:func:`budget_failures`) and exits 1 if one
+fails. Triton decides interpreter or compiler when it is imported, so the work runs in a child
+process started with ``TRITON_INTERPRET=0`` (:func:`measure`); ``--sample`` compiles the handful
+of variants the quick test suite checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from pagedkv.kernels.launch_config import (
+    TARGETS,
+    Call,
+    LaunchConfig,
+    occupancy,
+    programs_per_sm,
+)
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+BUDGETED_HEAD_DIMS = (64, 80, 96, 128)
+REPORTED_HEAD_DIMS = (48, 256)
+BLOCK_SIZES = tuple(2**i for i in range(9))  # 1 .. 256
+GROUPS = (1, 4, 8)
+PREFILL_CHUNKS = (16, 128, 512)
+NUM_KV_HEADS = 8
+CONTEXT = 32768  # the table's capacity and the longest context of the enumerated launches
+SM_COUNT = 132  # an H100/H200's SMs: sizes the automatic split of the enumerated decode
+# Decode occupancy at head dim 128 for 16-bit caches, at least vLLM 0.32's best (docs/results.md).
+DECODE_OCCUPANCY = {80: 0.3125, 90: 0.4375}
+GATED_TARGETS = (80, 90)
+DECODE = "pagedkv.kernels.triton_decode"
+PREFILL = "pagedkv.kernels.triton_prefill"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One launch the launchers produce: which kernel module, its config, and its labels."""
+
+    module: str  # the kernel's module: "pagedkv.kernels.triton_decode", ...
+    kind: str  # "decode", "decode-split", "merge", "prefill", "contiguous"
+    dtype: str
+    head_dim: int
+    block_size: int
+    group: int
+    config: LaunchConfig
+
+    def key(self) -> str:
+        """What the compiled code depends on: two variants with one key compile alike."""
+        c = self.config
+        return repr((c.kernel, c.signature, c.constexprs, c.hints(), c.num_warps, c.num_stages))
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What one variant compiles to on one target."""
+
+    target: int
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    shared: int
+    mma: str
+    programs: int
+    occupancy: float
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The enumerated configuration space (docs/kernels.md); a smaller one trims a run."""
+
+    dtypes: tuple[str, ...] = tuple(DTYPES)
+    head_dims: tuple[int, ...] = tuple(sorted(BUDGETED_HEAD_DIMS + REPORTED_HEAD_DIMS))
+    block_sizes: tuple[int, ...] = BLOCK_SIZES
+    groups: tuple[int, ...] = GROUPS
+
+
+def variants(sample: bool = False, grid: Grid | None = None, capability: int = 90) -> list[Variant]:
+    """The documented grid (or ``grid``), through the launchers' config functions for target
+    ``capability``, one per distinct compile; with ``sample``, the few the quick suite
+    compiles."""
+    grid = grid or Grid()
+    from pagedkv.kernels import triton_decode, triton_prefill
+
+    def call(dtype: str, head_dim: int, block_size: int, group: int) -> Call:
+        """One sequence whose table spans ``CONTEXT`` tokens (block size 0: contiguous)."""
+        stride = CONTEXT // max(1, block_size)
+        heads = group * NUM_KV_HEADS
+        return Call(1, heads, NUM_KV_HEADS, head_dim, DTYPES[dtype], torch.int64, block_size,
+                    stride, capability)  # fmt: skip
+
+    def decode(dtype: str, head_dim: int, block_size: int, group: int, split: bool) -> Variant:
+        num_splits = 1
+        if split:  # the launcher's automatic split, for one sequence at the longest context
+            num_splits = triton_decode.auto_num_splits(NUM_KV_HEADS, CONTEXT, SM_COUNT, 8)
+        config = triton_decode.decode_config(
+            call(dtype, head_dim, block_size, group),
+            rows_per_seq=CONTEXT,
+            paged=block_size > 0,
+            max_tokens=CONTEXT,
+            num_splits=num_splits,
+        )
+        kind = "contiguous" if block_size == 0 else "decode-split" if split else "decode"
+        return Variant(DECODE, kind, dtype, head_dim, block_size, group, config)
+
+    def prefill(dtype: str, head_dim: int, block_size: int, group: int, chunk: int) -> Variant:
+        config = triton_prefill.prefill_config(
+            call(dtype, head_dim, block_size, group), window=CONTEXT, max_query_len=chunk
+        )
+        return Variant(PREFILL, "prefill", dtype, head_dim, block_size, group, config)
+
+    def merge(dtype: str, head_dim: int) -> Variant:
+        splits = triton_decode.auto_num_splits(NUM_KV_HEADS, CONTEXT, SM_COUNT, 8)
+        config = triton_decode.merge_config(
+            batch=1,
+            num_heads=NUM_KV_HEADS,
+            head_dim=head_dim,
+            dtype=DTYPES[dtype],
+            num_splits=splits,
+        )
+        return Variant(DECODE, "merge", dtype, head_dim, 0, 1, config)
+
+    if sample:
+        found = [
+            decode("fp16", 128, 16, 4, False),
+            decode("bf16", 128, 16, 4, True),
+            prefill("fp16", 128, 16, 4, 512),
+            decode("fp32", 128, 16, 4, False),
+        ]
+    else:
+        found = []
+        for dtype in grid.dtypes:
+            for head_dim in grid.head_dims:
+                found.append(merge(dtype, head_dim))
+                for group in grid.groups:
+                    found += [decode(dtype, head_dim, 0, group, s) for s in (False, True)]
+                    for block_size in grid.block_sizes:
+                        found += [
+                            decode(dtype, head_dim, block_size, group, s) for s in (False, True)
+                        ]
+                        found += [
+                            prefill(dtype, head_dim, block_size, group, chunk)
+                            for chunk in PREFILL_CHUNKS
+                        ]
+    unique: dict[str, Variant] = {}
+    for variant in found:
+        unique.setdefault(variant.key(), variant)
+    return list(unique.values())
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def targets_supported(wanted: tuple[int, ...]) -> tuple[int, ...]:
+    """The targets of ``wanted`` that the wheel's ``ptxas`` can assemble for."""
+    found = []
+    for capability in wanted:
+        ptxas = _tool("ptxas" if capability < 90 else "ptxas-blackwell")
+        listing = subprocess.run([ptxas, "--help"], capture_output=True, text=True).stdout
+        if f"sm_{capability}" in listing:
+            found.append(capability)
+    return tuple(found)
+
+
+def compile_variant(variant: Variant, capability: int) -> Figures:
+    """Compile ``variant`` for ``capability`` (no GPU) and read its figures."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    config = variant.config
+    kernel = getattr(importlib.import_module(variant.module), config.kernel)
+    divisible, ones = config.hints()
+    signature = {**config.signature, **dict.fromkeys(config.constexprs, "constexpr")}
+    constexprs = dict(config.constexprs)
+    for name in ones:  # the JIT folds an integer argument equal to 1 into a constant
+        signature[name] = "constexpr"
+        constexprs[name] = 1
+    names = kernel.arg_names
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    source = ASTSource(kernel, {name: signature[name] for name in names}, constexprs, attrs)
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+    ptx = compiled.asm["ptx"]
+    arch = f"sm_{capability}{'a' if capability >= 90 else ''}"  # Triton's own choice
+    ptxas = _tool("ptxas" if capability < 90 else "ptxas-blackwell")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.ptx"
+        path.write_text(ptx)
+        log = subprocess.run(
+            [ptxas, "-v", "--regAllocOptLevel=2", f"--gpu-name={arch}", str(path), "-o",
+             str(path.with_suffix(".cubin"))],
+            capture_output=True, text=True, check=True,
+        ).stderr  # fmt: skip
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    static = re.search(r"(\d+) bytes smem", log)
+    shared = compiled.metadata.shared + (int(static.group(1)) if static else 0)
+    target = TARGETS[capability]
+    programs = programs_per_sm(target, registers, shared, config.num_warps)
+    return Figures(
+        target=capability,
+        registers=registers,
+        spill_stores=int(spills.group(1)),
+        spill_loads=int(spills.group(2)),
+        shared=shared,
+        mma=matrix_instruction(ptx),
+        programs=programs,
+        occupancy=occupancy(target, programs, config.num_warps),
+    )
+
+
+def matrix_instruction(ptx: str) -> str:
+    """The PTX's matrix instructions (``mma.sync.aligned.m16n8k16...f16`` on sm_80,
+    ``wgmma.mma_async...`` on sm_90, ``tcgen05.mma...kind::f16`` on sm_100), or ``FMA`` when a
+    dot was lowered to scalar fused multiply-adds, or ``-`` with no dot."""
+    pattern = r"(?<![\w.])((?:tcgen05\.mma|wgmma\.mma_async|mma)\.[\w.:]+)"
+    found = sorted(set(re.findall(pattern, ptx)))
+    if found:
+        return " ".join(found)
+    return "FMA" if "fma.rn.f32" in ptx else "-"
+
+
+def rows_of(variant: Variant, figures: Figures) -> dict:
+    """One row of the report."""
+    return {
+        "kernel": variant.kind,
+        "dtype": variant.dtype,
+        "head_dim": variant.head_dim,
+        "block_size": variant.block_size,
+        "group": variant.group,
+        "num_warps": variant.config.num_warps,
+        "num_stages": variant.config.num_stages,
+        "block_n": variant.config.constexprs.get("BLOCK_N"),
+        **asdict(figures),
+        **({"mma": "-"} if variant.kind == "merge" else {}),  # no tl.dot: its FMAs are not one
+    }
+
+
+def budget_failures(rows: list[dict]) -> list[str]:
+    """The budgets of docs/kernels.md that ``rows`` break, one line each (empty: all hold).
+
+    On sm_80 and sm_90, at the budgeted head dims: no spills (every dtype); for fp16 and bf16 a
+    16-bit ``mma`` or ``wgmma`` (no TF32, no FMA), and decode at head dim 128 at least
+    ``DECODE_OCCUPANCY``. Head dims 48 and 256 are reported, not budgeted."""
+    failures = []
+    for row in rows:
+        if row["target"] not in GATED_TARGETS or row["kernel"] == "merge":
+            continue
+        name = (
+            f"{row['kernel']} {row['dtype']} D{row['head_dim']} block {row['block_size']} "
+            f"group {row['group']} sm_{row['target']}"
+        )
+        budgeted = row["head_dim"] in BUDGETED_HEAD_DIMS
+        spilled = row["spill_stores"] or row["spill_loads"]
+        if spilled and budgeted:
+            failures.append(f"{name}: spills {row['spill_stores']} bytes")
+        if row["dtype"] == "fp32" or not budgeted:
+            continue
+        operands = "f16.f16" if row["dtype"] == "fp16" else "bf16.bf16"
+        if operands not in row["mma"] or "tf32" in row["mma"]:
+            failures.append(f"{name}: not a native 16-bit MMA ({row['mma']})")
+        floor = DECODE_OCCUPANCY.get(row["target"], 0.0)
+        decode = row["kernel"] in ("decode", "decode-split")
+        if decode and row["head_dim"] == 128 and row["occupancy"] < floor:
+            failures.append(f"{name}: occupancy {row['occupancy']:.1%} < {floor:.1%}")
+    return failures
+
+
+def compile_all(sample: bool, wanted: tuple[int, ...], grid: Grid | None = None) -> Iterator[dict]:
+    """Every variant on every supported target, as report rows (in this process)."""
+    for capability in targets_supported(wanted):
+        for variant in variants(sample, grid, capability):
+            yield rows_of(variant, compile_variant(variant, capability))
+
+
+def measure(sample: bool = False, targets: tuple[int, ...] = (80, 90, 100)) -> list[dict]:
+    """Run the gate's compilation in a child process with ``TRITON_INTERPRET=0`` (whatever
+    this process imported) and return its rows."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        command = [sys.executable, "-m", "pagedkv.kernels.compile_check", "--json", str(out)]
+        command += ["--targets", *map(str, targets), "--no-budgets"]
+        if sample:
+            command.append("--sample")
+        env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+        subprocess.run(command, env=env, check=True, capture_output=True, text=True)
+        return json.loads(out.read_text())
+
+
+def markdown(rows: list[dict]) -> str:
+    """The resource table of docs/kernels.md: per kernel, dtype, head dim and target, the
+    range over block sizes and groups."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        key = (row["kernel"], row["dtype"], row["head_dim"], row["target"])
+        groups.setdefault(key, []).append(row)
+    lines = [
+        "| kernel | dtype | D | target | warps | registers | spills (B) | shared (KB) | "
+        "occupancy | MMA |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def span(values: list) -> str:
+        low, high = min(values), max(values)
+        return f"{low}" if low == high else f"{low}-{high}"
+
+    for (kind, dtype, head_dim, target), group in sorted(groups.items()):
+        shared = span([round(r["shared"] / 1024, 1) for r in group])
+        occupancy_span = span([round(100 * r["occupancy"], 1) for r in group])
+        mma = " ".join(sorted({short_mma(r["mma"]) for r in group}))
+        lines.append(
+            f"| {kind} | {dtype} | {head_dim} | sm_{target} | "
+            f"{span([r['num_warps'] for r in group])} | {span([r['registers'] for r in group])} "
+            f"| {span([r['spill_stores'] for r in group])} | {shared} | {occupancy_span}% "
+            f"| {mma} |"
+        )
+    return "\n".join(lines)
+
+
+def short_mma(mma: str) -> str:
+    """``mma.m16n8k16 f16`` / ``wgmma f16`` / ``FMA``: the instruction and its operand type."""
+    if mma in ("FMA", "-"):
+        return mma
+    if mma.startswith("tcgen05"):  # its operand types live in the instruction descriptor
+        return "tcgen05 " + mma.split("kind::")[-1].split(".")[0]
+    kinds = {"wgmma" if "mma_async" in part else "mma" for part in mma.split()}
+    operand = next(t for t in ("bf16", "f16", "tf32", "f32") if f".{t}." in mma + ".")
+    return "+".join(sorted(kinds)) + f" {operand}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--targets", nargs="+", type=int, default=[80, 90, 100])
+    parser.add_argument("--sample", action="store_true", help="only the quick suite's variants")
+    parser.add_argument("--json", type=Path, help="write every row here")
+    parser.add_argument("--markdown", action="store_true", help="print docs/kernels.md's table")
+    parser.add_argument("--no-budgets", action="store_true", help="report only")
+    parser.add_argument("--dtypes", nargs="+", default=list(Grid.dtypes), choices=list(DTYPES))
+    parser.add_argument("--head-dims", nargs="+", type=int, default=list(Grid.head_dims))
+    parser.add_argument("--block-sizes", nargs="+", type=int, default=list(Grid.block_sizes))
+    parser.add_argument("--groups", nargs="+", type=int, default=list(Grid.groups))
+    args = parser.parse_args(argv)
+    grid = Grid(
+        tuple(args.dtypes), tuple(args.head_dims), tuple(args.block_sizes), tuple(args.groups)
+    )
+    if os.environ.get("TRITON_INTERPRET") != "0":  # triton must be imported compiling
+        env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+        command = [sys.executable, "-m", "pagedkv.kernels.compile_check", *(argv or sys.argv[1:])]
+        return subprocess.run(command, env=env).returncode
+    import triton
+
+    rows = []
+    for row in compile_all(args.sample, tuple(args.targets), grid):
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    if args.markdown:
+        print(markdown(rows))
+    print(f"triton {triton.__version__}: {len(rows)} compiles")
+    failures = [] if args.no_budgets else budget_failures(rows)
+    for failure in failures:
+        print("BUDGET", failure)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Launch configurations of the Triton attention kernels, as pure data, and what fits on an SM.
+
+A launcher (``triton_decode``, ``triton_prefill``) never decides a launch inline: a pure
+function of shapes, dtypes, host integers and the GPU generation builds a :class:`LaunchConfig`
+(grid, constexprs, the runtime scalars, ``num_warps``, ``num_stages``), the launcher launches
+exactly that, and the compile gate (``python -m pagedkv.kernels.compile_check``) compiles exactly
+that for sm_80, sm_90 and sm_100 with no GPU. Both read the specialization hints Triton's JIT
+derives from the arguments (:meth:`LaunchConfig.hints`) from the same config.
+
+:data:`TILES` is the tile table, per kernel, cache dtype and padded head dim; docs/kernels.md
+gives the compile measurement behind every row. Importing this module imports no triton.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SCALAR_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+INDEX_TYPES = {torch.int32: "i32", torch.int64: "i64"}
+MIN_DOT = 16  # the rows, columns and inner size a tile pads a tl.dot operand to, at least
+
+
+@dataclass(frozen=True)
+class Target:
+    """An NVIDIA GPU generation's per-SM limits (CUDA programming guide, compute capabilities
+    table): what bounds how many programs of a compiled kernel are resident at once."""
+
+    capability: int  # 80, 90, 100
+    shared_per_sm: int  # bytes of shared memory an SM gives its programs
+    shared_reserved: int = 1024  # bytes the runtime keeps per resident program
+    registers_per_sm: int = 65536
+    register_unit: int = 256  # registers are allocated per warp, in units of this many
+    max_warps: int = 64
+    max_programs: int = 32
+
+    @property
+    def name(self) -> str:
+        return f"sm_{self.capability}"
+
+
+TARGETS: dict[int, Target] = {
+    80: Target(80, shared_per_sm=164 * 1024),
+    90: Target(90, shared_per_sm=228 * 1024),
+    100: Target(100, shared_per_sm=228 * 1024),
+}
+DEFAULT_CAPABILITY = 90  # the table row used off CUDA (the interpreter), where nothing is resident
+
+
+def programs_per_sm(target: Target, registers: int, shared: int, num_warps: int) -> int:
+    """How many programs of a kernel using ``registers`` per thread and ``shared`` bytes of
+    shared memory, with ``num_warps`` warps, are resident on one SM of ``target`` at once: the
+    least of what the register file, the shared memory, the warp slots and the program slots
+    allow. 0 if one program does not fit."""
+    per_warp = -(-registers * 32 // target.register_unit) * target.register_unit
+    by_registers = (target.registers_per_sm // per_warp) // num_warps if per_warp else 10**9
+    by_shared = target.shared_per_sm // (shared + target.shared_reserved)
+    by_warps = target.max_warps // num_warps
+    return min(by_registers, by_shared, by_warps, target.max_programs)
+
+
+def occupancy(target: Target, programs: int, num_warps: int) -> float:
+    """The fraction of the SM's warp slots that ``programs`` resident programs fill."""
+    return programs * num_warps / target.max_warps
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One row of the tile table."""
+
+    block_n: int  # keys per step of the key loop
+    rows: int  # query rows per program (prefill: BLOCK_Q * BLOCK_G); decode: at least
+    num_warps: int
+    num_stages: int
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The head dim a tile spans: the next power of two, at least ``MIN_DOT``."""
+    return max(MIN_DOT, 1 << (head_dim - 1).bit_length())
+
+
+def tiles(kernel: str, dtype: torch.dtype, head_dim: int, capability: int) -> Tiles:
+    """The tile table: tiles, warps and pipeline stages per kernel (``"decode"`` or
+    ``"prefill"``), cache dtype, padded head dim and target (``capability``: one row differs on
+    sm_80). docs/kernels.md gives the measurement behind each row.
+
+    16-bit caches feed ``tl.dot`` their own dtype (native ``mma``); fp32 caches run exact IEEE
+    fp32 dots, which Triton lowers to FMA, so their tiles are smaller to keep the operands in
+    registers without spilling."""
+    block_d = padded_head_dim(head_dim)
+    half = dtype != torch.float32
+    if kernel == "decode":
+        block_n = 32 if half and block_d <= 64 else 16
+        return Tiles(block_n=block_n, rows=MIN_DOT, num_warps=4, num_stages=2)
+    if kernel == "prefill":
+        if half:  # 64 rows read each K/V tile once for 64 query rows; 8 warps hold them at D 128
+            rows = 64 if block_d <= 128 else 32
+            block_n = 32 if block_d <= 64 else 16
+            num_warps = 8 if block_d == 128 else 4
+            if block_d == 128 and capability < 90:  # sm_80: 8 warps of 64 rows spill at D80/96
+                rows, block_n, num_warps = 32, 16, 4
+        else:
+            rows = 32 if block_d <= 64 else 16
+            block_n = 16
+            num_warps = 8 if block_d >= 256 else 4
+        return Tiles(block_n=block_n, rows=rows, num_warps=num_warps, num_stages=2)
+    raise ValueError(f"kernel must be 'decode' or 'prefill', got {kernel!r}")
+
+
+@dataclass(frozen=True)
+class Call:
+    """What an attention launch's configuration reads from its call: shapes, dtypes, the block
+    table's row stride, and where it runs (``capability`` selects the tile-table row;
+    ``interpreted``: the tensors are not on CUDA, so the Triton interpreter runs the kernel)."""
+
+    batch: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype  # the query's and the caches'
+    index_dtype: torch.dtype  # context_lens' (and cu_seqlens_q's)
+    block_size: int
+    table_stride: int
+    capability: int = DEFAULT_CAPABILITY
+    interpreted: bool = False
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything one kernel launch is made of, except the tensors' addresses.
+
+    ``signature`` gives each runtime argument, in the kernel's order, its Triton type (``"*fp16"``
+    for a pointer to fp16, ``"i32"``, ``"fp32"``); ``scalars`` the value of each non-pointer
+    one. ``constexprs`` are the compile-time arguments."""
+
+    kernel: str  # the @triton.jit function's name in its module
+    grid: tuple[int, int, int]
+    signature: dict[str, str]
+    scalars: dict[str, int | float]
+    constexprs: dict[str, int | bool | str]
+    num_warps: int
+    num_stages: int
+
+    def pointer_dtypes(self) -> list[torch.dtype]:
+        """The element dtype of each pointer argument, in order (what ``warmup`` takes)."""
+        by_name = {name: dtype for dtype, name in (*SCALAR_TYPES.items(), *INDEX_TYPES.items())}
+        return [by_name[k[1:]] for k in self.signature.values() if k.startswith("*")]
+
+    def hints(self) -> tuple[frozenset[str], frozenset[str]]:
+        """The specialization Triton's JIT derives from the arguments: (arguments known
+        divisible by 16, integer arguments equal to 1, which it folds as constants). Pointers
+        count as divisible: the launchers pass fresh or contiguous torch tensors, whose
+        storage starts 16-byte aligned (:func:`aligned`)."""
+        divisible = {name for name, kind in self.signature.items() if kind.startswith("*")}
+        ones = set()
+        for name, value in self.scalars.items():
+            if self.signature[name].startswith("i"):
+                if value % 16 == 0:
+                    divisible.add(name)
+                elif value == 1:
+                    ones.add(name)
+        return frozenset(divisible), frozenset(ones)
+
+
+def aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when its data starts on a 16-byte boundary, else a contiguous copy
+    that does: the launch then matches the hints the compile gate checks."""
+    return tensor if tensor.data_ptr() % 16 == 0 else tensor.clone()

