@@ -687,13 +687,14 @@ def test_store_step_by_sequence_length(benchmark: Any, length: int) -> None:
 
 
 def test_trusted_single_block(benchmark: Any) -> None:
-    """One trusted take of a single block plus its release, on a 100k-block pool."""
+    """One unchecked take of a single block plus its release, on a 100k-block pool."""
     manager = BlockManager(100_000, BLOCK_SIZE)
+    pool = manager.pool
     benchmark.group = "trusted-block"
     benchmark.extra_info.update(system="manager", total_blocks=100_000)
 
     def take_and_release() -> None:
-        manager.release_block(manager.take_block())
+        pool.release(np.array([pool.take_one()], dtype=np.intp))
 
     benchmark(take_and_release)
     assert manager.num_free_blocks == 100_000
