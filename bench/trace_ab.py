@@ -4,21 +4,22 @@ another checkout, interleaved in one sitting.
 ``python -m bench.trace_ab [--base DIR] [--variants NAME ...] [--repeats N] [--rounds N]``
 
 Each run is a fresh process that replays ``bench.bench_trace``'s seeded trace through the chosen
-systems (asserting the floor's records, as the benchmark does) and reports the median µs per
-step of ``--rounds`` replays. The runs are interleaved (every variant once, then again,
+systems (asserting the floor's records, as the benchmark does) and reports the µs per step of
+the fastest of ``--rounds`` replays: on a shared machine the least disturbed replay is the best
+estimate of a system's own cost. The runs are interleaved (every variant once, then again,
 ``--repeats`` times), so a machine that gets busier or quieter affects each alike; the table is
-the median over the repeats, with each system's ratio to the floor of the same run.
+the median over the repeats, with each system's ratio to the floor of the same variant.
 
 Variants of this tree, each one path taken out of the store's growth (``docs/design.md`` §9
 keeps a path only if the store step is more than 10% slower without it):
 
 * ``current``: the code as it is;
 * ``no-decode``: no decode shortcut (``growth.grow_decode``): every step reads the growth;
-* ``no-at-once``: no "fits at once" shortcut (``Growth.fits_at_once``): every step is planned
-  sequence by sequence;
 * ``no-vector-preempt``: no vectorized preemption plan: the planner's loop decides it;
-* ``no-live-batch``: the store's batch of every live sequence is rebuilt on every call;
-* ``no-epoch``: a kept ``SeqBatch`` is resolved again from its ids on every use.
+* ``no-tail-flag`` (plain store): the decode shortcut reads the reference counts of the written
+  last blocks instead of trusting the rows' tail-shared flags (which are still kept, so this
+  bounds the flag's worth from above);
+* ``no-live-batch``: the store's batch of every live sequence is rebuilt on every call.
 
 ``--base DIR`` adds ``base``: the same replays with ``pagedkv`` imported from ``DIR``, a checkout
 of another commit (``git worktree add DIR REV``, or ``git archive REV | tar -x -C DIR``), and
@@ -40,7 +41,13 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("floor", "store", "scheduler", "floor-prefix", "store-prefix")
-VARIANTS = ("current", "no-decode", "no-at-once", "no-vector-preempt", "no-live-batch", "no-epoch")
+VARIANTS = (
+    "current",
+    "no-decode",
+    "no-vector-preempt",
+    "no-tail-flag",
+    "no-live-batch",
+)
 
 
 def apply_variant(name: str) -> None:
@@ -52,8 +59,6 @@ def apply_variant(name: str) -> None:
 
     if name == "no-decode":
         store.grow_decode = lambda *args: False  # type: ignore[assignment]
-    elif name == "no-at-once":
-        growth.Growth.fits_at_once = lambda self, free: False  # type: ignore[method-assign]
     elif name == "no-vector-preempt":
         branch = """
 if preempt and not g.shared.any():
@@ -68,6 +73,18 @@ if preempt and not g.shared.any():
         return Plan(grown, g.shared & grown, removed, steps)
 """
         store.plan = load_mutant(growth, branch, "", ("CapacityError",), within="plan").plan
+    elif name == "no-tail-flag":
+        decode = growth.grow_decode
+
+        def unflagged(tables: Any, pool: Any, rows: Any, base: Any) -> bool:
+            counts = tables.token_counts.take(rows)
+            partial = counts % tables.block_size != 0
+            last = tables.tables.take(base[partial] + tables.num_blocks.take(rows[partial]) - 1)
+            if last.size and pool.refs_of(last).max() > 1:  # a shared last block: plan it
+                return False
+            return decode(tables, pool, rows, base)
+
+        store.grow_decode = unflagged  # type: ignore[assignment]
     elif name == "no-live-batch":
         resolve = batches.SeqIndex.resolve
 
@@ -75,15 +92,6 @@ if preempt and not g.shared.any():
             return self.batch(list(self)) if seqs is None else resolve(self, seqs)
 
         batches.SeqIndex.resolve = rebuilt  # type: ignore[method-assign]
-    elif name == "no-epoch":
-        resolve = batches.SeqIndex.resolve
-
-        def fresh(self: Any, seqs: Any) -> Any:
-            if isinstance(seqs, batches.SeqBatch):
-                return self.batch(seqs.seq_ids)
-            return resolve(self, seqs)
-
-        batches.SeqIndex.resolve = fresh  # type: ignore[method-assign]
     elif name != "current":
         raise ValueError(f"unknown variant {name!r}")
 
@@ -104,7 +112,7 @@ def child(variant: str, rounds: int, systems: list[str]) -> dict[str, float]:
                 records = trace.run_system(system, pool)
                 times.append(time.perf_counter() - start)
                 assert records == expected, (system, pool)
-            result[f"{pool} {system}"] = statistics.median(times) / len(records) * 1e6
+            result[f"{pool} {system}"] = min(times) / len(records) * 1e6
     return result
 
 

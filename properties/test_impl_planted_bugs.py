@@ -139,14 +139,14 @@ BUGS: dict[str, tuple[types.ModuleType, str, str, str]] = {
     ),
     "grow copies on write only from three owners up": (
         pagedkv.impl.blocks.growth,
-        "shared = writes_last & (last_refs > 1)",
-        "shared = writes_last & (last_refs > 2)",
+        "last_refs = pool.refs_of(last)",
+        "last_refs = pool.refs_of(last) - 1",
         "store",
     ),
-    "fast path ignores a shared block written twice in one batch": (
+    "two writers of one shared block in a batch both copy it": (
         pagedkv.impl.blocks.growth,
-        "self.shared.any() and has_repeats(self.last[self.shared])",
-        "False",
+        "refs[last[i]] = owners - 1",
+        "refs[last[i]] = owners",
         "store",
     ),
     "decode slot_mapping maps the position after the last": (

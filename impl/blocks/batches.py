@@ -20,17 +20,16 @@ SeqIds = Sequence[int] | NDArray[np.integer]
 class SeqBatch:
     """An ordered batch of distinct live sequence ids, resolved to their rows.
 
-    Made by ``BlockTableStore.batch``. Resolving ids costs a dict lookup per sequence; a batch
-    pays it once for all the operations of a step, or of many steps. Rows change only when a
-    sequence is removed, so a batch made before the last ``remove`` is re-resolved from its ids
-    when used (``KeyError`` if one of them is gone).
+    Made by ``BlockTableStore.batch``, which checks the ids once. Rows change when sequences
+    are removed and others added, so every use resolves the ids again (``KeyError`` if one of
+    them is gone): the store's trace benchmark was no faster with a batch that skipped that
+    while no sequence was removed (docs/design.md §9).
     """
 
     seq_ids: tuple[int, ...]
     rows: NDArray[np.intp]
     base: NDArray[np.intp] = field(repr=False)  # rows * max_blocks_per_seq: flat row offsets
     _index: SeqIndex = field(repr=False)
-    _epoch: int = field(repr=False)
 
     def __len__(self) -> int:
         return len(self.seq_ids)
@@ -42,7 +41,6 @@ class SeqIndex:
     def __init__(self, width: int) -> None:
         self._width = width
         self._row_of: dict[int, int] = {}
-        self._epoch = 0  # bumped by every removal: batches made before it must re-resolve
         self._live: SeqBatch | None = None  # every live sequence in the order added, cached
 
     def __len__(self) -> int:
@@ -61,7 +59,6 @@ class SeqIndex:
     def remove(self, seq_ids: Sequence[int]) -> None:
         for seq_id in seq_ids:
             del self._row_of[seq_id]
-        self._epoch += 1
         self._live = None
 
     def check_new(self, seq_id: object) -> int:
@@ -97,23 +94,23 @@ class SeqIndex:
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"sequence ids repeated within one batch: {_repeats(seq_ids)}")
         rows.flags.writeable = False
-        return SeqBatch(tuple(seq_ids), rows, rows * self._width, self, self._epoch)
+        return SeqBatch(tuple(seq_ids), rows, rows * self._width, self)
 
     def resolve(self, seqs: SeqBatch | SeqIds | None) -> SeqBatch:
         """``seqs`` as a current :class:`SeqBatch`: ``None`` is every live sequence in the order
-        added, ids are resolved with :meth:`batch`, and a batch made before the last removal
-        is re-resolved from its ids (``KeyError`` if one is gone)."""
+        added (kept until the next addition or removal), ids and a batch's ids are resolved
+        with :meth:`batch` (``KeyError`` if one is gone)."""
         if seqs is None:
             if self._live is None:
                 rows = np.fromiter(self._row_of.values(), dtype=np.intp, count=len(self._row_of))
                 rows.flags.writeable = False
                 ids = tuple(self._row_of)
-                self._live = SeqBatch(ids, rows, rows * self._width, self, self._epoch)
+                self._live = SeqBatch(ids, rows, rows * self._width, self)
             return self._live
         if isinstance(seqs, SeqBatch):
             if seqs._index is not self:
                 raise ValueError("the batch belongs to another BlockTableStore")
-            return seqs if seqs._epoch == self._epoch else self.batch(seqs.seq_ids)
+            return self.batch(seqs.seq_ids)
         return self.batch(seqs)
 
 

@@ -8,10 +8,11 @@ counts alone, who grows, who copies its shared last block on write and who is re
 :func:`apply` carries the plan out in the spec's order. :func:`grow_decode` is the decode step
 when no written block can be shared.
 
-Three shortcuts decide the common cases with a fixed number of numpy calls, each exact: the
-decode step (:func:`grow_decode`), a batch that fits at once (:meth:`Growth.fits_at_once`: the
-order cannot matter), and preemption of sequences that own their blocks alone
-(:func:`plan_preemption`).
+Two shortcuts decide common cases with a fixed number of numpy calls, each exact, and each kept
+because the trace benchmark's store step was more than 10% slower without it (docs/design.md §9
+gives the figures): the decode step when no row's last block can be shared (:func:`grow_decode`,
+gated by the rows' tail-shared flags), and preemption of sequences that own their blocks alone
+(:func:`plan_preemption`). Everything else is the planner's loop over the batch.
 """
 
 from __future__ import annotations
@@ -45,12 +46,6 @@ class Growth:
     last: NDArray[np.int32]  # the present last block (garbage where nothing is held)
     last_refs: NDArray[np.int32]
     shared: NDArray[np.bool_]  # writes_last and the last block has other owners
-
-    def fits_at_once(self, free: int) -> bool:
-        """Every sequence grows, and no shared block is written twice: the order is moot."""
-        return int(self.growth.sum() + self.shared.sum()) <= free and not (
-            self.shared.any() and has_repeats(self.last[self.shared])
-        )
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -117,8 +112,6 @@ def plan(g: Growth, free: int, preempt: bool, tables: BlockTables, pool: BlockPo
     itself the one removed, which ends the batch.
     """
     n = g.rows.size
-    if g.fits_at_once(free):
-        return Plan(np.ones(n, dtype=np.bool_), g.shared, [], [(True, list(range(n)))])
     if preempt and not g.shared.any():  # no copy on write: removals free what they hold
         held_counts = g.lengths - tables.num_released.take(g.rows)  # released entries: none
         stop = plan_preemption(g.growth, held_counts.astype(np.int64), free)
@@ -189,14 +182,6 @@ def plan_preemption(growth: NDArray[np.int64], lengths: NDArray[np.int64], free:
     victims = np.searchsorted(freed, np.cumsum(growth) - free, side="left")
     cut = np.arange(n) + victims >= n
     return int(cut.argmax()) if cut.any() else n
-
-
-def has_repeats(values: NDArray[np.integer]) -> bool:
-    """Whether some value occurs twice."""
-    if values.size < 2:
-        return False
-    ordered = np.sort(values)
-    return bool((ordered[1:] == ordered[:-1]).any())
 
 
 def apply_growth(

@@ -175,7 +175,7 @@ class PrefixCachingBlockManager(BlockManager):
         nothing. ``TypeError``/``ValueError`` for token ids that are not non-negative ints.
 
         ``keys``, from an earlier plan of the same tokens and ``extra_key``, skips hashing:
-        the lookup is then one dict probe per block (a trusted argument: they must be that
+        the lookup is then one dict probe per block (an unchecked argument: they must be that
         plan's keys).
         """
         tokens = check_tokens(token_ids)
@@ -308,7 +308,7 @@ class PrefixCachingBlockManager(BlockManager):
             parent = key
         return keys, cached
 
-    # ----------------------------------------------------------------- trusted API
+    # ----------------------------------------------------------------- unchecked API
     #
     # Contract, as for the pool (pagedkv.impl.blocks.pool): no argument is checked. Safe for
     # BlockTableStore because it applies a plan in the same call that made it (nothing changes

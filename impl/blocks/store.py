@@ -454,8 +454,8 @@ class BlockTableStore:
 
     def resolve(self, seqs: SeqBatch | SeqIds | None) -> SeqBatch:
         """``seqs`` as a current :class:`SeqBatch`: ``None`` is every live sequence in the order
-        added, ids are resolved with :meth:`batch`, and a batch made before the last ``remove``
-        is re-resolved from its ids (``KeyError`` if one is gone)."""
+        added, and ids, or a batch's ids, are resolved with :meth:`batch` (``KeyError`` if one
+        is gone)."""
         return self._seqs.resolve(seqs)
 
     # ----------------------------------------------------------------- internals
