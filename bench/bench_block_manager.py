@@ -30,9 +30,9 @@ import pytest
 import torch
 
 import pagedkv.spec.block_manager as spec_bm
+from pagedkv.impl.blocks import BlockTableStore, SeqBatch
 from pagedkv.impl.blocks.manager import BlockManager
 from pagedkv.impl.blocks.page_tables import block_tables
-from pagedkv.impl.blocks.table_store import BlockTableStore, SeqBatch
 
 BLOCK_SIZES = (1, 4, 16, 64, 256)
 BATCHES = (1, 32, 256)

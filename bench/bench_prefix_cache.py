@@ -49,7 +49,7 @@ from bench_block_manager import MEMORY_LIMIT_BYTES, print_ratios, traced_bytes
 
 import pagedkv.spec.prefix_cache as spec_pc
 from pagedkv.impl.blocks.prefix_cache import PrefixCachingBlockManager
-from pagedkv.impl.blocks.table_store import BlockTableStore
+from pagedkv.impl.blocks.store import BlockTableStore
 
 BLOCK_SIZE = 16
 SYSTEM = [1000 + i for i in range(1000)]  # 62 full blocks and 8 tokens

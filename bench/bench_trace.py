@@ -32,8 +32,8 @@ timed quantity is one whole replay; ``extra_info["us_per_step"]`` is it divided 
 
 Sweeps: ``store-pool`` times the store's decode step on pools of 1k, 10k and 100k blocks, and
 ``store-len`` with sequences of 1k to 32k tokens (the table width fixed by the model length),
-so a cost that grows with either shows up. ``trusted-block`` times one trusted single-block
-take plus release on a 100k-block pool.
+so a cost that grows with either shows up. ``trusted-block`` times one unchecked single-block
+take plus release (``BlockPool.take_one``, ``release``) on a 100k-block pool.
 
 ``python -m bench.bench_trace`` (from the repository root) runs the suite and prints each ratio
 to the floor, and to vLLM's system where vLLM ran; ``python -m properties.vllm_env --bench`` runs
@@ -687,13 +687,14 @@ def test_store_step_by_sequence_length(benchmark: Any, length: int) -> None:
 
 
 def test_trusted_single_block(benchmark: Any) -> None:
-    """One trusted take of a single block plus its release, on a 100k-block pool."""
+    """One unchecked take of a single block plus its release, on a 100k-block pool."""
     manager = BlockManager(100_000, BLOCK_SIZE)
+    pool = manager.pool
     benchmark.group = "trusted-block"
     benchmark.extra_info.update(system="manager", total_blocks=100_000)
 
     def take_and_release() -> None:
-        manager.release_block(manager.take_block())
+        pool.release(np.array([pool.take_one()], dtype=np.intp))
 
     benchmark(take_and_release)
     assert manager.num_free_blocks == 100_000

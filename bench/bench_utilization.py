@@ -39,7 +39,7 @@ from bench.utilization_policies import (
 )
 from bench.workloads import WORKLOADS, Workload, chapter_toy
 from pagedkv.impl.blocks.manager import BlockManager
-from pagedkv.impl.blocks.table_store import BlockTableStore
+from pagedkv.impl.blocks.store import BlockTableStore
 from pagedkv.impl.serving.scheduler import Scheduler, SchedulerConfig
 from pagedkv.spec.block_manager import blocks_needed
 from pagedkv.spec.utilization import contiguous_usage, paged_usage

@@ -5,7 +5,7 @@ computed the scheduled tokens and sampled the next ones (the trace says how long
 calls :meth:`~pagedkv.impl.serving.scheduler.Scheduler.update`, and measures where the KV memory
 went. The KV budget is fixed, in slots. Memory is one of:
 
-* **paged**: :class:`pagedkv.impl.blocks.table_store.BlockTableStore` over ``budget_slots //
+* **paged**: :class:`pagedkv.impl.blocks.store.BlockTableStore` over ``budget_slots //
   block_size`` blocks of an :class:`pagedkv.impl.blocks.manager.BlockManager` (with ``share=True``,
   a :class:`pagedkv.impl.blocks.prefix_cache.PrefixCachingBlockManager`: a shared system prompt is
   served from the prefix cache, and parallel samples fork the prompt's blocks);
@@ -48,7 +48,7 @@ from bench.utilization_policies import Contiguous, MemoryBreakdown, Paged, split
 from bench.workloads import Request, Workload
 from pagedkv.impl.blocks.manager import BlockManager, OutOfBlocksError
 from pagedkv.impl.blocks.prefix_cache import PrefixCachingBlockManager
-from pagedkv.impl.blocks.table_store import BlockTableStore
+from pagedkv.impl.blocks.store import BlockTableStore
 from pagedkv.impl.serving.metrics import kv_occupancy
 from pagedkv.impl.serving.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedkv.impl.serving.scheduler import Sequence as Seq

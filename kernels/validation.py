@@ -19,17 +19,17 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.spec.block_manager import check_int
+from pagedkv.spec.checks import INT32_MAX, MAX_INT32_BLOCKS, check_int
+from pagedkv.spec.checks import check_window as check_window_rule
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_SPLITS = 64  # split-K ranges per sequence, at most
-INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
-# Block ids are int32, so a pool has at most 2**31 blocks; and slots are int64, so the largest
-# slot, (2**31 - 1) * block_size + block_size - 1 = 2**31 * block_size - 1, fits for block sizes
-# up to 2**32.
-MAX_NUM_BLOCKS = 2**31
+# Block ids are int32, so a pool has at most MAX_INT32_BLOCKS = 2**31 blocks; and slots are int64,
+# so the largest slot, (2**31 - 1) * block_size + block_size - 1 = 2**31 * block_size - 1, fits
+# for block sizes up to 2**32.
+MAX_NUM_BLOCKS = MAX_INT32_BLOCKS
 MAX_BLOCK_SIZE = 2**32
 
 
@@ -170,7 +170,7 @@ def check_window(window: object) -> int | None:
     """
     if window is None:
         return None
-    checked = check_int("window", window, 1)
+    checked = check_window_rule(window)
     return None if checked > INT32_MAX else checked
 
 

@@ -1,15 +1,29 @@
-"""Planted bugs: load a copy of a module's source with one snippet replaced.
+"""Planted bugs: load a copy of a module with one piece of code replaced.
 
-A mutant is the real module's source with exactly one edit, executed as a fresh module. The
-exception classes are then re-bound to the real ones, so a mutant raises the same types as the
-original and a test can only fail because of the planted behaviour.
+A planted bug names the code it replaces as code, not as text: ``old`` and ``new`` are parsed,
+and ``old`` must match exactly one place of the module's syntax tree (one expression, or one
+run of statements), optionally only inside the function or class named by ``within``
+(``"BlockManager.free"``). Layout, comments and line breaks do not matter, so reformatting a
+file or editing another function never moves a planted bug; a bug whose code is gone raises
+``LookupError`` instead of planting nothing. A snippet that is not whole code (a line cut
+mid-statement, as older bugs are written) falls back to text: it must then occur exactly once.
+A mutant is executed as a fresh module, and the names in ``shared`` (typically exception
+classes) are re-bound to the real module's, so a mutant raises the same types as the original
+and a test can only fail because of the planted behaviour.
+
+A bug planted in a module that others import (the free queue under the pool, the pool under
+the managers, ...) reaches them through :func:`load_chain`: each module after the mutated one
+is loaded again with the copies before it standing in for the real modules in its imports.
 """
 
 from __future__ import annotations
 
+import ast
 import inspect
 import sys
+import textwrap
 import types
+from collections.abc import Mapping, Sequence
 
 from hypothesis import HealthCheck, Phase, settings
 
@@ -28,27 +42,150 @@ the Hypothesis profile, and the same for both, so a control proves the loading p
 every example a mutant is hunted with."""
 
 
-def load_mutant(
-    module: types.ModuleType, old: str, new: str, shared: tuple[str, ...]
-) -> types.ModuleType:
-    """Execute ``module``'s source with ``old`` replaced by ``new`` as a new module; return it.
+def _shape(node: ast.AST) -> str:
+    """A node's code without positions: equal for equal code however it is laid out."""
+    return ast.dump(node, annotate_fields=False, include_attributes=False)
 
-    ``old`` must occur exactly once, so a planted bug cannot silently stop applying when the
-    original changes; otherwise ``LookupError`` (deliberately not an ``AssertionError``, which
-    a planted-bug test counts as a catch). Names in ``shared`` (typically exception classes)
-    are taken from the real module.
-    """
+
+def _scope(tree: ast.Module, within: str | None) -> ast.AST:
+    """The function or class named by the dotted path ``within`` (the module for None)."""
+    node: ast.AST = tree
+    for name in within.split(".") if within else ():
+        found = [
+            child
+            for child in ast.iter_child_nodes(node)
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and child.name == name
+        ]
+        if len(found) != 1:
+            raise LookupError(f"no single {name!r} in {within!r}")
+        node = found[0]
+    return node
+
+
+def replace_code(tree: ast.Module, old: str, new: str, within: str | None = None) -> None:
+    """Replace, in place, the one place of ``tree`` (inside ``within``) whose code is ``old``
+    by ``new``. ``old`` is one expression (matched anywhere, and replaced by ``new``'s
+    expression) or one or more statements (matched as a run of one statement list, and
+    replaced by ``new``'s statements, none for an empty ``new``). ``LookupError`` unless
+    exactly one place matches."""
+    old_body = ast.parse(textwrap.dedent(old)).body
+    new_body = ast.parse(textwrap.dedent(new)).body
+    scope = _scope(tree, within)
+    one_expression = (
+        len(old_body) == 1
+        and isinstance(old_body[0], ast.Expr)
+        and len(new_body) == 1
+        and isinstance(new_body[0], ast.Expr)
+    )
+    matches: list[tuple[ast.AST, str, int | None, int]] = []
+    if one_expression:
+        target = _shape(old_body[0].value)  # type: ignore[attr-defined]
+        for parent in ast.walk(scope):
+            for field, value in ast.iter_fields(parent):
+                children = value if isinstance(value, list) else [value]
+                for index, child in enumerate(children):
+                    if isinstance(child, ast.expr) and _shape(child) == target:
+                        position = index if isinstance(value, list) else None
+                        matches.append((parent, field, position, 1))
+    else:
+        target_run = [_shape(statement) for statement in old_body]
+        size = len(target_run)
+        for parent in ast.walk(scope):
+            for field, value in ast.iter_fields(parent):
+                if not (isinstance(value, list) and value and isinstance(value[0], ast.stmt)):
+                    continue
+                shapes = [_shape(statement) for statement in value]
+                for start in range(len(shapes) - size + 1):
+                    if shapes[start : start + size] == target_run:
+                        matches.append((parent, field, start, size))
+    if len(matches) != 1:
+        where = f" in {within}" if within else ""
+        raise LookupError(f"{len(matches)} places{where} match the code {old!r}")
+    parent, field, index, size = matches[0]
+    if one_expression:
+        replacement = new_body[0].value  # type: ignore[attr-defined]
+        if index is None:
+            setattr(parent, field, replacement)
+        else:
+            getattr(parent, field)[index] = replacement
+    else:
+        statements = getattr(parent, field)
+        statements[index : index + size] = new_body or [ast.Pass()]
+
+
+def load_mutant(
+    module: types.ModuleType,
+    old: str,
+    new: str,
+    shared: Sequence[str] = (),
+    *,
+    within: str | None = None,
+    using: Mapping[str, types.ModuleType] | None = None,
+) -> types.ModuleType:
+    """Execute ``module`` with the code ``old`` replaced by ``new`` (see :func:`replace_code`)
+    as a new module; return it. ``old == new`` loads a faithful copy. ``using`` maps module
+    names to copies that the new module's imports receive instead of the real modules. Names
+    in ``shared`` are taken from the real module."""
     source = inspect.getsource(module)
-    occurrences = source.count(old)
-    if occurrences != 1:
-        raise LookupError(f"snippet occurs {occurrences} times in {module.__name__}: {old!r}")
+    tree = ast.parse(source)
+    if old != new:
+        try:
+            replace_code(tree, old, new, within)
+        except (SyntaxError, LookupError) as error:  # not whole code, or not found as code
+            if within is not None or source.count(old) != 1:
+                raise LookupError(f"{module.__name__}: {error}") from None
+            tree = ast.parse(source.replace(old, new))
     mutant = types.ModuleType(f"{module.__name__}_mutant")
-    code = compile(source.replace(old, new), f"<mutant of {module.__name__}>", "exec")
-    sys.modules[mutant.__name__] = mutant  # dataclasses look their module up while decorating
+    code = compile(ast.fix_missing_locations(tree), f"<mutant of {module.__name__}>", "exec")
+    stand_ins = {mutant.__name__: mutant, **(using or {})}
+    saved = {name: sys.modules.get(name) for name in stand_ins}
+    sys.modules.update(stand_ins)  # dataclasses look their module up while decorating
     try:
         exec(code, mutant.__dict__)
     finally:
-        del sys.modules[mutant.__name__]
+        for name, real in saved.items():
+            if real is None:
+                del sys.modules[name]
+            else:
+                sys.modules[name] = real
     for name in shared:
         setattr(mutant, name, getattr(module, name))
     return mutant
+
+
+def load_chain(
+    modules: Sequence[types.ModuleType],
+    old: str,
+    new: str,
+    shared: Sequence[str] = (),
+    *,
+    within: str | None = None,
+) -> types.ModuleType:
+    """Plant ``old -> new`` in ``modules[0]``, then load each later module again with the
+    copies of those before it in its imports; return the copy of the last one. Each module
+    re-binds ``shared`` names it has to the real ones."""
+    first, *rest = modules
+    copies = {first.__name__: load_mutant(first, old, new, _own(first, shared), within=within)}
+    for module in rest:
+        copies[module.__name__] = load_mutant(
+            module, "", "", _own(module, shared), using=dict(copies)
+        )
+    return copies[modules[-1].__name__]
+
+
+def _own(module: types.ModuleType, names: Sequence[str]) -> tuple[str, ...]:
+    return tuple(name for name in names if hasattr(module, name))
+
+
+def planted_store(
+    module: types.ModuleType, old: str, new: str, *, within: str | None = None
+) -> type:
+    """``BlockTableStore`` with ``old -> new`` planted in ``module``: the store itself, or one of
+    the parts it is built from (its tables, growth, block hashes or prefix cache), loaded again
+    under the store. Exception classes stay the real ones."""
+    import pagedkv.impl.blocks.store as store
+
+    chain = [store] if module is store else [module, store]
+    shared = ("CapacityError", "OutOfBlocksError", "BlockTableError")
+    return load_chain(chain, old, new, shared, within=within).BlockTableStore

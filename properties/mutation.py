@@ -51,11 +51,16 @@ DEFAULT_PATHS = (
     "spec/block_manager.py",
     "spec/prefix_cache.py",
     "spec/utilization.py",
+    "spec/checks.py",
     "impl/blocks/free_queue.py",
+    "impl/blocks/pool.py",
     "impl/blocks/manager.py",
     "impl/blocks/prefix_cache.py",
-    "impl/blocks/table_store.py",
+    "impl/blocks/tables.py",
+    "impl/blocks/batches.py",
     "impl/blocks/growth.py",
+    "impl/blocks/block_hashes.py",
+    "impl/blocks/store.py",
     "impl/blocks/page_tables.py",
 )
 """The files a full run mutates: the spec and the block-management modules of impl."""
@@ -86,340 +91,25 @@ PYTEST_ARGS = (
     "--hypothesis-profile=mutation",
 )
 
-MESSAGE_ONLY = "changes only which ids the error message lists; the same error is raised"
-EQUIVALENT: dict[str, str] = {
-    "spec/prefix_cache.py::default_block_hash::And->Or#1": (
-        "the test only skips check_stable_extra for None and str, which it accepts anyway"
-    ),
-    "impl/blocks/manager.py::BlockManager.release_outside_window::Gt->GtE#1": (
-        "with as many outside entries as released ones the held slice is empty: releasing no "
-        "block changes nothing"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore.release_outside_window::True->False#1": (
-        "zip(..., strict=False): the batch's ids and the capacity flags have one entry per "
-        "sequence by construction"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore.release_outside_window::1->2#3": (
-        "reshape(-2): numpy infers a dimension given any negative size, so it is the same flat view"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore.release_outside_window::BitAnd->BitOr#1": (
-        "flagging more rows tail-shared only routes their next growth through grow's general "
-        "path, which decides the same growth (the flag is conservative by design)"
-    ),
-    "impl/blocks/table_store.py::SeqBatch::False->True#4": (
-        "eq=True: no batch is ever compared or hashed"
-    ),
-    "impl/blocks/table_store.py::SeqBatch::True->False#2": (
-        "slots=False: only the instance's memory layout changes; nothing reads __dict__ or "
-        "__slots__"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore.__init__::0->1#1": (
-        "an epoch that starts at 1: a batch's epoch is only compared for equality with its own "
-        "store's, and every remove bumps it"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore.__init__::0->1#2": (
-        "a tail-shared count that starts at 1 never reaches 0, so every growth takes grow's "
-        "general path, which decides the same growth (the count only gates the fast path)"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore.admit::Eq->NotEq#1": (
-        "the refused prompt's keys depend on its tokens and extra key, not on its sequence "
-        "id: reusing them for another id, or recomputing them, gives the same keys"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore.truncate::True->False#1": (
-        "zip(..., strict=False): the ids, counts and token counts have one entry per sequence "
-        "by construction"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore.truncate::Gt->GtE#2": MESSAGE_ONLY,
-    "impl/blocks/table_store.py::BlockTableStore.truncate::True->False#2": (
-        "zip(..., strict=False): the cut rows' indices and their last blocks are read from "
-        "the same rows"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore.truncate::True->False#3": (
-        "zip(..., strict=False): the counts are broadcast to one per sequence"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore.truncate::delete-Expr#5": (
-        "the cut rows keep their tail-shared flags from before: the flag only routes a row's "
-        "next growth through grow's general path, which decides the same growth"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore.grow::True->False#1": (
-        "zip(..., strict=False): the plan has one verdict per sequence of the batch"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore.truncate::Gt->GtE#3": (
-        "cutting a sequence's key state at the count it already holds keeps every key; it "
-        "only drops the unkeyed tokens of a partial block, which the next cache_blocks checks "
-        "again"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._check_live::delete-Raise#1": (
-        "the dict lookup that follows raises KeyError for an unknown id all the same; only "
-        "the message differs"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._token_array::LtE->Lt#1": (
-        "a count of 0 then takes the general check, which returns the same 0 (the fast path "
-        "is an optimization)"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._token_array::0->1#1": (
-        "a count of 0 then takes the general check, which returns the same 0 (the fast path "
-        "is an optimization)"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._token_array::LtE->Lt#2": (
-        "a count of int32's largest then takes the general check, which returns it too (the "
-        "fast path is an optimization)"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._token_array::0->1#3": (
-        "counts with a 0 then take the per-count check, which accepts them (the fast path is "
-        "an optimization)"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore.slot_mapping::False->True#1": (
-        "astype(copy=True): the slots are a new array already; a copy holds the same values"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._token_array::Lt->LtE#1": (
-        "counts with a 0 then take the per-count check, which accepts them (the fast path is "
-        "an optimization)"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._release_rows::drop-USub#2": (
-        "which free row the next sequence takes is not part of the store's contract: every "
-        "sequence's table, counts and blocks are the same in any row"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._cut_rows::Lt->LtE#2": (
-        "the extra column is each row's first padding entry, which the release filters out "
-        "and which is padding again after"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._apply_growth::BitOr->BitAnd#1": (
-        "clearing the tail-shared flag of fewer rows only routes their next growth through "
-        "grow's general path, which decides the same growth"
-    ),
-    "impl/blocks/table_store.py::_SeqKeys::False->True#1": (
-        "eq=True: no key state is ever compared"
-    ),
-    "impl/blocks/table_store.py::_Growth::False->True#1": (
-        "eq=True: no growth plan is ever compared or hashed"
-    ),
-    "impl/blocks/table_store.py::_Growth.fits_at_once::And->Or#2": (
-        "any batch with a copy on write then grows in order, which decides the same growth "
-        "(growing at once is an optimization)"
-    ),
-    "impl/blocks/table_store.py::_Growth::True->False#1": (
-        "frozen=False: nothing assigns to a growth plan's fields after it is made"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._grow_decode::Eq->NotEq#2": (
-        "rows.size != 0 sends every non-empty batch to grow's general path, which decides the "
-        "same growth (the decode path is an optimization)"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._release_rows::Gt->GtE#1": (
-        "rows.size >= 1 in the elif: a single row already took the branch before it"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._keyed_in_place::BitAnd->BitOr#2": (
-        "candidates | isin(last, cached): cached holds only candidates' last blocks, and a "
-        "row whose last block is a candidate's shares it, so it writes no block in place and "
-        "is no candidate: no other row can match"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._clear_tail_shared::negate-if-test#1": (
-        "flags that are never cleared only route more growths through grow's general path, "
-        "which decides the same growth (the flag is conservative by design)"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._apply_growth::0->1#3": (
-        "_take_fresh reads total only without keyed blocks; with them each sequence takes its "
-        "own count"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._apply_growth::BitOr->BitAnd#2": (
-        "clearing the tail-shared flag of fewer rows only routes their next growth through "
-        "grow's general path, which decides the same growth"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._release_rows::delete-Expr#3": (
-        "a freed row keeps its tail-shared flag: the flag only routes its next sequence's "
-        "growth through grow's general path, which decides the same growth"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._grow_or_preempt_in_order::True->False#1": (
-        "zip(..., strict=False): one step per sequence of the batch by construction"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._grow_or_preempt_in_order::break->continue#1": (
-        "ids only shrink, so once an index is past them every later one is too: skipping "
-        "them one by one ends the loop with the same victims"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._release_rows::Add->Sub#1": (
-        "an epoch that falls by one at each remove still takes a new value at each, which is "
-        "all a batch's epoch check needs"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._release_rows::1->2#5": (
-        "an epoch that rises by two at each remove still takes a new value at each, which is "
-        "all a batch's epoch check needs"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._apply_growth::0->1#4": (
-        "a row that grew by one block without writing its last keeps its tail-shared flag: the "
-        "flag only routes its next growth through grow's general path, which decides the same "
-        "growth"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._apply_growth::delete-Expr#3": (
-        "flags never cleared after a write only route those rows' next growth through grow's "
-        "general path, which decides the same growth (the flag is conservative by design)"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._apply_growth::0->1#5": (
-        "a row that grew by one block without writing its last keeps its tail-shared flag: the "
-        "flag only routes its next growth through grow's general path, which decides the same "
-        "growth"
-    ),
-    "impl/blocks/table_store.py::_SeqKeys::True->False#1": (
-        "slots=False: only the instance's memory layout changes; nothing reads __dict__ or "
-        "__slots__"
-    ),
-    "impl/blocks/table_store.py::::1->2#3": (
-        "a 'nothing refused' sentinel with id -2 matches only sequence -2 retrying an empty "
-        "prompt without an extra key, whose keys are the empty tuple the sentinel holds"
-    ),
-    "impl/blocks/table_store.py::_Growth.fits_at_once::LtE->Lt#1": (
-        "a batch that needs exactly the free blocks then grows in order, which decides the "
-        "same growth (growing at once is an optimization)"
-    ),
-    "impl/blocks/table_store.py::_Growth::True->False#2": (
-        "slots=False: only the instance's memory layout changes; nothing reads __dict__ or "
-        "__slots__"
-    ),
-    "impl/blocks/table_store.py::_repeats::Or->And#1": MESSAGE_ONLY,
-    "impl/blocks/table_store.py::_SeqKeys.extends::Lt->LtE#1": (
-        "a call with exactly the keyed tokens then starts over, which keys and registers the "
-        "same blocks (the incremental path is an optimization)"
-    ),
-    "impl/blocks/table_store.py::_SeqKeys.extends::Eq->NotEq#2": (
-        "the branches swapped compare a longer list whole, which fails: the registration then "
-        "starts over, which keys and registers the same blocks (the incremental path is an "
-        "optimization)"
-    ),
-    "impl/blocks/table_store.py::_SeqKeys.cut::delete-Delete#2": (
-        "the keyed tokens past the cut kept: a registration whose tokens differ there starts "
-        "over, one that repeats them extends the cut keys; both key the same blocks"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._cut_rows::Lt->LtE#1": (
-        "kept <= lengths also enters the release for rows that drop nothing: an empty mask "
-        "releases no block"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._clear_tail_shared::False->True#1": (
-        "setting the flags it should clear only routes those rows' next growth through grow's "
-        "general path, which decides the same growth (the flag is conservative by design)"
-    ),
-    "impl/blocks/table_store.py::::drop-USub#2": (
-        "a 'nothing refused' sentinel with id 1 matches only sequence 1 retrying an empty "
-        "prompt without an extra key, whose keys are the empty tuple the sentinel holds"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._apply_growth::1->2#1": (
-        "reshape(-2): numpy infers a dimension given any negative size, so it is the same flat view"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._apply_growth::negate-if-test#3": (
-        "flags left uncleared after a write only route those rows' next growth through grow's "
-        "general path, which decides the same growth; with no flag the clear does nothing"
-    ),
-    "impl/blocks/table_store.py::_repeats::In->NotIn#1": MESSAGE_ONLY,
-    "impl/blocks/table_store.py::BlockTableStore._grow_decode::0->1#1": (
-        "rows.size == 1 sends a one-sequence batch to grow's general path, which decides the "
-        "same growth (the decode path is an optimization)"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._grow_decode::And->Or#2": (
-        "declining the decode path whenever any row is flagged, in the batch or not, only "
-        "routes more growths through grow's general path, which decides the same growth"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._growth::Gt->GtE#2": MESSAGE_ONLY,
-    "impl/blocks/table_store.py::BlockTableStore._plan_preemption::True->False#1": (
-        "zip(..., strict=False): a victim's blocks and their reference counts are read alike"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._grow_decode::Gt->GtE#1": (
-        "with exactly as many sequences at a boundary as free blocks the decode path declines "
-        "and grow's general path decides the same growth (the decode path is an optimization)"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._growth::True->False#1": (
-        "zip(..., strict=False): the batch's ids and the blocks they need have one entry per "
-        "sequence"
-    ),
-    "impl/blocks/table_store.py::BlockTableStore._grow_decode::1->2#3": (
-        "reshape(-2): numpy infers a dimension given any negative size, so it is the same flat view"
-    ),
-    "impl/blocks/prefix_cache.py::PromptPlan::True->False#1": (
-        "frozen=False: nothing assigns to a plan's fields after it is made"
-    ),
-    "impl/blocks/prefix_cache.py::PromptPlan::False->True#1": (
-        "eq=True: no plan is ever compared or hashed"
-    ),
-    "impl/blocks/prefix_cache.py::PrefixCachingBlockManager.register_table_blocks::True->False#1": (
-        "zip(..., strict=False): both callers pass one key per block, sliced alike"
-    ),
-    "impl/blocks/prefix_cache.py::PrefixCachingBlockManager.register_table_blocks::True->False#2": (
-        "zip(..., strict=False): the blocks, their keys and the keys' holders have one entry "
-        "per block by construction"
-    ),
-    "impl/blocks/prefix_cache.py::PrefixCachingBlockManager.take_blocks::And->Or#1": (
-        "evicted or enable_kv_events: with events off the evicted keys are removed in queue "
-        "order instead of set order, which leaves the same key maps; with events on and none "
-        "evicted the list is empty either way"
-    ),
-    "spec/block_manager.py::BlockManager._check_live_table::Gt->GtE#1": MESSAGE_ONLY,
-    "spec/block_manager.py::BlockManager._check_live_table::1->2#1": MESSAGE_ONLY,
-    "spec/block_manager.py::BlockManager.append_slot::True->False#1": (
-        "zip(..., strict=False): the two lists have equal length by construction"
-    ),
-    "impl/blocks/growth.py::plan_in_order::True->False#1": (
-        "zip(..., strict=False): the four arrays have one entry per sequence by construction"
-    ),
-    "impl/blocks/growth.py::has_repeats::False->True#1": (
-        "a batch of fewer than two shared writers then takes the in-order plan, which decides "
-        "the same growth (the fast path is an optimization, exact either way)"
-    ),
-    "spec/utilization.py::paged_usage::True->False#1": (
-        "zip(..., strict=False): allocated has one entry per count by construction"
-    ),
-    "spec/prefix_cache.py::BlockKey::False->True#1": (
-        "field(compare=True): with eq=False and no ordering, no generated method reads it"
-    ),
-    "spec/prefix_cache.py::BlockKey::False->True#2": (
-        "@dataclass(eq=True): dataclass keeps the class's own __eq__ and explicit __hash__"
-    ),
-    "impl/blocks/free_queue.py::::1->2#1": (
-        "TOMBSTONE = -2: every use goes through the constant, and any negative value is no id"
-    ),
-    "impl/blocks/free_queue.py::FreeBlockQueue.__init__::1->2#2": (
-        "a ring one slot longer for pools under 4 blocks: the ring's size only decides when "
-        "compaction runs, and compaction keeps the queue's order"
-    ),
-    "impl/blocks/free_queue.py::FreeBlockQueue.push_one::Eq->NotEq#1": (
-        "compacting before every push except into a full ring: after a compaction the ring "
-        "holds at most num_blocks slots, so a push never meets a full ring, and compaction "
-        "keeps the order"
-    ),
-    "impl/blocks/free_queue.py::FreeBlockQueue.extend::Gt->GtE#1": (
-        "compacting also when the ids would exactly fill the ring: compaction keeps the order"
-    ),
-    "impl/blocks/free_queue.py::FreeBlockQueue.extend::LtE->Lt#1": (
-        "ids that end exactly at the ring's end take the wrap-around branch, whose second "
-        "slice is then empty: the same writes"
-    ),
-    "impl/blocks/free_queue.py::FreeBlockQueue._read::LtE->Lt#1": (
-        "a read that ends exactly at the ring's end concatenates an empty second slice: the "
-        "same ids"
-    ),
-    "impl/blocks/manager.py::BlockManager.append_slot::Lt->LtE#1": (
-        "with first_written == stop_written the slice is empty, so no block is shared either way"
-    ),
-    "impl/blocks/manager.py::BlockManager.append_slot::True->False#1": (
-        "zip(..., strict=False): the indices and fresh ids have one entry per copy by construction"
-    ),
-    "impl/blocks/manager.py::BlockManager.truncate::Lt->LtE#1": (
-        "releasing the empty tail of a table that keeps every block changes nothing"
-    ),
-    "impl/blocks/manager.py::BlockManager._live_array::False->True#1": (
-        "astype(copy=True): the ids are only read afterwards, so a copy changes nothing"
-    ),
-    "impl/blocks/manager.py::BlockManager._distinct_and_held::Gt->GtE#1": (
-        "has_repeats of a single id is False, so checking it changes nothing"
-    ),
-    "impl/blocks/manager.py::BlockManager.release_blocks_in_order::1->2#2": (
-        "every last-occurrence position shifts by the same constant, so argsort's order stays"
-    ),
-    "impl/blocks/manager.py::BlockManager.release_blocks_in_order::Sub->Add#3": (
-        "ids.size + 1 - first for ids.size - 1 - first: the same constant shift"
-    ),
-    "impl/blocks/manager.py::BlockManager.pending_copy_pairs_array::Gt->GtE#1": (
-        "concatenating a single chunk gives the same pairs"
-    ),
-}
-"""Surviving mutants that behave exactly as the original, by id, with the reason (in
-docs/results.md at length)."""
+EQUIVALENT_FILE = ROOT / "properties" / "equivalent_mutants.json"
+"""The surviving mutants that behave exactly as the original, each with the reason: a list of
+``{"file", "scope", "operator", "code", "occurrence", "reason"}`` objects, which name a mutant
+as :attr:`Mutant.ident` does (``occurrence`` 1 unless equal edits repeat in one scope)."""
+
+
+def load_equivalents(path: Path = EQUIVALENT_FILE) -> dict[str, str]:
+    """The recorded equivalent mutants, by ident, with their reasons."""
+    entries = json.loads(path.read_text())
+    equivalent = {}
+    for entry in entries:
+        key = f"{entry['file']}::{entry['scope']}::{entry['operator']}::{entry['code']}"
+        occurrence = entry.get("occurrence", 1)
+        equivalent[key if occurrence == 1 else f"{key}#{occurrence}"] = entry["reason"]
+    return equivalent
+
+
+EQUIVALENT: dict[str, str] = load_equivalents()
+"""Surviving mutants that behave exactly as the original, by id, with the reason."""
 
 # ----------------------------------------------------------------- the edits
 
@@ -463,6 +153,7 @@ class Site:
     operator: str  # what the edit does, e.g. "Lt->LtE"
     line: int
     scope: str  # the enclosing class and function, dotted ("" at module level)
+    code: str  # the first line of the statement that holds the edit, as ast.unparse writes it
 
 
 def _name(op: ast.AST) -> str:
@@ -536,7 +227,7 @@ def sites(tree: ast.Module) -> list[Site]:
     """Every edit of ``tree``, in a fixed order (the same for a deep copy of it)."""
     found: list[Site] = []
 
-    def visit(node: ast.AST, scope: str) -> None:
+    def visit(node: ast.AST, scope: str, code: str) -> None:
         if isinstance(node, ast.JoinedStr) or _is_docstring(node):
             return
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -548,14 +239,21 @@ def sites(tree: ast.Module) -> list[Site]:
             for index, child in enumerate(children):
                 if not isinstance(child, ast.AST) or _is_docstring(child):
                     continue
+                here = _first_line(child) if isinstance(child, ast.stmt) else code
                 for new, operator in _edits(child):
                     position = index if isinstance(value, list) else None
                     line = getattr(child, "lineno", getattr(node, "lineno", 0))
-                    found.append(Site(node, field, position, new, operator, line, scope))
-                visit(child, scope)
+                    found.append(Site(node, field, position, new, operator, line, scope, here))
+                visit(child, scope, here)
 
-    visit(tree, "")
+    visit(tree, "", "")
     return found
+
+
+def _first_line(statement: ast.stmt) -> str:
+    """A statement's first line as ``ast.unparse`` writes it (its decorator, for a decorated
+    class or function): the same however the source lays it out."""
+    return ast.unparse(statement).split("\n", 1)[0]
 
 
 def apply(site: Site) -> None:
@@ -568,11 +266,12 @@ def apply(site: Site) -> None:
 
 @dataclass(frozen=True)
 class Mutant:
-    """One edit of one file. ``ident`` is stable while the edited function keeps its code."""
+    """One edit of one file. ``ident`` names the edit by its function, operator and statement,
+    so it stays while that statement exists, wherever the file moves it."""
 
     path: str  # relative to the repository root
     index: int  # position among the file's sites
-    ident: str  # path::scope::operator#occurrence within that scope
+    ident: str  # path::scope::operator::code, and #n for the n-th (n >= 2) of equal ones
     line: int
     operator: str
 
@@ -586,13 +285,19 @@ def module_name(path: str) -> str:
 
 def mutants_of(path: str) -> list[Mutant]:
     """Every mutant of one file, in site order."""
-    tree = ast.parse((ROOT / path).read_text(), path)
+    return mutants_in((ROOT / path).read_text(), path)
+
+
+def mutants_in(source: str, path: str) -> list[Mutant]:
+    """Every mutant of ``source``, read as the file ``path``, in site order."""
+    tree = ast.parse(source, path)
     seen: Counter[str] = Counter()
     result = []
     for index, site in enumerate(sites(tree)):
-        key = f"{path}::{site.scope}::{site.operator}"
+        key = f"{path}::{site.scope}::{site.operator}::{site.code}"
         seen[key] += 1
-        result.append(Mutant(path, index, f"{key}#{seen[key]}", site.line, site.operator))
+        ident = key if seen[key] == 1 else f"{key}#{seen[key]}"
+        result.append(Mutant(path, index, ident, site.line, site.operator))
     return result
 
 

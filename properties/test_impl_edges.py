@@ -16,16 +16,10 @@ import pytest
 
 import pagedkv.impl.blocks.manager as manager_module
 from pagedkv.impl.blocks.manager import BlockManager
+from pagedkv.spec import checks
 from pagedkv.spec.block_manager import BlockManager as SpecBlockManager
 from pagedkv.spec.block_manager import BlockTableError
-
-
-def outcome(call: Any, *args: Any) -> tuple[str, Any]:
-    """``("ok", result)``, or ``("raised", (exception class, message))``."""
-    try:
-        return "ok", call(*args)
-    except Exception as error:  # compared between spec and impl
-        return "raised", (type(error), str(error))
+from properties.outcomes import outcome
 
 
 def same_state(spec: SpecBlockManager, impl: BlockManager) -> None:
@@ -35,15 +29,19 @@ def same_state(spec: SpecBlockManager, impl: BlockManager) -> None:
 
 
 def test_the_largest_pool_is_two_to_the_29() -> None:
-    """The documented limit: the free queue's ring (1.5x the pool) stays within int32."""
-    assert manager_module.MAX_BLOCKS == 2**29
-    assert manager_module.MAX_BLOCKS * 3 // 2 < 2**31
+    """The documented limit: the free queue's ring (1.5x the pool) stays within int32; it is
+    not the int32 block ids' limit, which is four times larger."""
+    assert manager_module.MAX_FREE_RING_BLOCKS == 2**29
+    assert manager_module.MAX_FREE_RING_BLOCKS * 3 // 2 < 2**31
+    assert checks.MAX_INT32_BLOCKS == 2**31 == checks.INT32_MAX + 1
 
 
 def test_a_pool_at_the_limit_is_accepted_and_one_more_block_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(manager_module, "MAX_BLOCKS", 8)  # the same rule, at a testable size
+    monkeypatch.setattr(
+        manager_module, "MAX_FREE_RING_BLOCKS", 8
+    )  # the same rule, at a testable size
     assert BlockManager(8).total_blocks == 8
     with pytest.raises(ValueError, match="total_blocks"):
         BlockManager(9)
@@ -60,7 +58,9 @@ def test_a_write_over_several_blocks_copies_exactly_the_shared_ones() -> None:
         child = manager.append_slot(child, 6, new_tokens=2)  # copies block 2 away
         manager.pop_copy_pairs()
         assert manager.ref_count(1) == 2 and manager.ref_count(0) == 1
-    results = [outcome(manager.append_slot, [0, 1, 2], 6, 6) for manager in (spec, impl)]
+    results = [
+        outcome(manager.append_slot, [0, 1, 2], 6, 6, message=True) for manager in (spec, impl)
+    ]
     assert results[0] == results[1] == ("ok", [0, 5, 2])
     same_state(spec, impl)
 
@@ -78,7 +78,7 @@ def test_a_write_over_several_blocks_copies_exactly_the_shared_ones() -> None:
 def test_free_array_refuses_what_is_not_a_1d_integer_array(block_ids: object) -> None:
     impl = BlockManager(4)
     impl.allocate(2)
-    kind, (error, _) = outcome(impl.free_array, block_ids)
+    kind, (error, _) = outcome(impl.free_array, block_ids, message=True)
     assert (kind, error) == ("raised", TypeError)
     assert impl.num_free_blocks == 2
 
@@ -94,9 +94,9 @@ def test_free_array_names_the_first_unknown_id_as_free_does(table: list[int], dt
     spec, impl = SpecBlockManager(4), BlockManager(4)
     spec.allocate(4)
     impl.allocate(4)
-    expected = outcome(spec.free, table)
+    expected = outcome(spec.free, table, message=True)
     assert expected[0] == "raised" and expected[1][0] is BlockTableError
-    assert outcome(impl.free_array, np.array(table, dtype=dtype)) == expected
+    assert outcome(impl.free_array, np.array(table, dtype=dtype), message=True) == expected
     same_state(spec, impl)
 
 
@@ -113,10 +113,10 @@ def test_a_table_wrong_in_two_ways_gets_the_spec_error_first(
     for manager in (spec, impl):
         held = manager.allocate(4)
         manager.free([b for b in held if b in freed_first])
-    expected = outcome(spec.free, table)
+    expected = outcome(spec.free, table, message=True)
     assert expected[0] == "raised" and expected[1][0] is BlockTableError
-    assert outcome(impl.free, table) == expected
-    assert outcome(impl.free_array, np.array(table)) == expected
+    assert outcome(impl.free, table, message=True) == expected
+    assert outcome(impl.free_array, np.array(table), message=True) == expected
     same_state(spec, impl)
 
 
@@ -124,7 +124,7 @@ def test_a_table_wrong_in_two_ways_gets_the_spec_error_first(
 def test_releasing_several_tables_at_once_orders_the_queue_as_frees_in_turn(
     shared: bool,
 ) -> None:
-    """``release_blocks_in_order`` over several tables' ids (each reversed, as the store
+    """``BlockPool.release_in_order`` over several tables' ids (each reversed, as the store
     passes them) leaves the queue that the spec's ``free`` calls, one table after another,
     leave; a block held twice joins it at its last occurrence."""
     spec, impl = SpecBlockManager(9, 1), BlockManager(9, 1)
@@ -137,7 +137,7 @@ def test_releasing_several_tables_at_once_orders_the_queue_as_frees_in_turn(
     order = [*tables, tables[1]] if shared else tables
     for table in order:
         spec.free(table)
-    impl.release_blocks_in_order(np.concatenate([np.array(t[::-1]) for t in order]))
+    impl.pool.release_in_order(np.concatenate([np.array(t[::-1]) for t in order]))
     same_state(spec, impl)
     expected = [8, 2, 1, 0, 7, 6, 5, 4, 3] if shared else [8, 2, 1, 0, 4, 3, 7, 6, 5]
     assert spec.free_block_ids() == expected

@@ -1,9 +1,9 @@
 """impl's property tests have teeth: each bug planted in a copy of an ``impl`` module is caught.
 
-A mutant is the module's source with one snippet replaced (``properties.mutants``). Bugs in
-``pagedkv.impl.blocks.free_queue`` and ``pagedkv.impl.blocks.manager`` run against the differential
-machine (spec vs impl in lockstep) or the free-queue machine; bugs in
-``pagedkv.impl.blocks.table_store`` run against the store machine, those in its handling of
+A mutant is the module with one piece of code replaced (``properties.mutants``). Bugs in the
+free queue, the pool and the manager run against the differential machine (spec vs impl in
+lockstep, over copies of the modules above the bug) or the free-queue machine; bugs in the store
+and its parts (tables, growth) run against the store machine, those in its handling of
 sliding-window releases against the store machine with releases among its steps. The control
 cases load unmodified copies the same way and must pass, so a mutant can only fail because of
 its bug. Settings are explicit, so the result does not depend on the Hypothesis profile.
@@ -17,13 +17,16 @@ import pytest
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
 import pagedkv.impl.blocks.free_queue
+import pagedkv.impl.blocks.growth
 import pagedkv.impl.blocks.manager
 import pagedkv.impl.blocks.page_tables
-import pagedkv.impl.blocks.table_store
-from properties.mutants import FIND, load_mutant
-from properties.test_block_table_store import StoreMachine, WindowStoreMachine
-from properties.test_impl_differential import DifferentialMachine
-from properties.test_impl_free_queue import FreeQueueMachine
+import pagedkv.impl.blocks.pool
+import pagedkv.impl.blocks.store
+import pagedkv.impl.blocks.tables
+from properties.machines.differential import DifferentialMachine
+from properties.machines.free_queue import FreeQueueMachine
+from properties.machines.store import StoreMachine, WindowStoreMachine
+from properties.mutants import FIND, load_chain, load_mutant, planted_store
 
 # (module, snippet, replacement, machine that must catch it)
 BUGS: dict[str, tuple[types.ModuleType, str, str, str]] = {
@@ -58,9 +61,9 @@ BUGS: dict[str, tuple[types.ModuleType, str, str, str]] = {
         "differential",
     ),
     "free pushes a table's blocks first-to-last": (
-        pagedkv.impl.blocks.manager,
-        "self._free.extend(freed[::-1].copy())",
-        "self._free.extend(freed.copy())",
+        pagedkv.impl.blocks.pool,
+        "self.queue.extend(freed[::-1].copy())",
+        "self.queue.extend(freed.copy())",
         "differential",
     ),
     "append_slot takes growth blocks before copy-on-write blocks": (
@@ -71,32 +74,34 @@ BUGS: dict[str, tuple[types.ModuleType, str, str, str]] = {
     ),
     "allocate takes what is left instead of raising OutOfBlocksError": (
         pagedkv.impl.blocks.manager,
-        "        self._check_available(num_blocks)\n        return self.take_blocks(num_blocks)",
-        "        return self.take_blocks(min(num_blocks, len(self._free)))",
+        "check_available(num_blocks, self.pool.num_free)\nreturn self.pool.take(num_blocks)",
+        "return self.pool.take(min(num_blocks, self.pool.num_free))",
         "differential",
     ),
     "truncate frees the dropped blocks outright, shared ones too": (
         pagedkv.impl.blocks.manager,
-        "self._release_held(ids[first_dropped:], held[first_dropped:])",
-        "self._release_held(ids[first_dropped:], np.ones_like(held[first_dropped:]))",
+        "self.pool.release_held(ids[first_dropped:], held[first_dropped:])",
+        "self.pool.release_held(ids[first_dropped:], np.ones_like(held[first_dropped:]))",
         "differential",
     ),
     "truncate releases the dropped blocks head first": (
         pagedkv.impl.blocks.manager,
-        "self._release_held(ids[first_dropped:], held[first_dropped:])",
-        "self._release_held(ids[first_dropped:][::-1].copy(), held[first_dropped:][::-1].copy())",
+        "self.pool.release_held(ids[first_dropped:], held[first_dropped:])",
+        "self.pool.release_held(\n"
+        "    ids[first_dropped:][::-1].copy(), held[first_dropped:][::-1].copy()\n"
+        ")",
         "differential",
     ),
     "the window releases from the table's start, not after its released entries": (
         pagedkv.impl.blocks.manager,
-        "self._release_held(ids[: outside - released], held[: outside - released])",
-        "self._release_held(ids[:outside], held[:outside])",
+        "self.pool.release_held(ids[: outside - released], held[: outside - released])",
+        "self.pool.release_held(ids[:outside], held[:outside])",
         "differential",
     ),
     "the window releases its blocks head first": (
         pagedkv.impl.blocks.manager,
-        "self._release_held(ids[: outside - released], held[: outside - released])",
-        "self._release_held(\n"
+        "self.pool.release_held(ids[: outside - released], held[: outside - released])",
+        "self.pool.release_held(\n"
         "                ids[: outside - released][::-1].copy(),\n"
         "                held[: outside - released][::-1].copy(),\n"
         "            )",
@@ -109,99 +114,99 @@ BUGS: dict[str, tuple[types.ModuleType, str, str, str]] = {
         "differential",
     ),
     "a store truncate forgets the tail-shared flag": (
-        pagedkv.impl.blocks.table_store,
-        "            self._flag_tail_shared(rows[cut])",
-        "            pass",
+        pagedkv.impl.blocks.tables,
+        "if cut.size:\n    self.flag_tail_shared(rows[cut])",
+        "",
         "store",
     ),
     "a store truncate releases each row's dropped blocks head first": (
-        pagedkv.impl.blocks.table_store,
+        pagedkv.impl.blocks.tables,
         "released = tables[:, ::-1][dropped[:, ::-1]]",
         "released = tables[dropped]",
         "store",
     ),
     "an atomic grow applies the sequences that fit": (
-        pagedkv.impl.blocks.table_store,
-        "if atomic and failed:",
-        "if False:",
+        pagedkv.impl.blocks.store,
+        "atomic and failed",
+        "False",
         "store",
     ),
     "stale padding: a removed row keeps its block ids": (
-        pagedkv.impl.blocks.table_store,
-        "        self._tables[rows] = PAD\n",
+        pagedkv.impl.blocks.tables,
+        "self.tables[rows] = PAD",
         "",
         "store",
     ),
     "grow copies on write only from three owners up": (
-        pagedkv.impl.blocks.table_store,
-        "shared = writes_last & (last_refs > 1)",
-        "shared = writes_last & (last_refs > 2)",
+        pagedkv.impl.blocks.growth,
+        "last_refs = pool.refs_of(last)",
+        "last_refs = pool.refs_of(last) - 1",
         "store",
     ),
-    "fast path ignores a shared block written twice in one batch": (
-        pagedkv.impl.blocks.table_store,
-        "self.shared.any() and has_repeats(self.last[self.shared])",
-        "False",
+    "two writers of one shared block in a batch both copy it": (
+        pagedkv.impl.blocks.growth,
+        "refs[last[i]] = owners - 1",
+        "refs[last[i]] = owners",
         "store",
     ),
     "decode slot_mapping maps the position after the last": (
-        pagedkv.impl.blocks.table_store,
-        "            positions = counts - 1\n",
-        "            positions = counts - 1 + (counts % self.block_size != 0)\n",
+        pagedkv.impl.blocks.tables,
+        "positions = counts - 1",
+        "positions = counts - 1 + (counts % self.block_size != 0)",
         "store",
     ),
     "the window's outside count is one block too many at the edge": (
-        pagedkv.impl.blocks.table_store,
+        pagedkv.impl.blocks.store,
         "outside = np.maximum(counts - (window - 1), 0) // self.block_size",
         "outside = np.maximum(counts - window + 2, 0) // self.block_size",
         "window store",
     ),
     "a window releases each row's blocks head first": (
-        pagedkv.impl.blocks.table_store,
-        "entries = batch._base[owner] + outside[owner] - 1 - within",
-        "entries = batch._base[owner] + before[owner] + within",
+        pagedkv.impl.blocks.tables,
+        "entries = base[owner] + outside[owner] - 1 - within",
+        "entries = base[owner] + before[owner] + within",
         "window store",
     ),
     "a window forgets which entries it released": (
-        pagedkv.impl.blocks.table_store,
-        "        self._num_released[rows] = np.maximum(before, outside)\n",
+        pagedkv.impl.blocks.tables,
+        "self.num_released[rows] = np.maximum(before, outside)",
         "",
         "window store",
     ),
     "remove of one sequence releases its released entries (PAD, id -1)": (
-        pagedkv.impl.blocks.table_store,
-        "held = self._tables[row, self._num_released[row] : self._num_blocks[row]]",
-        "held = self._tables[row, : self._num_blocks[row]]",
+        pagedkv.impl.blocks.tables,
+        "pool.release(self.held(row).astype(np.intp))",
+        "pool.release(self.tables[row, : self.num_blocks[row]].astype(np.intp))",
         "window store",
     ),
     "fork shares a released entry (PAD, id -1)": (
-        pagedkv.impl.blocks.table_store,
-        "self.manager.share_blocks(blocks[released:].astype(np.intp))",
-        "self.manager.share_blocks(blocks.astype(np.intp))",
+        pagedkv.impl.blocks.store,
+        "self._pool.share(self._rows.held(parent_row).astype(np.intp))",
+        "self._pool.share(self._rows.tables[parent_row, : self._rows.num_blocks[parent_row]])",
         "window store",
     ),
     "a truncate below the released entries keeps counting them": (
-        pagedkv.impl.blocks.table_store,
-        "            self._num_released[rows] = np.minimum(self._num_released.take(rows), kept)\n",
+        pagedkv.impl.blocks.tables,
+        "self.num_released[rows] = np.minimum(self.num_released.take(rows), kept)",
         "",
         "window store",
     ),
     "grow writes into a released entry": (
-        pagedkv.impl.blocks.table_store,
+        pagedkv.impl.blocks.growth,
         "into_released = writes_last & (last == PAD)",
         "into_released = writes_last & False",
         "window store",
     ),
     "a window releasing a partly filled last block leaves the decode fast path open": (
-        pagedkv.impl.blocks.table_store,
-        "        if gone.any():\n            self._flag_tail_shared(rows[gone])\n",
+        pagedkv.impl.blocks.tables,
+        "if gone.any():\n    self.flag_tail_shared(rows[gone])",
         "",
         "window store",
     ),
     "slot_mapping maps a position in a released entry": (
-        pagedkv.impl.blocks.table_store,
-        "if entries.size and entries.min() == PAD:",
-        "if False:",
+        pagedkv.impl.blocks.tables,
+        "entries.size and entries.min() == PAD",
+        "False",
         "window store",
     ),
     "FlashInfer last page length is 0 for a full page": (
@@ -214,36 +219,38 @@ BUGS: dict[str, tuple[types.ModuleType, str, str, str]] = {
 
 SHARED = {
     pagedkv.impl.blocks.free_queue: (),
+    pagedkv.impl.blocks.pool: (),
     pagedkv.impl.blocks.manager: ("BlockTableError", "OutOfBlocksError"),
-    pagedkv.impl.blocks.table_store: ("CapacityError", "OutOfBlocksError"),
+    pagedkv.impl.blocks.store: ("CapacityError", "OutOfBlocksError"),
+    pagedkv.impl.blocks.tables: ("CapacityError",),
+    pagedkv.impl.blocks.growth: ("CapacityError",),
     pagedkv.impl.blocks.page_tables: (),
 }
 
 
+UNDER_THE_MANAGER = [
+    pagedkv.impl.blocks.free_queue,
+    pagedkv.impl.blocks.pool,
+    pagedkv.impl.blocks.manager,
+]
+"""The modules the manager is built on, in import order."""
+
+
 def machine_with(module: types.ModuleType, old: str, new: str, kind: str) -> type:
     """The ``kind`` machine running against impl with ``old`` -> ``new`` planted in ``module``."""
-    mutant = load_mutant(module, old, new, SHARED[module])
     if kind == "queue":
-        attrs: dict[str, object] = {"QUEUE": mutant.FreeBlockQueue}
+        queue = load_mutant(module, old, new, SHARED[module])
+        attrs: dict[str, object] = {"QUEUE": queue.FreeBlockQueue}
         base: type[RuleBasedStateMachine] = FreeQueueMachine
     elif kind == "store":
-        attrs, base = {"STORE": mutant.BlockTableStore}, StoreMachine
+        attrs, base = {"STORE": planted_store(module, old, new)}, StoreMachine
     elif kind == "window store":
-        attrs, base = {"STORE": mutant.BlockTableStore}, WindowStoreMachine
+        attrs, base = {"STORE": planted_store(module, old, new)}, WindowStoreMachine
     elif kind == "page tables":
-        attrs, base = {"PAGE_TABLES": mutant}, StoreMachine
-    else:
-        manager = mutant
-        if (
-            module is pagedkv.impl.blocks.free_queue
-        ):  # a faithful copy of block_manager over the mutant queue
-            manager = load_mutant(
-                pagedkv.impl.blocks.manager,
-                "class BlockManager:",
-                "class BlockManager:",
-                SHARED[pagedkv.impl.blocks.manager],
-            )
-            manager.FreeBlockQueue = mutant.FreeBlockQueue
+        attrs, base = {"PAGE_TABLES": load_mutant(module, old, new, SHARED[module])}, StoreMachine
+    else:  # the manager, over copies of the pool and queue below it where the bug is there
+        below = UNDER_THE_MANAGER[UNDER_THE_MANAGER.index(module) :]
+        manager = load_chain(below, old, new, ("BlockTableError", "OutOfBlocksError"))
         attrs, base = {"IMPL": manager.BlockManager}, DifferentialMachine
     return type(f"Planted{base.__name__}", (base,), attrs)
 
@@ -257,12 +264,23 @@ def machine_with(module: types.ModuleType, old: str, new: str, kind: str) -> typ
             "differential",
         ),
         (pagedkv.impl.blocks.free_queue, "live = window[window != TOMBSTONE]", "queue"),
-        (pagedkv.impl.blocks.manager, "self._free.extend(freed[::-1].copy())", "differential"),
-        (pagedkv.impl.blocks.table_store, "        self._tables[rows] = PAD\n", "store"),
-        (pagedkv.impl.blocks.table_store, "        self._tables[rows] = PAD\n", "window store"),
+        (pagedkv.impl.blocks.pool, "class BlockPool:", "differential"),
+        (pagedkv.impl.blocks.manager, "class BlockManager:", "differential"),
+        (pagedkv.impl.blocks.store, "class BlockTableStore:", "store"),
+        (pagedkv.impl.blocks.tables, "class BlockTables:", "store"),
+        (pagedkv.impl.blocks.growth, "def plan(", "window store"),
         (pagedkv.impl.blocks.page_tables, "def flashinfer_page_table(", "page tables"),
     ],
-    ids=["queue-in-manager", "queue", "manager", "store", "window-store", "page-tables"],
+    ids=[
+        "queue-in-manager",
+        "queue",
+        "pool",
+        "manager",
+        "store",
+        "tables-in-store",
+        "growth-in-window-store",
+        "page-tables",
+    ],
 )
 def test_control_unmutated_copy_passes(module: types.ModuleType, snippet: str, kind: str) -> None:
     """The loading path itself is sound: an identity 'mutation' passes each machine."""

@@ -1,10 +1,10 @@
 """impl's prefix-cache tests have teeth: each bug planted in a copy of impl source is caught.
 
-Bugs in ``pagedkv.impl.blocks.prefix_cache`` run against the spec-vs-impl differential machine; bugs
-in ``pagedkv.impl.blocks.table_store`` against the prefix store machine. impl reuses the spec's
-``BlockKey``, so "no token comparison on lookup" is planted in a copy of ``spec.prefix_cache``'s
-``BlockKey`` (the spec's own planted bug) and handed to a faithful copy of
-``pagedkv.impl.blocks.prefix_cache``, as ``test_impl_planted_bugs`` hands a mutant queue to a
+Bugs in ``pagedkv.impl.blocks.prefix_cache`` run against the spec-vs-impl differential machine;
+bugs in the store and its parts (tables, growth, block hashes) against the prefix store machine.
+impl reuses the spec's ``BlockKey``, so "no token comparison on lookup" is planted in a copy of
+``spec.prefix_cache``'s ``BlockKey`` (the spec's own planted bug) and handed to a faithful copy
+of ``pagedkv.impl.blocks.prefix_cache``, as ``test_impl_planted_bugs`` hands a mutant queue to a
 faithful block manager. The control cases load unmodified copies along both paths and must pass.
 Settings are explicit, so the result does not depend on the Hypothesis profile.
 """
@@ -16,15 +16,22 @@ import types
 import pytest
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
+import pagedkv.impl.blocks.block_hashes
+import pagedkv.impl.blocks.growth
 import pagedkv.impl.blocks.prefix_cache
-import pagedkv.impl.blocks.table_store
+import pagedkv.impl.blocks.store
+import pagedkv.impl.blocks.tables
 import pagedkv.spec.prefix_cache as spec_prefix_cache
-from properties.mutants import FIND, load_mutant
-from properties.test_impl_planted_bugs import SHARED
-from properties.test_impl_prefix_cache import PrefixDifferentialMachine, PrefixStoreMachine
+from properties.machines.prefix import PrefixDifferentialMachine, PrefixStoreMachine
+from properties.mutants import FIND, load_mutant, planted_store
 from properties.test_prefix_cache_planted_bugs import PREFIX_BUGS
 
-IDENTITY = "class PrefixCachingBlockManager(BlockManager):"
+STORE_PARTS = (
+    pagedkv.impl.blocks.store,
+    pagedkv.impl.blocks.tables,
+    pagedkv.impl.blocks.growth,
+    pagedkv.impl.blocks.block_hashes,
+)
 
 # (module, snippet, replacement); spec.prefix_cache mutants reach impl through BlockKey.
 BUGS: dict[str, tuple[types.ModuleType, str, str]] = {
@@ -34,9 +41,10 @@ BUGS: dict[str, tuple[types.ModuleType, str, str]] = {
     ),
     "revival moves the queue's head to its tail": (
         pagedkv.impl.blocks.prefix_cache,
-        "self._free.remove(block_id)  # O(1); the rest of the queue keeps its order",
-        "self._free.remove(block_id)\n"
-        "            self._free.extend(self._free.popleft(min(1, len(self._free))))",
+        "self.pool.revive(plan.hits, plan.revived)",
+        "self.pool.revive(plan.hits, plan.revived)\n"
+        "queue = self.pool.queue\n"
+        "queue.extend(queue.popleft(min(plan.revived.size, len(queue))))",
     ),
     "eviction keeps the stale key": (
         pagedkv.impl.blocks.prefix_cache,
@@ -55,7 +63,7 @@ BUGS: dict[str, tuple[types.ModuleType, str, str]] = {
     ),
     "a reset while blocks are held": (
         pagedkv.impl.blocks.prefix_cache,
-        "        if len(self._free) != self.total_blocks:\n            return False\n",
+        "if self.pool.num_free != self.total_blocks:\n    return False",
         "",
     ),
     "reading the stats does not reset them": (
@@ -79,9 +87,11 @@ BUGS: dict[str, tuple[types.ModuleType, str, str]] = {
         "            if holder != block_id:\n",
     ),
     "add_prompt counts only the computed tokens": (
-        pagedkv.impl.blocks.table_store,
-        "np.concatenate((plan.hits, fresh)), len(token_ids))",
-        "np.concatenate((plan.hits, fresh)), len(token_ids) - plan.cached_tokens)",
+        pagedkv.impl.blocks.store,
+        "self._place(seq_id, np.concatenate((prompt.hits, fresh)), len(token_ids))",
+        "self._place(\n"
+        "    seq_id, np.concatenate((prompt.hits, fresh)), len(token_ids) - prompt.cached_tokens\n"
+        ")",
     ),
     "cache_blocks registers the blocks after the released entries under the wrong keys": (
         pagedkv.impl.blocks.prefix_cache,
@@ -99,32 +109,31 @@ BUGS: dict[str, tuple[types.ModuleType, str, str]] = {
         "            pass",
     ),
     "a store truncate keeps the sequence's keys past its kept blocks": (
-        pagedkv.impl.blocks.table_store,
-        "state.cut(count // bs, bs)",
-        "pass",
+        pagedkv.impl.blocks.block_hashes,
+        "state.cut(count // self.block_size, self.block_size)",
+        "None",
     ),
     "a store truncate keeps the key of a cut cached block": (
-        pagedkv.impl.blocks.table_store,
-        "                    self._prefix.remove_keys([block])",
-        "                    pass",
+        pagedkv.impl.blocks.tables,
+        "prefix.remove_keys([block])",
+        "None",
     ),
     "a store grow writes a cached block in place": (
-        pagedkv.impl.blocks.table_store,
-        "self._prefix.remove_keys([int(last[index])])  # type: ignore[union-attr]",
-        "pass",
+        pagedkv.impl.blocks.growth,
+        "prefix.remove_keys([int(last[index])])",
+        "None",
     ),
 }
 
 
 def machine_with(module: types.ModuleType, old: str, new: str) -> type[RuleBasedStateMachine]:
     """The machine that must catch a bug planted in ``module``, running the mutant."""
-    if module is pagedkv.impl.blocks.table_store:
-        mutant = load_mutant(module, old, new, SHARED[module])
-        return type("PlantedStore", (PrefixStoreMachine,), {"STORE": mutant.BlockTableStore})
-    if module is spec_prefix_cache:  # a faithful impl copy over the mutant key class
-        manager = load_mutant(
-            pagedkv.impl.blocks.prefix_cache, IDENTITY, IDENTITY, ("BlockTableError",)
+    if module in STORE_PARTS:
+        return type(
+            "PlantedStore", (PrefixStoreMachine,), {"STORE": planted_store(module, old, new)}
         )
+    if module is spec_prefix_cache:  # a faithful impl copy over the mutant key class
+        manager = load_mutant(pagedkv.impl.blocks.prefix_cache, "", "", ("BlockTableError",))
         manager.BlockKey = load_mutant(module, old, new, ()).BlockKey
     else:
         manager = load_mutant(module, old, new, ("BlockTableError",))
@@ -134,7 +143,7 @@ def machine_with(module: types.ModuleType, old: str, new: str) -> type[RuleBased
 
 @pytest.mark.parametrize(
     ("module", "snippet"),
-    [(spec_prefix_cache, "class BlockKey:"), (pagedkv.impl.blocks.table_store, "def add_prompt(")],
+    [(spec_prefix_cache, "class BlockKey:"), (pagedkv.impl.blocks.store, "def add_prompt(")],
     ids=["impl-over-copied-key", "store"],
 )
 def test_control_unmutated_copy_passes(module: types.ModuleType, snippet: str) -> None:

@@ -23,7 +23,7 @@ import pytest
 
 import pagedkv.impl.serving.scheduler as scheduler_module
 from pagedkv.impl.blocks.prefix_cache import PrefixCachingBlockManager
-from pagedkv.impl.blocks.table_store import BlockTableStore
+from pagedkv.impl.blocks.store import BlockTableStore
 from pagedkv.impl.serving.engine import PagedAttentionEngine
 from pagedkv.impl.serving.scheduler import Scheduler, SchedulerConfig
 from pagedkv.spec.prefix_cache import AllBlocksCleared, BlockRemoved, BlockStored

@@ -13,7 +13,15 @@ import sys
 
 import pytest
 
-from properties.mutation import EQUIVALENT, ROOT, apply, module_name, mutants_of, sites
+from properties.mutation import (
+    EQUIVALENT,
+    ROOT,
+    apply,
+    module_name,
+    mutants_in,
+    mutants_of,
+    sites,
+)
 
 EXAMPLE = '''
 def f(x: int = 1) -> bool:
@@ -46,8 +54,20 @@ def test_edits_are_the_documented_ones() -> None:
 def test_mutant_ids_name_the_file_scope_and_edit() -> None:
     mutants = mutants_of("spec/block_manager.py")
     assert len({m.ident for m in mutants}) == len(mutants)
-    assert "spec/block_manager.py::BlockManager._release::Eq->NotEq#1" in {m.ident for m in mutants}
+    ident = "spec/block_manager.py::BlockManager._release::Eq->NotEq::if block.ref_count == 0:"
+    assert ident in {m.ident for m in mutants}
     assert module_name("impl/blocks/manager.py") == "pagedkv.impl.blocks.manager"
+
+
+def test_mutant_ids_survive_edits_elsewhere() -> None:
+    """An id names its function, edit and statement, not a position: a function added above
+    and the statement laid out over two lines leave every id as it was."""
+    edited = "def g() -> int:\n    return 0\n\n" + EXAMPLE.replace(
+        "if x < 2 and not x:", "if (\n        x < 2\n        and not x\n    ):"
+    )
+    before = {m.ident for m in mutants_in(EXAMPLE, "example.py")}
+    after = {m.ident for m in mutants_in(edited, "example.py")}
+    assert before < after  # g's own edit is the one new id
 
 
 @pytest.mark.long

@@ -19,8 +19,8 @@ PREFIX_BUGS = {
         "if mine.tokens != theirs.tokens:",
     ),
     "revival reorders the queue": (
-        "self._free.remove(block_id)  # Rule: revival leaves the rest of the queue in order.",
-        "self._free.remove(block_id)\n                self._free.rotate(1)",
+        "self.free_queue.remove(block_id)",
+        "self.free_queue.remove(block_id)\nself.free_queue.rotate(1)",
     ),
     "eviction keeps the stale key": (
         "                self._remove_key(block_id)\n                self.stats.evictions += 1",
@@ -51,17 +51,17 @@ PREFIX_BUGS = {
         "if False:",
     ),
     "eviction takes the most recently freed block (the queue's tail)": (
-        "        taken = super()._take_from_head(num_blocks)\n",
-        "        self._free.reverse()\n"
-        "        taken = super()._take_from_head(num_blocks)\n"
-        "        self._free.reverse()\n",
+        "taken = super()._take_from_head(num_blocks)",
+        "self.free_queue.reverse()\n"
+        "taken = super()._take_from_head(num_blocks)\n"
+        "self.free_queue.reverse()",
     ),
     "the salt is ignored": (
         "parent = BlockKey(parent, chunk, extra_key, hash_value)",
         "parent = BlockKey(parent, chunk, None, hash_value)",
     ),
     "a revival leaves the block in the free queue": (
-        "self._free.remove(block_id)  # Rule: revival leaves the rest of the queue in order.",
+        "self.free_queue.remove(block_id)",
         "pass",
     ),
     "a stored block emits no event": (
@@ -81,12 +81,12 @@ PREFIX_BUGS = {
         "        self._events.append(event)",
     ),
     "a reset while blocks are held": (
-        "if len(self._free) != self.total_blocks:  # Rule: refuse while any block is held.",
-        "if not self._free:",
+        "self.num_free_blocks != self.total_blocks",
+        "not self.free_queue",
     ),
     "a reset reorders the free queue": (
-        "        self._key_of.clear()\n",
-        "        self._key_of.clear()\n        self._free.reverse()\n",
+        "self._key_of.clear()",
+        "self._key_of.clear()\nself.free_queue.reverse()",
     ),
     "reading the stats does not reset them": (
         "stats, self.stats = self.stats, PrefixCacheStats()",

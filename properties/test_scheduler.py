@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 
 from pagedkv.impl.blocks.manager import BlockManager
 from pagedkv.impl.blocks.prefix_cache import PrefixCachingBlockManager
-from pagedkv.impl.blocks.table_store import BlockTableStore
+from pagedkv.impl.blocks.store import BlockTableStore
 from pagedkv.impl.serving.metrics import kv_occupancy
 from pagedkv.impl.serving.scheduler import (
     RequestTooLargeError,

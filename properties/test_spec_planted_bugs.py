@@ -23,11 +23,11 @@ SPEC_BUGS = {
         "for block_id in blocks:",
     ),
     "partial allocation on OutOfBlocksError": (
-        "        self._check_available(num_blocks)\n"
-        "        return self._take_from_head(num_blocks)",
-        "        taken = self._take_from_head(min(num_blocks, len(self._free)))\n"
-        "        self._check_available(num_blocks - len(taken) + len(self._free))\n"
-        "        return taken",
+        "check_available(num_blocks, len(self.free_queue))\n"
+        "return self._take_from_head(num_blocks)",
+        "taken = self._take_from_head(min(num_blocks, len(self.free_queue)))\n"
+        "check_available(num_blocks - len(taken) + len(self.free_queue), len(self.free_queue))\n"
+        "return taken",
     ),
     "off-by-one in append_slot's block count": (
         "needed = blocks_needed(token_count, self.block_size)",
@@ -38,14 +38,19 @@ SPEC_BUGS = {
         "for block_id in held_ids(table):\n            pass",
     ),
     "a failed call drops the pending copy pairs": (
-        "        if num_blocks > len(self._free):\n",
-        "        if num_blocks > len(self._free):\n            self._copy_pairs.clear()\n",
+        "check_available(num_blocks, len(self.free_queue))",
+        "if num_blocks > len(self.free_queue):\n"
+        "    self._copy_pairs.clear()\n"
+        "check_available(num_blocks, len(self.free_queue))",
     ),
     "append_slot edits the caller's table in place": (
-        '        table = self._check_live_table(block_table)\n        check_int("token_count", '
-        'token_count, 0)\n        check_int("new_tokens"',
-        "        self._check_live_table(block_table)\n        table = block_table\n"
-        '        check_int("token_count", token_count, 0)\n        check_int("new_tokens"',
+        "table = self.check_live_table(block_table)\n"
+        'check_int("token_count", token_count, 0)\n'
+        'check_int("new_tokens", new_tokens, 0)',
+        "self.check_live_table(block_table)\n"
+        "table = block_table\n"
+        'check_int("token_count", token_count, 0)\n'
+        'check_int("new_tokens", new_tokens, 0)',
     ),
     "no copy-on-write": (
         "shared = [i for i in written if self.blocks[table[i]].ref_count > 1]",
@@ -59,7 +64,7 @@ SPEC_BUGS = {
         "self._release(held_ids(table[kept:]))  # Rule: dropped blocks go as free releases them.",
         "for block_id in reversed(held_ids(table[kept:])):\n"
         "            self.blocks[block_id].ref_count = 0\n"
-        "            self._free.append(block_id)",
+        "            self.free_queue.append(block_id)",
     ),
     "truncate drops a partly kept last block": (
         "kept = blocks_needed(token_count, self.block_size)  # Rule: ceil(count / size) stay.",
@@ -70,8 +75,8 @@ SPEC_BUGS = {
         "        kept =",
     ),
     "the window releases one block it still reads": (
-        "return max(0, token_count - window + 1) // block_size",
-        "return max(0, token_count - window + 2) // block_size",
+        "blocks_outside_window(token_count, window, self.block_size)",
+        "max(0, token_count - window + 2) // self.block_size",
     ),
     "the window releases its blocks head first": (
         "self._release(held_ids(table[:outside]))",
@@ -81,7 +86,7 @@ SPEC_BUGS = {
         "self._release(held_ids(table[:outside]))",
         "for block_id in held_ids(table[:outside]):\n"
         "            self.blocks[block_id].ref_count = 0\n"
-        "            self._free.append(block_id)",
+        "            self.free_queue.append(block_id)",
     ),
     "the window keeps the released entries' ids": (
         "return [None] * outside + table[outside:]",

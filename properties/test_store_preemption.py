@@ -38,14 +38,17 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+import pagedkv.impl.blocks.block_hashes
 import pagedkv.impl.blocks.growth
 import pagedkv.impl.blocks.prefix_cache
-import pagedkv.impl.blocks.table_store
+import pagedkv.impl.blocks.store
+import pagedkv.impl.blocks.tables
 from pagedkv.impl.blocks import BlockManager, BlockTableStore, PrefixCachingBlockManager
 from pagedkv.spec.block_manager import BlockManager as SpecBlockManager
 from pagedkv.spec.block_manager import OutOfBlocksError
 from pagedkv.spec.prefix_cache import PrefixCachingBlockManager as SpecPrefixManager
-from properties.mutants import FIND, load_mutant
+from properties.mutants import FIND, load_mutant, planted_store
+from properties.outcomes import outcome
 
 VOCAB = st.integers(0, 1)  # two tokens: prompts share prefixes often
 SALTS = st.sampled_from([None, None, None, "tenant-a"])  # mostly unsalted: prefixes match often
@@ -298,19 +301,11 @@ def test_many_writers_of_one_shared_block(method: str) -> None:
     assert store.manager.free_block_ids() == spec.free_block_ids()
 
 
-def outcome(call: Any, *args: Any) -> object:
-    """What a call returned, or the class of what it raised."""
-    try:
-        return call(*args)
-    except Exception as error:  # compared between spec and impl
-        return type(error)
-
-
 PLANTED = {
     "victims are taken from the head": (
-        pagedkv.impl.blocks.table_store,
-        "victims = np.arange(g.rows.size - 1, stop - 1, -1)",
-        "victims = np.arange(g.rows.size - stop)",
+        pagedkv.impl.blocks.growth,
+        "removed = list(range(n - 1, stop - 1, -1))",
+        "removed = list(range(n - stop))",
     ),
     "the batched plan forgets that a victim may be the sequence itself": (
         pagedkv.impl.blocks.growth,
@@ -318,18 +313,18 @@ PLANTED = {
         "cut = np.arange(n) + victims > n",
     ),
     "a shared prefix block counts as freed": (
-        pagedkv.impl.blocks.table_store,
-        "                    free += left == 0\n",
-        "                    free += 1\n",
+        pagedkv.impl.blocks.growth,
+        "free += left == 0",
+        "free += 1",
     ),
     "victims are freed first-block-first": (
-        pagedkv.impl.blocks.table_store,
-        "reversed_tables = self._tables[rows, ::-1]  # padding first, then last block first",
-        "reversed_tables = self._tables[rows]",
+        pagedkv.impl.blocks.tables,
+        "reversed_tables = self.tables[rows, ::-1]",
+        "reversed_tables = self.tables[rows]",
     ),
     "incremental registration never retries a block left uncached": (
-        pagedkv.impl.blocks.table_store,
-        "indices = [i for i in state.retry if i >= held]",
+        pagedkv.impl.blocks.block_hashes,
+        "indices = [i for i in state.retry if i >= released]",
         "indices = []",
     ),
     "extended keys restart the chain": (
@@ -338,25 +333,26 @@ PLANTED = {
         "parent = None",
     ),
     "a refused prompt's keys are reused for another prompt": (
-        pagedkv.impl.blocks.table_store,
-        "            and list(token_ids) == refused_tokens  # one C-level compare\n",
-        "",
+        pagedkv.impl.blocks.block_hashes,
+        "refused is not None and refused.seq_id == seq_id and refused.extra is extra "
+        "and list(token_ids) == refused.tokens",
+        "refused is not None and refused.seq_id == seq_id and refused.extra is extra",
     ),
     "a refused prompt's keys are reused under another salt": (
-        pagedkv.impl.blocks.table_store,
-        "            and refused_extra is extra_key\n",
-        "",
+        pagedkv.impl.blocks.block_hashes,
+        "refused is not None and refused.seq_id == seq_id and refused.extra is extra "
+        "and list(token_ids) == refused.tokens",
+        "refused is not None and refused.seq_id == seq_id and list(token_ids) == refused.tokens",
     ),
     "admit ignores the salt": (
-        pagedkv.impl.blocks.table_store,
-        "plan = self._prefix.plan_prompt(token_ids, extra_key, refused_keys if same else None)",
-        "plan = self._prefix.plan_prompt(token_ids, None, refused_keys if same else None)",
+        pagedkv.impl.blocks.store,
+        "self._prefix.plan_prompt(token_ids, extra_key, known)",
+        "self._prefix.plan_prompt(token_ids, None, known)",
     ),
     "the decode fast path ignores a forked last block": (
-        pagedkv.impl.blocks.table_store,
-        "        if self._num_tail_shared and self._tail_shared.take(rows).any():\n"
-        "            return False\n",
-        "",
+        pagedkv.impl.blocks.growth,
+        "rows.size == 0 or (tables.num_tail_shared and tables.tail_shared.take(rows).any())",
+        "rows.size == 0",
     ),
 }
 
@@ -364,19 +360,19 @@ PLANTED = {
 # Bugs in the store's handling of released entries, which the window machine catches.
 WINDOW_PLANTED = {
     "a victim's released entries count as freed blocks": (
-        pagedkv.impl.blocks.table_store,
-        "held_counts = g.lengths - self._num_released.take(g.rows)",
+        pagedkv.impl.blocks.growth,
+        "held_counts = g.lengths - tables.num_released.take(g.rows)",
         "held_counts = g.lengths",
     ),
     "a victim shared with others releases its released entries too": (
-        pagedkv.impl.blocks.table_store,
-        "blocks = self._tables[row, self._num_released[row] : g.lengths[victim]]",
-        "blocks = self._tables[row, : g.lengths[victim]]",
+        pagedkv.impl.blocks.growth,
+        "tables.held(int(g.rows[victim]))",
+        "tables.tables[int(g.rows[victim]), : g.lengths[victim]]",
     ),
     "cache_blocks registers a released entry": (
-        pagedkv.impl.blocks.table_store,
-        "held = int(self._num_released[row])  # released entries lead",
-        "held = 0  # released entries lead",
+        pagedkv.impl.blocks.store,
+        "released = int(self._rows.num_released[row])",
+        "released = 0",
     ),
 }
 
@@ -384,32 +380,25 @@ WINDOW_PLANTED = {
 def planted_machine(
     module: Any, old: str, new: str, base: type[PreemptionMachine] = PreemptionMachine
 ) -> type:
+    """``base`` over the store with ``old -> new`` planted in ``module`` (the store or a part
+    of it; with the prefix cache, the machine's prefix manager is the planted copy too)."""
     if module is pagedkv.impl.blocks.prefix_cache:
-        mutant = load_mutant(module, old, new, ("BlockTableError",))
+        prefix = load_mutant(module, old, new, ("BlockTableError",))
         store = load_mutant(
-            pagedkv.impl.blocks.table_store, "class BlockTableStore:", "class BlockTableStore:",
-            ("CapacityError", "OutOfBlocksError"),
+            pagedkv.impl.blocks.store, "", "", ("CapacityError", "OutOfBlocksError"),
+            using={module.__name__: prefix},
         )  # fmt: skip
-        store.PrefixCachingBlockManager = mutant.PrefixCachingBlockManager  # its isinstance
-        attrs = {"PREFIX_MANAGER": mutant.PrefixCachingBlockManager, "STORE": store.BlockTableStore}
+        attrs = {"PREFIX_MANAGER": prefix.PrefixCachingBlockManager, "STORE": store.BlockTableStore}
         return type("PlantedPreemption", (base,), attrs)
-    shared = () if module is pagedkv.impl.blocks.growth else ("CapacityError", "OutOfBlocksError")
-    mutant = load_mutant(module, old, new, shared)
-    if module is pagedkv.impl.blocks.growth:
-        store = load_mutant(
-            pagedkv.impl.blocks.table_store, "class BlockTableStore:", "class BlockTableStore:",
-            ("CapacityError", "OutOfBlocksError"),
-        )  # fmt: skip
-        store.plan_preemption = mutant.plan_preemption
-        mutant = store
-    return type("PlantedPreemption", (base,), {"STORE": mutant.BlockTableStore})
+    return type("PlantedPreemption", (base,), {"STORE": planted_store(module, old, new)})
 
 
 def test_control_unmutated_copies_pass() -> None:
     """The loading paths are sound: identity 'mutations' of both modules pass."""
     for module, snippet in (
-        (pagedkv.impl.blocks.table_store, "class BlockTableStore:"),
-        (pagedkv.impl.blocks.growth, "def plan_preemption("),
+        (pagedkv.impl.blocks.store, "class BlockTableStore:"),
+        (pagedkv.impl.blocks.growth, "def plan("),
+        (pagedkv.impl.blocks.block_hashes, "class BlockHashes:"),
         (pagedkv.impl.blocks.prefix_cache, "class PrefixCachingBlockManager("),
     ):
         run_state_machine_as_test(planted_machine(module, snippet, snippet), settings=FIND)
@@ -424,9 +413,7 @@ def test_planted_preemption_bug_is_caught(bug: str) -> None:
 
 def test_control_unmutated_copy_passes_the_window_machine() -> None:
     snippet = "class BlockTableStore:"
-    machine = planted_machine(
-        pagedkv.impl.blocks.table_store, snippet, snippet, WindowPreemptionMachine
-    )
+    machine = planted_machine(pagedkv.impl.blocks.store, snippet, snippet, WindowPreemptionMachine)
     run_state_machine_as_test(machine, settings=FIND)
 
 

@@ -1,9 +1,9 @@
-"""The single-block trusted fast path against the spec, and the queue's one-id operations
+"""The unchecked pool's one-block operations against the spec, and the queue's one-id operations
 against a Python list.
 
-``take_block``/``release_block``/``share_blocks`` must do exactly what the spec's
+``BlockPool.take_one``/``release``/``share`` of one block must do exactly what the spec's
 ``allocate(1)``/``free([b])``/``fork([b])`` do (ids, free-queue order, reference counts); with
-prefix caching, ``take_block`` must evict as ``allocate`` does. ``FreeBlockQueue.pop_one`` and
+prefix caching, ``take_one`` must evict as ``allocate`` does. ``FreeBlockQueue.pop_one`` and
 ``push_one`` must keep the list model's order through removals from the middle (tombstones),
 compaction included. Planted bugs in copies of both paths are caught; controls pass.
 """
@@ -28,14 +28,16 @@ from hypothesis.stateful import (
 
 import pagedkv.impl.blocks.free_queue
 import pagedkv.impl.blocks.manager
+import pagedkv.impl.blocks.pool
+import pagedkv.impl.blocks.prefix_cache
 from pagedkv.impl.blocks import FreeBlockQueue, PrefixCachingBlockManager
 from pagedkv.spec.prefix_cache import PrefixCachingBlockManager as SpecPrefixManager
-from properties.mutants import FIND, load_mutant
-from properties.test_store_preemption import outcome
+from properties.mutants import FIND, load_chain, load_mutant
+from properties.outcomes import outcome
 
 
 class SingleBlockMachine(RuleBasedStateMachine):
-    """One-block tables through the trusted API (impl) and the checked API (spec)."""
+    """One-block tables through the unchecked pool (impl) and the checked API (spec)."""
 
     IMPL: ClassVar[type] = PrefixCachingBlockManager
     held = Bundle("held")
@@ -49,7 +51,7 @@ class SingleBlockMachine(RuleBasedStateMachine):
     @rule(target=held)
     def take(self) -> int:
         (block,) = self.spec.allocate(1)
-        assert self.impl.take_block() == block
+        assert self.impl.pool.take_one() == block
         return block
 
     @rule(block=held)
@@ -57,13 +59,13 @@ class SingleBlockMachine(RuleBasedStateMachine):
         """One more owner of a held block (a fork of a one-block table)."""
         if self.spec.ref_count(block) > 0:
             self.spec.fork([block])
-            self.impl.share_blocks(np.array([block], dtype=np.intp))
+            self.impl.pool.share(np.array([block], dtype=np.intp))
 
     @rule(block=consumes(held))
     def release(self, block: int) -> None:
         if self.spec.ref_count(block) > 0:
             self.spec.free([block])
-            self.impl.release_block(block)
+            self.impl.pool.release(np.array([block], dtype=np.intp))
 
     @rule(block=held, token=st.integers(0, 1))
     def cache(self, block: int, token: int) -> None:
@@ -142,10 +144,16 @@ PLANTED = {
         "        while False:\n",
         OneIdQueueMachine,
     ),
-    "release_block frees a block that still has owners": (
-        pagedkv.impl.blocks.manager,
-        "        if left == 0:\n            self._free.push_one(block_id)",
-        "        if left <= 1:\n            self._free.push_one(block_id)",
+    "release frees a block that still has owners": (
+        pagedkv.impl.blocks.pool,
+        "ids[remaining == 0] if np.count_nonzero(remaining) else ids",
+        "ids",
+        SingleBlockMachine,
+    ),
+    "take_one does not evict": (
+        pagedkv.impl.blocks.pool,
+        "self.evictor.evict_one(block)",
+        "None",
         SingleBlockMachine,
     ),
 }
@@ -156,19 +164,19 @@ def planted(module: Any, old: str, new: str, base: type) -> type:
     if module is pagedkv.impl.blocks.free_queue:
         queue = load_mutant(module, old, new, ())
         return type("PlantedQueue", (base,), {"QUEUE": queue.FreeBlockQueue})
-    mutant = load_mutant(module, old, new, ("BlockTableError", "OutOfBlocksError"))
-    impl = type(  # the real prefix manager over the mutant's single-block release
-        "PlantedPrefixManager",
-        (PrefixCachingBlockManager,),
-        {"release_block": mutant.BlockManager.release_block},
+    prefix = load_chain(  # the prefix manager over a copy of the mutant pool
+        [module, pagedkv.impl.blocks.manager, pagedkv.impl.blocks.prefix_cache],
+        old,
+        new,
+        ("BlockTableError", "OutOfBlocksError"),
     )
-    return type("PlantedManager", (base,), {"IMPL": impl})
+    return type("PlantedManager", (base,), {"IMPL": prefix.PrefixCachingBlockManager})
 
 
 def test_control_unmutated_copies_pass() -> None:
     for module, snippet, base in (
         (pagedkv.impl.blocks.free_queue, "class FreeBlockQueue:", OneIdQueueMachine),
-        (pagedkv.impl.blocks.manager, "class BlockManager:", SingleBlockMachine),
+        (pagedkv.impl.blocks.pool, "class BlockPool:", SingleBlockMachine),
     ):
         run_state_machine_as_test(planted(module, snippet, snippet, base), settings=FIND)
 

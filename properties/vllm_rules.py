@@ -277,7 +277,7 @@ class VllmRules(PrefixCachingBlockManager):
             return 0
         if DUPLICATES_CACHED not in self.rules:
             return self.cache_blocks(block_table, token_ids, extra_key)
-        table = self._check_live_table(block_table)
+        table = self.check_live_table(block_table)
         keys = self.block_keys(token_ids, extra_key)
         if len(keys) > len(table):
             raise ValueError(f"{len(token_ids)} tokens do not fit a table of {len(table)} blocks")
@@ -317,5 +317,5 @@ class VllmRules(PrefixCachingBlockManager):
         freed = [b for b in reversed(list(block_table)) if b in after and b not in before]
         uncached = [b for b in freed if not self.is_cached(b)]
         for block_id in uncached:
-            self._free.remove(block_id)
-        self._free.extendleft(reversed(uncached))
+            self.free_queue.remove(block_id)
+        self.free_queue.extendleft(reversed(uncached))

@@ -18,13 +18,30 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pagedkv.spec.checks import (
+    BlockTableError,
+    OutOfBlocksError,
+    blocks_outside_window,
+    check_available,
+    check_block_id,
+    check_capacity,
+    check_int,
+    check_window,
+)
 
-class OutOfBlocksError(RuntimeError):
-    """Raised when a request needs more free blocks than the free queue holds."""
-
-
-class BlockTableError(ValueError):
-    """Raised for a block table that is not a live table of this manager."""
+__all__ = [
+    "Block",
+    "BlockManager",
+    "BlockTableError",
+    "OutOfBlocksError",
+    "blocks_needed",
+    "blocks_outside_window",
+    "check_capacity",
+    "check_int",
+    "held_ids",
+    "leading_released",
+    "translate_slot",
+]
 
 
 @dataclass
@@ -35,40 +52,9 @@ class Block:
     ref_count: int = 0
 
 
-def check_int(name: str, value: object, minimum: int) -> int:
-    """Rule: counts and positions are plain ints (not bool, not float) at or above ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 def blocks_needed(token_count: int, block_size: int) -> int:
     """Rule: ``token_count`` tokens occupy ``ceil(token_count / block_size)`` blocks."""
     return -(-token_count // block_size)
-
-
-def blocks_outside_window(token_count: int, window: int, block_size: int) -> int:
-    """Rule: how many leading blocks of a table holding ``token_count`` tokens no query from
-    position ``token_count`` on can read under a sliding window of ``window`` tokens.
-
-    The query at position ``p`` reads the positions ``p - window < j <= p``; for every
-    ``p >= token_count`` that excludes all ``j <= token_count - window``. Block ``k`` holds the
-    positions ``k * block_size .. (k + 1) * block_size - 1``, so it is outside exactly when
-    ``(k + 1) * block_size <= token_count - window + 1``.
-    """
-    return max(0, token_count - window + 1) // block_size
-
-
-def check_capacity(num_entries: int, token_count: int, block_size: int) -> None:
-    """Rule: a token count names only slots a table of ``num_entries`` entries holds,
-    ``num_entries * block_size`` (``ValueError`` otherwise)."""
-    if token_count > num_entries * block_size:
-        raise ValueError(
-            f"token_count {token_count} exceeds the table's capacity of "
-            f"{num_entries * block_size} slots"
-        )
 
 
 def leading_released(block_table: Sequence[int | None]) -> int:
@@ -123,7 +109,7 @@ class BlockManager:
         self.block_size = check_int("block_size", block_size, 1)
         # Rule: every block starts free with ref_count 0; the queue starts as [0, 1, ..., n-1].
         self.blocks = [Block(block_id) for block_id in range(total_blocks)]
-        self._free: deque[int] = deque(range(total_blocks))
+        self.free_queue: deque[int] = deque(range(total_blocks))
         self._copy_pairs: list[tuple[int, int]] = []
 
     # ----------------------------------------------------------------- introspection
@@ -131,25 +117,25 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Number of blocks in the free queue."""
-        return len(self._free)
+        return len(self.free_queue)
 
     @property
     def usage(self) -> float:
         """Rule: the fraction of the pool held by live tables, ``1 - free / total_blocks``."""
-        return (self.total_blocks - len(self._free)) / self.total_blocks
+        return (self.total_blocks - len(self.free_queue)) / self.total_blocks
 
     def can_allocate(self, num_blocks: int) -> bool:
         """Whether ``allocate(num_blocks)`` would succeed now."""
-        return check_int("num_blocks", num_blocks, 0) <= len(self._free)
+        return check_int("num_blocks", num_blocks, 0) <= len(self.free_queue)
 
     def ref_count(self, block_id: int) -> int:
         """How many live tables hold ``block_id``."""
-        self._check_block_id(block_id)
+        check_block_id(block_id, self.total_blocks)
         return self.blocks[block_id].ref_count
 
     def free_block_ids(self) -> list[int]:
         """The free queue, head (next to be allocated) first."""
-        return list(self._free)
+        return list(self.free_queue)
 
     def pop_copy_pairs(self) -> list[tuple[int, int]]:
         """Return and forget the ``(src, dst)`` copy-on-write pairs made since the last call.
@@ -162,25 +148,14 @@ class BlockManager:
 
     # ----------------------------------------------------------------- validation
 
-    def _check_block_id(self, block_id: object) -> int:
-        """Rule: a block id is an int in ``[0, total_blocks)``; an int subclass is taken as the
-        plain int it equals (so only plain ints ever enter the free queue)."""
-        if isinstance(block_id, bool) or not isinstance(block_id, int):
-            raise TypeError(f"block id must be an int, got {type(block_id).__name__}")
-        if not 0 <= block_id < self.total_blocks:
-            raise BlockTableError(
-                f"unknown block id {block_id}: this manager has blocks 0..{self.total_blocks - 1}"
-            )
-        return int(block_id)
-
-    def _check_live_table(self, block_table: Sequence[int | None]) -> list[int | None]:
+    def check_live_table(self, block_table: Sequence[int | None]) -> list[int | None]:
         """Rule: a live table is a list of known, distinct ids, each held (ref_count >= 1),
         after any number of released entries (``None``)."""
         if not isinstance(block_table, (list, tuple)):
             raise TypeError(f"block_table must be a list of ints, got {type(block_table).__name__}")
         released = leading_released(block_table)
         # Rule: released entries only lead; a None after an id is not an id (TypeError).
-        table = [self._check_block_id(block_id) for block_id in block_table[released:]]
+        table = [check_block_id(b, self.total_blocks) for b in block_table[released:]]
         if len(set(table)) != len(table):
             repeated = sorted({b for b in table if table.count(b) > 1})
             raise BlockTableError(f"block ids repeated within one table: {repeated}")
@@ -188,13 +163,6 @@ class BlockManager:
         if already_free:
             raise BlockTableError(f"blocks {already_free} are free (double free or stale table)")
         return [None] * released + table
-
-    def _check_available(self, num_blocks: int) -> None:
-        """Rule: allocation is all-or-nothing; too few free blocks raises before any change."""
-        if num_blocks > len(self._free):
-            raise OutOfBlocksError(
-                f"asked for {num_blocks} blocks but only {len(self._free)} are free"
-            )
 
     # ----------------------------------------------------------------- operations
 
@@ -204,11 +172,11 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._free.append(block_id)  # Rule: freed blocks join the tail of the queue.
+                self.free_queue.append(block_id)  # Rule: freed blocks join the tail of the queue.
 
     def _take_from_head(self, num_blocks: int) -> list[int]:
         """Pop ``num_blocks`` blocks from the head of the free queue, each with ref_count 1."""
-        taken = [self._free.popleft() for _ in range(num_blocks)]
+        taken = [self.free_queue.popleft() for _ in range(num_blocks)]
         for block_id in taken:
             self.blocks[block_id].ref_count = 1  # Rule: a fresh block has exactly one owner.
         return taken
@@ -219,7 +187,7 @@ class BlockManager:
         Raises ``OutOfBlocksError`` (changing nothing) if fewer are free. ``allocate(0) == []``.
         """
         check_int("num_blocks", num_blocks, 0)
-        self._check_available(num_blocks)
+        check_available(num_blocks, len(self.free_queue))
         return self._take_from_head(num_blocks)
 
     def append_slot(
@@ -242,7 +210,7 @@ class BlockManager:
         * All-or-nothing: if the free queue cannot supply every fresh block, ``OutOfBlocksError``
           is raised and nothing changes. The argument is never mutated.
         """
-        table = self._check_live_table(block_table)
+        table = self.check_live_table(block_table)
         check_int("token_count", token_count, 0)
         check_int("new_tokens", new_tokens, 0)
         if new_tokens > token_count:
@@ -259,7 +227,7 @@ class BlockManager:
             )
         shared = [i for i in written if self.blocks[table[i]].ref_count > 1]
         growth = max(0, needed - len(table))
-        self._check_available(len(shared) + growth)
+        check_available(len(shared) + growth, len(self.free_queue))
         fresh = self._take_from_head(len(shared) + growth)
         for index, fresh_id in zip(shared, fresh[: len(shared)], strict=True):
             old_id = table[index]
@@ -271,7 +239,7 @@ class BlockManager:
     def fork(self, block_table: Sequence[int | None]) -> list[int | None]:
         """Share a live table's blocks with a new owner (each ``ref_count + 1``); return a copy,
         released entries included."""
-        table = self._check_live_table(block_table)
+        table = self.check_live_table(block_table)
         for block_id in held_ids(table):
             self.blocks[block_id].ref_count += 1
         return table
@@ -284,7 +252,7 @@ class BlockManager:
         tail blocks. Released entries hold nothing and are skipped. Unknown ids, repeated ids
         and already-free blocks raise ``BlockTableError`` before anything changes.
         """
-        self._release(held_ids(self._check_live_table(block_table)))
+        self._release(held_ids(self.check_live_table(block_table)))
 
     def truncate(self, block_table: Sequence[int | None], token_count: int) -> list[int | None]:
         """Roll a live table back to ``token_count`` tokens; return the shorter table.
@@ -302,7 +270,7 @@ class BlockManager:
           never mutated. Positions from ``token_count`` on are free to be written again; a kept
           last block that other tables share is copied on the next write into it.
         """
-        table = self._check_live_table(block_table)
+        table = self.check_live_table(block_table)
         check_int("token_count", token_count, 0)
         check_capacity(len(table), token_count, self.block_size)
         kept = blocks_needed(token_count, self.block_size)  # Rule: ceil(count / size) stay.
@@ -330,9 +298,9 @@ class BlockManager:
           (``ValueError``); the table must be live (``BlockTableError``). All of it is checked
           before anything changes. The argument is never mutated.
         """
-        table = self._check_live_table(block_table)
+        table = self.check_live_table(block_table)
         check_int("token_count", token_count, 0)
-        check_int("window", window, 1)
+        check_window(window)
         check_capacity(len(table), token_count, self.block_size)
         outside = blocks_outside_window(token_count, window, self.block_size)
         self._release(held_ids(table[:outside]))  # Rule: released as free releases them.
@@ -341,7 +309,7 @@ class BlockManager:
     def translate_slot(self, block_table: Sequence[int | None], token_pos: int) -> int:
         """Physical slot of ``token_pos`` in a live table (module-level ``translate_slot``);
         a position in a released entry raises ``BlockTableError``."""
-        table = self._check_live_table(block_table)
+        table = self.check_live_table(block_table)
         check_int("token_pos", token_pos, 0)
         if token_pos // self.block_size < leading_released(table):
             raise BlockTableError(f"token_pos {token_pos} lies in a released block")

@@ -34,7 +34,14 @@ import hashlib
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-from pagedkv.spec.block_manager import BlockManager, BlockTableError, blocks_needed, check_int
+from pagedkv.spec.block_manager import BlockManager, blocks_needed
+from pagedkv.spec.checks import (
+    BlockTableError,
+    check_available,
+    check_block_id,
+    check_int,
+    check_tokens,
+)
 
 STABLE_EXTRA_TYPES = (type(None), bool, int, float, str, bytes)
 """What an extra key may be built from under the default hash: these, and tuples of them. Their
@@ -180,7 +187,7 @@ class PrefixCachingBlockManager(BlockManager):
         ``hash_fn`` that raises or returns a non-int (``TypeError``) fails the whole call
         before it changes anything.
         """
-        tokens = self._check_tokens(token_ids)
+        tokens = list(check_tokens(token_ids))
         keys: list[BlockKey] = []
         parent = None
         for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
@@ -222,7 +229,7 @@ class PrefixCachingBlockManager(BlockManager):
 
     def key_of(self, block_id: int) -> BlockKey | None:
         """The key a block is cached under, or None."""
-        self._check_block_id(block_id)
+        check_block_id(block_id, self.total_blocks)
         return self._key_of.get(block_id)
 
     def cached_block(self, key: BlockKey) -> int | None:
@@ -256,7 +263,7 @@ class PrefixCachingBlockManager(BlockManager):
         forgotten, the free queue keeps its order, ``stats.resets`` counts it, and one
         ``AllBlocksCleared`` event is emitted (no ``BlockRemoved`` per key).
         """
-        if len(self._free) != self.total_blocks:  # Rule: refuse while any block is held.
+        if self.num_free_blocks != self.total_blocks:  # Rule: refuse while any block is held.
             return False
         self._key_of.clear()
         self._block_of.clear()
@@ -276,12 +283,14 @@ class PrefixCachingBlockManager(BlockManager):
         is raised and nothing changes (counters included).
         """
         hits = self.lookup(token_ids, extra_key)
-        self._check_available(self.blocks_to_allocate(token_ids, extra_key))
+        check_available(self.blocks_to_allocate(token_ids, extra_key), self.num_free_blocks)
         self.stats.queried_blocks += self.max_hit_blocks(len(token_ids))
         self.stats.hit_blocks += len(hits)
         for block_id in hits:
             if self.blocks[block_id].ref_count == 0:
-                self._free.remove(block_id)  # Rule: revival leaves the rest of the queue in order.
+                self.free_queue.remove(
+                    block_id
+                )  # Rule: revival leaves the rest of the queue in order.
             self.blocks[block_id].ref_count += 1
         fresh = self._take_from_head(-(-len(token_ids) // self.block_size) - len(hits))
         return hits + fresh, len(hits) * self.block_size
@@ -300,7 +309,7 @@ class PrefixCachingBlockManager(BlockManager):
         ``BlockTableError``, nothing changes. Rule: released entries (sliding window) are
         skipped; the keys after them still chain over the whole prefix.
         """
-        table = self._check_live_table(block_table)
+        table = self.check_live_table(block_table)
         keys = self.block_keys(token_ids, extra_key)
         if len(token_ids) > len(table) * self.block_size:
             raise ValueError(
@@ -376,12 +385,3 @@ class PrefixCachingBlockManager(BlockManager):
         """Rule: events are recorded only when enabled."""
         if self.enable_kv_events:
             self._events.append(event)
-
-    # ----------------------------------------------------------------- validation
-
-    @staticmethod
-    def _check_tokens(token_ids: Sequence[int]) -> list[int]:
-        """Rule: token ids are a list or tuple of non-negative ints."""
-        if not isinstance(token_ids, (list, tuple)):
-            raise TypeError(f"token_ids must be a list of ints, got {type(token_ids).__name__}")
-        return [check_int("token id", token, 0) for token in token_ids]

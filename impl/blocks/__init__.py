@@ -2,16 +2,20 @@
 that drives them a scheduler step at a time. Needs numpy only: no torch, no kernels.
 
 * :class:`FreeBlockQueue` (``free_queue``): the FIFO free queue, O(1) removal from the middle.
-* :class:`BlockManager` (``manager``): ``pagedkv.spec``'s block manager, array-backed.
+* :class:`BlockManager` (``manager``): ``pagedkv.spec``'s block manager, array-backed, over an
+  unchecked ``pool.BlockPool`` (internal to this package).
 * :class:`PrefixCachingBlockManager` (``prefix_cache``): prefix caching on that manager.
-* :class:`BlockTableStore` (``table_store``): every live sequence's table in one padded array;
-  batched grow, slot mapping, page-table exports.
+* :class:`BlockTableStore` (``store``): the sequence lifecycle, composed of ``tables`` (the padded
+  rows, slot mapping), ``batches`` (:class:`SeqBatch`), ``growth`` (one planner) and
+  ``block_hashes`` (each sequence's block keys); ``page_tables`` lays the tables out for kernels.
 """
 
+from pagedkv.impl.blocks.batches import SeqBatch
 from pagedkv.impl.blocks.free_queue import FreeBlockQueue
 from pagedkv.impl.blocks.manager import BlockManager, BlockTableError, OutOfBlocksError
 from pagedkv.impl.blocks.prefix_cache import BlockKey, PrefixCacheStats, PrefixCachingBlockManager
-from pagedkv.impl.blocks.table_store import PAD, BlockTableStore, CapacityError, SeqBatch
+from pagedkv.impl.blocks.store import BlockTableStore
+from pagedkv.impl.blocks.tables import PAD, CapacityError
 
 __all__ = [
     "PAD",

@@ -46,6 +46,7 @@ class FreeBlockQueue:
         self._head = 0  # ring slot of the queue's head
         self._used = num_blocks  # window length: live ids plus tombstones
         self._len = num_blocks  # live ids
+        self.compactions = 0  # how often the ring was compacted: the cost removals cause
 
     def __len__(self) -> int:
         """Number of block ids in the queue."""
@@ -180,3 +181,4 @@ class FreeBlockQueue:
         self._pos[live] = np.arange(live.size, dtype=np.int32)
         self._head = 0
         self._used = live.size
+        self.compactions += 1

@@ -1,49 +1,169 @@
-"""Who grows when a batch cannot grow at once: the spec's per-sequence order, decided up front.
+"""Growing a batch of sequences: what each needs, one planner in the spec's order, and applying it.
 
 ``BlockTableStore.grow`` is ``append_slot`` called once per sequence, in batch order, with
-``OutOfBlocksError`` caught. When the pool holds enough blocks for every sequence and no shared
-block is written twice, all of them grow and the order cannot matter. Otherwise the order
-decides: :func:`plan_in_order` replays the spec's calls on counts alone (no block moves) and
-says which sequences grow and which of those copy their shared last block on write.
+``OutOfBlocksError`` caught; ``grow_or_preempt`` is the same, except that a sequence that cannot
+grow first removes the batch's last remaining sequence, until it fits or was itself removed.
+:func:`growth_of` reads what each sequence needs (changing nothing), :func:`plan` decides, on
+counts alone, who grows, who copies its shared last block on write and who is removed, and
+:func:`apply` carries the plan out in the spec's order. :func:`grow_decode` is the decode step
+when no written block can be shared.
+
+Two shortcuts decide common cases with a fixed number of numpy calls, each exact, and each kept
+because the trace benchmark's store step was more than 10% slower without it (docs/design.md §9
+gives the figures): the decode step when no row's last block can be shared (:func:`grow_decode`,
+gated by the rows' tail-shared flags), and preemption of sequences that own their blocks alone
+(:func:`plan_preemption`). Everything else is the planner's loop over the batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import numpy as np
 from numpy.typing import NDArray
 
+from pagedkv.impl.blocks.pool import BlockPool, IdArray
+from pagedkv.impl.blocks.prefix_cache import PrefixCachingBlockManager
+from pagedkv.impl.blocks.tables import PAD, BlockTables, CapacityError, Rows
+from pagedkv.spec.checks import BlockTableError
 
-def plan_in_order(
-    growth: NDArray[np.int64],
-    writes_last: NDArray[np.bool_],
-    last: NDArray[np.int32],
-    last_refs: NDArray[np.int32],
-    free: int,
-) -> tuple[NDArray[np.bool_], NDArray[np.bool_]]:
-    """Decide, sequence by sequence as the spec would, who grows and who copies on write.
+Step = int | NDArray[np.int64]
+"""New tokens: one count for every sequence, or one per sequence."""
 
-    Sequence ``i`` needs ``growth[i]`` new blocks; if ``writes_last[i]`` it writes into its last
-    block ``last[i]``, whose reference count is ``last_refs[i]``. ``free`` blocks are free.
+
+@dataclass(frozen=True, eq=False, slots=True)
+class Growth:
+    """One batch's growth, read before anything changes (arrays in batch order)."""
+
+    rows: Rows
+    base: Rows  # flat row offsets
+    lengths: NDArray[np.int32]  # blocks held now
+    needed: NDArray[np.int64]  # blocks held after
+    new_counts: NDArray[np.int64]
+    growth: NDArray[np.int64]  # needed - lengths
+    writes_last: NDArray[np.bool_]  # a write lands in the present last block
+    last: NDArray[np.int32]  # the present last block (garbage where nothing is held)
+    last_refs: NDArray[np.int32]
+    shared: NDArray[np.bool_]  # writes_last and the last block has other owners
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class Plan:
+    """Who grows (``grown``) and copies on write (``copies``), who is removed (``victims``,
+    batch indices in removal order), and ``steps``: the order to apply them in, as runs of
+    ``(grow, batch indices)``."""
+
+    grown: NDArray[np.bool_]
+    copies: NDArray[np.bool_]
+    victims: list[int]
+    steps: list[tuple[bool, list[int]]]
+
+
+def growth_of(
+    tables: BlockTables,
+    pool: BlockPool,
+    seq_ids: Sequence[int],
+    rows: Rows,
+    base: Rows,
+    step: Step,
+) -> Growth | None:
+    """What growing the sequences ``seq_ids`` in ``rows`` by ``step`` needs, changing nothing;
+    None if nothing grows. ``CapacityError`` if a sequence would outgrow its table,
+    ``BlockTableError`` if one would write into a released entry."""
+    if rows.size == 0:
+        return None
+    bs, width = tables.block_size, tables.width
+    counts = tables.token_counts.take(rows).astype(np.int64)
+    lengths = tables.num_blocks.take(rows)
+    new_counts = counts + step
+    needed = (new_counts + (bs - 1)) // bs
+    if needed.max() > width:
+        over = [s for s, n in zip(seq_ids, needed.tolist(), strict=True) if n > width]
+        raise CapacityError(f"sequences {over} would need more than {width} blocks")
+    if isinstance(step, int) and step == 0:
+        return None
+    # A live table holds exactly ceil(count / block_size) blocks, so the only present block
+    # a write can reach is the last one, and only when it is partly filled.
+    writes_last = counts % bs != 0
+    if not isinstance(step, int):
+        writes_last &= step > 0
+    last = tables.tables.take(base + lengths - 1)  # index -1 only if not writes_last
+    into_released = writes_last & (last == PAD)  # the spec's rule: never written
+    if into_released.any():
+        ids = np.array(seq_ids)[into_released].tolist()
+        raise BlockTableError(f"sequences {ids} would write into a released block")
+    last_refs = pool.refs_of(last)
+    shared = writes_last & (last_refs > 1)
+    return Growth(
+        rows, base, lengths, needed, new_counts, needed - lengths, writes_last, last,
+        last_refs, shared,
+    )  # fmt: skip
+
+
+def plan(g: Growth, free: int, preempt: bool, tables: BlockTables, pool: BlockPool) -> Plan:
+    """Decide, sequence by sequence as the spec's calls would, with ``free`` blocks free.
+
     Rules: a sequence writing a block that other owners still hold copies it first (one more
     fresh block) and drops its own hold, so once one owner is left that owner writes in place;
-    a sequence grows only if all its blocks are free then, and otherwise changes nothing.
-    Returns ``(grown, shared)``: which sequences grow, and which of them copy on write.
+    a sequence grows only if all its blocks are free then. Otherwise, without ``preempt``, it
+    changes nothing; with ``preempt`` the batch's last remaining sequence is removed (each of
+    its blocks loses a hold, and those left with none are free again) until it grows or was
+    itself the one removed, which ends the batch.
     """
-    owners_left: dict[int, int] = {}  # a shared block's owners, as the calls so far left them
-    grown = np.zeros(growth.size, dtype=np.bool_)
-    shared = np.zeros(growth.size, dtype=np.bool_)
-    for i, (blocks, writes, block, refs) in enumerate(
-        zip(growth.tolist(), writes_last.tolist(), last.tolist(), last_refs.tolist(), strict=True)
-    ):
-        owners = owners_left.get(block, refs) if writes else 1
-        need = blocks + (owners > 1)
+    n = g.rows.size
+    if preempt and not g.shared.any():  # no copy on write: removals free what they hold
+        held_counts = g.lengths - tables.num_released.take(g.rows)  # released entries: none
+        stop = plan_preemption(g.growth, held_counts.astype(np.int64), free)
+        victims = tables.tables[g.rows[stop:]]
+        held = victims[victims != PAD].astype(np.intp)
+        if held.size == 0 or pool.refs_of(held).max() == 1:  # each frees all it holds
+            grown = np.arange(n) < stop
+            removed = list(range(n - 1, stop - 1, -1))
+            steps = [(False, removed), (True, list(range(stop)))]
+            return Plan(grown, g.shared & grown, removed, steps)
+    refs: dict[int, int] = {}  # the blocks whose counts the plan has changed so far
+    grown = np.zeros(n, dtype=np.bool_)
+    copies = np.zeros(n, dtype=np.bool_)
+    removed: list[int] = []
+    steps: list[tuple[bool, list[int]]] = []
+    tail = n - 1
+    growth, writes_last = g.growth.tolist(), g.writes_last.tolist()
+    last, last_refs = g.last.tolist(), g.last_refs.tolist()
+    for i in range(n):
+        if i > tail:  # every later sequence was removed
+            break
+        while True:
+            owners = refs.get(last[i], last_refs[i]) if writes_last[i] else 1
+            need = growth[i] + (owners > 1)
+            if need <= free or not preempt or tail < i:
+                break
+            victim, tail = tail, tail - 1
+            removed.append(victim)
+            _record(steps, False, victim)
+            held = tables.held(int(g.rows[victim])).astype(np.intp)
+            for block, count in zip(held.tolist(), pool.refs_of(held).tolist(), strict=True):
+                left = refs.get(block, count) - 1
+                refs[block] = left
+                free += left == 0
+        if tail < i:  # it was itself removed
+            break
         if need <= free:
             free -= need
             grown[i] = True
+            _record(steps, True, i)
             if owners > 1:
-                shared[i] = True
-                owners_left[block] = owners - 1
-    return grown, shared
+                copies[i] = True
+                refs[last[i]] = owners - 1
+    return Plan(grown, copies, removed, steps)
+
+
+def _record(steps: list[tuple[bool, list[int]]], grow: bool, index: int) -> None:
+    """Append ``index`` to the last run if it is of the same kind, else start a run."""
+    if steps and steps[-1][0] == grow:
+        steps[-1][1].append(index)
+    else:
+        steps.append((grow, [index]))
 
 
 def plan_preemption(growth: NDArray[np.int64], lengths: NDArray[np.int64], free: int) -> int:
@@ -64,9 +184,116 @@ def plan_preemption(growth: NDArray[np.int64], lengths: NDArray[np.int64], free:
     return int(cut.argmax()) if cut.any() else n
 
 
-def has_repeats(values: NDArray[np.integer]) -> bool:
-    """Whether some value occurs twice."""
-    if values.size < 2:
+def apply_growth(
+    tables: BlockTables,
+    pool: BlockPool,
+    prefix: PrefixCachingBlockManager | None,
+    g: Growth,
+    keep: Rows | None,
+    shared: NDArray[np.bool_],
+) -> None:
+    """Grow the sequences ``keep`` of ``g`` (all with None), all of which fit; ``shared``
+    marks, among them, those that copy their last block on write.
+
+    All fresh blocks are taken at once and placed per sequence, in batch order, as the
+    spec's calls would take them: its copy-on-write block first (replacing its shared last
+    block), then its growth blocks. After it no written sequence's last block is shared,
+    and none written in place is cached (:func:`_keyed_in_place`).
+    """
+    if keep is None:
+        rows, base, lengths, growth, last = g.rows, g.base, g.lengths, g.growth, g.last
+        needed, new_counts, writes_last = g.needed, g.new_counts, g.writes_last
+    else:
+        rows, base, lengths, growth = g.rows[keep], g.base[keep], g.lengths[keep], g.growth[keep]
+        last, needed, new_counts = g.last[keep], g.needed[keep], g.new_counts[keep]
+        writes_last = g.writes_last[keep]
+    num_fresh = growth + shared
+    total = int(num_fresh.sum())
+    keyed = _keyed_in_place(tables, prefix, rows, last, writes_last & ~shared)
+    if total:
+        fresh = _take_fresh(pool, prefix, num_fresh, total, last, keyed)
+        flat = tables.flat
+        # total counts the copies too, so this is: no copy, and at most one block each.
+        if total == np.count_nonzero(growth):
+            growing = growth.nonzero()[0]
+            flat[base.take(growing) + lengths.take(growing)] = fresh
+        else:
+            first_fresh = np.cumsum(num_fresh) - num_fresh
+            copying = shared.nonzero()[0]
+            if copying.size:
+                dst = fresh[first_fresh[copying]]
+                flat[base[copying] + lengths[copying] - 1] = dst
+                pool.copy_on_write(last[copying].astype(np.intp), dst)
+            owner = np.repeat(np.arange(growth.size), growth)
+            within = np.arange(owner.size) - np.repeat(np.cumsum(growth) - growth, growth)
+            flat[base[owner] + lengths[owner] + within] = fresh[
+                (first_fresh + shared)[owner] + within
+            ]
+    elif keyed is not None:
+        _take_fresh(pool, prefix, num_fresh, 0, last, keyed)
+    tables.num_blocks[rows] = needed
+    tables.token_counts[rows] = new_counts
+    if tables.num_tail_shared:  # a write copied or filled the last block, or passed it
+        tables.clear_tail_shared(rows[writes_last | (growth > 0)])
+
+
+def _keyed_in_place(
+    tables: BlockTables,
+    prefix: PrefixCachingBlockManager | None,
+    rows: Rows,
+    last: NDArray[np.int32],
+    in_place: NDArray[np.bool_],
+) -> NDArray[np.bool_] | None:
+    """Among the sequences whose write lands in their present last block (``in_place``),
+    those whose block is cached, or None if none is. Only a flagged row's can be: a
+    truncate cut into a cached block that other tables held then."""
+    if not tables.num_tail_shared or prefix is None or not prefix.num_cached_blocks:
+        return None
+    candidates = in_place & tables.tail_shared.take(rows)
+    cached = prefix.cached_among(last[candidates].astype(np.intp))
+    return candidates & np.isin(last, list(cached)) if cached else None
+
+
+def _take_fresh(
+    pool: BlockPool,
+    prefix: PrefixCachingBlockManager | None,
+    num_fresh: NDArray[np.int64],
+    total: int,
+    last: NDArray[np.int32],
+    keyed: NDArray[np.bool_] | None,
+) -> IdArray:
+    """``pool.take(total)`` for the sequences' fresh blocks, in batch order. With ``keyed``
+    (see :func:`_keyed_in_place`), the spec's order instead: per sequence, its fresh blocks,
+    then its written block's key removal (a cached block is never written in place). The
+    removals happen even when ``total`` is 0."""
+    if keyed is None or prefix is None:
+        return pool.take(total)
+    parts = []
+    for index, count in enumerate(num_fresh.tolist()):
+        parts.append(pool.take(count))
+        if keyed[index]:
+            prefix.remove_keys([int(last[index])])
+    return np.concatenate(parts)
+
+
+def grow_decode(tables: BlockTables, pool: BlockPool, rows: Rows, base: Rows) -> bool:
+    """The decode step: every sequence in ``rows`` gains one token, and no written last block
+    can be shared (no row is flagged ``tail_shared``). Only sequences at a block boundary
+    touch the pool. Returns False, changing nothing, when :func:`plan` must decide (a flagged
+    row, more sequences at a boundary than free blocks, a table at full width)."""
+    if rows.size == 0 or (tables.num_tail_shared and tables.tail_shared.take(rows).any()):
         return False
-    ordered = np.sort(values)
-    return bool((ordered[1:] == ordered[:-1]).any())
+    counts = tables.token_counts.take(rows)
+    boundary = (counts % tables.block_size == 0).nonzero()[0]  # a new block each
+    if boundary.size:
+        if boundary.size > pool.num_free:
+            return False
+        growing = rows.take(boundary)
+        lengths = tables.num_blocks.take(growing)
+        if lengths.max() >= tables.width:
+            return False
+        fresh = pool.take_one() if boundary.size == 1 else pool.take(boundary.size)
+        tables.flat[base.take(boundary) + lengths] = fresh
+        tables.num_blocks[growing] = lengths + 1
+    tables.token_counts[rows] = counts + 1
+    return True

@@ -18,26 +18,21 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from pagedkv.impl.blocks.free_queue import FreeBlockQueue
-from pagedkv.spec.block_manager import (
+from pagedkv.impl.blocks.pool import BlockPool, IdArray
+from pagedkv.spec.block_manager import blocks_needed, leading_released, translate_slot
+from pagedkv.spec.checks import (
+    MAX_FREE_RING_BLOCKS,
     BlockTableError,
     OutOfBlocksError,
-    blocks_needed,
     blocks_outside_window,
+    check_available,
+    check_block_id,
     check_capacity,
     check_int,
-    leading_released,
-    translate_slot,
+    check_window,
 )
 
-__all__ = ["MAX_BLOCKS", "BlockManager", "BlockTableError", "OutOfBlocksError"]
-
-MAX_BLOCKS = 2**29
-"""The largest pool: the free queue's ring (1.5x the pool) and its int32 slot arithmetic must
-stay below 2**31 (the spec has no such limit)."""
-
-IdArray = NDArray[np.intp]
-"""Block ids as numpy's index type, the fastest for gathers and scatters."""
+__all__ = ["BlockManager", "BlockTableError", "OutOfBlocksError"]
 
 _NO_IDS: IdArray = np.empty(0, dtype=np.intp)
 
@@ -50,52 +45,52 @@ def _as_list(released: int, ids: IdArray) -> list[int | None]:
 class BlockManager:
     """``spec.block_manager.BlockManager``'s behaviour, array-backed.
 
-    State: ``_ref`` (``int32[total_blocks]``) is every block's reference count; ``_free`` is the
-    FIFO free queue; ``_copy_pairs`` holds the pending copy-on-write pairs as ``int32[P, 2]``
+    State: ``pool``, a :class:`pagedkv.impl.blocks.pool.BlockPool`: every block's reference
+    count, the FIFO free queue and the pending copy-on-write pairs as ``int32[P, 2]``
     chunks. A call converts its table to one id array and does its per-block work in numpy: the
     Python work per call is O(1) and the array work O(1) per block. A call that raises changes
     nothing.
 
-    :class:`pagedkv.impl.blocks.table_store.BlockTableStore` drives the same state through the
-    trusted API at the end of the class, which skips the checks (its contract is written there).
+    :class:`pagedkv.impl.blocks.store.BlockTableStore` drives the same pool directly, under
+    the contract written in :mod:`pagedkv.impl.blocks.pool`.
     """
 
     def __init__(self, total_blocks: int, block_size: int = 16) -> None:
         self.total_blocks = check_int("total_blocks", total_blocks, 1)
         self.block_size = check_int("block_size", block_size, 1)
-        if total_blocks > MAX_BLOCKS:
-            raise ValueError(f"total_blocks must be <= {MAX_BLOCKS} (int32 ring positions)")
-        self._ref = np.zeros(total_blocks, dtype=np.int32)
-        self._free = FreeBlockQueue(total_blocks)
-        self._copy_pairs: list[NDArray[np.int32]] = []
+        if total_blocks > MAX_FREE_RING_BLOCKS:
+            raise ValueError(
+                f"total_blocks must be <= {MAX_FREE_RING_BLOCKS} (int32 ring positions)"
+            )
+        self.pool = BlockPool(total_blocks)
 
     # ----------------------------------------------------------------- introspection
 
     @property
     def num_free_blocks(self) -> int:
         """Number of blocks in the free queue."""
-        return len(self._free)
+        return self.pool.num_free
 
     @property
     def usage(self) -> float:
         """The fraction of the pool held by live tables, ``1 - free / total_blocks``."""
-        return (self.total_blocks - len(self._free)) / self.total_blocks
+        return (self.total_blocks - self.pool.num_free) / self.total_blocks
 
     def can_allocate(self, num_blocks: int) -> bool:
         """Whether ``allocate(num_blocks)`` would succeed now."""
-        return check_int("num_blocks", num_blocks, 0) <= len(self._free)
+        return check_int("num_blocks", num_blocks, 0) <= self.pool.num_free
 
     def ref_count(self, block_id: int) -> int:
         """How many live tables hold ``block_id``."""
-        return int(self._ref[self._check_block_id(block_id)])
+        return int(self.pool.refs[check_block_id(block_id, self.total_blocks)])
 
     def ref_counts(self) -> NDArray[np.int32]:
         """Every block's reference count, indexed by block id (a copy)."""
-        return self._ref.copy()
+        return self.pool.refs.copy()
 
     def free_block_ids(self) -> list[int]:
         """The free queue, head (next to be allocated) first."""
-        return self._free.to_array().tolist()
+        return self.pool.queue.to_array().tolist()
 
     def pop_copy_pairs(self) -> list[tuple[int, int]]:
         """Return and forget the ``(src, dst)`` copy-on-write pairs made since the last call.
@@ -103,7 +98,7 @@ class BlockManager:
         The caller must copy block ``src`` into block ``dst`` for every pair, in order, before
         writing new KV data. (``BlockTableStore.pop_copy_pairs`` drains the same pairs.)
         """
-        return [(src, dst) for src, dst in self.pop_copy_pairs_array().tolist()]
+        return [(src, dst) for src, dst in self.pool.pop_copy_pairs().tolist()]
 
     # ----------------------------------------------------------------- the spec's operations
 
@@ -125,7 +120,7 @@ class BlockManager:
         ``(shared, fresh)`` is recorded for ``pop_copy_pairs``. All-or-nothing
         (``OutOfBlocksError``); the argument is never mutated.
         """
-        released, ids, held = self._live_table(block_table)
+        released, ids, held = self.read_live_table(block_table)
         check_int("token_count", token_count, 0)
         check_int("new_tokens", new_tokens, 0)
         if new_tokens > token_count:
@@ -145,14 +140,14 @@ class BlockManager:
             written = held[first_written - released : stop_written - released]
             shared = first_written + np.flatnonzero(written > 1)
         num_fresh = shared.size + max(0, needed - size)
-        self._check_available(num_fresh)
+        check_available(num_fresh, self.pool.num_free)
         table = _as_list(released, ids)
         if num_fresh == 0:
             return table
-        fresh = self.take_blocks(num_fresh)
+        fresh = self.pool.take(num_fresh)
         if shared.size:
             src, dst = ids[shared - released], fresh[: shared.size]
-            self.copy_on_write(src, dst)
+            self.pool.copy_on_write(src, dst)
             for index, fresh_id in zip(shared.tolist(), dst.tolist(), strict=True):
                 table[index] = fresh_id
         return table + fresh[shared.size :].tolist()
@@ -160,8 +155,8 @@ class BlockManager:
     def fork(self, block_table: Sequence[int | None]) -> list[int | None]:
         """Share a live table's blocks with a new owner (each ``ref_count + 1``); return a copy,
         released entries included."""
-        released, ids, held = self._live_table(block_table)
-        self._ref[ids] = held + 1
+        released, ids, held = self.read_live_table(block_table)
+        self.pool.refs[ids] = held + 1
         return _as_list(released, ids)
 
     def free(self, block_table: Sequence[int | None]) -> None:
@@ -171,8 +166,8 @@ class BlockManager:
         block first; released entries are skipped. Unknown, repeated or already-free ids raise
         ``BlockTableError`` before anything changes.
         """
-        _, ids, held = self._live_table(block_table)
-        self._release_held(ids, held)
+        _, ids, held = self.read_live_table(block_table)
+        self.pool.release_held(ids, held)
 
     def truncate(self, block_table: Sequence[int | None], token_count: int) -> list[int | None]:
         """Roll a live table back to ``token_count`` tokens; return the shorter table.
@@ -183,13 +178,13 @@ class BlockManager:
         not live, ``TypeError``/``ValueError`` for a ``token_count`` that is not an int >= 0, and
         ``ValueError`` for one beyond ``len(table) * block_size``; nothing changes then.
         """
-        released, ids, held = self._live_table(block_table)
+        released, ids, held = self.read_live_table(block_table)
         check_int("token_count", token_count, 0)
         check_capacity(released + ids.size, token_count, self.block_size)
         kept = blocks_needed(token_count, self.block_size)
         first_dropped = max(0, kept - released)  # among the held ids
         if first_dropped < ids.size:
-            self._release_held(ids[first_dropped:], held[first_dropped:])
+            self.pool.release_held(ids[first_dropped:], held[first_dropped:])
         return _as_list(released, ids)[:kept]
 
     def release_outside_window(
@@ -201,19 +196,19 @@ class BlockManager:
         ``BlockTableError`` for a table that is not live; ``TypeError``/``ValueError`` for a
         ``token_count`` that is not an int >= 0 or beyond the table's capacity, or a ``window``
         that is not an int >= 1; nothing changes then."""
-        released, ids, held = self._live_table(block_table)
+        released, ids, held = self.read_live_table(block_table)
         check_int("token_count", token_count, 0)
-        check_int("window", window, 1)
+        check_window(window)
         check_capacity(released + ids.size, token_count, self.block_size)
         outside = blocks_outside_window(token_count, window, self.block_size)
         if outside > released:
-            self._release_held(ids[: outside - released], held[: outside - released])
+            self.pool.release_held(ids[: outside - released], held[: outside - released])
         return [None] * outside + _as_list(released, ids)[outside:]
 
     def translate_slot(self, block_table: Sequence[int | None], token_pos: int) -> int:
         """Physical slot of ``token_pos`` in a live table (module-level ``translate_slot``);
         ``BlockTableError`` for a position in a released entry."""
-        released = self._live_table(block_table)[0]
+        released = self.read_live_table(block_table)[0]
         check_int("token_pos", token_pos, 0)
         if token_pos // self.block_size < released:
             raise BlockTableError(f"token_pos {token_pos} lies in a released block")
@@ -224,29 +219,19 @@ class BlockManager:
     def allocate_array(self, num_blocks: int) -> IdArray:
         """``allocate``, returning the ids as a new ``intp`` array instead of a list."""
         check_int("num_blocks", num_blocks, 0)
-        self._check_available(num_blocks)
-        return self.take_blocks(num_blocks)
+        check_available(num_blocks, self.pool.num_free)
+        return self.pool.take(num_blocks)
 
     def free_array(self, block_ids: NDArray[np.integer]) -> None:
         """``free`` for a table given as a 1-D integer numpy array: same order, same errors.
 
         Raises ``TypeError`` for anything but a 1-D array of an integer dtype.
         """
-        self._release_held(*self._live_array(block_ids))
+        self.pool.release_held(*self._live_array(block_ids))
 
     # ----------------------------------------------------------------- validation
 
-    def _check_block_id(self, block_id: object) -> int:
-        """Rule: a block id is an int (not bool) in ``[0, total_blocks)``."""
-        if isinstance(block_id, bool) or not isinstance(block_id, int):
-            raise TypeError(f"block id must be an int, got {type(block_id).__name__}")
-        if not 0 <= block_id < self.total_blocks:
-            raise BlockTableError(
-                f"unknown block id {block_id}: this manager has blocks 0..{self.total_blocks - 1}"
-            )
-        return int(block_id)
-
-    def _live_table(self, block_table: object) -> tuple[int, IdArray, NDArray[np.int32]]:
+    def read_live_table(self, block_table: object) -> tuple[int, IdArray, NDArray[np.int32]]:
         """Validate a live table as the spec does; return how many entries lead released
         (``None``), the ids after them and their reference counts.
 
@@ -272,7 +257,7 @@ class BlockManager:
                 if ids.view(np.uintp).max() < self.total_blocks:
                     return ids
         # Empty, or some element is bad or an int subclass: check one by one, in order.
-        return np.array([self._check_block_id(b) for b in block_table], dtype=np.intp)
+        return np.array([check_block_id(b, self.total_blocks) for b in block_table], dtype=np.intp)
 
     def _live_array(self, block_ids: object) -> tuple[IdArray, NDArray[np.int32]]:
         """``_live_table`` for a 1-D integer numpy array (``TypeError`` for anything else)."""
@@ -282,7 +267,7 @@ class BlockManager:
             raise TypeError(f"block_ids must be a 1-D integer array, got {block_ids.dtype}")
         ids = block_ids.astype(np.intp, copy=False)
         if ids.size and ids.view(np.uintp).max() >= self.total_blocks:
-            self._check_block_id(int(ids[(ids < 0) | (ids >= self.total_blocks)][0]))
+            check_block_id(int(ids[(ids < 0) | (ids >= self.total_blocks)][0]), self.total_blocks)
         return self._distinct_and_held(ids)
 
     def _distinct_and_held(self, ids: IdArray) -> tuple[IdArray, NDArray[np.int32]]:
@@ -291,122 +276,16 @@ class BlockManager:
         O(n): the repeat check borrows the free queue's dead slots, so it runs once every block
         is known to be held; when some is not, repeats are looked for first, as in the spec.
         """
-        held = self._ref[ids]
+        held = self.pool.refs[ids]
         if np.count_nonzero(held) != held.size:
             if np.unique(ids).size < ids.size:
                 self._raise_repeated(ids)
             already_free = ids[held == 0].tolist()
             raise BlockTableError(f"blocks {already_free} are free (double free or stale table)")
-        if ids.size > 1 and self._free.has_repeats(ids):
+        if ids.size > 1 and self.pool.queue.has_repeats(ids):
             self._raise_repeated(ids)
         return ids, held
 
     def _raise_repeated(self, ids: IdArray) -> None:
         unique, counts = np.unique(ids, return_counts=True)
         raise BlockTableError(f"block ids repeated within one table: {unique[counts > 1].tolist()}")
-
-    def _check_available(self, num_blocks: int) -> None:
-        """Rule: allocation is all-or-nothing; too few free blocks raises before any change."""
-        if num_blocks > len(self._free):
-            raise OutOfBlocksError(
-                f"asked for {num_blocks} blocks but only {len(self._free)} are free"
-            )
-
-    # ----------------------------------------------------------------- trusted API
-    #
-    # Contract. These methods do what the checked operations above do, on numpy id arrays, and
-    # check NOTHING about their arguments: not the ids' range, not that a table's ids are
-    # distinct, not that a released or shared block is held, not that enough blocks are free.
-    # A caller that breaks a precondition corrupts the pool (a block in two tables, or freed
-    # twice) without an error. They exist for a caller that owns its tables and keeps these
-    # invariants itself, as BlockTableStore does, which makes them safe there:
-    #
-    # * every id it passes is read from its own tables, which hold exactly blocks this manager
-    #   handed out (``take_blocks``/``share_blocks``) and not yet released, so ids are in range,
-    #   distinct within a table, and each table's hold is counted in ``ref_counts_of``;
-    # * it compares with ``num_free_blocks`` before it takes, and validates every argument of
-    #   its own public methods before it calls any of these, so a call never fails halfway.
-    #
-    # Everyone else uses the checked API, which raises before anything changes.
-
-    def take_blocks(self, num_blocks: int) -> IdArray:
-        """Pop ``num_blocks`` (``<= num_free_blocks``) ids from the head of the free queue for
-        a new owner, each now with ``ref_count`` 1. The trusted ``allocate_array``."""
-        taken = self._free.popleft(num_blocks)
-        self._ref[taken] = 1
-        return taken
-
-    def take_block(self) -> int:
-        """``take_blocks(1)`` as an int, without array work: the single-block fast path
-        (``num_free_blocks >= 1``)."""
-        block = self._free.pop_one()
-        self._ref[block] = 1
-        return block
-
-    def release_block(self, block_id: int) -> None:
-        """Drop one hold on one held block; at 0 it joins the free queue's tail. The
-        single-block ``release_blocks``."""
-        left = int(self._ref[block_id]) - 1
-        self._ref[block_id] = left
-        if left == 0:
-            self._free.push_one(block_id)
-
-    def share_blocks(self, ids: IdArray) -> None:
-        """Give each block of a live table (distinct, held ids) one more owner: ``fork``."""
-        self._ref[ids] += 1
-
-    def ref_counts_of(self, ids: IdArray) -> NDArray[np.int32]:
-        """The reference counts of ``ids`` (in range), as a new array."""
-        return self._ref.take(ids)
-
-    def release_blocks(self, ids: IdArray) -> None:
-        """Drop one owner's hold on one live table (``ids`` in table order): ``free``.
-
-        Blocks that reach 0 join the free queue's tail, the table's LAST block first.
-        """
-        self._release_held(ids, self._ref[ids])
-
-    def release_blocks_in_order(self, ids: IdArray) -> None:
-        """Drop one reference per occurrence in ``ids``, in order (several tables' ids).
-
-        A block joins the free queue's tail when its count reaches 0, at its last occurrence.
-        Every block's count must cover its occurrences.
-        """
-        unique, first_in_reverse, counts = np.unique(
-            ids[::-1], return_index=True, return_counts=True
-        )
-        remaining = self._ref[unique] - counts.astype(np.int32)
-        self._ref[unique] = remaining
-        freed = remaining == 0
-        last_occurrence = ids.size - 1 - first_in_reverse[freed]
-        self._free.extend(unique[freed][np.argsort(last_occurrence)])
-
-    def copy_on_write(self, src: IdArray, dst: IdArray) -> None:
-        """Record that block ``dst[i]`` (freshly taken) replaces the shared ``src[i]`` in one
-        table, for every ``i`` in order: each ``src`` occurrence loses that table's hold (its
-        count stays >= 1) and ``(src[i], dst[i])`` is queued for :meth:`pop_copy_pairs`."""
-        np.subtract.at(self._ref, src, 1)
-        self._copy_pairs.append(np.stack((src, dst), axis=1).astype(np.int32))
-
-    def pop_copy_pairs_array(self) -> NDArray[np.int32]:
-        """:meth:`pop_copy_pairs` as a new ``int32[P, 2]`` array of ``(src, dst)`` rows."""
-        pairs = self.pending_copy_pairs_array()
-        self._copy_pairs = []
-        return pairs
-
-    def pending_copy_pairs_array(self) -> NDArray[np.int32]:
-        """The pending pairs, as :meth:`pop_copy_pairs_array` gives them, without forgetting
-        them: a caller copies, then pops, so a failed copy loses no pair."""
-        pairs = self._copy_pairs
-        if not pairs:
-            return np.empty((0, 2), dtype=np.int32)
-        if len(pairs) > 1:
-            self._copy_pairs = pairs = [np.concatenate(pairs)]
-        return pairs[0].copy()
-
-    def _release_held(self, ids: IdArray, held: NDArray[np.int32]) -> None:
-        """``release_blocks`` given the table's counts ``held`` (already read by a check)."""
-        remaining = held - 1
-        self._ref[ids] = remaining
-        freed = ids[remaining == 0] if np.count_nonzero(remaining) else ids
-        self._free.extend(freed[::-1].copy())  # contiguous: faster scatters in extend

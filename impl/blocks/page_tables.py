@@ -1,6 +1,6 @@
 """A batch's block tables in the layouts attention kernels read, as numpy int32 arrays.
 
-Each function reads a :class:`~pagedkv.impl.blocks.table_store.BlockTableStore` through its
+Each function reads a :class:`~pagedkv.impl.blocks.store.BlockTableStore` through its
 public, read-only views and changes nothing. ``seqs`` is what the store's methods take: a
 ``SeqBatch``, a list, tuple or 1-D integer array of live ids, or ``None`` for every live
 sequence in the order added. ``torch.from_numpy`` turns a result into a tensor without a copy.
@@ -16,7 +16,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
-from pagedkv.impl.blocks.table_store import BlockTableStore, SeqBatch, SeqIds
+from pagedkv.impl.blocks.batches import SeqBatch, SeqIds
+from pagedkv.impl.blocks.store import BlockTableStore
 
 Int32Array = NDArray[np.int32]
 

@@ -17,9 +17,10 @@ What differs is cost:
   registered keys chain to cached key objects too, so a hit compares one level.
 * *Registration* (``cache_blocks``, called again whenever decode fills a block) takes a block's
   own key without hashing when the block already carries it: a tuple comparison per block.
-* *Eviction* hooks the block manager's ``take_blocks``, which every allocation path uses
-  (``allocate``, ``append_slot``, and ``BlockTableStore``'s ``add``/``add_prompt``/``grow``):
-  per taken block one C-level set membership test, a dict deletion only for cached blocks.
+* *Eviction* is the pool's eviction hook (:meth:`PrefixCachingBlockManager.evict`), which every
+  allocation path meets (``allocate``, ``append_slot``, and ``BlockTableStore``'s
+  ``add``/``add_prompt``/``grow``): per taken block one C-level set membership test, a dict
+  deletion only for cached blocks.
 
 State beyond the block manager's arrays: two dicts over cached blocks only (block id -> key,
 key -> block id), and the counters. A manager with nothing cached costs what a plain one does.
@@ -32,8 +33,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedkv.impl.blocks.manager import BlockManager, BlockTableError, IdArray
-from pagedkv.spec.block_manager import blocks_needed, check_int
+from pagedkv.impl.blocks.manager import BlockManager
+from pagedkv.impl.blocks.pool import IdArray
+from pagedkv.spec.block_manager import blocks_needed
+from pagedkv.spec.checks import (
+    BlockTableError,
+    check_available,
+    check_block_id,
+    check_int,
+    check_tokens,
+)
 from pagedkv.spec.prefix_cache import (
     AllBlocksCleared,
     BlockKey,
@@ -52,25 +61,9 @@ __all__ = [
     "KVEvent",
     "PrefixCacheStats",
     "PrefixCachingBlockManager",
-    "check_tokens",
 ]
 
 HashFn = Callable[[BlockKey | None, tuple[int, ...], Hashable], int]
-
-
-def check_tokens(token_ids: object) -> Sequence[int]:
-    """Rule (the spec's): token ids are a list or tuple of non-negative ints. Returns them: the
-    argument itself, not a copy, when it holds tokens and all are plain ints (a long prompt is
-    not copied); otherwise a new list of the same tokens.
-
-    The common case is checked in C; otherwise each token is checked in order, so the first bad
-    one decides between ``TypeError`` and ``ValueError`` as in the spec.
-    """
-    if not isinstance(token_ids, (list, tuple)):
-        raise TypeError(f"token_ids must be a list of ints, got {type(token_ids).__name__}")
-    if set(map(type, token_ids)) == {int} and min(token_ids) >= 0:
-        return token_ids
-    return [check_int("token id", token, 0) for token in token_ids]
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,8 +95,8 @@ class PrefixCachingBlockManager(BlockManager):
     impl passes it a cached parent key where the spec passes an equal fresh one, and does not
     call it again for a key a block of the table being registered already carries.
 
-    ``pagedkv.impl.blocks.table_store.BlockTableStore`` drives it through the package-private
-    ``_plan_prompt``, ``_apply_prompt`` and ``_cache_ids``.
+    :class:`pagedkv.impl.blocks.store.BlockTableStore` drives it through the unchecked methods
+    at the end of the class (their contract is written there).
     """
 
     def __init__(
@@ -118,6 +111,7 @@ class PrefixCachingBlockManager(BlockManager):
             raise TypeError(
                 f"enable_kv_events must be a bool, got {type(enable_kv_events).__name__}"
             )
+        self.pool.evictor = self  # every block handed to a new owner loses its key
         self.hash_fn = hash_fn
         self._key_of: dict[int, BlockKey] = {}  # block id -> key, cached blocks only
         self._block_of: dict[BlockKey, int] = {}  # key -> block id
@@ -149,7 +143,7 @@ class PrefixCachingBlockManager(BlockManager):
 
     def key_of(self, block_id: int) -> BlockKey | None:
         """The key a block is cached under, or None."""
-        return self._key_of.get(self._check_block_id(block_id))
+        return self._key_of.get(check_block_id(block_id, self.total_blocks))
 
     def cached_block(self, key: BlockKey) -> int | None:
         """The block cached under ``key``, or None."""
@@ -181,7 +175,7 @@ class PrefixCachingBlockManager(BlockManager):
         nothing. ``TypeError``/``ValueError`` for token ids that are not non-negative ints.
 
         ``keys``, from an earlier plan of the same tokens and ``extra_key``, skips hashing:
-        the lookup is then one dict probe per block (a trusted argument: they must be that
+        the lookup is then one dict probe per block (an unchecked argument: they must be that
         plan's keys).
         """
         tokens = check_tokens(token_ids)
@@ -194,7 +188,7 @@ class PrefixCachingBlockManager(BlockManager):
         cached = cached[:queried]
         num_hits = cached.index(None) if None in cached else len(cached)
         hits = np.array(cached[:num_hits], dtype=np.intp)
-        revived = hits[self._ref[hits] == 0]
+        revived = hits[self.pool.refs[hits] == 0]
         num_blocks = blocks_needed(len(tokens), self.block_size)
         return PromptPlan(
             hits, revived, num_blocks, queried, num_hits * self.block_size, tuple(keys)
@@ -206,7 +200,7 @@ class PrefixCachingBlockManager(BlockManager):
         """Forget every cached key if no block is held; return whether it did (the spec's rule:
         False and no change while any block is held; otherwise the free queue keeps its order,
         ``stats.resets`` counts it, and one ``AllBlocksCleared`` event is emitted)."""
-        if len(self._free) != self.total_blocks:
+        if self.pool.num_free != self.total_blocks:
             return False
         self._key_of.clear()
         self._block_of.clear()
@@ -226,7 +220,7 @@ class PrefixCachingBlockManager(BlockManager):
         exceeds the free blocks, and nothing changes (counters included).
         """
         plan = self.plan_prompt(token_ids, extra_key)
-        self._check_available(plan.needed)
+        check_available(plan.needed, self.pool.num_free)
         fresh = self.apply_prompt_plan(plan)
         return plan.hits.tolist() + fresh.tolist(), plan.cached_tokens
 
@@ -242,7 +236,7 @@ class PrefixCachingBlockManager(BlockManager):
         cached under another key raises ``BlockTableError``; more tokens than the table holds
         raise ``ValueError``; released entries are skipped; nothing changes on error.
         """
-        released, ids, _ = self._live_table(block_table)
+        released, ids, _ = self.read_live_table(block_table)
         tokens = check_tokens(token_ids)
         table = [None] * released + ids.tolist()
         keys = self._chain(tokens, extra_key, table)[0]
@@ -273,7 +267,7 @@ class PrefixCachingBlockManager(BlockManager):
         loses its key if it is cached and this table alone holds it (not an eviction)."""
         table = super().truncate(block_table, token_count)
         cut = table[-1] if token_count % self.block_size else None  # the kept block cut into
-        if cut is not None and self._key_of and self._ref[cut] == 1:
+        if cut is not None and self._key_of and self.pool.refs[cut] == 1:
             self.remove_keys([cut])
         return table
 
@@ -314,9 +308,9 @@ class PrefixCachingBlockManager(BlockManager):
             parent = key
         return keys, cached
 
-    # ----------------------------------------------------------------- trusted API
+    # ----------------------------------------------------------------- unchecked API
     #
-    # Contract, as for the block manager's trusted API: no argument is checked. Safe for
+    # Contract, as for the pool (pagedkv.impl.blocks.pool): no argument is checked. Safe for
     # BlockTableStore because it applies a plan in the same call that made it (nothing changes
     # in between), after comparing ``plan.needed`` with ``num_free_blocks``, and registers only
     # ids read from one of its own live tables, with token ids that ``check_tokens`` passed.
@@ -326,10 +320,8 @@ class PrefixCachingBlockManager(BlockManager):
         since and ``plan.needed <= num_free_blocks``; return the fresh blocks, in table order."""
         self.stats.queried_blocks += plan.queried
         self.stats.hit_blocks += plan.hits.size
-        for block_id in plan.revived.tolist():
-            self._free.remove(block_id)  # O(1); the rest of the queue keeps its order
-        self._ref[plan.hits] += 1  # distinct: one block per key
-        return self.take_blocks(plan.num_blocks - plan.hits.size)
+        self.pool.revive(plan.hits, plan.revived)  # distinct: one block per key
+        return self.pool.take(plan.num_blocks - plan.hits.size)
 
     def extend_block_keys(
         self, keys: Sequence[BlockKey], tokens: Sequence[int], extra_key: Hashable
@@ -385,17 +377,15 @@ class PrefixCachingBlockManager(BlockManager):
             if block_id in self._key_of:
                 self._remove_key(block_id)
 
-    def take_block(self) -> int:
-        """``take_blocks(1)`` as an int, with the same eviction."""
-        block = super().take_block()
-        if block in self._key_of:
-            self._remove_key(block)
+    def evict_one(self, block_id: int) -> None:
+        """:meth:`evict` for one block."""
+        if block_id in self._key_of:
+            self._remove_key(block_id)
             self.stats.evictions += 1
-        return block
 
-    def take_blocks(self, num_blocks: int) -> IdArray:
-        """Rule: a block handed to a new owner loses its key (LRU eviction via the FIFO queue)."""
-        taken = super().take_blocks(num_blocks)
+    def evict(self, taken: IdArray) -> None:
+        """Rule: a block handed to a new owner loses its key (LRU eviction via the FIFO queue).
+        The pool calls it with every block it hands out, in queue order."""
         if self._key_of:
             ids = taken.tolist()
             evicted = self._key_of.keys() & ids
@@ -404,7 +394,6 @@ class PrefixCachingBlockManager(BlockManager):
             for block_id in evicted:
                 self._remove_key(block_id)
             self.stats.evictions += len(evicted)
-        return taken
 
     def _remove_key(self, block_id: int) -> None:
         """Forget a cached block's key, with its ``BlockRemoved`` event when events are on."""

@@ -7,7 +7,7 @@
 * ``engine``: :class:`PagedAttentionEngine` and the ``pagedkv`` command line.
 * ``metrics``: per-step KV metrics. ``dense``: the dense-decoding oracle.
 * ``speculative``: greedy speculative decoding, the draft sources' contract and its acceptance rule.
-* ``kernel_inputs``: block tables and page tables as the tensors attention kernels take.
+* ``hf_loader``: a Hugging Face Llama or Mistral checkpoint and tokenizer, loaded and checked.
 
 Names are imported on first use, so ``import pagedkv.impl.serving.scheduler`` loads no torch.
 """

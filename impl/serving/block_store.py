@@ -1,6 +1,6 @@
 """What the scheduler needs from a store of block tables: the :class:`BlockStore` protocol.
 
-:class:`pagedkv.impl.blocks.table_store.BlockTableStore` implements it over a paged pool; the
+:class:`pagedkv.impl.blocks.store.BlockTableStore` implements it over a paged pool; the
 serving simulator's contiguous store (``bench/simulator.py``) implements it over contiguous
 reservations. The scheduler calls nothing else, so any store with these members can be
 scheduled, and the scheduler never reaches a block manager.

@@ -42,9 +42,8 @@ from pagedkv.impl.blocks.prefix_cache import (
     KVEvent,
     PrefixCacheStats,
     PrefixCachingBlockManager,
-    check_tokens,
 )
-from pagedkv.impl.blocks.table_store import BlockTableStore
+from pagedkv.impl.blocks.store import BlockTableStore
 from pagedkv.impl.serving import speculative
 from pagedkv.impl.serving.metrics import StepMetrics, step_metrics
 from pagedkv.impl.serving.model import CausalLM
@@ -55,6 +54,7 @@ from pagedkv.impl.serving.speculative import DraftSource, accepted_drafts
 from pagedkv.kernels import resolve_backend
 from pagedkv.kernels.validation import check_bool
 from pagedkv.spec.block_manager import blocks_needed, check_int
+from pagedkv.spec.checks import check_tokens
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from pagedkv.impl.blocks.table_store import BlockTableStore
+    from pagedkv.impl.blocks.store import BlockTableStore
     from pagedkv.impl.serving.scheduler import Scheduler, SchedulerOutput
 
 

@@ -1,7 +1,7 @@
 """Continuous batching: which sequences compute which tokens each step, and who is preempted.
 
 :class:`Scheduler` is a policy over a :class:`pagedkv.impl.serving.block_store.BlockStore`, such as
-:class:`pagedkv.impl.blocks.table_store.BlockTableStore`. It needs no model and no tensors: it
+:class:`pagedkv.impl.blocks.store.BlockTableStore`. It needs no model and no tensors: it
 allocates, grows, forks and frees block tables and tells the caller (an engine, or a serving
 simulator) what to compute. The caller computes it and reports the sampled tokens with
 :meth:`Scheduler.update`.
@@ -55,9 +55,9 @@ import enum
 from collections import abc, deque
 from dataclasses import dataclass, field
 
-from pagedkv.impl.blocks.prefix_cache import check_tokens
 from pagedkv.impl.serving.block_store import BlockStore
 from pagedkv.spec.block_manager import blocks_needed, check_int
+from pagedkv.spec.checks import check_tokens
 
 
 class RequestTooLargeError(ValueError):

@@ -26,7 +26,7 @@ from dataclasses import replace
 
 import torch
 
-from pagedkv.impl.blocks.table_store import BlockTableStore
+from pagedkv.impl.blocks.store import BlockTableStore
 from pagedkv.impl.serving.scheduler import SchedulerOutput
 from pagedkv.spec.block_manager import check_int
 

@@ -1,0 +1,1 @@
+"""The block-management state machines the property files run and the planted-bug tests reuse."""

@@ -1,0 +1,393 @@
+"""The differential machine: ``impl.BlockManager`` against ``spec.BlockManager``, in lockstep.
+
+Every rule makes the same call on both managers and asserts the same outcome: an equal result of
+the same types (lists of plain ints, not numpy ints), or an exception of the same class. After
+every step the free queues (in order), the free counts and every block's reference count agree.
+Pools are small (1..32 blocks) so exhaustion is common; rules also feed bad input (wrong types,
+unknown, repeated, stale and free ids, negative counts) and ``impl``'s array API.
+
+``IMPL`` is a class attribute so that ``test_impl_planted_bugs`` can run this machine against
+deliberately broken copies of ``impl``; ``properties/test_impl_differential.py`` runs it. Also
+the strategies and checks the other differential machines share.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    multiple,
+    rule,
+)
+
+import pagedkv.spec.block_manager as spec_bm
+from pagedkv.impl.blocks.manager import BlockManager as ImplBlockManager
+from properties.outcomes import outcome
+
+BLOCK_SIZES = st.sampled_from([1, 2, 3, 4, 5, 8, 16])
+
+
+class IntSubclass(int):
+    """An int subclass: the spec accepts it as a block id or count, and so must impl."""
+
+
+def not_ints() -> st.SearchStrategy[object]:
+    """Things the spec refuses where it wants an int (``TypeError``)."""
+    return st.one_of(
+        st.booleans(),
+        st.floats(allow_nan=False, min_value=-2, max_value=40),
+        st.none(),
+        st.text(max_size=2),
+        st.sampled_from([np.int64(1), np.int32(2), np.float64(3.0)]),
+    )
+
+
+def odd_ints() -> st.SearchStrategy[object]:
+    """Ints the spec accepts as ints but that sit outside every range, or are a subclass."""
+    return st.one_of(
+        st.integers(-3, -1),
+        st.sampled_from([2**31, 2**40, 2**63, 2**64, 2**70, -(2**70)]),
+        st.builds(IntSubclass, st.integers(0, 33)),
+    )
+
+
+def bad_scalars() -> st.SearchStrategy[object]:
+    return st.one_of(not_ints(), odd_ints())
+
+
+def assert_same_construction(spec_cls: type, impl_cls: type, *args: object) -> None:
+    """Both constructors succeed on ``args``, or both raise the same exception class."""
+    expected, actual = outcome(spec_cls, *args), outcome(impl_cls, *args)
+    assert expected[0] == actual[0]
+    if expected[0] == "raised":
+        assert expected[1] is actual[1]
+
+
+def same_types(expected: Any, actual: Any) -> bool:
+    """Equal and of the same types, element by element (so no numpy ints slip through)."""
+    if type(expected) is not type(actual):
+        return False
+    if isinstance(expected, (list, tuple)):
+        return len(expected) == len(actual) and all(map(same_types, expected, actual))
+    return bool(expected == actual)
+
+
+@dataclass(eq=False)
+class Table:
+    """A table both managers hand out: its current ids, and every table it has been, in order
+    (the current one last). ``free`` takes it out of ``tables``; it stays in ``every_table``."""
+
+    blocks: list[int | None]  # None: released by a sliding window
+    history: list[list[int | None]]
+
+    def replace(self, blocks: list[int | None]) -> None:
+        """``append_slot`` returned a new table; the old one is now stale."""
+        self.blocks = blocks
+        self.history.append(blocks)
+
+
+def made(kind: str, blocks: Any) -> Any:
+    """The bundle entries for a call that may have made a table: one on success, else none."""
+    return multiple(Table(blocks, [blocks])) if kind == "ok" else multiple()
+
+
+class DifferentialMachine(RuleBasedStateMachine):
+    """spec and impl block managers, driven by the same calls.
+
+    ``tables`` holds the tables both managers hold; ``every_table`` also keeps the freed and
+    replaced ones, whose blocks may be free or owned by others now. Nothing is expected of a
+    table beyond "spec and impl agree", so a stale table that happens to be live again is fine.
+    """
+
+    IMPL: ClassVar[type] = ImplBlockManager
+    tables = Bundle("tables")
+    every_table = Bundle("every_table")
+
+    @initialize(total_blocks=st.integers(1, 32), block_size=BLOCK_SIZES)
+    def start(self, total_blocks: int, block_size: int) -> None:
+        self.spec = spec_bm.BlockManager(total_blocks, block_size)
+        self.impl = self.IMPL(total_blocks, block_size)
+        self.total_blocks, self.block_size = total_blocks, block_size
+
+    # ----------------------------------------------------------------- helpers
+
+    def both(self, name: str, *args: Any, impl_name: str | None = None) -> tuple[str, Any]:
+        """Call ``name`` on both managers (``impl_name`` on impl), assert the same outcome."""
+        spec_args = [list(a) if isinstance(a, list) else a for a in args]
+        expected = outcome(getattr(self.spec, name), *spec_args)
+        actual = outcome(getattr(self.impl, impl_name or name), *args)
+        if impl_name and actual[0] == "ok" and isinstance(actual[1], np.ndarray):
+            actual = ("ok", actual[1].tolist())
+        assert expected[0] == actual[0], f"{name}{args}: spec {expected}, impl {actual}"
+        if expected[0] == "raised":
+            assert expected[1] is actual[1], f"{name}{args}: spec {expected}, impl {actual}"
+        else:
+            assert same_types(expected[1], actual[1]), f"{name}{args}: {expected} vs {actual}"
+        for arg, spec_arg in zip(args, spec_args, strict=True):
+            if isinstance(arg, list):
+                assert arg == spec_arg, f"{name} mutated its argument"
+        return expected
+
+    def grow(self, table: Table, *args: Any) -> None:
+        """``append_slot(table.blocks, *args)`` on both; on success the table is replaced."""
+        kind, grown = self.both("append_slot", table.blocks, *args)
+        if kind == "ok":
+            table.replace(grown)
+
+    def free_array(self, table: list[int | None]) -> None:
+        """``free_array`` against the spec's ``free``; a table with released entries (which no
+        id array holds) goes through ``free`` instead."""
+        if None in table:
+            self.both("free", table)
+            return
+        expected = outcome(self.spec.free, list(table))
+        actual = outcome(self.impl.free_array, np.array(table, dtype=np.int64))
+        assert expected == actual, f"free {table}: spec {expected}, impl free_array {actual}"
+
+    # ----------------------------------------------------------------- allocation
+
+    @rule(
+        targets=(tables, every_table),
+        num_blocks=st.one_of(st.integers(0, 3), st.integers(0, 34)),
+        as_array=st.booleans(),
+    )
+    def allocate(self, num_blocks: int, as_array: bool) -> Any:
+        impl_name = "allocate_array" if as_array else "allocate"
+        return made(*self.both("allocate", num_blocks, impl_name=impl_name))
+
+    @rule(
+        targets=(tables, every_table),
+        value=st.one_of(st.integers(-2, 40), bad_scalars()),
+        call=st.sampled_from(["allocate", "can_allocate", "ref_count"]),
+    )
+    def odd_scalar_argument(self, value: object, call: str) -> Any:
+        """A count or block id: a bad type, a negative or huge int, an int subclass."""
+        kind, result = self.both(call, value)
+        return made(kind, result) if call == "allocate" else multiple()
+
+    @rule(
+        table=tables,
+        value=st.one_of(st.integers(-2, 40), bad_scalars()),
+        count=st.integers(0, 40),
+        where=st.sampled_from(["token_count", "new_tokens", "token_pos", "truncate"]),
+    )
+    def odd_scalar_on_a_table(self, table: Table, value: object, count: int, where: str) -> None:
+        """The same for the int parameters of ``append_slot``, ``translate_slot`` and
+        ``truncate``."""
+        if where == "token_pos":
+            self.both("translate_slot", table.blocks, value)
+        elif where == "truncate":
+            kind, kept = self.both("truncate", table.blocks, value)
+            if kind == "ok":
+                table.replace(kept)
+        elif where == "token_count":
+            self.grow(table, value, min(count, 2))
+        else:
+            self.grow(table, count, value)
+
+    # ----------------------------------------------------------------- table operations
+
+    @rule(table=tables, data=st.data())
+    def append_slot(self, table: Table, data: st.DataObject) -> None:
+        capacity = len(table.blocks) * self.block_size
+        token_count = data.draw(st.integers(0, capacity + 3 * self.block_size), label="count")
+        new_tokens = data.draw(st.integers(0, min(token_count, 2 * self.block_size + 1)))
+        self.grow(table, token_count, new_tokens)
+
+    @rule(table=tables, data=st.data(), as_tuple=st.booleans())
+    def append_one(self, table: Table, data: st.DataObject, as_tuple: bool) -> None:
+        """The decode step: the table's tokens are its capacity minus a little, plus one."""
+        size = len(table.blocks) * self.block_size
+        filled = data.draw(st.integers(max(0, size - self.block_size), size), label="filled")
+        kind, grown = self.both(
+            "append_slot", tuple(table.blocks) if as_tuple else table.blocks, filled + 1
+        )
+        if kind == "ok":
+            table.replace(grown)
+
+    @rule(table=tables, data=st.data(), as_tuple=st.booleans())
+    def truncate(self, table: Table, data: st.DataObject, as_tuple: bool) -> None:
+        """Roll back to any count the table holds (drafts rejected), or past it (refused)."""
+        capacity = len(table.blocks) * self.block_size
+        count = data.draw(st.integers(0, capacity) | st.integers(-1, capacity + 2), label="count")
+        kind, kept = self.both("truncate", tuple(table.blocks) if as_tuple else table.blocks, count)
+        if kind == "ok":
+            table.replace(kept)
+
+    @rule(table=tables, data=st.data())
+    def speculate(self, table: Table, data: st.DataObject) -> None:
+        """Write the last token and ``k`` drafts (lookahead first, maybe), keep ``1 + j``."""
+        filled = data.draw(st.integers(0, len(table.blocks) * self.block_size), label="filled")
+        drafts = data.draw(st.integers(0, 2 * self.block_size), label="k")
+        if data.draw(st.booleans(), label="reserve first"):
+            self.grow(table, filled + 1 + drafts, 0)
+        kind, grown = self.both("append_slot", table.blocks, filled + 1 + drafts, 1 + drafts)
+        if kind == "ok":
+            table.replace(grown)
+            kept = filled + 1 + data.draw(st.integers(0, drafts), label="j")
+            kind, kept_table = self.both("truncate", table.blocks, kept)
+            table.replace(kept_table)
+
+    @rule(table=tables, data=st.data(), as_tuple=st.booleans())
+    def release_outside_window(self, table: Table, data: st.DataObject, as_tuple: bool) -> None:
+        """Sliding window at any count the table holds (or past it), any window (or a bad one)."""
+        capacity = len(table.blocks) * self.block_size
+        count = data.draw(st.integers(0, capacity) | st.integers(-1, capacity + 2), label="count")
+        window = data.draw(
+            st.integers(1, 3 * self.block_size) | st.integers(-1, 0) | bad_scalars(),
+            label="window",
+        )
+        blocks = tuple(table.blocks) if as_tuple else table.blocks
+        kind, slid = self.both("release_outside_window", blocks, count, window)
+        if kind == "ok":
+            table.replace(slid)
+
+    @rule(table=tables, window=st.integers(1, 8), steps=st.integers(1, 8))
+    def decode_with_window(self, table: Table, window: int, steps: int) -> None:
+        """Mistral's decode loop on a full table: one token more, then release what left the
+        window, ``steps`` times."""
+        for _ in range(steps):
+            count = len(table.blocks) * self.block_size + 1
+            self.grow(table, count)
+            kind, slid = self.both("release_outside_window", table.blocks, count, window)
+            if kind != "ok":
+                return
+            table.replace(slid)
+
+    @rule(targets=(tables, every_table), table=tables)
+    def fork(self, table: Table) -> Any:
+        return made(*self.both("fork", table.blocks))
+
+    @rule(table=consumes(tables), as_array=st.booleans())
+    def free(self, table: Table, as_array: bool) -> None:
+        if as_array:
+            self.free_array(table.blocks)
+        else:
+            self.both("free", table.blocks)
+
+    @rule(table=tables, data=st.data())
+    def translate_slot(self, table: Table, data: st.DataObject) -> None:
+        capacity = len(table.blocks) * self.block_size
+        position = data.draw(st.integers(0, max(0, capacity - 1)) | st.integers(-1, capacity + 2))
+        self.both("translate_slot", table.blocks, position)
+
+    @rule(targets=(tables, every_table), table=tables, data=st.data(), write_copy=st.booleans())
+    def fork_then_write(self, table: Table, data: st.DataObject, write_copy: bool) -> Any:
+        """Beam search: fork a table, then write into the original or the copy: one token, or
+        a few that run from a shared block into a new one (copy-on-write and growth at once)."""
+        kind, blocks = self.both("fork", table.blocks)
+        if kind == "raised":  # a stale free released this table's blocks: spec and impl agree
+            return multiple()
+        child = Table(blocks, [blocks])
+        writer = child if write_copy else table
+        capacity = len(writer.blocks) * self.block_size
+        written = data.draw(st.integers(1, max(1, capacity + self.block_size)), label="count")
+        self.grow(writer, written, data.draw(st.integers(1, min(written, self.block_size + 1))))
+        return child
+
+    @rule(twice=st.booleans())
+    def pop_copy_pairs(self, twice: bool) -> None:
+        self.both("pop_copy_pairs")
+        if twice:
+            self.both("pop_copy_pairs")
+
+    # ----------------------------------------------------------------- bad tables
+
+    @rule(
+        targets=(tables, every_table),
+        table=every_table,
+        which=st.integers(0, 7),
+        operation=st.sampled_from(["free", "fork", "append_slot", "array", "truncate"]),
+    )
+    def stale_table(self, table: Table, which: int, operation: str) -> Any:
+        """A table that was freed or replaced: its blocks may be free or owned by others."""
+        blocks = table.history[which % len(table.history)]
+        if operation == "array":
+            self.free_array(blocks)
+            return multiple()
+        if operation in ("free", "truncate"):
+            self.both(operation, blocks, *((0,) if operation == "truncate" else ()))
+            return multiple()
+        args = (len(blocks) * self.block_size,) if operation == "append_slot" else ()
+        return made(*self.both(operation, blocks, *args))  # it may be live again
+
+    @rule(
+        table=tables,
+        repeated=st.integers(0, 40),
+        data=st.data(),
+        operation=st.sampled_from(["free", "fork", "translate", "array", "truncate"]),
+    )
+    def repeated_ids(
+        self, table: Table, repeated: int, data: st.DataObject, operation: str
+    ) -> None:
+        """A live table (or ``[0]`` for an empty one) with one of its ids repeated."""
+        ids = table.blocks or [0]
+        doubled = data.draw(st.permutations([*ids, ids[repeated % len(ids)]]), label="order")
+        if operation == "array":
+            self.free_array(doubled)
+        elif operation in ("translate", "truncate"):
+            self.both("translate_slot" if operation == "translate" else "truncate", doubled, 0)
+        else:
+            self.both(operation, doubled)
+
+    @rule(
+        targets=(tables, every_table),
+        table=st.one_of(
+            st.lists(st.one_of(st.none(), st.integers(-2, 34), bad_scalars()), max_size=4),
+            st.sampled_from([None, 3, "ab", {1}, range(2), np.array([0, 1])]),
+        ),
+        operation=st.sampled_from(
+            ["free", "fork", "append_slot", "translate_slot", "truncate", "release_outside_window"]
+        ),
+    )
+    def forged_table(self, table: Any, operation: str) -> Any:
+        """Any list (unknown ids, wrong types, released entries anywhere, free or held blocks,
+        in any order), or no list."""
+        args = {
+            "append_slot": (table, 3),
+            "translate_slot": (table, 0),
+            "truncate": (table, 1),
+            "release_outside_window": (table, 2, 1),
+        }
+        args = args.get(operation, (table,))
+        kind, result = self.both(operation, *args)
+        return made(kind, result) if operation in ("fork", "append_slot") else multiple()
+
+    @rule(
+        ids=st.lists(st.one_of(st.integers(-2, 34), st.sampled_from([2**31, -(2**40)])), max_size=4)
+    )
+    def forged_array(self, ids: list[int]) -> None:
+        """``free_array`` on any int64 array: unknown, repeated, free or held ids."""
+        self.free_array(ids)
+
+    @rule(
+        total_blocks=st.one_of(st.integers(-1, 3), not_ints()),  # no huge pools: the spec
+        block_size=st.one_of(st.integers(-1, 3), bad_scalars()),  # builds one object a block
+    )
+    def construct(self, total_blocks: object, block_size: object) -> None:
+        assert_same_construction(spec_bm.BlockManager, self.IMPL, total_blocks, block_size)
+
+    # ----------------------------------------------------------------- invariants
+
+    @invariant()
+    def same_state(self) -> None:
+        """Queue order, free count, every reference count and the pending copy pairs agree.
+
+        The pending pairs are read from copies of the managers, so this changes nothing."""
+        assert self.spec.free_block_ids() == self.impl.free_block_ids()
+        assert self.spec.num_free_blocks == self.impl.num_free_blocks
+        assert self.spec.usage == self.impl.usage
+        assert [block.ref_count for block in self.spec.blocks] == self.impl.ref_counts().tolist()
+        for block_id in range(self.total_blocks):
+            assert self.spec.ref_count(block_id) == self.impl.ref_count(block_id)
+        pending = copy.deepcopy(self.spec).pop_copy_pairs()
+        assert copy.deepcopy(self.impl).pop_copy_pairs() == pending

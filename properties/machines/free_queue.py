@@ -1,0 +1,92 @@
+"""The free-queue machine: ``FreeBlockQueue`` against a Python list (run by
+``properties/test_impl_free_queue.py``; ``QUEUE`` is a class attribute for planted bugs)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from pagedkv.impl.blocks.free_queue import FreeBlockQueue
+
+
+class FreeQueueMachine(RuleBasedStateMachine):
+    """A FreeBlockQueue and the list it must equal."""
+
+    QUEUE: ClassVar[type] = FreeBlockQueue
+
+    @initialize(num_blocks=st.integers(1, 40))
+    def start(self, num_blocks: int) -> None:
+        self.queue = self.QUEUE(num_blocks)
+        self.model = list(range(num_blocks))
+        self.num_blocks = num_blocks
+
+    def outside(self) -> list[int]:
+        queued = set(self.model)
+        return [b for b in range(self.num_blocks) if b not in queued]
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def popleft(self, data: st.DataObject) -> None:
+        count = data.draw(st.integers(0, len(self.model)))
+        popped = self.queue.popleft(count)
+        assert popped.dtype == np.intp
+        assert popped.tolist() == self.model[:count]
+        del self.model[:count]
+
+    @precondition(lambda self: self.model)
+    @rule()
+    def pop_one(self) -> None:
+        """The single-block pop: the head, as a plain int, tombstones skipped."""
+        block = self.queue.pop_one()
+        assert type(block) is int and block == self.model.pop(0)
+
+    @rule(data=st.data())
+    def popleft_too_many(self, data: st.DataObject) -> None:
+        count = len(self.model) + data.draw(st.integers(1, 3))
+        try:
+            self.queue.popleft(count)
+        except IndexError:
+            return
+        raise AssertionError("popleft beyond the queue must raise IndexError")
+
+    @precondition(lambda self: len(self.model) < self.num_blocks)
+    @rule(data=st.data())
+    def extend(self, data: st.DataObject) -> None:
+        pushed = data.draw(st.lists(st.sampled_from(self.outside()), unique=True))
+        self.queue.extend(np.array(pushed, dtype=np.intp))
+        self.model += pushed
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def remove(self, data: st.DataObject) -> None:
+        block_id = data.draw(st.sampled_from(self.model))
+        self.queue.remove(block_id)
+        self.model.remove(block_id)
+
+    @precondition(lambda self: len(self.model) < self.num_blocks)
+    @rule(data=st.data())
+    def remove_absent(self, data: st.DataObject) -> None:
+        block_id = data.draw(st.sampled_from(self.outside()))
+        try:
+            self.queue.remove(block_id)
+        except KeyError:
+            return
+        raise AssertionError(f"removing absent block {block_id} must raise KeyError")
+
+    @precondition(lambda self: len(self.model) < self.num_blocks)
+    @rule(data=st.data())
+    def has_repeats(self, data: st.DataObject) -> None:
+        ids = data.draw(st.lists(st.sampled_from(self.outside()), min_size=1, max_size=8))
+        assert self.queue.has_repeats(np.array(ids, dtype=np.intp)) == (len(set(ids)) < len(ids))
+
+    @invariant()
+    def equals_model(self) -> None:
+        assert len(self.queue) == len(self.model)
+        assert self.queue.to_array().tolist() == self.model
+        queued = set(self.model)
+        assert [b in self.queue for b in range(self.num_blocks)] == [
+            b in queued for b in range(self.num_blocks)
+        ]
