@@ -312,7 +312,7 @@ def resident_programs(config: LaunchConfig, device: torch.device) -> int:
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
-        compiled._init_handles()
+        _ = compiled.run  # the public property loads the binary, which sets n_regs
         target = TARGETS.get(10 * major + minor, TARGETS[DEFAULT_CAPABILITY])
         _RESIDENT[key] = programs_per_sm(
             target, compiled.n_regs, compiled.metadata.shared, config.num_warps
