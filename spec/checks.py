@@ -6,6 +6,7 @@ rule decided here holds the same everywhere it is checked. Pure Python, standard
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 INT32_MAX = 2**31 - 1
@@ -29,12 +30,24 @@ class BlockTableError(ValueError):
 
 
 def check_int(name: str, value: object, minimum: int) -> int:
-    """Rule: counts and positions are plain ints (not bool, not float) at or above ``minimum``."""
+    """Rule: counts and positions are ints (not bool, not float, not a numpy scalar, which is
+    no int subclass) at or above ``minimum``. Returns the plain int the value equals: an int
+    subclass is taken as its base value at the door (the rule for subclasses, design.md's input
+    rules), so no layer below ever sees one."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+    return operator.index(value)
+
+
+def check_str(name: str, value: object) -> str:
+    """Rule: a text argument is a str (``TypeError`` otherwise). Returns the plain str it
+    equals: a subclass (``numpy.str_``) is taken as its base value at the door, like an int
+    subclass in :func:`check_int`."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+    return str.__str__(value)
 
 
 def check_block_id(block_id: object, total_blocks: int) -> int:
