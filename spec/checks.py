@@ -95,8 +95,21 @@ def check_tokens(token_ids: object) -> Sequence[int]:
 
 def check_window(window: object) -> int:
     """Rule: a sliding window is an int >= 1, in tokens: the query at position ``p`` reads the
-    positions ``p - window < j <= p`` (``window = 1``: the query alone)."""
+    positions ``p - window < j <= p`` (``window = 1``: the query alone). Any such int is a
+    window, however wide: ``2**64`` is accepted and, over any context, hides nothing."""
     return check_int("window", window, 1)
+
+
+def int32_window(window: object) -> int | None:
+    """Rule: the window a layer that counts positions in int32 (the store, the kernels, the
+    engine's attention) works with: ``None`` (no window) for ``None`` or a window above
+    ``INT32_MAX``, which is wider than any context such a layer holds and so hides nothing,
+    exactly as :func:`blocks_outside_window` releases nothing for it; otherwise the checked
+    window (:func:`check_window`'s errors)."""
+    if window is None:
+        return None
+    checked = check_window(window)
+    return None if checked > INT32_MAX else checked
 
 
 def blocks_outside_window(token_count: int, window: int, block_size: int) -> int:
