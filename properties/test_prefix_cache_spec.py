@@ -249,6 +249,29 @@ def test_salts_change_every_block_hash() -> None:
         assert not set(hashes) & set(salted)
 
 
+def test_an_unstable_extra_key_is_refused_by_the_first_call_that_receives_it() -> None:
+    """Even a prompt that fills no block (no key is hashed) is refused with its unstable key,
+    at ``allocate_prompt`` (it used to pass, and fail later at ``cache_blocks``), and by every
+    other call that takes an extra key; nothing changes. Runs on impl too (its
+    ``test_spec_scenario_on_impl``)."""
+    manager = PrefixCachingBlockManager(8, 4)
+    for call in (
+        lambda: manager.allocate_prompt([1, 2], frozenset()),
+        lambda: manager.lookup([1, 2], frozenset()),
+        lambda: manager.blocks_to_allocate([], ("ok", frozenset())),
+        lambda: manager.block_keys([1, 2, 3], object()),
+    ):
+        with pytest.raises(TypeError, match="extra_key"):
+            call()
+        assert manager.num_free_blocks == 8 and manager.stats.queried_blocks == 0
+    table, _ = manager.allocate_prompt([1, 2], "fine")
+    with pytest.raises(TypeError, match="extra_key"):
+        manager.cache_blocks(table, [1, 2], frozenset())
+    assert manager.num_cached_blocks == 0 and manager.num_free_blocks == 7
+    other = PrefixCachingBlockManager(8, 4, hash_fn=lambda *parts: 0)  # it judges its keys
+    assert other.allocate_prompt([1, 2], frozenset())[1] == 0
+
+
 def test_an_extra_key_without_a_stable_encoding_is_refused() -> None:
     for extra in (frozenset({1}), object(), [1], ("ok", {1}), ("ok", ("deep", {1})), 1j):
         manager = PrefixCachingBlockManager(8, 4)

@@ -76,6 +76,15 @@ def default_block_hash(parent: BlockKey | None, tokens: tuple[int, ...], extra: 
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
+def check_extra_key(extra_key: object, hash_fn: Callable[..., int]) -> None:
+    """Rule: a key that the default hash cannot encode stably (:func:`check_stable_extra`) is
+    refused by the first call that receives it, before anything changes, even when the tokens
+    fill no block and so no key is hashed. Under another ``hash_fn`` the extra key is that
+    function's to judge."""
+    if hash_fn is default_block_hash and extra_key is not None and type(extra_key) is not str:
+        check_stable_extra(extra_key)
+
+
 def _same(a: Hashable, b: Hashable) -> bool:
     """Equality as tuple members compare: identity first, then ``==``."""
     return a is b or a == b
@@ -188,6 +197,7 @@ class PrefixCachingBlockManager(BlockManager):
         before it changes anything.
         """
         tokens = list(check_tokens(token_ids))
+        check_extra_key(extra_key, self.hash_fn)
         keys: list[BlockKey] = []
         parent = None
         for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
