@@ -19,8 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.spec.checks import INT32_MAX, MAX_INT32_BLOCKS, check_int
-from pagedkv.spec.checks import check_window as check_window_rule
+from pagedkv.spec.checks import INT32_MAX, MAX_INT32_BLOCKS, check_int, int32_window
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -168,10 +167,7 @@ def check_window(window: object) -> int | None:
     ``sliding_window``; ``w = 1`` is the query alone). Returns the window, or ``None`` for a
     window longer than any context can be (``INT32_MAX`` tokens), which hides nothing.
     """
-    if window is None:
-        return None
-    checked = check_window_rule(window)
-    return None if checked > INT32_MAX else checked
+    return int32_window(window)
 
 
 def window_starts(

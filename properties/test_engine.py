@@ -23,12 +23,16 @@ from collections.abc import Iterator, Sequence
 import pytest
 from hypothesis import given, settings
 
+from pagedkv.impl.blocks.manager import BlockManager as ImplBlockManager
+from pagedkv.impl.blocks.store import BlockTableStore
 from pagedkv.impl.serving.cli import main
 from pagedkv.impl.serving.dense import dense_generate
 from pagedkv.impl.serving.engine import PagedAttentionEngine
 from pagedkv.impl.serving.model import CausalLM
 from pagedkv.impl.serving.paged_kv import PagedKVCache
-from pagedkv.impl.serving.scheduler import RequestTooLargeError, SchedulerOutput
+from pagedkv.impl.serving.scheduler import RequestTooLargeError, SchedulerConfig, SchedulerOutput
+from pagedkv.kernels.validation import check_window
+from pagedkv.spec.block_manager import BlockManager as SpecBlockManager
 from pagedkv.spec.block_manager import blocks_needed, blocks_outside_window
 from properties.engine_cases import (
     CONFIG,
@@ -276,6 +280,36 @@ def test_sliding_window_releases_blocks_and_matches_dense(
             forced = dense_generate(WINDOW_MODEL, prompt, 0, forced=tokens)
             assert_logits_close(row, forced.logits, f"prompt {prompt}")  # type: ignore[arg-type]
     check_all_freed(engine)
+
+
+@pytest.mark.parametrize("window", [2**31, 2**63, 2**64], ids=["2**31", "2**63", "2**64"])
+def test_a_window_wider_than_any_context_is_no_window_in_every_layer(window: int) -> None:
+    """One rule from the spec to the kernels: a window above ``INT32_MAX`` is accepted and hides
+    nothing. The managers and the store release nothing (the store used to raise an untyped
+    ``OverflowError``), the scheduler takes it, the kernels' check reads it as no window, and
+    the engine serves a model with it exactly as the same model without a window (every step
+    used to raise in ``window_starts``, which was handed the raw window)."""
+    for manager in (SpecBlockManager(8, 4), ImplBlockManager(8, 4)):
+        table = manager.allocate(3)
+        assert manager.release_outside_window(table, 12, window) == table
+    store = BlockTableStore(ImplBlockManager(8, 4), 2, 4)
+    store.admit(0, list(range(12)))
+    store.release_outside_window([0], window)
+    store.release_outside_window([0], window, 12)
+    assert store.table(0) == [0, 1, 2] and int(store.num_released[store.row(0)]) == 0
+    with pytest.raises(ValueError, match="token_counts"):  # the other checks still run first
+        store.release_outside_window([0], window, 13)
+    assert SchedulerConfig(sliding_window=window).sliding_window == window
+    assert check_window(window) is None
+    wide = CausalLM.from_seed(dataclasses.replace(CONFIG, sliding_window=window), seed=0)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8]]
+    with one_thread():
+        outputs = [
+            [out.outputs for out in PagedAttentionEngine(model, total_blocks=16, block_size=2)
+             .generate(prompts, 6)]
+            for model in (MODEL, wide)
+        ]  # fmt: skip
+    assert outputs[1] == outputs[0]
 
 
 def test_sliding_window_with_speculative_decoding() -> None:

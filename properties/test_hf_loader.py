@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from pagedkv.impl.serving.cli import main
+from pagedkv.impl.serving.engine import PagedAttentionEngine
 from pagedkv.impl.serving.hf_loader import config_from_hf, load_hf, load_tokenizer
 from properties.hf_cases import hf_greedy, tiny_hf_model
 
@@ -108,6 +109,19 @@ def test_a_window_causal_lm_cannot_take_is_refused_by_name(window: object) -> No
     config = tiny_hf_model("Mistral", sliding_window=None).config
     with pytest.raises(ValueError, match=re.escape(f"config field sliding_window={window!r}")):
         config_from_hf(_relabelled(config, sliding_window=window))
+
+
+def test_a_window_wider_than_any_context_loads_as_no_window() -> None:
+    """A Mistral ``sliding_window`` of ``2**64`` is a window (the loader keeps it) that hides
+    nothing: the engine serves it as the same model without one (every step used to raise in
+    the kernels' window check)."""
+    served = []
+    for window in (None, 2**64):
+        model = load_hf(tiny_hf_model("Mistral", sliding_window=window))
+        assert model.config.sliding_window == window
+        engine = PagedAttentionEngine(model, total_blocks=16, block_size=4)
+        served.append([out.outputs for out in engine.generate([[5, 6, 7, 8, 9], [3]], 5)])
+    assert served[1] == served[0]
 
 
 def test_a_saved_directory_loads_the_same_weights(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import pagedkv.impl.serving.scheduler as scheduler_module
@@ -124,6 +125,30 @@ def test_a_salt_that_is_not_a_str_is_refused(salt: object) -> None:
     with pytest.raises(TypeError, match="cache_salt"):
         scheduler.add_request(0, PROMPT, 1, cache_salt=salt)  # type: ignore[arg-type]
     assert not scheduler.has_unfinished()
+
+
+def test_a_str_subclass_salt_is_the_str_it_equals() -> None:
+    """A ``numpy.str_`` salt is taken as the plain str at the door: its request runs (it used to
+    pass the scheduler and wedge every step in the default hash) and shares its blocks with the
+    same salt given as a str, and with no other."""
+    scheduler = salt_scheduler()
+    full = (len(PROMPT) - 1) // 4 * 4
+    seq = scheduler.add_request(0, PROMPT, 1, cache_salt=np.str_("tenant-a"))
+    assert type(seq.cache_salt) is str
+    scheduler.update(scheduler.schedule(), {seq.seq_id: [0]})
+    assert not scheduler.has_unfinished()
+    assert run_prompt(scheduler, 1, "tenant-a") == full
+    assert run_prompt(scheduler, 2, "tenant-b") == 0
+    engine = PagedAttentionEngine(
+        MODEL, total_blocks=12, block_size=4, max_num_seqs=2, enable_prefix_caching=True
+    )
+    outputs = []
+    with one_thread():
+        for salt in ("t", np.str_("t")):
+            engine.add_request(PROMPT, 3, cache_salt=salt)
+            while engine.has_unfinished_requests():
+                outputs.extend(engine.step().finished)
+    assert [out.outputs for out in outputs[1:]] == [outputs[0].outputs]
 
 
 # ----------------------------------------------------------------- the engine's events and reset

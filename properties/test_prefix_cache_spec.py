@@ -5,8 +5,10 @@ The scenarios follow the ideas of vLLM's prefix-caching tests, expressed in page
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import FrozenInstanceError, replace
 
+import numpy as np
 import pytest
 
 from pagedkv.spec import BlockTableError, OutOfBlocksError
@@ -249,9 +251,78 @@ def test_salts_change_every_block_hash() -> None:
         assert not set(hashes) & set(salted)
 
 
+def test_an_unstable_extra_key_is_refused_by_the_first_call_that_receives_it() -> None:
+    """Even a prompt that fills no block (no key is hashed) is refused with its unstable key,
+    at ``allocate_prompt`` (it used to pass, and fail later at ``cache_blocks``), and by every
+    other call that takes an extra key; nothing changes. Runs on impl too (its
+    ``test_spec_scenario_on_impl``)."""
+    manager = PrefixCachingBlockManager(8, 4)
+    for call in (
+        lambda: manager.allocate_prompt([1, 2], frozenset()),
+        lambda: manager.lookup([1, 2], frozenset()),
+        lambda: manager.blocks_to_allocate([], ("ok", frozenset())),
+        lambda: manager.block_keys([1, 2, 3], object()),
+    ):
+        with pytest.raises(TypeError, match="extra_key"):
+            call()
+        assert manager.num_free_blocks == 8 and manager.stats.queried_blocks == 0
+    table, _ = manager.allocate_prompt([1, 2], "fine")
+    with pytest.raises(TypeError, match="extra_key"):
+        manager.cache_blocks(table, [1, 2], frozenset())
+    assert manager.num_cached_blocks == 0 and manager.num_free_blocks == 7
+    other = PrefixCachingBlockManager(8, 4, hash_fn=lambda *parts: 0)  # it judges its keys
+    assert other.allocate_prompt([1, 2], frozenset())[1] == 0
+
+
 def test_an_extra_key_without_a_stable_encoding_is_refused() -> None:
     for extra in (frozenset({1}), object(), [1], ("ok", {1}), ("ok", ("deep", {1})), 1j):
         manager = PrefixCachingBlockManager(8, 4)
         with pytest.raises(TypeError, match="extra_key"):
             manager.allocate_prompt(KEY_PROMPT, extra)
         assert manager.num_free_blocks == 8 and manager.stats.queried_blocks == 0
+
+
+EQUAL_EXTRA_KEYS: list[tuple[object, list[object]]] = [
+    (1, [True, 1.0, np.float64(1.0)]),
+    (0.0, [-0.0, 0, False]),
+    (("t", 1), [("t", True), ("t", 1.0)]),
+    ("t", [np.str_("t")]),
+    (b"t", [np.bytes_(b"t")]),
+]
+
+
+def test_equal_extra_keys_hash_equal_and_hit() -> None:
+    """Extra keys that are equal are the same key (``BlockKey`` compares them with ``==``), so
+    they hash equal and a lookup under one hits the blocks cached under the other, under the
+    default hash as under a colliding one (``1``/``True`` used to miss under the default
+    hash). Keys that differ still miss."""
+    cases = [(h, stored, equal) for h in (default_block_hash, colliding_hash)
+             for stored, equal in EQUAL_EXTRA_KEYS]  # fmt: skip
+    for hash_fn, stored, equal in cases:
+        manager = PrefixCachingBlockManager(8, 4, hash_fn=hash_fn)
+        table, _ = manager.allocate_prompt(KEY_PROMPT, stored)
+        manager.cache_blocks(table, KEY_PROMPT, stored)
+        hashes = [key.hash_value for key in manager.block_keys(KEY_PROMPT, stored)]
+        for other in equal:
+            assert [key.hash_value for key in manager.block_keys(KEY_PROMPT, other)] == hashes
+            assert manager.lookup(KEY_PROMPT, other) == table[:3], (hash_fn, other)
+        assert manager.lookup(KEY_PROMPT, 2) == []
+        assert manager.lookup(KEY_PROMPT, (stored, stored)) == []
+
+
+def test_the_default_hash_is_the_documented_recipe() -> None:
+    """design.md §8's recipe, computed here from its words, not from the code: BLAKE2b with an
+    8-byte digest over the UTF-8 bytes of the repr of (parent's hash or None, the block's tokens,
+    the canonical extra key), read as a little-endian signed int. The extra key ``("t", True,
+    -0.0, 2.5)`` is canonically ``('t', 1, 0, 2.5)``."""
+
+    def recipe(text: str) -> int:
+        digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
+        return int.from_bytes(digest, "little", signed=True)
+
+    first = recipe("(None, (0, 1, 2, 3), ('t', 1, 0, 2.5))")
+    second = recipe(f"({first}, (4, 5, 6, 7), ('t', 1, 0, 2.5))")
+    keys = PrefixCachingBlockManager(8, 4).block_keys(list(range(9)), ("t", True, -0.0, 2.5))
+    assert [key.hash_value for key in keys] == [first, second]
+    cut = hashlib.blake2b(b"(None, (0, 1, 2, 3), ('t', 1, 0, 2.5))").digest()[:8]
+    assert int.from_bytes(cut, "little", signed=True) != first, "a cut digest is another hash"

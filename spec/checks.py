@@ -6,6 +6,7 @@ rule decided here holds the same everywhere it is checked. Pure Python, standard
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 INT32_MAX = 2**31 - 1
@@ -29,12 +30,24 @@ class BlockTableError(ValueError):
 
 
 def check_int(name: str, value: object, minimum: int) -> int:
-    """Rule: counts and positions are plain ints (not bool, not float) at or above ``minimum``."""
+    """Rule: counts and positions are ints (not bool, not float, not a numpy scalar, which is
+    no int subclass) at or above ``minimum``. Returns the plain int the value equals: an int
+    subclass is taken as its base value at the door (the rule for subclasses, design.md's input
+    rules), so no layer below ever sees one."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+    return operator.index(value)
+
+
+def check_str(name: str, value: object) -> str:
+    """Rule: a text argument is a str (``TypeError`` otherwise). Returns the plain str it
+    equals: a subclass (``numpy.str_``) is taken as its base value at the door, like an int
+    subclass in :func:`check_int`."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+    return str.__str__(value)
 
 
 def check_block_id(block_id: object, total_blocks: int) -> int:
@@ -82,8 +95,21 @@ def check_tokens(token_ids: object) -> Sequence[int]:
 
 def check_window(window: object) -> int:
     """Rule: a sliding window is an int >= 1, in tokens: the query at position ``p`` reads the
-    positions ``p - window < j <= p`` (``window = 1``: the query alone)."""
+    positions ``p - window < j <= p`` (``window = 1``: the query alone). Any such int is a
+    window, however wide: ``2**64`` is accepted and, over any context, hides nothing."""
     return check_int("window", window, 1)
+
+
+def int32_window(window: object) -> int | None:
+    """Rule: the window a layer that counts positions in int32 (the store, the kernels, the
+    engine's attention) works with: ``None`` (no window) for ``None`` or a window above
+    ``INT32_MAX``, which is wider than any context such a layer holds and so hides nothing,
+    exactly as :func:`blocks_outside_window` releases nothing for it; otherwise the checked
+    window (:func:`check_window`'s errors)."""
+    if window is None:
+        return None
+    checked = check_window(window)
+    return None if checked > INT32_MAX else checked
 
 
 def blocks_outside_window(token_count: int, window: int, block_size: int) -> int:

@@ -31,6 +31,7 @@ of the queue for a new owner loses its key (*eviction*, least recently freed fir
 from __future__ import annotations
 
 import hashlib
+import operator
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -43,37 +44,62 @@ from pagedkv.spec.checks import (
     check_tokens,
 )
 
-STABLE_EXTRA_TYPES = (type(None), bool, int, float, str, bytes)
-"""What an extra key may be built from under the default hash: these, and tuples of them. Their
-``repr`` is the same in every process (a ``frozenset``'s or an object's is not)."""
 
+def canonical_extra(extra: object) -> object:
+    """Rule: the value the default hash encodes for an extra key, equal for equal keys, so that
+    keys that are equal (and so the same key, ``BlockKey.__eq__``) hash equal.
 
-def check_stable_extra(extra: object) -> None:
-    """Rule: under the default hash the extra key is None, a bool, int, float, str or bytes, or
-    a tuple of such (``TypeError`` otherwise), so its encoding is the same in every process."""
+    None, a str and bytes are themselves. A bool, an int and a float that equals an int are
+    that int (``1``, ``True`` and ``1.0`` are ``1``; ``0.0`` and ``-0.0`` are ``0``); any other
+    float (``1.5``, ``inf``, ``nan``) is itself. A subclass of int, float, str or bytes
+    (``numpy.str_``, ``numpy.float64``) is taken as its base value first (``spec.checks``'
+    rule). A tuple is the tuple of its parts' values. Anything else (a ``frozenset``, an
+    object, a list, a complex) raises ``TypeError`` naming ``extra_key``: its ``repr`` is not
+    the same in every process, or has no equal-for-equal form.
+    """
+    if extra is None or type(extra) is str or type(extra) is bytes:
+        return extra
     if type(extra) is tuple:
-        for part in extra:
-            check_stable_extra(part)
-    elif type(extra) not in STABLE_EXTRA_TYPES:
-        raise TypeError(
-            "extra_key must be None, a bool, int, float, str or bytes, or a tuple of them, for "
-            f"a hash that is stable across processes; got {type(extra).__name__}"
-        )
+        return tuple(canonical_extra(part) for part in extra)
+    if isinstance(extra, int):  # bool included: True == 1
+        return operator.index(extra)
+    if isinstance(extra, float):
+        value = float(extra)
+        return int(value) if value.is_integer() else value
+    if isinstance(extra, str):
+        return str.__str__(extra)
+    if isinstance(extra, bytes):
+        return bytes(extra)
+    raise TypeError(
+        "extra_key must be None, a bool, int, float, str or bytes, or a tuple of them, for "
+        f"a hash that is stable across processes; got {type(extra).__name__}"
+    )
 
 
 def default_block_hash(parent: BlockKey | None, tokens: tuple[int, ...], extra: Hashable) -> int:
-    """Stable hash of a block key's parts: the first 8 bytes of BLAKE2b over the ``repr`` of
-    (the parent's hash, the tokens, the extra key), as a signed int.
+    """Stable hash of a block key's parts (design.md §8 states the recipe): BLAKE2b with an
+    8-byte digest (``digest_size=8``, not a longer digest cut short) over the UTF-8 bytes of
+    ``repr((parent_hash, tokens, canonical_extra(extra)))``, the digest read as a
+    little-endian signed 64-bit int. ``parent_hash`` is None for a prompt's first block.
 
     Rule: the same parts give the same hash in every process and on every run (no
-    ``PYTHONHASHSEED``), so a block's hash names its content across instances. The parent
-    enters through its hash, which already covers the whole prefix before it.
+    ``PYTHONHASHSEED``), so a block's hash names its content across instances; equal extra
+    keys give equal hashes (:func:`canonical_extra`). The parent enters through its hash, which
+    already covers the whole prefix before it.
     """
-    if extra is not None and type(extra) is not str:
-        check_stable_extra(extra)
     parent_hash = None if parent is None else parent.hash_value
-    data = repr((parent_hash, tokens, extra)).encode()
+    canonical = extra if extra is None or type(extra) is str else canonical_extra(extra)
+    data = repr((parent_hash, tokens, canonical)).encode("utf-8")
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+
+def check_extra_key(extra_key: object, hash_fn: Callable[..., int]) -> None:
+    """Rule: a key that the default hash cannot encode stably (:func:`canonical_extra`) is
+    refused by the first call that receives it, before anything changes, even when the tokens
+    fill no block and so no key is hashed. Under another ``hash_fn`` the extra key is that
+    function's to judge."""
+    if hash_fn is default_block_hash and extra_key is not None and type(extra_key) is not str:
+        canonical_extra(extra_key)
 
 
 def _same(a: Hashable, b: Hashable) -> bool:
@@ -188,6 +214,7 @@ class PrefixCachingBlockManager(BlockManager):
         before it changes anything.
         """
         tokens = list(check_tokens(token_ids))
+        check_extra_key(extra_key, self.hash_fn)
         keys: list[BlockKey] = []
         parent = None
         for start in range(0, len(tokens) - self.block_size + 1, self.block_size):

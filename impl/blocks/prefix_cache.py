@@ -50,6 +50,7 @@ from pagedkv.spec.prefix_cache import (
     BlockStored,
     KVEvent,
     PrefixCacheStats,
+    check_extra_key,
     default_block_hash,
 )
 
@@ -276,7 +277,8 @@ class PrefixCachingBlockManager(BlockManager):
     def _chain(
         self, tokens: Sequence[int], extra_key: Hashable, table: Sequence[int] = ()
     ) -> tuple[list[BlockKey], list[int | None]]:
-        """The full blocks' keys and, for each, the block cached under it (or None).
+        """The full blocks' keys and, for each, the block cached under it (or None); first
+        :func:`check_extra_key`, as the spec's ``block_keys`` does.
 
         A key found in the cache is replaced by the cached object, so the next key's parent is
         that object and comparing it with its cached equal stops after one level. Where
@@ -284,6 +286,7 @@ class PrefixCachingBlockManager(BlockManager):
         extra objects, equal tokens), that key is taken without hashing, so registering again a
         sequence whose prefix is cached costs a tuple comparison per cached block.
         """
+        check_extra_key(extra_key, self.hash_fn)
         size = self.block_size
         keys: list[BlockKey] = []
         cached: list[int | None] = []

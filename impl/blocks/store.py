@@ -45,6 +45,7 @@ from pagedkv.spec.checks import (
     check_int,
     check_tokens,
     check_window,
+    int32_window,
 )
 
 __all__ = ["BlockTableStore", "SeqBatch"]
@@ -348,7 +349,9 @@ class BlockTableStore:
         spec's order (a cached one stays cached, revivable); tables keep their length. Raises,
         changing nothing: what :meth:`resolve` raises for bad ids, ``TypeError`` for a window
         or count that is not an int, ``ValueError`` for a window below 1, a count below 0 or
-        above the sequence's table capacity (``num_blocks * block_size``).
+        above the sequence's table capacity (``num_blocks * block_size``). A window above
+        ``INT32_MAX`` is wider than any count the store holds and releases nothing
+        (``int32_window``: no window).
         """
         batch = self.resolve(seqs)
         rows = batch.rows
@@ -365,6 +368,8 @@ class BlockTableStore:
             if over.any():
                 ids = [s for s, o in zip(batch.seq_ids, over.tolist(), strict=True) if o]
                 raise ValueError(f"token_counts exceed the table capacity of sequences {ids}")
+        if int32_window(window) is None:
+            return  # wider than any count the store holds: releases nothing, as in the spec
         # The spec's blocks_outside_window(count, window, block_size), for the whole batch.
         outside = np.maximum(counts - (window - 1), 0) // self.block_size
         self._rows.release_leading(rows, batch.base, outside, self._pool)

@@ -44,6 +44,7 @@ from pagedkv.kernels.validation import (
     check_context_values,
     check_cu_seqlens_values,
     check_slot_values,
+    check_window,
     window_starts,
 )
 
@@ -108,7 +109,7 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.group = config.num_heads // config.num_kv_heads
-        self.window = config.sliding_window
+        self.window = check_window(config.sliding_window)  # only a checked window: None if huge
         self.scale = config.head_dim**-0.5
         self.backend = backend
         self.device = self.k[0].device

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 
 from pagedkv.impl.serving.block_store import BlockStore
 from pagedkv.spec.block_manager import blocks_needed, check_int
-from pagedkv.spec.checks import check_tokens
+from pagedkv.spec.checks import check_str, check_tokens
 
 
 class RequestTooLargeError(ValueError):
@@ -65,10 +65,12 @@ class RequestTooLargeError(ValueError):
 
 
 def check_cache_salt(cache_salt: object) -> str | None:
-    """Rule: a cache salt is a str or None (``TypeError`` otherwise). Returns it."""
-    if cache_salt is not None and not isinstance(cache_salt, str):
-        raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
-    return cache_salt
+    """Rule: a cache salt is a str or None (``TypeError`` otherwise). Returns it as a plain str
+    (a subclass such as ``numpy.str_`` is taken as the str it equals, :func:`check_str`), so
+    the salt the store hashes is one the default block hash takes."""
+    if cache_salt is None:
+        return None
+    return check_str("cache_salt", cache_salt)
 
 
 @dataclass(frozen=True)
@@ -231,7 +233,7 @@ class Scheduler:
         check_int("n", n, 1)
         if eos_token_id is not None:
             check_int("eos_token_id", eos_token_id, 0)
-        check_cache_salt(cache_salt)
+        cache_salt = check_cache_salt(cache_salt)
         if not check_tokens(prompt):
             raise ValueError("the prompt must hold at least one token")
         max_len = len(prompt) + max_new_tokens - 1
