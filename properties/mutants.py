@@ -25,6 +25,7 @@ import textwrap
 import types
 from collections.abc import Mapping, Sequence
 
+import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 FIND = settings(
@@ -37,9 +38,18 @@ FIND = settings(
     suppress_health_check=list(HealthCheck),
     phases=[Phase.generate],  # a planted bug only has to be found, not shrunk
 )
-"""The search every planted-bug run and its control make: explicit, so it does not depend on
-the Hypothesis profile, and the same for both, so a control proves the loading path sound for
-every example a mutant is hunted with."""
+"""The search every planted-bug run makes: explicit, so it does not depend on the Hypothesis
+profile. A control's full search (:data:`CONTROL_SEARCHES`) is the same, so it proves the
+loading path sound for every example a mutant is hunted with."""
+
+CONTROL_SEARCHES = (
+    pytest.param(settings(FIND, max_examples=30), id="sample"),
+    pytest.param(FIND, id="full", marks=pytest.mark.long),
+)
+"""The searches a control runs, as a ``search`` parameter: 30 examples in the quick command,
+and :data:`FIND`'s whole search, every example a planted bug can be hunted with, in the long
+command (``-m long``). A control is an unmutated copy, so it passes either way unless the
+loading path itself is broken."""
 
 
 def _shape(node: ast.AST) -> str:

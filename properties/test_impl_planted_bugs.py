@@ -14,6 +14,7 @@ from __future__ import annotations
 import types
 
 import pytest
+from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
 import pagedkv.impl.blocks.free_queue
@@ -26,7 +27,7 @@ import pagedkv.impl.blocks.tables
 from properties.machines.differential import DifferentialMachine
 from properties.machines.free_queue import FreeQueueMachine
 from properties.machines.store import StoreMachine, WindowStoreMachine
-from properties.mutants import FIND, load_chain, load_mutant, planted_store
+from properties.mutants import CONTROL_SEARCHES, FIND, load_chain, load_mutant, planted_store
 
 # (module, snippet, replacement, machine that must catch it)
 BUGS: dict[str, tuple[types.ModuleType, str, str, str]] = {
@@ -282,9 +283,12 @@ def machine_with(module: types.ModuleType, old: str, new: str, kind: str) -> typ
         "page-tables",
     ],
 )
-def test_control_unmutated_copy_passes(module: types.ModuleType, snippet: str, kind: str) -> None:
+@pytest.mark.parametrize("search", CONTROL_SEARCHES)
+def test_control_unmutated_copy_passes(
+    module: types.ModuleType, snippet: str, kind: str, search: settings
+) -> None:
     """The loading path itself is sound: an identity 'mutation' passes each machine."""
-    run_state_machine_as_test(machine_with(module, snippet, snippet, kind), settings=FIND)
+    run_state_machine_as_test(machine_with(module, snippet, snippet, kind), settings=search)
 
 
 @pytest.mark.parametrize("bug", sorted(BUGS))

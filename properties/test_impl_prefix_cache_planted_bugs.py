@@ -14,6 +14,7 @@ from __future__ import annotations
 import types
 
 import pytest
+from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
 import pagedkv.impl.blocks.block_hashes
@@ -23,7 +24,7 @@ import pagedkv.impl.blocks.store
 import pagedkv.impl.blocks.tables
 import pagedkv.spec.prefix_cache as spec_prefix_cache
 from properties.machines.prefix import PrefixDifferentialMachine, PrefixStoreMachine
-from properties.mutants import FIND, load_mutant, planted_store
+from properties.mutants import CONTROL_SEARCHES, FIND, load_mutant, planted_store
 from properties.test_prefix_cache_planted_bugs import PREFIX_BUGS
 
 STORE_PARTS = (
@@ -146,9 +147,12 @@ def machine_with(module: types.ModuleType, old: str, new: str) -> type[RuleBased
     [(spec_prefix_cache, "class BlockKey:"), (pagedkv.impl.blocks.store, "def add_prompt(")],
     ids=["impl-over-copied-key", "store"],
 )
-def test_control_unmutated_copy_passes(module: types.ModuleType, snippet: str) -> None:
+@pytest.mark.parametrize("search", CONTROL_SEARCHES)
+def test_control_unmutated_copy_passes(
+    module: types.ModuleType, snippet: str, search: settings
+) -> None:
     """The loading paths are sound: identity 'mutations' pass the machines."""
-    run_state_machine_as_test(machine_with(module, snippet, snippet), settings=FIND)
+    run_state_machine_as_test(machine_with(module, snippet, snippet), settings=search)
 
 
 @pytest.mark.parametrize("bug", sorted(BUGS))

@@ -36,6 +36,7 @@ def test_small_sweep_writes_a_complete_report(tmp_path: Path) -> None:
     }
 
 
+@pytest.mark.long  # the script runs the kernel property files before its sweep
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script runs for real")
 def test_script_command_line_runs_tests_then_sweep(tmp_path: Path) -> None:
     out = tmp_path / "report.json"

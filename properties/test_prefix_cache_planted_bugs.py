@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 import pagedkv.spec.prefix_cache as spec_prefix_cache
-from properties.mutants import FIND, load_mutant
+from properties.mutants import CONTROL_SEARCHES, FIND, load_mutant
 from properties.prefix_cache_machine import prefix_cache_machine
 
 PREFIX_BUGS = {
@@ -107,9 +108,10 @@ def variant(old: str, new: str) -> type:
     return load_mutant(spec_prefix_cache, old, new, EVENT_CLASSES).PrefixCachingBlockManager
 
 
-def test_control_unmutated_copy_passes() -> None:
+@pytest.mark.parametrize("search", CONTROL_SEARCHES)
+def test_control_unmutated_copy_passes(search: settings) -> None:
     snippet = "key = self._key_of.pop(block_id)"
-    run_state_machine_as_test(prefix_cache_machine(variant(snippet, snippet)), settings=FIND)
+    run_state_machine_as_test(prefix_cache_machine(variant(snippet, snippet)), settings=search)
 
 
 @pytest.mark.parametrize("bug", sorted(PREFIX_BUGS))

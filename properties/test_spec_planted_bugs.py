@@ -7,11 +7,12 @@ bug, never because of how it was loaded.
 from __future__ import annotations
 
 import pytest
+from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 import pagedkv.spec.block_manager as spec_block_manager
 from properties.block_manager_machine import block_manager_machine
-from properties.mutants import FIND, load_mutant
+from properties.mutants import CONTROL_SEARCHES, FIND, load_mutant
 
 SPEC_BUGS = {
     "no double-free check": (
@@ -109,10 +110,12 @@ def spec_variant(old: str, new: str) -> type:
     return load_mutant(spec_block_manager, old, new, SHARED_NAMES).BlockManager
 
 
-def test_control_unmutated_copy_passes() -> None:
+@pytest.mark.parametrize("search", CONTROL_SEARCHES)
+def test_control_unmutated_copy_passes(search: settings) -> None:
     """The loading path itself is sound: an identity 'mutation' passes the machine."""
     snippet = "for block_id in reversed(blocks):"
-    run_state_machine_as_test(block_manager_machine(spec_variant(snippet, snippet)), settings=FIND)
+    machine = block_manager_machine(spec_variant(snippet, snippet))
+    run_state_machine_as_test(machine, settings=search)
 
 
 @pytest.mark.parametrize("bug", sorted(SPEC_BUGS))

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import pytest
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -47,7 +48,7 @@ from pagedkv.impl.blocks import BlockManager, BlockTableStore, PrefixCachingBloc
 from pagedkv.spec.block_manager import BlockManager as SpecBlockManager
 from pagedkv.spec.block_manager import OutOfBlocksError
 from pagedkv.spec.prefix_cache import PrefixCachingBlockManager as SpecPrefixManager
-from properties.mutants import FIND, load_mutant, planted_store
+from properties.mutants import CONTROL_SEARCHES, FIND, load_mutant, planted_store
 from properties.outcomes import outcome
 
 VOCAB = st.integers(0, 1)  # two tokens: prompts share prefixes often
@@ -393,7 +394,8 @@ def planted_machine(
     return type("PlantedPreemption", (base,), {"STORE": planted_store(module, old, new)})
 
 
-def test_control_unmutated_copies_pass() -> None:
+@pytest.mark.parametrize("search", CONTROL_SEARCHES)
+def test_control_unmutated_copies_pass(search: settings) -> None:
     """The loading paths are sound: identity 'mutations' of both modules pass."""
     for module, snippet in (
         (pagedkv.impl.blocks.store, "class BlockTableStore:"),
@@ -401,7 +403,7 @@ def test_control_unmutated_copies_pass() -> None:
         (pagedkv.impl.blocks.block_hashes, "class BlockHashes:"),
         (pagedkv.impl.blocks.prefix_cache, "class PrefixCachingBlockManager("),
     ):
-        run_state_machine_as_test(planted_machine(module, snippet, snippet), settings=FIND)
+        run_state_machine_as_test(planted_machine(module, snippet, snippet), settings=search)
 
 
 @pytest.mark.parametrize("bug", sorted(PLANTED))
@@ -411,10 +413,11 @@ def test_planted_preemption_bug_is_caught(bug: str) -> None:
         run_state_machine_as_test(machine, settings=FIND)
 
 
-def test_control_unmutated_copy_passes_the_window_machine() -> None:
+@pytest.mark.parametrize("search", CONTROL_SEARCHES)
+def test_control_unmutated_copy_passes_the_window_machine(search: settings) -> None:
     snippet = "class BlockTableStore:"
     machine = planted_machine(pagedkv.impl.blocks.store, snippet, snippet, WindowPreemptionMachine)
-    run_state_machine_as_test(machine, settings=FIND)
+    run_state_machine_as_test(machine, settings=search)
 
 
 @pytest.mark.parametrize("bug", sorted(WINDOW_PLANTED))

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -32,7 +33,7 @@ import pagedkv.impl.blocks.pool
 import pagedkv.impl.blocks.prefix_cache
 from pagedkv.impl.blocks import FreeBlockQueue, PrefixCachingBlockManager
 from pagedkv.spec.prefix_cache import PrefixCachingBlockManager as SpecPrefixManager
-from properties.mutants import FIND, load_chain, load_mutant
+from properties.mutants import CONTROL_SEARCHES, FIND, load_chain, load_mutant
 from properties.outcomes import outcome
 
 
@@ -173,12 +174,13 @@ def planted(module: Any, old: str, new: str, base: type) -> type:
     return type("PlantedManager", (base,), {"IMPL": prefix.PrefixCachingBlockManager})
 
 
-def test_control_unmutated_copies_pass() -> None:
+@pytest.mark.parametrize("search", CONTROL_SEARCHES)
+def test_control_unmutated_copies_pass(search: settings) -> None:
     for module, snippet, base in (
         (pagedkv.impl.blocks.free_queue, "class FreeBlockQueue:", OneIdQueueMachine),
         (pagedkv.impl.blocks.pool, "class BlockPool:", SingleBlockMachine),
     ):
-        run_state_machine_as_test(planted(module, snippet, snippet, base), settings=FIND)
+        run_state_machine_as_test(planted(module, snippet, snippet, base), settings=search)
 
 
 @pytest.mark.parametrize("bug", sorted(PLANTED))
