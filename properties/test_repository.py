@@ -27,7 +27,7 @@ def test_ci_runs_the_readme_test_command() -> None:
 def test_the_third_command_runs_the_long_checks_and_ci_runs_it_after_the_tests() -> None:
     """Plain pytest deselects ``long`` (pyproject's addopts); the third command selects only it."""
     _, tests, long_checks = readme_commands()
-    assert long_checks.endswith("pytest --benchmark-disable -m long")
+    assert long_checks.endswith("pytest --benchmark-disable -m long -n auto")
     assert "-m long" not in tests
     ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
     assert ci_lines.index(long_checks) > ci_lines.index(tests)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,31 @@ def test_the_builder_runs_only_the_missing_steps(change: dict, steps: list[str] 
     if steps is None:
         found.update({"pagedkv.spec location": None, "hypothesis": None})
     assert vllm_env.missing(found) == expected
+
+
+TAKE_TURNS = """
+import sys, time
+from pathlib import Path
+from properties import vllm_env
+log = Path(sys.argv[1])
+vllm_env.LOCK = log.with_suffix(".lock")
+def build():
+    with log.open("a") as out:
+        out.write("enter\\n")
+    time.sleep(0.5)
+    with log.open("a") as out:
+        out.write("exit\\n")
+vllm_env._build = build
+vllm_env.ensure()
+"""
+
+
+def test_processes_that_ensure_at_once_build_in_turn(tmp_path: Path) -> None:
+    """Two processes (as two pytest-xdist workers) call ``ensure`` together: their builds do not
+    overlap, so one never probes or installs into a half-built environment."""
+    log = tmp_path / "builds.log"
+    children = [
+        subprocess.Popen([sys.executable, "-c", TAKE_TURNS, str(log)], cwd=ROOT) for _ in range(2)
+    ]
+    assert [child.wait(timeout=120) for child in children] == [0, 0]
+    assert log.read_text().split() == ["enter", "exit", "enter", "exit"]

