@@ -82,16 +82,23 @@ OBSERVER_BUGS = {
 """Planted bugs in KV events, ``reset_prefix_cache`` and ``take_stats``: the exhaustive check
 enumerates the operations that change tables, not these, so only the machines are asked."""
 
-POOLS = [(BlockSystem, *pool) for pool in BLOCK_POOLS] + [
-    (PrefixSystem, *pool) for pool in PREFIX_POOLS
+QUICK_STATES = 1000
+"""Pools with fewer distinct states than this are explored by the quick command; the larger
+ones (up to a few minutes of one core each on the 2-core VM) by the long command."""
+
+POOLS = [
+    pytest.param(
+        system_cls,
+        *pool,
+        id=f"{system_cls.__name__}-{pool[0]}x{pool[1]}-depth{pool[2]}",
+        marks=[pytest.mark.long] if STATES[(system_cls.__name__, *pool)] >= QUICK_STATES else [],
+    )
+    for system_cls, pools in ((BlockSystem, BLOCK_POOLS), (PrefixSystem, PREFIX_POOLS))
+    for pool in pools
 ]
 
 
-@pytest.mark.parametrize(
-    ("system_cls", "total_blocks", "block_size", "depth"),
-    POOLS,
-    ids=[f"{cls.__name__}-{t}x{s}-depth{d}" for cls, t, s, d in POOLS],
-)
+@pytest.mark.parametrize(("system_cls", "total_blocks", "block_size", "depth"), POOLS)
 def test_every_sequence_agrees(
     system_cls: type[System], total_blocks: int, block_size: int, depth: int
 ) -> None:
