@@ -221,7 +221,7 @@ SHARED = {
     pagedkv.impl.blocks.free_queue: (),
     pagedkv.impl.blocks.pool: (),
     pagedkv.impl.blocks.manager: ("BlockTableError", "OutOfBlocksError"),
-    pagedkv.impl.blocks.store: ("CapacityError", "OutOfBlocksError"),
+    pagedkv.impl.blocks.store: ("CapacityError",),
     pagedkv.impl.blocks.tables: ("CapacityError",),
     pagedkv.impl.blocks.growth: ("CapacityError",),
     pagedkv.impl.blocks.page_tables: (),

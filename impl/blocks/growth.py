@@ -17,7 +17,7 @@ gated by the rows' tail-shared flags), and preemption of sequences that own thei
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,6 +58,27 @@ class Plan:
     copies: NDArray[np.bool_]
     victims: list[int]
     steps: list[tuple[bool, list[int]]]
+
+
+def decide(
+    tables: BlockTables,
+    pool: BlockPool,
+    seq_ids: Sequence[int],
+    rows: Rows,
+    base: Rows,
+    step: Step,
+    preempt: bool,
+) -> tuple[Growth, Plan] | None:
+    """Decide growing the sequences ``seq_ids`` in ``rows`` by ``step``, with ``preempt`` as
+    ``grow_or_preempt``. The decode step is carried out at once when it can be
+    (:func:`grow_decode`); then, and when nothing grows, None. Raises what :func:`growth_of`
+    raises, changing nothing."""
+    if isinstance(step, int) and step == 1 and grow_decode(tables, pool, rows, base):
+        return None
+    g = growth_of(tables, pool, seq_ids, rows, base, step)
+    if g is None:
+        return None
+    return g, plan(g, pool.num_free, preempt, tables, pool)
 
 
 def growth_of(
@@ -182,6 +203,34 @@ def plan_preemption(growth: NDArray[np.int64], lengths: NDArray[np.int64], free:
     victims = np.searchsorted(freed, np.cumsum(growth) - free, side="left")
     cut = np.arange(n) + victims >= n
     return int(cut.argmax()) if cut.any() else n
+
+
+def carry_out(
+    tables: BlockTables,
+    pool: BlockPool,
+    prefix: PrefixCachingBlockManager | None,
+    g: Growth,
+    decided: Plan,
+    remove: Callable[[list[int]], None],
+) -> None:
+    """Apply a plan in the spec's order; ``remove`` removes the sequences at the given batch
+    indices, in order. Without a copy on write, takes from the free queue's head and frees to
+    its tail commute: every removal first, then one growth."""
+    if not decided.victims:
+        everyone = bool(decided.grown.all())
+        keep = None if everyone else decided.grown.nonzero()[0]
+        copies = decided.copies if keep is None else decided.copies[keep]
+        apply_growth(tables, pool, prefix, g, keep, copies)
+        return
+    steps = decided.steps
+    if not decided.copies.any():
+        steps = [(False, decided.victims), (True, decided.grown.nonzero()[0].tolist())]
+    for grows, indices in steps:
+        if grows:
+            chosen = np.array(indices, dtype=np.intp)
+            apply_growth(tables, pool, prefix, g, chosen, decided.copies[chosen])
+        else:
+            remove(indices)
 
 
 def apply_growth(
