@@ -21,7 +21,7 @@ from pagedkv.impl.blocks.prefix_cache import BlockKey, PrefixCachingBlockManager
 from pagedkv.spec.checks import check_tokens
 
 
-@dataclass(eq=False, slots=True)
+@dataclass
 class SeqKeys:
     """A sequence's block keys so far: ``keys[i]`` is full block ``i``'s content, for
     ``extra``, made from ``tokens``; blocks ``0 .. done - 1`` went through registration, and

@@ -29,7 +29,7 @@ key -> block id), and the counters. A manager with nothing cached costs what a p
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -68,8 +68,7 @@ __all__ = [
 HashFn = Callable[[BlockKey | None, tuple[int, ...], Hashable], int]
 
 
-@dataclass(frozen=True, eq=False)
-class PromptPlan:
+class PromptPlan(NamedTuple):
     """What ``allocate_prompt`` will do for one prompt, decided before anything changes."""
 
     hits: IdArray  # the cached prefix's blocks, in table order
@@ -409,12 +408,13 @@ class PrefixCachingBlockManager:
         evicted); any other is registered. ``BlockTableError``, changing nothing, if a block
         is cached under another key. Returns (blocks newly cached, indices left uncached)."""
         holders = [self._block_of.get(key) for key in keys]
-        for block_id, holder in zip(blocks, holders, strict=True):
-            if holder != block_id and block_id in self._key_of:
+        for index, block_id in enumerate(blocks):
+            if holders[index] != block_id and block_id in self._key_of:
                 raise BlockTableError(f"block {block_id} is cached with other tokens")
         newly_cached, skipped = 0, []
         events = self._events if self.enable_kv_events else None
-        for index, (block_id, key, holder) in enumerate(zip(blocks, keys, holders, strict=True)):
+        for index, block_id in enumerate(blocks):
+            key, holder = keys[index], holders[index]
             if holder is None:
                 self._key_of[block_id] = key
                 self._block_of[key] = block_id

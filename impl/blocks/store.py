@@ -298,13 +298,13 @@ class BlockTableStore:
         rows = batch.rows
         step = check_counts("token_counts", token_counts, rows.size)
         counts = np.broadcast_to(np.asarray(step, dtype=np.int64), rows.shape)
-        held = self._rows.token_counts.take(rows)
-        if (counts > held).any():
-            over = [s for s, c, h in zip(batch.seq_ids, counts, held, strict=True) if c > h]
-            raise ValueError(f"token_counts exceed the token counts of sequences {over}")
+        over = counts > self._rows.token_counts.take(rows)
+        if over.any():
+            ids = np.array(batch.seq_ids)[over].tolist()
+            raise ValueError(f"token_counts exceed the token counts of sequences {ids}")
         self._rows.truncate(rows, counts, self._pool, self._prefix)
-        for seq_id, count in zip(batch.seq_ids, counts.tolist(), strict=True):
-            self._hashes.cut(seq_id, count)
+        for index, count in enumerate(counts.tolist()):
+            self._hashes.cut(batch.seq_ids[index], count)
 
     def release_outside_window(
         self, seqs: SeqBatch | SeqIds | None, window: int, token_counts: int | SeqIds | None = None
@@ -337,7 +337,7 @@ class BlockTableStore:
             counts = np.broadcast_to(np.asarray(step, dtype=np.int64), rows.shape)
             over = counts > lengths.astype(np.int64) * self.block_size
             if over.any():
-                ids = [s for s, o in zip(batch.seq_ids, over.tolist(), strict=True) if o]
+                ids = np.array(batch.seq_ids)[over].tolist()
                 raise ValueError(f"token_counts exceed the table capacity of sequences {ids}")
         if int32_window(window) is None:
             return  # wider than any count the store holds: releases nothing, as in the spec
