@@ -34,9 +34,11 @@ IdArray = NDArray[np.intp]
 class Evictor(Protocol):
     """Told of every block handed to a new owner, in queue order."""
 
-    def evict(self, taken: IdArray) -> None: ...
+    def evict(self, taken: IdArray) -> None:
+        """The blocks ``taken`` (in queue order) have new owners."""
 
-    def evict_one(self, block_id: int) -> None: ...
+    def evict_one(self, block_id: int) -> None:
+        """The block ``block_id`` has a new owner."""
 
 
 class BlockPool:
