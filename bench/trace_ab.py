@@ -54,11 +54,10 @@ def apply_variant(name: str) -> None:
     """Take one path out of this tree's store, in this process."""
     import pagedkv.impl.blocks.batches as batches
     import pagedkv.impl.blocks.growth as growth
-    import pagedkv.impl.blocks.store as store
     from properties.mutants import load_mutant
 
     if name == "no-decode":
-        store.grow_decode = lambda *args: False  # type: ignore[assignment]
+        growth.grow_decode = lambda *args: False  # type: ignore[assignment]
     elif name == "no-vector-preempt":
         branch = """
 if preempt and not g.shared.any():
@@ -72,7 +71,7 @@ if preempt and not g.shared.any():
         steps = [(False, removed), (True, list(range(stop)))]
         return Plan(grown, g.shared & grown, removed, steps)
 """
-        store.plan = load_mutant(growth, branch, "", ("CapacityError",), within="plan").plan
+        growth.plan = load_mutant(growth, branch, "", ("CapacityError",), within="plan").plan
     elif name == "no-tail-flag":
         decode = growth.grow_decode
 
@@ -84,7 +83,7 @@ if preempt and not g.shared.any():
                 return False
             return decode(tables, pool, rows, base)
 
-        store.grow_decode = unflagged  # type: ignore[assignment]
+        growth.grow_decode = unflagged  # type: ignore[assignment]
     elif name == "no-live-batch":
         resolve = batches.SeqIndex.resolve
 

@@ -60,6 +60,7 @@ DEFAULT_PATHS = (
     "impl/blocks/batches.py",
     "impl/blocks/growth.py",
     "impl/blocks/block_hashes.py",
+    "impl/blocks/admission.py",
     "impl/blocks/store.py",
     "impl/blocks/page_tables.py",
 )
@@ -445,7 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample", type=int, help="run only this many mutants, spread evenly")
     parser.add_argument("--only", nargs="+", default=[], help="run only these mutant ids")
     parser.add_argument("--list", action="store_true", help="list the mutants, run nothing")
-    parser.add_argument("--json", type=Path, help="write every result to this file")
+    parser.add_argument(
+        "--json", type=Path, help="write every result to this file (rewritten after each)"
+    )
     parser.add_argument("--markdown", action="store_true", help="print the score table")
     args = parser.parse_args(argv)
     mutants = [m for path in args.paths for m in mutants_of(path)]
@@ -469,14 +472,17 @@ def main(argv: list[str] | None = None) -> int:
     timeout = 3 * seconds + 10
     print(f"baseline passed in {seconds:.1f} s; {len(mutants)} mutants, timeout {timeout:.0f} s")
 
+    done: list[Result] = []
+
     def progress(result: Result) -> None:
+        done.append(result)
+        if args.json:  # after every mutant, so a run cut short keeps what it did
+            args.json.write_text(json.dumps([asdict(r) for r in done], indent=1))
         if result.verdict == "survived":
             note = EQUIVALENT.get(result.ident, "NOT EQUIVALENT: a property is missing")
             print(f"survived  {result.ident} (line {result.line}): {note}", flush=True)
 
     results = run(mutants, timeout, progress)
-    if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
     print(score_table(results) if args.markdown else f"{len(results)} mutants run")
     missing = [r for r in results if r.verdict == "survived" and r.ident not in EQUIVALENT]
     return 1 if missing else 0

@@ -350,7 +350,7 @@ def test_token_counts_are_checked_as_an_int_or_one_per_sequence() -> None:
 def test_counts_of_int32s_largest_are_taken() -> None:
     """Int32's largest count, given as an int subclass or in a list, is a count like any other
     (a block of that size holds it)."""
-    for count in (IntSubclass(2**31 - 1), [2**31 - 1]):
+    for count in (2**31 - 1, IntSubclass(2**31 - 1), [2**31 - 1]):
         store = BlockTableStore(BlockManager(1, 2**31 - 1), 1, 1)
         store.add(0, 0)
         assert store.grow([0], count) == []  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
+import pagedkv.impl.blocks.admission
 import pagedkv.impl.blocks.block_hashes
 import pagedkv.impl.blocks.growth
 import pagedkv.impl.blocks.prefix_cache
@@ -29,6 +30,7 @@ from properties.test_prefix_cache_planted_bugs import PREFIX_BUGS
 
 STORE_PARTS = (
     pagedkv.impl.blocks.store,
+    pagedkv.impl.blocks.admission,
     pagedkv.impl.blocks.tables,
     pagedkv.impl.blocks.growth,
     pagedkv.impl.blocks.block_hashes,
@@ -88,7 +90,7 @@ BUGS: dict[str, tuple[types.ModuleType, str, str]] = {
         "            if holder != block_id:\n",
     ),
     "add_prompt counts only the computed tokens": (
-        pagedkv.impl.blocks.store,
+        pagedkv.impl.blocks.admission,
         "self._place(seq_id, np.concatenate((prompt.hits, fresh)), len(token_ids))",
         "self._place(\n"
         "    seq_id, np.concatenate((prompt.hits, fresh)), len(token_ids) - prompt.cached_tokens\n"

@@ -39,6 +39,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+import pagedkv.impl.blocks.admission
 import pagedkv.impl.blocks.block_hashes
 import pagedkv.impl.blocks.growth
 import pagedkv.impl.blocks.prefix_cache
@@ -346,13 +347,13 @@ PLANTED = {
         "refused is not None and refused.seq_id == seq_id and list(token_ids) == refused.tokens",
     ),
     "admit ignores the salt": (
-        pagedkv.impl.blocks.store,
-        "self._prefix.plan_prompt(token_ids, extra_key, known)",
-        "self._prefix.plan_prompt(token_ids, None, known)",
+        pagedkv.impl.blocks.admission,
+        "self.prefix.plan_prompt(token_ids, extra_key, known)",
+        "self.prefix.plan_prompt(token_ids, None, known)",
     ),
     "the decode fast path ignores a forked last block": (
         pagedkv.impl.blocks.growth,
-        "rows.size == 0 or (tables.num_tail_shared and tables.tail_shared.take(rows).any())",
+        "rows.size == 0 or tables.tail_shared.take(rows).any()",
         "rows.size == 0",
     ),
 }
@@ -372,8 +373,8 @@ WINDOW_PLANTED = {
     ),
     "cache_blocks registers a released entry": (
         pagedkv.impl.blocks.store,
-        "released = int(self._rows.num_released[row])",
-        "released = 0",
+        "count, released = int(rows.token_counts[row]), int(rows.num_released[row])",
+        "count, released = int(rows.token_counts[row]), 0",
     ),
 }
 
@@ -386,7 +387,7 @@ def planted_machine(
     if module is pagedkv.impl.blocks.prefix_cache:
         prefix = load_mutant(module, old, new, ("BlockTableError",))
         store = load_mutant(
-            pagedkv.impl.blocks.store, "", "", ("CapacityError", "OutOfBlocksError"),
+            pagedkv.impl.blocks.store, "", "", ("CapacityError",),
             using={module.__name__: prefix},
         )  # fmt: skip
         attrs = {"PREFIX_MANAGER": prefix.PrefixCachingBlockManager, "STORE": store.BlockTableStore}

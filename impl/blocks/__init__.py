@@ -4,10 +4,12 @@ that drives them a scheduler step at a time. Needs numpy only: no torch, no kern
 * :class:`FreeBlockQueue` (``free_queue``): the FIFO free queue, O(1) removal from the middle.
 * :class:`BlockManager` (``manager``): ``pagedkv.spec``'s block manager, array-backed, over an
   unchecked ``pool.BlockPool`` (internal to this package).
-* :class:`PrefixCachingBlockManager` (``prefix_cache``): prefix caching on that manager.
+* :class:`PrefixCachingBlockManager` (``prefix_cache``): prefix caching, holding a
+  :class:`BlockManager` and its pool.
 * :class:`BlockTableStore` (``store``): the sequence lifecycle, composed of ``tables`` (the padded
-  rows, slot mapping), ``batches`` (:class:`SeqBatch`), ``growth`` (one planner) and
-  ``block_hashes`` (each sequence's block keys); ``page_tables`` lays the tables out for kernels.
+  rows, slot mapping), ``batches`` (:class:`SeqBatch`), ``admission`` (a new sequence's first
+  blocks), ``growth`` (one planner, and carrying its plan out) and ``block_hashes`` (each
+  sequence's block keys); ``page_tables`` lays the tables out for kernels.
 """
 
 from pagedkv.impl.blocks.batches import SeqBatch

@@ -16,7 +16,7 @@ SeqIds = Sequence[int] | NDArray[np.integer]
 """Sequence ids as a store's methods take them: a list, tuple or 1-D integer array."""
 
 
-@dataclass(frozen=True, eq=False, slots=True)
+@dataclass(frozen=True, eq=False)
 class SeqBatch:
     """An ordered batch of distinct live sequence ids, resolved to their rows.
 
@@ -71,9 +71,10 @@ class SeqIndex:
     def row(self, seq_id: object) -> int:
         """The row of a live sequence (``KeyError`` for an unknown one)."""
         seq_id = check_seq_id(seq_id)
-        if seq_id not in self._row_of:
-            raise KeyError(f"unknown sequence id {seq_id}")
-        return self._row_of[seq_id]
+        try:
+            return self._row_of[seq_id]
+        except KeyError:
+            raise KeyError(f"unknown sequence id {seq_id}") from None
 
     def batch(self, seq_ids: SeqIds) -> SeqBatch:
         """Resolve distinct live sequence ids, in order, to a :class:`SeqBatch`."""
@@ -125,17 +126,15 @@ def check_counts(name: str, value: int | SeqIds, size: int) -> int | NDArray[np.
     """Token counts for a batch of ``size``: one int for all, or one per sequence (returned as
     int64). ``TypeError``/``ValueError`` as ``check_int`` for a bad count, ``ValueError`` for a
     list of the wrong length, ``CapacityError`` above int32 (no sequence holds that many)."""
-    if type(value) is int and 0 <= value <= INT32_MAX:
-        return value
     if isinstance(value, np.ndarray):
         if value.ndim != 1 or value.dtype.kind not in "iu":
             raise TypeError(f"{name} must be an int or a 1-D integer array")
         value = value.tolist()
     if not isinstance(value, (list, tuple)):
-        check_int(name, value, 0)
-        if value > INT32_MAX:
-            raise CapacityError(f"{name}={value} exceeds any sequence's capacity")
-        return value
+        count = check_int(name, value, 0)
+        if count > INT32_MAX:
+            raise CapacityError(f"{name}={count} exceeds any sequence's capacity")
+        return count
     if len(value) != size:
         raise ValueError(f"{name} has {len(value)} entries for {size} sequences")
     if set(map(type, value)) - {int} or (value and min(value) < 0):

@@ -18,9 +18,10 @@ import numpy as np
 from numpy.typing import NDArray
 
 from pagedkv.impl.blocks.prefix_cache import BlockKey, PrefixCachingBlockManager
+from pagedkv.spec.checks import check_tokens
 
 
-@dataclass(eq=False, slots=True)
+@dataclass
 class SeqKeys:
     """A sequence's block keys so far: ``keys[i]`` is full block ``i``'s content, for
     ``extra``, made from ``tokens``; blocks ``0 .. done - 1`` went through registration, and
@@ -120,6 +121,29 @@ class BlockHashes:
         if state is None or state.extra is not extra or not state.extends(token_ids):
             return SeqKeys(extra)  # start over: every block is hashed and checked
         return state
+
+    def cache_blocks(
+        self,
+        prefix: PrefixCachingBlockManager | None,
+        seq_id: int,
+        token_ids: Sequence[int],
+        extra: Hashable,
+        row: NDArray[np.int32],
+        count: int,
+        released: int,
+    ) -> int:
+        """``BlockTableStore.cache_blocks`` for the live sequence whose table ``row`` holds
+        ``count`` tokens after ``released`` released entries: the tokens are checked (only
+        those past the keyed ones), then registered (:meth:`register`; with no ``prefix``: 0)."""
+        if not isinstance(token_ids, (list, tuple)):
+            check_tokens(token_ids)  # the TypeError
+        state = self.state_for(seq_id, token_ids, extra)
+        check_tokens(token_ids[len(state.tokens) :])  # the keyed tokens were checked before
+        if len(token_ids) > count:
+            raise ValueError(f"{len(token_ids)} tokens, but sequence {seq_id} holds {count}")
+        if prefix is None:
+            return 0
+        return self.register(prefix, seq_id, state, token_ids, row, released)
 
     def register(
         self,

@@ -17,8 +17,8 @@ gated by the rows' tail-shared flags), and preemption of sequences that own thei
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -32,8 +32,7 @@ Step = int | NDArray[np.int64]
 """New tokens: one count for every sequence, or one per sequence."""
 
 
-@dataclass(frozen=True, eq=False, slots=True)
-class Growth:
+class Growth(NamedTuple):
     """One batch's growth, read before anything changes (arrays in batch order)."""
 
     rows: Rows
@@ -48,8 +47,7 @@ class Growth:
     shared: NDArray[np.bool_]  # writes_last and the last block has other owners
 
 
-@dataclass(frozen=True, eq=False, slots=True)
-class Plan:
+class Plan(NamedTuple):
     """Who grows (``grown``) and copies on write (``copies``), who is removed (``victims``,
     batch indices in removal order), and ``steps``: the order to apply them in, as runs of
     ``(grow, batch indices)``."""
@@ -58,6 +56,27 @@ class Plan:
     copies: NDArray[np.bool_]
     victims: list[int]
     steps: list[tuple[bool, list[int]]]
+
+
+def decide(
+    tables: BlockTables,
+    pool: BlockPool,
+    seq_ids: Sequence[int],
+    rows: Rows,
+    base: Rows,
+    step: Step,
+    preempt: bool,
+) -> tuple[Growth, Plan] | None:
+    """Decide growing the sequences ``seq_ids`` in ``rows`` by ``step``, with ``preempt`` as
+    ``grow_or_preempt``. The decode step is carried out at once when it can be
+    (:func:`grow_decode`); then, and when nothing grows, None. Raises what :func:`growth_of`
+    raises, changing nothing."""
+    if isinstance(step, int) and step == 1 and grow_decode(tables, pool, rows, base):
+        return None
+    g = growth_of(tables, pool, seq_ids, rows, base, step)
+    if g is None:
+        return None
+    return g, plan(g, pool.num_free, preempt, tables, pool)
 
 
 def growth_of(
@@ -184,6 +203,34 @@ def plan_preemption(growth: NDArray[np.int64], lengths: NDArray[np.int64], free:
     return int(cut.argmax()) if cut.any() else n
 
 
+def carry_out(
+    tables: BlockTables,
+    pool: BlockPool,
+    prefix: PrefixCachingBlockManager | None,
+    g: Growth,
+    decided: Plan,
+    remove: Callable[[list[int]], None],
+) -> None:
+    """Apply a plan in the spec's order; ``remove`` removes the sequences at the given batch
+    indices, in order. Without a copy on write, takes from the free queue's head and frees to
+    its tail commute: every removal first, then one growth."""
+    if not decided.victims:
+        everyone = bool(decided.grown.all())
+        keep = None if everyone else decided.grown.nonzero()[0]
+        copies = decided.copies if keep is None else decided.copies[keep]
+        apply_growth(tables, pool, prefix, g, keep, copies)
+        return
+    steps = decided.steps
+    if not decided.copies.any():
+        steps = [(False, decided.victims), (True, decided.grown.nonzero()[0].tolist())]
+    for grows, indices in steps:
+        if grows:
+            chosen = np.array(indices, dtype=np.intp)
+            apply_growth(tables, pool, prefix, g, chosen, decided.copies[chosen])
+        else:
+            remove(indices)
+
+
 def apply_growth(
     tables: BlockTables,
     pool: BlockPool,
@@ -233,8 +280,8 @@ def apply_growth(
         _take_fresh(pool, prefix, num_fresh, 0, last, keyed)
     tables.num_blocks[rows] = needed
     tables.token_counts[rows] = new_counts
-    if tables.num_tail_shared:  # a write copied or filled the last block, or passed it
-        tables.clear_tail_shared(rows[writes_last | (growth > 0)])
+    # A write copied or filled the last block, or passed it.
+    tables.clear_tail_shared(rows[writes_last | (growth > 0)])
 
 
 def _keyed_in_place(
@@ -247,7 +294,7 @@ def _keyed_in_place(
     """Among the sequences whose write lands in their present last block (``in_place``),
     those whose block is cached, or None if none is. Only a flagged row's can be: a
     truncate cut into a cached block that other tables held then."""
-    if not tables.num_tail_shared or prefix is None or not prefix.num_cached_blocks:
+    if prefix is None or not prefix.num_cached_blocks:
         return None
     candidates = in_place & tables.tail_shared.take(rows)
     cached = prefix.cached_among(last[candidates].astype(np.intp))
@@ -281,7 +328,7 @@ def grow_decode(tables: BlockTables, pool: BlockPool, rows: Rows, base: Rows) ->
     can be shared (no row is flagged ``tail_shared``). Only sequences at a block boundary
     touch the pool. Returns False, changing nothing, when :func:`plan` must decide (a flagged
     row, more sequences at a boundary than free blocks, a table at full width)."""
-    if rows.size == 0 or (tables.num_tail_shared and tables.tail_shared.take(rows).any()):
+    if rows.size == 0 or tables.tail_shared.take(rows).any():
         return False
     counts = tables.token_counts.take(rows)
     boundary = (counts % tables.block_size == 0).nonzero()[0]  # a new block each

@@ -141,16 +141,14 @@ class BlockManager:
             shared = first_written + np.flatnonzero(written > 1)
         num_fresh = shared.size + max(0, needed - size)
         check_available(num_fresh, self.pool.num_free)
-        table = _as_list(released, ids)
         if num_fresh == 0:
-            return table
+            return _as_list(released, ids)
         fresh = self.pool.take(num_fresh)
         if shared.size:
             src, dst = ids[shared - released], fresh[: shared.size]
             self.pool.copy_on_write(src, dst)
-            for index, fresh_id in zip(shared.tolist(), dst.tolist(), strict=True):
-                table[index] = fresh_id
-        return table + fresh[shared.size :].tolist()
+            ids[shared - released] = dst  # ids is this call's own array
+        return _as_list(released, ids) + fresh[shared.size :].tolist()
 
     def fork(self, block_table: Sequence[int | None]) -> list[int | None]:
         """Share a live table's blocks with a new owner (each ``ref_count + 1``); return a copy,
@@ -183,8 +181,7 @@ class BlockManager:
         check_capacity(released + ids.size, token_count, self.block_size)
         kept = blocks_needed(token_count, self.block_size)
         first_dropped = max(0, kept - released)  # among the held ids
-        if first_dropped < ids.size:
-            self.pool.release_held(ids[first_dropped:], held[first_dropped:])
+        self.pool.release_held(ids[first_dropped:], held[first_dropped:])
         return _as_list(released, ids)[:kept]
 
     def release_outside_window(
@@ -201,8 +198,8 @@ class BlockManager:
         check_window(window)
         check_capacity(released + ids.size, token_count, self.block_size)
         outside = blocks_outside_window(token_count, window, self.block_size)
-        if outside > released:
-            self.pool.release_held(ids[: outside - released], held[: outside - released])
+        newly = max(0, outside - released)  # among the held ids
+        self.pool.release_held(ids[:newly], held[:newly])
         return [None] * outside + _as_list(released, ids)[outside:]
 
     def translate_slot(self, block_table: Sequence[int | None], token_pos: int) -> int:
@@ -265,7 +262,7 @@ class BlockManager:
             raise TypeError(f"block_ids must be a numpy array, got {type(block_ids).__name__}")
         if block_ids.ndim != 1 or block_ids.dtype.kind not in "iu":
             raise TypeError(f"block_ids must be a 1-D integer array, got {block_ids.dtype}")
-        ids = block_ids.astype(np.intp, copy=False)
+        ids = np.asarray(block_ids, dtype=np.intp)
         if ids.size and ids.view(np.uintp).max() >= self.total_blocks:
             check_block_id(int(ids[(ids < 0) | (ids >= self.total_blocks)][0]), self.total_blocks)
         return self._distinct_and_held(ids)
@@ -282,7 +279,7 @@ class BlockManager:
                 self._raise_repeated(ids)
             already_free = ids[held == 0].tolist()
             raise BlockTableError(f"blocks {already_free} are free (double free or stale table)")
-        if ids.size > 1 and self.pool.queue.has_repeats(ids):
+        if self.pool.queue.has_repeats(ids):
             self._raise_repeated(ids)
         return ids, held
 

@@ -34,9 +34,11 @@ IdArray = NDArray[np.intp]
 class Evictor(Protocol):
     """Told of every block handed to a new owner, in queue order."""
 
-    def evict(self, taken: IdArray) -> None: ...
+    def evict(self, taken: IdArray) -> None:
+        """The blocks ``taken`` (in queue order) have new owners."""
 
-    def evict_one(self, block_id: int) -> None: ...
+    def evict_one(self, block_id: int) -> None:
+        """The block ``block_id`` has a new owner."""
 
 
 class BlockPool:
@@ -112,8 +114,8 @@ class BlockPool:
         remaining = self.refs[unique] - counts.astype(np.int32)
         self.refs[unique] = remaining
         freed = remaining == 0
-        last_occurrence = ids.size - 1 - first_in_reverse[freed]
-        self.queue.extend(unique[freed][np.argsort(last_occurrence)])
+        # The later a block's last occurrence, the earlier its first one in reverse.
+        self.queue.extend(unique[freed][np.argsort(-first_in_reverse[freed])])
 
     def copy_on_write(self, src: IdArray, dst: IdArray) -> None:
         """Record that block ``dst[i]`` (freshly taken) replaces the shared ``src[i]`` in one
@@ -128,9 +130,9 @@ class BlockPool:
         pairs = self.copy_pairs
         if not pairs:
             return np.empty((0, 2), dtype=np.int32)
-        if len(pairs) > 1:
-            self.copy_pairs = pairs = [np.concatenate(pairs)]
-        return pairs[0].copy()
+        merged = np.concatenate(pairs)
+        self.copy_pairs = [merged]  # one chunk from now on
+        return merged.copy()
 
     def pop_copy_pairs(self) -> NDArray[np.int32]:
         """:meth:`pending_copy_pairs`, then forget them."""

@@ -29,9 +29,10 @@ key -> block id), and the counters. A manager with nothing cached costs what a p
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
+from numpy.typing import NDArray
 
 from pagedkv.impl.blocks.manager import BlockManager
 from pagedkv.impl.blocks.pool import IdArray
@@ -67,8 +68,7 @@ __all__ = [
 HashFn = Callable[[BlockKey | None, tuple[int, ...], Hashable], int]
 
 
-@dataclass(frozen=True, eq=False)
-class PromptPlan:
+class PromptPlan(NamedTuple):
     """What ``allocate_prompt`` will do for one prompt, decided before anything changes."""
 
     hits: IdArray  # the cached prefix's blocks, in table order
@@ -84,8 +84,13 @@ class PromptPlan:
         return self.num_blocks - self.hits.size + self.revived.size
 
 
-class PrefixCachingBlockManager(BlockManager):
-    """``spec.prefix_cache.PrefixCachingBlockManager``'s behaviour on ``impl.BlockManager``.
+class PrefixCachingBlockManager:
+    """``spec.prefix_cache.PrefixCachingBlockManager``'s behaviour, composed of a
+    :class:`~pagedkv.impl.blocks.manager.BlockManager` (``blocks``) and the key maps.
+
+    The block manager's API is ``blocks``'s, on the same ``pool``, whose eviction hook is this
+    manager: every block taken for a new owner loses its key. ``append_slot`` and ``truncate``
+    add the spec's key rules to it.
 
     Invariants (as in the spec): ``cached_block(key) == b`` exactly when ``key_of(b) == key``;
     a cached block is held or in the free queue once. Additionally, a cached key's parent is the
@@ -107,7 +112,10 @@ class PrefixCachingBlockManager(BlockManager):
         hash_fn: HashFn = default_block_hash,
         enable_kv_events: bool = False,
     ) -> None:
-        super().__init__(total_blocks, block_size)
+        self.blocks = BlockManager(total_blocks, block_size)
+        self.total_blocks = self.blocks.total_blocks
+        self.block_size = self.blocks.block_size
+        self.pool = self.blocks.pool
         if not isinstance(enable_kv_events, bool):
             raise TypeError(
                 f"enable_kv_events must be a bool, got {type(enable_kv_events).__name__}"
@@ -119,6 +127,54 @@ class PrefixCachingBlockManager(BlockManager):
         self.stats = PrefixCacheStats()
         self.enable_kv_events = enable_kv_events
         self._events: list[KVEvent] = []
+
+    # ----------------------------------------------------------------- the block manager's
+    # BlockManager's operations on ``blocks`` (so on the same pool, whose evictor this is).
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks in the free queue, cached ones included (``BlockManager.num_free_blocks``)."""
+        return self.blocks.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """``BlockManager.usage``: the fraction of the pool held by live tables."""
+        return self.blocks.usage
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return self.blocks.can_allocate(num_blocks)
+
+    def ref_count(self, block_id: int) -> int:
+        return self.blocks.ref_count(block_id)
+
+    def ref_counts(self) -> NDArray[np.int32]:
+        return self.blocks.ref_counts()
+
+    def free_block_ids(self) -> list[int]:
+        return self.blocks.free_block_ids()
+
+    def pop_copy_pairs(self) -> list[tuple[int, int]]:
+        return self.blocks.pop_copy_pairs()
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """``BlockManager.allocate``: the taken blocks lose their keys."""
+        return self.blocks.allocate(num_blocks)
+
+    def fork(self, block_table: Sequence[int | None]) -> list[int | None]:
+        return self.blocks.fork(block_table)
+
+    def free(self, block_table: Sequence[int | None]) -> None:
+        """``BlockManager.free``: freed cached blocks stay cached, revivable."""
+        self.blocks.free(block_table)
+
+    def release_outside_window(
+        self, block_table: Sequence[int | None], token_count: int, window: int
+    ) -> list[int | None]:
+        """``BlockManager.release_outside_window``: released cached blocks stay cached."""
+        return self.blocks.release_outside_window(block_table, token_count, window)
+
+    def translate_slot(self, block_table: Sequence[int | None], token_pos: int) -> int:
+        return self.blocks.translate_slot(block_table, token_pos)
 
     # ----------------------------------------------------------------- keys and lookup
 
@@ -237,7 +293,7 @@ class PrefixCachingBlockManager(BlockManager):
         cached under another key raises ``BlockTableError``; more tokens than the table holds
         raise ``ValueError``; released entries are skipped; nothing changes on error.
         """
-        released, ids, _ = self.read_live_table(block_table)
+        released, ids, _ = self.blocks.read_live_table(block_table)
         tokens = check_tokens(token_ids)
         table = [None] * released + ids.tolist()
         keys = self._chain(tokens, extra_key, table)[0]
@@ -255,7 +311,7 @@ class PrefixCachingBlockManager(BlockManager):
         """Exactly the spec: ``BlockManager.append_slot``, and a written block that is cached
         and held by this table alone loses its key before the write (reachable only after a
         ``truncate``); a shared one is copied on write and keeps its key."""
-        table = super().append_slot(block_table, token_count, new_tokens)
+        table = self.blocks.append_slot(block_table, token_count, new_tokens)
         if self._key_of:
             first = (token_count - new_tokens) // self.block_size
             end = blocks_needed(token_count, self.block_size) if new_tokens else first
@@ -266,7 +322,7 @@ class PrefixCachingBlockManager(BlockManager):
         """Exactly the spec: ``BlockManager.truncate`` (dropped cached blocks stay cached, and
         revivable, in the free queue), and a kept last block that ``token_count`` cuts into
         loses its key if it is cached and this table alone holds it (not an eviction)."""
-        table = super().truncate(block_table, token_count)
+        table = self.blocks.truncate(block_table, token_count)
         cut = table[-1] if token_count % self.block_size else None  # the kept block cut into
         if cut is not None and self._key_of and self.pool.refs[cut] == 1:
             self.remove_keys([cut])
@@ -352,12 +408,13 @@ class PrefixCachingBlockManager(BlockManager):
         evicted); any other is registered. ``BlockTableError``, changing nothing, if a block
         is cached under another key. Returns (blocks newly cached, indices left uncached)."""
         holders = [self._block_of.get(key) for key in keys]
-        for block_id, holder in zip(blocks, holders, strict=True):
-            if holder != block_id and block_id in self._key_of:
+        for index, block_id in enumerate(blocks):
+            if holders[index] != block_id and block_id in self._key_of:
                 raise BlockTableError(f"block {block_id} is cached with other tokens")
         newly_cached, skipped = 0, []
         events = self._events if self.enable_kv_events else None
-        for index, (block_id, key, holder) in enumerate(zip(blocks, keys, holders, strict=True)):
+        for index, block_id in enumerate(blocks):
+            key, holder = keys[index], holders[index]
             if holder is None:
                 self._key_of[block_id] = key
                 self._block_of[key] = block_id

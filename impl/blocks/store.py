@@ -5,11 +5,13 @@ block manager's pool with whole batches. Each batch operation is equivalent to c
 once per sequence, in batch order, and costs a fixed number of numpy calls; results are numpy
 arrays (``torch.from_numpy`` shares them without a copy). It is composed of small parts:
 :mod:`~pagedkv.impl.blocks.tables` (the padded rows and slot mapping),
-:mod:`~pagedkv.impl.blocks.batches` (ids to rows), :mod:`~pagedkv.impl.blocks.growth` (who
-grows, copies or is preempted) and :mod:`~pagedkv.impl.blocks.block_hashes` (each sequence's
-block keys); :mod:`~pagedkv.impl.blocks.page_tables` lays the tables out as kernels read them.
-It drives the unchecked :mod:`~pagedkv.impl.blocks.pool` under the contract written there: it
-validates every argument before it changes anything, so a call that raises changes nothing.
+:mod:`~pagedkv.impl.blocks.batches` (ids to rows), :mod:`~pagedkv.impl.blocks.admission` (a
+new sequence's first blocks), :mod:`~pagedkv.impl.blocks.growth` (who grows, copies or is
+preempted, carried out in the spec's order) and :mod:`~pagedkv.impl.blocks.block_hashes` (each
+sequence's block keys); :mod:`~pagedkv.impl.blocks.page_tables` lays the tables out as kernels
+read them. It drives the unchecked :mod:`~pagedkv.impl.blocks.pool` under the contract written
+there: it validates every argument before it changes anything, so a call that raises changes
+nothing.
 
 Errors: ``TypeError`` for an argument of the wrong type; ``KeyError`` for an unknown sequence
 id; ``ValueError`` for a repeated id in one batch, an id that is already live, or a count out of
@@ -26,24 +28,20 @@ from dataclasses import replace
 import numpy as np
 from numpy.typing import NDArray
 
+from pagedkv.impl.blocks.admission import Admission
 from pagedkv.impl.blocks.batches import SeqBatch, SeqIds, SeqIndex, check_counts
 from pagedkv.impl.blocks.block_hashes import BlockHashes
-from pagedkv.impl.blocks.growth import Growth, Plan, apply_growth, grow_decode, growth_of, plan
+from pagedkv.impl.blocks.growth import Growth, Plan, carry_out, decide
 from pagedkv.impl.blocks.manager import BlockManager
-from pagedkv.impl.blocks.pool import IdArray
 from pagedkv.impl.blocks.prefix_cache import (
     KVEvent,
     PrefixCacheStats,
     PrefixCachingBlockManager,
-    PromptPlan,
 )
 from pagedkv.impl.blocks.tables import BlockTables, CapacityError
-from pagedkv.spec.block_manager import blocks_needed
 from pagedkv.spec.checks import (
     INT32_MAX,
-    OutOfBlocksError,
     check_int,
-    check_tokens,
     check_window,
     int32_window,
 )
@@ -64,9 +62,17 @@ class BlockTableStore:
     ids; ``None`` means every live sequence, in the order added.
     """
 
-    def __init__(self, manager: BlockManager, max_seqs: int, max_blocks_per_seq: int) -> None:
-        if not isinstance(manager, BlockManager):
-            raise TypeError(f"manager must be an impl BlockManager, got {type(manager).__name__}")
+    def __init__(
+        self,
+        manager: BlockManager | PrefixCachingBlockManager,
+        max_seqs: int,
+        max_blocks_per_seq: int,
+    ) -> None:
+        if not isinstance(manager, (BlockManager, PrefixCachingBlockManager)):
+            raise TypeError(
+                "manager must be an impl BlockManager or PrefixCachingBlockManager, got "
+                f"{type(manager).__name__}"
+            )
         check_int("max_seqs", max_seqs, 1)
         check_int("max_blocks_per_seq", max_blocks_per_seq, 1)
         self.manager = manager
@@ -81,6 +87,7 @@ class BlockTableStore:
         self._rows = BlockTables(max_seqs, max_blocks_per_seq, self.block_size)
         self._seqs = SeqIndex(max_blocks_per_seq)
         self._hashes = BlockHashes(self.block_size)  # with prefix caching: block keys
+        self._admission = Admission(self._pool, self._prefix, self._rows, self._seqs, self._hashes)
 
     # ----------------------------------------------------------------- introspection
 
@@ -183,9 +190,7 @@ class BlockTableStore:
         manager's ``blocks_to_allocate``); otherwise ``ceil(len(token_ids) / block_size)``.
         ``TypeError``/``ValueError`` for token ids that are not a list or tuple of ints >= 0.
         """
-        if self._prefix is not None:
-            return self._prefix.blocks_to_allocate(token_ids, extra_key)
-        return blocks_needed(len(check_tokens(token_ids)), self.block_size)
+        return self._admission.blocks_to_allocate(token_ids, extra_key)
 
     # ----------------------------------------------------------------- sequence lifecycle
 
@@ -196,11 +201,7 @@ class BlockTableStore:
         prompt needs more than ``max_blocks_per_seq`` blocks, ``OutOfBlocksError`` if the pool
         has too few free blocks.
         """
-        seq_id = self._seqs.check_new(seq_id)
-        check_int("prompt_len", prompt_len, 0)
-        needed = blocks_needed(prompt_len, self.block_size)
-        self._check_room(seq_id, needed, needed)
-        self._place(seq_id, self._pool.take(needed), prompt_len)
+        self._admission.add(seq_id, prompt_len)
 
     def add_prompt(self, seq_id: int, token_ids: Sequence[int], extra_key: Hashable = None) -> int:
         """Add a sequence holding the prompt ``token_ids``; return how many of its tokens are
@@ -217,13 +218,7 @@ class BlockTableStore:
         row is free or the prompt needs more than ``max_blocks_per_seq`` blocks,
         ``OutOfBlocksError`` if ``blocks_to_allocate`` exceeds the free blocks.
         """
-        seq_id = self._seqs.check_new(seq_id)
-        if self._prefix is None:
-            self.add(seq_id, len(check_tokens(token_ids)))
-            return 0
-        plan = self._prefix.plan_prompt(token_ids, extra_key)
-        self._check_room(seq_id, plan.num_blocks, plan.needed)
-        return self._add_planned(seq_id, token_ids, extra_key, plan)
+        return self._admission.add_prompt(seq_id, token_ids, extra_key)
 
     def admit(
         self,
@@ -240,22 +235,7 @@ class BlockTableStore:
         then skips hashing. Raises what ``add_prompt`` raises for bad arguments
         (``CapacityError`` only for a prompt longer than a table).
         """
-        seq_id = self._seqs.check_new(seq_id)
-        check_int("headroom", headroom, 0)
-        if self._prefix is None:
-            needed = blocks_needed(len(check_tokens(token_ids)), self.block_size)
-            self._check_fits(needed, seq_id)
-            if not self._rows.free_rows or self.manager.num_free_blocks - needed < headroom:
-                return None
-            self._place(seq_id, self._pool.take(needed), len(token_ids))
-            return 0
-        known = self._hashes.keys_if_refused(seq_id, token_ids, extra_key)
-        plan = self._prefix.plan_prompt(token_ids, extra_key, known)
-        self._check_fits(plan.num_blocks, seq_id)
-        if not self._rows.free_rows or self.manager.num_free_blocks - plan.needed < headroom:
-            self._hashes.refuse(seq_id, token_ids, extra_key, plan.keys)
-            return None
-        return self._add_planned(seq_id, token_ids, extra_key, plan)
+        return self._admission.admit(seq_id, token_ids, headroom, extra_key)
 
     def cache_blocks(
         self, seq_id: int, token_ids: Sequence[int], extra_key: Hashable = None
@@ -272,19 +252,10 @@ class BlockTableStore:
         more tokens than the sequence holds, ``BlockTableError`` if one of its blocks is cached
         with other tokens.
         """
-        row = self.row(seq_id)
-        if not isinstance(token_ids, (list, tuple)):
-            check_tokens(token_ids)  # the TypeError
-        state = self._hashes.state_for(seq_id, token_ids, extra_key)
-        check_tokens(token_ids[len(state.tokens) :])  # the keyed tokens were checked before
-        count = int(self._rows.token_counts[row])
-        if len(token_ids) > count:
-            raise ValueError(f"{len(token_ids)} tokens, but sequence {seq_id} holds {count}")
-        if self._prefix is None:
-            return 0
-        released = int(self._rows.num_released[row])  # they lead and hold nothing: skipped
-        return self._hashes.register(
-            self._prefix, seq_id, state, token_ids, self._rows.tables[row], released
+        row, rows = self.row(seq_id), self._rows
+        count, released = int(rows.token_counts[row]), int(rows.num_released[row])
+        return self._hashes.cache_blocks(
+            self._prefix, seq_id, token_ids, extra_key, rows.tables[row], count, released
         )
 
     def fork(self, parent_id: int, child_id: int) -> None:
@@ -327,13 +298,13 @@ class BlockTableStore:
         rows = batch.rows
         step = check_counts("token_counts", token_counts, rows.size)
         counts = np.broadcast_to(np.asarray(step, dtype=np.int64), rows.shape)
-        held = self._rows.token_counts.take(rows)
-        if (counts > held).any():
-            over = [s for s, c, h in zip(batch.seq_ids, counts, held, strict=True) if c > h]
-            raise ValueError(f"token_counts exceed the token counts of sequences {over}")
+        over = counts > self._rows.token_counts.take(rows)
+        if over.any():
+            ids = np.array(batch.seq_ids)[over].tolist()
+            raise ValueError(f"token_counts exceed the token counts of sequences {ids}")
         self._rows.truncate(rows, counts, self._pool, self._prefix)
-        for seq_id, count in zip(batch.seq_ids, counts.tolist(), strict=True):
-            self._hashes.cut(seq_id, count)
+        for index, count in enumerate(counts.tolist()):
+            self._hashes.cut(batch.seq_ids[index], count)
 
     def release_outside_window(
         self, seqs: SeqBatch | SeqIds | None, window: int, token_counts: int | SeqIds | None = None
@@ -366,7 +337,7 @@ class BlockTableStore:
             counts = np.broadcast_to(np.asarray(step, dtype=np.int64), rows.shape)
             over = counts > lengths.astype(np.int64) * self.block_size
             if over.any():
-                ids = [s for s, o in zip(batch.seq_ids, over.tolist(), strict=True) if o]
+                ids = np.array(batch.seq_ids)[over].tolist()
                 raise ValueError(f"token_counts exceed the table capacity of sequences {ids}")
         if int32_window(window) is None:
             return  # wider than any count the store holds: releases nothing, as in the spec
@@ -396,9 +367,10 @@ class BlockTableStore:
         entry (its token count lies in a block a sliding window released). Copy-on-write pairs
         go to :meth:`pop_copy_pairs`.
         """
-        batch, g, decided = self._plan(seqs, new_tokens, preempt=False)
-        if g is None or decided is None:
+        batch, decided = self._plan(seqs, new_tokens, preempt=False)
+        if decided is None:
             return []
+        g, decided = decided
         ok = decided.grown.tolist()
         failed = [seq_id for seq_id, grew in zip(batch.seq_ids, ok, strict=True) if not grew]
         if atomic and failed:
@@ -418,9 +390,10 @@ class BlockTableStore:
         in removal order (the batch's tail, last first); every other sequence grew.
         ``CapacityError`` (changing nothing) as :meth:`grow`.
         """
-        batch, g, decided = self._plan(seqs, new_tokens, preempt=True)
-        if g is None or decided is None:
+        batch, decided = self._plan(seqs, new_tokens, preempt=True)
+        if decided is None:
             return []
+        g, decided = decided
         self._carry_out(batch, g, decided)
         return [batch.seq_ids[i] for i in decided.victims]
 
@@ -465,71 +438,23 @@ class BlockTableStore:
 
     # ----------------------------------------------------------------- internals
 
-    def _check_room(self, seq_id: int, num_blocks: int, free_blocks: int) -> None:
-        """A new table of ``num_blocks`` blocks, ``free_blocks`` of them from the free queue."""
-        self._check_fits(num_blocks, seq_id)
-        if not self._rows.free_rows:
-            raise CapacityError(f"all {self.max_seqs} rows hold live sequences")
-        if free_blocks > self.manager.num_free_blocks:
-            raise OutOfBlocksError(
-                f"asked for {free_blocks} blocks but only {self.manager.num_free_blocks} are free"
-            )
-
-    def _add_planned(
-        self, seq_id: int, token_ids: Sequence[int], extra_key: Hashable, prompt: PromptPlan
-    ) -> int:
-        """Carry out a prompt plan just made (room checked); return the cached tokens."""
-        fresh = self._prefix.apply_prompt_plan(prompt)  # type: ignore[union-attr]
-        self._place(seq_id, np.concatenate((prompt.hits, fresh)), len(token_ids))
-        self._hashes.admit(seq_id, token_ids, extra_key, prompt.keys)
-        return prompt.cached_tokens
-
-    def _place(self, seq_id: int, blocks: IdArray, token_count: int) -> None:
-        """Give ``seq_id`` a free row holding ``blocks`` and ``token_count`` tokens."""
-        self._seqs.add(seq_id, self._rows.place(blocks, token_count))
-
-    def _check_fits(self, num_blocks: int, seq_id: int) -> None:
-        if num_blocks > self.max_blocks_per_seq:
-            raise CapacityError(
-                f"sequence {seq_id} would need {num_blocks} blocks, more than "
-                f"max_blocks_per_seq={self.max_blocks_per_seq}"
-            )
-
     def _plan(
         self, seqs: SeqBatch | SeqIds | None, new_tokens: int | SeqIds, preempt: bool
-    ) -> tuple[SeqBatch, Growth | None, Plan | None]:
-        """Check a growth and decide it (see :mod:`pagedkv.impl.blocks.growth`). The decode
-        step is carried out at once when it can be; then, and when nothing grows, the growth
-        and the plan are None."""
+    ) -> tuple[SeqBatch, tuple[Growth, Plan] | None]:
+        """Check a growth and decide it (:func:`~pagedkv.impl.blocks.growth.decide`)."""
         batch = self.resolve(seqs)
         step = check_counts("new_tokens", new_tokens, len(batch))
         rows, base = batch.rows, batch.base
-        if isinstance(step, int) and step == 1 and grow_decode(self._rows, self._pool, rows, base):
-            return batch, None, None
-        g = growth_of(self._rows, self._pool, batch.seq_ids, rows, base, step)
-        if g is None:
-            return batch, None, None
-        return batch, g, plan(g, self._pool.num_free, preempt, self._rows, self._pool)
+        return batch, decide(self._rows, self._pool, batch.seq_ids, rows, base, step, preempt)
 
     def _carry_out(self, batch: SeqBatch, g: Growth, decided: Plan) -> None:
-        """Apply a plan in the spec's order. Without a copy on write, takes from the free
-        queue's head and frees to its tail commute: every removal first, then one growth."""
-        if not decided.victims:
-            everyone = bool(decided.grown.all())
-            keep = None if everyone else decided.grown.nonzero()[0]
-            copies = decided.copies if keep is None else decided.copies[keep]
-            apply_growth(self._rows, self._pool, self._prefix, g, keep, copies)
-            return
-        steps = decided.steps
-        if not decided.copies.any():
-            steps = [(False, decided.victims), (True, decided.grown.nonzero()[0].tolist())]
-        for grows, indices in steps:
+        """Apply a plan (:func:`~pagedkv.impl.blocks.growth.carry_out`)."""
+
+        def remove(indices: list[int]) -> None:
             chosen = np.array(indices, dtype=np.intp)
-            if grows:
-                copies = decided.copies[chosen]
-                apply_growth(self._rows, self._pool, self._prefix, g, chosen, copies)
-            else:
-                self._remove_rows(g.rows[chosen], [batch.seq_ids[i] for i in indices])
+            self._remove_rows(g.rows[chosen], [batch.seq_ids[i] for i in indices])
+
+        carry_out(self._rows, self._pool, self._prefix, g, decided, remove)
 
     def _remove_rows(self, rows: NDArray[np.intp], seq_ids: Sequence[int]) -> None:
         """``remove`` the sequences ``seq_ids`` held in ``rows``, in order."""

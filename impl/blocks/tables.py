@@ -52,7 +52,6 @@ class BlockTables:
         self.token_counts = np.zeros(max_seqs, dtype=np.int32)
         self.free_rows = list(range(max_seqs - 1, -1, -1))  # pop() yields the lowest row
         self.tail_shared = np.zeros(max_seqs, dtype=np.bool_)
-        self.num_tail_shared = 0
 
     @property
     def flat(self) -> NDArray[np.int32]:
@@ -88,7 +87,7 @@ class BlockTables:
         if rows.size == 1:
             row = int(rows[0])
             pool.release(self.held(row).astype(np.intp))
-        elif rows.size > 1:
+        else:  # several (or no) rows
             reversed_tables = self.tables[rows, ::-1]  # padding first, then last block first
             pool.release_in_order(reversed_tables[reversed_tables != PAD].astype(np.intp))
         self.tables[rows] = PAD
@@ -96,7 +95,7 @@ class BlockTables:
         self.num_released[rows] = 0
         self.token_counts[rows] = 0
         self.clear_tail_shared(rows)
-        self.free_rows.extend(rows[::-1].tolist())
+        self.free_rows.extend(rows.tolist())
 
     def truncate(
         self,
@@ -114,11 +113,8 @@ class BlockTables:
         last = self.tables[rows[cut], kept[cut] - 1].astype(np.intp)  # those blocks
         if prefix is not None and prefix.cached_among(last):
             # The key rule reads a cut block's count between the releases: one at a time.
-            cut_block = {  # a released kept last block holds nothing: no key to remove
-                i: block
-                for i, block in zip(cut.tolist(), last.tolist(), strict=True)
-                if block != PAD
-            }
+            held = last != PAD  # a released kept last block holds nothing: no key to remove
+            cut_block = dict(np.stack((cut[held], last[held]), axis=1).tolist())
             for i in range(rows.size):
                 self.cut(rows[i : i + 1], kept[i : i + 1], counts[i : i + 1], pool)
                 block = cut_block.get(i)
@@ -137,16 +133,13 @@ class BlockTables:
     ) -> None:
         """Cut ``rows`` to ``kept`` blocks and ``counts`` tokens, releasing the dropped blocks
         in ``truncate``'s order (rows in order, each row's last block first)."""
-        lengths = self.num_blocks.take(rows)
-        if (kept < lengths).any():
-            tables = self.tables[rows]  # a copy
-            columns = np.arange(self.width)
-            dropped = (columns >= kept[:, None]) & (columns < lengths[:, None])
-            released = tables[:, ::-1][dropped[:, ::-1]]  # each row's last block first
-            pool.release_in_order(released[released != PAD].astype(np.intp))
-            tables[dropped] = PAD
-            self.tables[rows] = tables
-            self.num_released[rows] = np.minimum(self.num_released.take(rows), kept)
+        tables = self.tables[rows]  # a copy
+        dropped = np.arange(self.width) >= kept[:, None]  # past each row's length: PAD already
+        released = tables[:, ::-1][dropped[:, ::-1]]  # each row's last block first
+        pool.release_in_order(released[released != PAD].astype(np.intp))
+        tables[dropped] = PAD
+        self.tables[rows] = tables
+        self.num_released[rows] = np.minimum(self.num_released.take(rows), kept)
         self.num_blocks[rows] = kept
         self.token_counts[rows] = counts
 
@@ -198,7 +191,7 @@ class BlockTables:
             raise BlockTableError("a position to map lies in a released block")
         slots = entries * self.block_size + (positions % self.block_size)
         if pad_to is None:
-            return slots.astype(np.int32, copy=False)
+            return np.asarray(slots, dtype=np.int32)
         if pad_to < slots.size:
             raise ValueError(f"{slots.size} slots do not fit pad_to={pad_to}")
         padded = np.full(pad_to, PAD, dtype=np.int32)
@@ -207,9 +200,6 @@ class BlockTables:
 
     def flag_tail_shared(self, rows: Rows) -> None:
         self.tail_shared[rows] = True
-        self.num_tail_shared = int(np.count_nonzero(self.tail_shared))
 
     def clear_tail_shared(self, rows: Rows) -> None:
-        if self.num_tail_shared:
-            self.tail_shared[rows] = False
-            self.num_tail_shared = int(np.count_nonzero(self.tail_shared))
+        self.tail_shared[rows] = False

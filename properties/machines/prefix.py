@@ -323,6 +323,14 @@ class PrefixDifferentialMachine(RuleBasedStateMachine):
     def query(self, tokens: list[int], salt: object, block_id: object) -> None:
         self.queries(tokens, salt)
         self.both("key_of", block_id)
+        self.both("ref_count", block_id)
+        self.both("can_allocate", block_id)
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), pos=st.integers(-1, 40))
+    def translate(self, data: st.DataObject, pos: int) -> None:
+        """A slot of a live table, or the error for a position past it or released."""
+        self.both("translate_slot", self.pick(data).table, pos)
 
     @rule(
         tokens=BAD_TOKEN_LISTS,
@@ -394,6 +402,7 @@ class PrefixDifferentialMachine(RuleBasedStateMachine):
         assert impl.num_cached_blocks == spec.num_cached_blocks
         assert dataclasses.astuple(impl.stats) == dataclasses.astuple(spec.stats)
         assert impl.usage == spec.usage
+        assert impl.num_free_blocks == spec.num_free_blocks
         assert copy.deepcopy(impl).pop_copy_pairs() == copy.deepcopy(spec).pop_copy_pairs()
         for block_id, key in enumerate(keys):  # the key map is a bijection over cached blocks
             if key is not None:

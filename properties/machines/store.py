@@ -62,14 +62,14 @@ class StoreMachine(RuleBasedStateMachine):
 
     # ----------------------------------------------------------------- helpers
 
-    def expect_error(self, error: type[Exception], call: Any, *args: Any) -> None:
-        """``call(*args)`` raises ``error`` and changes nothing."""
+    def expect_error(self, error: type[Exception], call: Any, *args: Any) -> str:
+        """``call(*args)`` raises ``error`` and changes nothing; returns its message."""
         before = self.snapshot()
         try:
             call(*args)
-        except error:
+        except error as raised:
             assert self.snapshot() == before, f"{call.__name__} raised but changed the store"
-            return
+            return str(raised)
         raise AssertionError(f"{call.__name__}{args} did not raise {error.__name__}")
 
     def snapshot(self) -> tuple[Any, ...]:
@@ -395,8 +395,10 @@ class StoreMachine(RuleBasedStateMachine):
             ids = data.draw(st.permutations([*live, data.draw(st.sampled_from(unknown))]))
             self.expect_error(KeyError, call, ids)
         elif case == "repeated" and live:
-            ids = data.draw(st.permutations([*live, data.draw(st.sampled_from(live))]))
-            self.expect_error(ValueError, call, ids)
+            twice = data.draw(st.sampled_from(live))
+            ids = data.draw(st.permutations([*live, twice]))
+            message = self.expect_error(ValueError, call, ids)
+            assert message.endswith(f"repeated within one batch: [{twice}]"), message
         elif case == "type":
             bad = data.draw(st.sampled_from([True, 1.0, "1", None, np.int64(1)]))
             self.expect_error(TypeError, call, data.draw(st.permutations([*live, bad])))
