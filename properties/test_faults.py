@@ -45,7 +45,7 @@ import pagedkv.kernels
 from pagedkv.impl.blocks import BlockManager, BlockTableStore, PrefixCachingBlockManager
 from pagedkv.impl.serving.scheduler import Scheduler, SchedulerConfig, SeqStatus
 from pagedkv.spec.block_manager import translate_slot
-from properties.engine_cases import MODEL, greedy_oracle, one_thread
+from properties.engine_cases import MODEL, check_all_freed, greedy_oracle, one_thread
 from properties.mutants import FIND, load_mutant
 
 VOCAB = 8
@@ -487,3 +487,77 @@ def check_a_failed_copy_is_retried(engine_class: type) -> None:
 
 def test_a_failed_copy_is_retried_by_the_next_step() -> None:
     check_a_failed_copy_is_retried(pagedkv.impl.serving.engine.PagedAttentionEngine)
+
+
+# ----------------------------------------------------------------- two faults: the undo is hit
+
+
+def wrong_drafts(tokens: list[int], k: int) -> list[int]:
+    """Drafts greedy decoding never keeps: its continuation, each token id shifted by one."""
+    vocab = MODEL.config.vocab_size
+    return [(token + 1) % vocab for token in greedy_oracle(tuple(tokens), k).tokens]
+
+
+def failing_calls(target: Any, name: str, calls: tuple[int, ...]) -> list[int]:
+    """Make ``target.name`` raise :class:`InjectedFault` at its ``calls``-th calls (counted
+    from 1); returns the list of calls that raised."""
+    original, count, fired = getattr(target, name), [0], []
+
+    def faulty(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        if count[0] in calls:
+            fired.append(count[0])
+            raise InjectedFault(f"{name} call {count[0]}")
+        return original(*args, **kwargs)
+
+    setattr(target, name, faulty)
+    return fired
+
+
+def drain(engine: Any) -> list[Any]:
+    """Step ``engine`` until idle, through injected faults; return the outputs in id order."""
+    outputs = []
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        with suppress(InjectedFault):
+            outputs += engine.step().finished
+    assert not engine.has_unfinished_requests(), "the engine is wedged"
+    return sorted(outputs, key=lambda out: out.request_id)
+
+
+def test_a_failed_rollback_and_undo_of_drafts_emit_no_unverified_token() -> None:
+    """Finding 1: ``store.truncate`` raises in a speculative step's rollback and again in the
+    undo of its drafts. The drafts (all wrong) used to stay in the tokens and come out; now
+    the output is greedy decoding's and every block comes back."""
+    engine = pagedkv.impl.serving.engine.PagedAttentionEngine(
+        MODEL, 16, 4, max_num_seqs=4, max_model_len=64, draft_source=wrong_drafts,
+        num_speculative_tokens=3,
+    )  # fmt: skip
+    prompt = [5, 7, 9]
+    engine.add_request(prompt, 8)
+    with one_thread():
+        fired = failing_calls(engine.store, "truncate", (2, 3))
+        outputs = drain(engine)
+    assert fired, "the rollback never failed"
+    assert [out.outputs for out in outputs] == [[greedy_oracle(tuple(prompt), 8).tokens]]
+    check_all_freed(engine)
+
+
+def test_a_failed_fork_and_undo_of_the_forks_do_not_wedge_the_engine() -> None:
+    """Finding 2: with ``n = 3``, ``store.fork`` raises on its second call and the
+    ``store.remove`` undoing the first fork raises too. The first child used to stay in the
+    store but not in the running list, and every later step raised; now the step is retried
+    and every sample is greedy decoding's."""
+    engine = pagedkv.impl.serving.engine.PagedAttentionEngine(
+        MODEL, 16, 4, max_num_seqs=4, max_model_len=64
+    )
+    prompt = [5, 7, 9, 11, 13]
+    engine.add_request(prompt, 4, n=3)
+    with one_thread():
+        forks = failing_calls(engine.store, "fork", (2,))
+        failing_calls(engine.store, "remove", (1,))
+        outputs = drain(engine)
+    assert forks, "no fork failed"
+    assert [out.outputs for out in outputs] == [[greedy_oracle(tuple(prompt), 4).tokens] * 3]
+    check_all_freed(engine)

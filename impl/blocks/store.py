@@ -331,9 +331,7 @@ class BlockTableStore:
         if (counts > held).any():
             over = [s for s, c, h in zip(batch.seq_ids, counts, held, strict=True) if c > h]
             raise ValueError(f"token_counts exceed the token counts of sequences {over}")
-        self._rows.truncate(rows, counts, self._pool, self._prefix)
-        for seq_id, count in zip(batch.seq_ids, counts.tolist(), strict=True):
-            self._hashes.cut(seq_id, count)
+        self._truncate_rows(rows, batch.seq_ids, counts)
 
     def release_outside_window(
         self, seqs: SeqBatch | SeqIds | None, window: int, token_counts: int | SeqIds | None = None
@@ -463,6 +461,25 @@ class BlockTableStore:
         is gone)."""
         return self._seqs.resolve(seqs)
 
+    # ----------------------------------------------------------------- in-step undo
+
+    # A caller's undo of its own calls earlier in the same step, made when a later call of
+    # that step failed. Unchecked, so they cannot fail: beyond looking their ids up they check
+    # nothing (the caller passes ids and counts that those calls made valid), and they take
+    # no block, only give blocks back (docs/design.md, "Failure semantics").
+
+    def undo_fork(self, child_ids: Sequence[int]) -> None:
+        """Forget children that ``fork`` added in this step, as ``remove(child_ids)`` would
+        (their shared blocks lose the owner the fork gave them), checking nothing."""
+        rows = np.array([self._seqs.row(seq_id) for seq_id in child_ids], dtype=np.intp)
+        self._remove_rows(rows, child_ids)
+
+    def undo_growth(self, seq_ids: Sequence[int], token_counts: Sequence[int]) -> None:
+        """Give back what ``grow`` added to each sequence in this step, as ``truncate(seq_ids,
+        token_counts)`` would (each count at most the sequence's), checking nothing."""
+        rows = np.array([self._seqs.row(seq_id) for seq_id in seq_ids], dtype=np.intp)
+        self._truncate_rows(rows, seq_ids, np.array(token_counts, dtype=np.int64))
+
     # ----------------------------------------------------------------- internals
 
     def _check_room(self, seq_id: int, num_blocks: int, free_blocks: int) -> None:
@@ -530,6 +547,14 @@ class BlockTableStore:
                 apply_growth(self._rows, self._pool, self._prefix, g, chosen, copies)
             else:
                 self._remove_rows(g.rows[chosen], [batch.seq_ids[i] for i in indices])
+
+    def _truncate_rows(
+        self, rows: NDArray[np.intp], seq_ids: Sequence[int], counts: NDArray[np.int64]
+    ) -> None:
+        """``truncate`` the sequences ``seq_ids`` held in ``rows`` to ``counts`` tokens."""
+        self._rows.truncate(rows, counts, self._pool, self._prefix)
+        for seq_id, count in zip(seq_ids, counts.tolist(), strict=True):
+            self._hashes.cut(seq_id, count)
 
     def _remove_rows(self, rows: NDArray[np.intp], seq_ids: Sequence[int]) -> None:
         """``remove`` the sequences ``seq_ids`` held in ``rows``, in order."""

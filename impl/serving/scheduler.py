@@ -335,8 +335,10 @@ class Scheduler:
                     seq.tokens if end == len(seq.tokens) else seq.tokens[:end],
                     seq.cache_salt,
                 )
-        # The store calls that can fail come first, each atomic, and are undone on failure;
-        # the scheduler's own state changes only after all of them succeeded.
+        # The store calls that can fail come first, each atomic, and are undone on failure by
+        # a store call that cannot fail (``undo_fork``: no check, no block taken), so a second
+        # fault cannot leave a child in the store; the scheduler's own state changes only
+        # after all of them succeeded.
         first_id = self._next_seq_id
         children: list[Sequence] = []
         finishing: list[Sequence] = []
@@ -359,7 +361,7 @@ class Scheduler:
         except BaseException:
             forks = [child.seq_id for child in children if not child.done]
             if forks:
-                self.store.remove(forks)
+                self.store.undo_fork(forks)
             self._next_seq_id = first_id
             raise
         for item in output.scheduled:
