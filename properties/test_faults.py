@@ -55,6 +55,7 @@ import pagedkv.impl.serving.scheduler
 import pagedkv.impl.serving.speculative
 import pagedkv.kernels
 from pagedkv.impl.blocks import BlockManager, BlockTableStore, PrefixCachingBlockManager
+from pagedkv.impl.serving.metrics import step_metrics
 from pagedkv.impl.serving.scheduler import Scheduler, SchedulerConfig, SeqStatus
 from pagedkv.spec.block_manager import translate_slot
 from properties.engine_cases import MODEL, check_all_freed, greedy_oracle, one_thread
@@ -767,4 +768,23 @@ def test_a_failed_fork_and_undo_of_the_forks_do_not_wedge_the_engine() -> None:
         outputs = drain(engine)
     assert forks, "no fork failed"
     assert [out.outputs for out in outputs] == [[greedy_oracle(tuple(prompt), 4).tokens] * 3]
+    check_all_freed(engine)
+
+
+def test_a_request_finished_in_a_step_whose_metrics_failed_comes_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The last request finishes in a step whose metrics then fail: the engine still has it
+    to return, so stepping until idle returns it (it used to be stranded: nothing was
+    unfinished, so nothing stepped again)."""
+    engine = pagedkv.impl.serving.engine.PagedAttentionEngine(
+        MODEL, 16, 4, max_num_seqs=4, max_model_len=64
+    )
+    engine.add_request([5, 7, 9], 1)
+    with monkeypatch.context() as patch, one_thread():
+        patch.setattr(pagedkv.impl.serving.engine, "step_metrics", step_metrics)
+        fired = failing_calls(pagedkv.impl.serving.engine, "step_metrics", (1,))
+        outputs = drain(engine)
+    assert fired
+    assert [out.outputs for out in outputs] == [[greedy_oracle((5, 7, 9), 1).tokens]]
     check_all_freed(engine)
