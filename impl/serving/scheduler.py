@@ -242,12 +242,12 @@ class Scheduler:
         if needed > capacity:
             raise RequestTooLargeError(
                 f"request {request_id} can never fit: its prompt of {len(prompt)} tokens plus "
-                f"{max_new_tokens} new tokens needs up to {needed} blocks of "
+                f"max_new_tokens={max_new_tokens} new tokens needs up to {needed} blocks of "
                 f"{self.store.block_size} tokens, but a sequence can hold at most {capacity}"
             )
         if n > self.config.max_num_seqs:
             raise RequestTooLargeError(
-                f"request {request_id} asks for {n} samples but at most "
+                f"request {request_id} asks for n={n} samples but at most "
                 f"max_num_seqs={self.config.max_num_seqs} sequences run at once"
             )
         seq = Sequence(
