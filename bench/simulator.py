@@ -193,6 +193,10 @@ class ContiguousStore:
         """Contiguous memory cannot be shared: the simulator runs every sample as a request."""
         raise NotImplementedError("a contiguous reservation cannot be shared by a fork")
 
+    def undo_fork(self, child_ids: Sequence[int]) -> None:
+        """As ``remove`` (dict updates only); unreachable, as no fork ever succeeds here."""
+        self.remove(child_ids)
+
     def cache_blocks(
         self, seq_id: int, token_ids: Sequence[int], extra_key: Hashable = None
     ) -> int:

@@ -489,3 +489,44 @@ def test_preemption_over_shared_prefix_blocks_stops_once_the_rest_can_grow() -> 
     assert manager.num_free_blocks == 0
     assert store.grow_or_preempt([0, 1, 2]) == [2]
     assert [store.token_count(s) for s in (0, 1)] == [7, 6]
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+def test_the_undo_calls_do_what_remove_and_truncate_do(prefix: bool) -> None:
+    """``undo_fork`` after ``fork`` leaves the store as ``remove`` would, and ``undo_growth``
+    after ``grow`` as ``truncate`` would: the same tables, free queue, reference counts,
+    pending copies and (with prefix caching) cached keys, for a cut into a shared, cached
+    block included."""
+
+    def made() -> BlockTableStore:
+        manager = (PrefixCachingBlockManager if prefix else BlockManager)(12, 4)
+        store = BlockTableStore(manager, 4, 6)
+        prompt = list(range(10))
+        store.add_prompt(0, prompt)
+        store.cache_blocks(0, prompt)
+        store.fork(0, 1)
+        store.fork(0, 2)
+        store.grow([0, 1], [3, 6])
+        return store
+
+    def state(store: BlockTableStore) -> tuple:
+        manager = store.manager
+        keys = [manager.key_of(b) for b in range(12)] if prefix else []
+        return (
+            [store.table(s) for s in store.seq_ids],
+            store.token_counts_of(None),
+            manager.free_block_ids(),
+            manager.ref_counts().tolist(),
+            store.pending_copy_pairs().tolist(),
+            keys,
+        )
+
+    undone, checked = made(), made()
+    undone.undo_fork([2, 1])
+    checked.remove([2, 1])
+    assert state(undone) == state(checked)
+    undone, checked = made(), made()
+    undone.undo_growth([1, 0], [9, 10])
+    checked.truncate([1, 0], [9, 10])
+    assert state(undone) == state(checked)
+    assert undone.token_counts_of([0, 1]) == [10, 9]

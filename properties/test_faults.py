@@ -1,34 +1,45 @@
-"""Nothing is lost under faults: an exception from any call a step makes leaves the engine (and
-the scheduler over its store) able to continue correctly.
+"""Nothing is lost under faults: an exception from any call a step makes, or from two of them,
+leaves the engine (and the scheduler over its store) able to continue correctly.
 
 The fault model: an injected call raises :class:`InjectedFault` *before* it runs (every store
-call, kernel call, model call and draw is atomic: it validates, then changes state), and the
-step that made it raises. After every step, faulted or not, the machines check that no request
-is lost or duplicated, no block leaks, and every running sequence's table reads back its own
-tokens (so no copy-on-write pair was dropped). At the end they run every request to completion
-without faults and compare the outputs with a reference that never saw a fault.
+call, kernel call, model call, draw and draft source call is atomic: it validates, then changes
+state), and the step that made it raises. Up to two calls fail in one step: the second, when it
+comes right after the first, hits the undo of what the first one failed if that undo crosses a
+boundary (the store's undo calls, ``undo_fork`` and ``undo_growth``, check nothing and take no
+block, so they cannot fail and are not injected). After every step, faulted or not, the
+machines check that no request is lost or duplicated, no block leaks, every running sequence's
+table holds its tokens and reads them back (so no copy-on-write pair was dropped and no draft
+stayed), and (the engine) no sequence holds a token greedy decoding would not produce. At the
+end they run every request to completion without faults (the engine must drain: no wedge) and
+compare the outputs with a reference that never saw a fault, and every block is free.
 
 * :class:`SchedulerFaultMachine` (fast): the scheduler over a real store, a plain or prefix
   cache, with a simulated K/V cache (each slot remembers the token written there) and a
-  deterministic "model" (a token is a hash of the tokens before it and the sample index).
-  Faults hit the store's methods, the simulated copy-on-write, K/V write and draw, and
-  ``schedule``/``update`` themselves.
+  deterministic "model" (a token is a hash of the tokens before it and the sample index);
+  ``n`` up to 4. Faults hit the store's methods and the simulated copy-on-write, K/V write
+  and draw.
 * :class:`EngineFaultMachine`: ``PagedAttentionEngine`` with the tiny seeded model, greedy,
-  compared with the dense oracle. Faults hit the kernels, the store, the scheduler, the model
-  and the sampler.
+  ``n`` up to 4, speculative (a partly right draft source, ``k`` up to 3) or not, compared
+  with the dense oracle. Faults hit the kernels, every store call, the scheduler, the model,
+  the sampler and the draft source.
 
-Planted bugs (a lost copy-on-write pair, a lost request, a leaked block) are each caught.
+Faults are drawn call by call (:func:`drawn_faults`). :func:`sweep` makes, over a fixed run,
+every single fault and every pair of a fault and the call right after it, in each of its
+first steps. Planted bugs (a lost copy-on-write pair, a lost request, a leaked block) are each
+caught by the machines, and the old undo paths (checked store calls a second fault can fail)
+by the sweeps. The ``long`` hunt runs the machines far longer.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any, ClassVar
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -41,11 +52,13 @@ from hypothesis.stateful import (
 
 import pagedkv.impl.serving.engine
 import pagedkv.impl.serving.scheduler
+import pagedkv.impl.serving.speculative
 import pagedkv.kernels
 from pagedkv.impl.blocks import BlockManager, BlockTableStore, PrefixCachingBlockManager
+from pagedkv.impl.serving.metrics import step_metrics
 from pagedkv.impl.serving.scheduler import Scheduler, SchedulerConfig, SeqStatus
 from pagedkv.spec.block_manager import translate_slot
-from properties.engine_cases import MODEL, greedy_oracle, one_thread
+from properties.engine_cases import MODEL, check_all_freed, greedy_oracle, one_thread
 from properties.mutants import FIND, load_mutant
 
 VOCAB = 8
@@ -56,33 +69,57 @@ class InjectedFault(RuntimeError):
 
 
 class FaultInjector:
-    """Counts calls to the functions it wraps; the armed one raises before it runs."""
+    """Counts calls to the functions it wraps and makes up to two of them a step raise before
+    they run. Each call of an armed step asks ``decide(name, first)`` whether it fails
+    (``first``: no fault fired yet in the step): a machine draws the answer, so Hypothesis
+    places the faults at any boundary, and a second fault right after a first one hits the
+    undo of what the first one failed (if that undo crosses a boundary)."""
+
+    MAX_FAULTS = 2
 
     def __init__(self) -> None:
         self.calls = 0
-        self.armed: int | str | None = None
-        self.fired: str | None = None
+        self.decide: Callable[[str, bool], bool] | None = None
+        self.fired: list[str] = []
 
     def wrap(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(function)
         def faulty(*args: Any, **kwargs: Any) -> Any:
             self.calls += 1
-            if self.fired is None and self.armed in (self.calls, name):
-                self.fired = name
+            decide = self.decide
+            if (
+                decide is not None
+                and len(self.fired) < self.MAX_FAULTS
+                and decide(name, not self.fired)
+            ):
+                self.fired.append(name)
                 raise InjectedFault(f"injected into call {self.calls}: {name}")
             return function(*args, **kwargs)
 
         return faulty
 
     @contextmanager
-    def armed_at(self, call: int | str | None) -> Iterator[None]:
-        """Raise at the ``call``-th wrapped call from now, or the first call of the function
-        named ``call`` (None: never)."""
-        self.calls, self.armed, self.fired = 0, call, None
+    def armed(self, decide: Callable[[str, bool], bool] | None) -> Iterator[None]:
+        """Let ``decide`` fail the calls made in the block (None: none fails)."""
+        self.calls, self.fired, self.decide = 0, [], decide
         try:
             yield
         finally:
-            self.armed = None
+            self.decide = None
+
+
+def drawn_faults(data: st.DataObject) -> Callable[[str, bool], bool]:
+    """Faults drawn call by call: a step's first fault at each call with chance about
+    ``1 / rate``, the rate drawn once a step (a high one reaches the step's late calls), and
+    a second one at each later call with chance about one half."""
+    rate = data.draw(st.sampled_from([4, 16, 64]), label="one call in")
+
+    def decide(name: str, first: bool) -> bool:
+        if first:  # a middle value: Hypothesis draws the ends of a range far more often
+            return data.draw(st.integers(0, rate - 1), label=f"fail {name}?") == rate // 2
+        return data.draw(st.booleans(), label=f"fail {name} too?")
+
+    return decide
 
 
 def wrap_methods(injector: FaultInjector, target: Any, names: tuple[str, ...]) -> None:
@@ -109,7 +146,10 @@ class FaultyStore:
 STORE_CALLS = (
     "token_counts_of", "grow_or_preempt", "admit", "fork", "remove", "cache_blocks",
     "pending_copy_pairs", "pop_copy_pairs", "batch", "slot_mapping", "release_outside_window",
+    "grow", "truncate", "resolve",
 )  # fmt: skip
+"""Every store call the scheduler, the engine and its speculation make (the undo calls,
+``undo_fork`` and ``undo_growth``, cannot fail: they check nothing and take no block)."""
 
 
 def copy_blocks(kv: dict[int, int], pairs: list[list[int]], block_size: int) -> None:
@@ -185,7 +225,7 @@ class SchedulerFaultMachine(RuleBasedStateMachine):
     @rule(
         prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=10),
         max_new=st.integers(1, 6),
-        n=st.integers(1, 3),
+        n=st.integers(1, 4),
     )
     def add_request(self, prompt: list[int], max_new: int, n: int) -> None:
         request_id = len(self.requests)
@@ -195,10 +235,13 @@ class SchedulerFaultMachine(RuleBasedStateMachine):
             return
         self.requests[request_id] = (prompt, max_new, n)
 
-    @rule(fault=st.none() | st.integers(1, 40))
-    def step(self, fault: int | None) -> None:
-        """One engine-like step, with a fault at the ``fault``-th call, if any."""
-        with self.injector.armed_at(fault), suppress(InjectedFault):
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        """One engine-like step, with up to two faults drawn call by call."""
+        self.faulty_step(drawn_faults(data))
+
+    def faulty_step(self, decide: Callable[[str, bool], bool] | None) -> None:
+        with self.injector.armed(decide), suppress(InjectedFault):
             self.run_step()
 
     def run_step(self) -> None:
@@ -297,12 +340,35 @@ TestWindowSchedulerFaults = WindowSchedulerFaultMachine.TestCase
 KERNEL_CALLS = ("copy_blocks", "store_kv", "slot_mapping", "paged_prefill_attention")
 ENGINE_CALLS = (
     *KERNEL_CALLS, *STORE_CALLS, "schedule", "update", "forward", "compute_logits",
-    "sample_token",
+    "sample_token", "draft_source",
 )  # fmt: skip
 
 
+class GreedyDrafts:
+    """A draft source that is partly right: the greedy continuation of the tokens it is
+    given, with the draft at a position picked by the tokens' hash shifted by one token id
+    (none, if the pick is past the drafts). Reads continuations recorded ahead of time, so it
+    never runs the model (whose calls the machine counts and faults) while a step runs."""
+
+    def __init__(self) -> None:
+        self.after: dict[tuple[int, ...], list[int]] = {}  # known tokens -> greedy tokens after
+
+    def learn(self, prompt: list[int], max_new: int) -> None:
+        tokens = [*prompt, *greedy_oracle(tuple(prompt), max_new).tokens]
+        for end in range(len(prompt), len(tokens)):
+            self.after[tuple(tokens[:end])] = tokens[end:]
+
+    def __call__(self, tokens: list[int], k: int) -> list[int]:
+        guess = list(self.after.get(tuple(tokens), [])[:k])
+        wrong = hash(tuple(tokens)) % (k + 1)
+        if wrong < len(guess):
+            guess[wrong] = (guess[wrong] + 1) % MODEL.config.vocab_size
+        return guess
+
+
 class EngineFaultMachine(RuleBasedStateMachine):
-    """The engine, greedy, with faults in kernels, store, scheduler, model and sampler."""
+    """The engine, greedy, speculative or not, with parallel sampling up to ``n = 4``, and up
+    to two faults a step in kernels, store, scheduler, model, sampler and draft source."""
 
     ENGINE: ClassVar[type] = pagedkv.impl.serving.engine.PagedAttentionEngine
 
@@ -310,24 +376,28 @@ class EngineFaultMachine(RuleBasedStateMachine):
         total_blocks=st.integers(6, 16),
         block_size=st.sampled_from([1, 2, 4]),
         prefix=st.booleans(),
+        speculative=st.integers(0, 3),
     )
-    def start(self, total_blocks: int, block_size: int, prefix: bool) -> None:
+    def start(self, total_blocks: int, block_size: int, prefix: bool, speculative: int) -> None:
+        self.injector = FaultInjector()
+        self.drafts = GreedyDrafts()
+        source = self.injector.wrap("draft_source", self.drafts) if speculative else None
         self.engine = self.ENGINE(
             MODEL, total_blocks, block_size, max_num_seqs=4, max_num_batched_tokens=16,
-            enable_prefix_caching=prefix, max_model_len=64,
+            enable_prefix_caching=prefix, max_model_len=64, draft_source=source,
+            num_speculative_tokens=speculative,
         )  # fmt: skip
-        self.injector = FaultInjector()
         engine = self.engine
         engine.store = engine.scheduler.store = FaultyStore(
             engine.store, self.injector, STORE_CALLS
         )
         wrap_methods(self.injector, engine.scheduler, ("schedule", "update"))
-        wrap_methods(self.injector, engine.model, ("forward", "compute_logits"))
         self.patches = [(pagedkv.impl.serving.engine, "sample_token")]
         self.patches += [(pagedkv.kernels, name) for name in KERNEL_CALLS]
-        self.originals = [getattr(module, name) for module, name in self.patches]
-        for (module, name), original in zip(self.patches, self.originals, strict=True):
-            setattr(module, name, self.injector.wrap(name, original))
+        self.patches += [(engine.model, "forward"), (engine.model, "compute_logits")]
+        self.originals = [getattr(target, name) for target, name in self.patches]
+        for (target, name), original in zip(self.patches, self.originals, strict=True):
+            setattr(target, name, self.injector.wrap(name, original))
         self.requests: dict[int, tuple[list[int], int, int]] = {}
         self.outputs: dict[int, list[list[int]]] = {}
         self.total_blocks = total_blocks
@@ -339,15 +409,19 @@ class EngineFaultMachine(RuleBasedStateMachine):
             for _ in range(500):
                 if not self.engine.has_unfinished_requests():
                     break
-                self.collect(self.engine.step().finished)
-            assert not self.engine.has_unfinished_requests()
+                with one_thread():
+                    self.collect(self.engine.step().finished)
+            assert not self.engine.has_unfinished_requests(), "the engine is wedged"
             for request_id, (prompt, max_new, n) in self.requests.items():
                 expected = greedy_oracle(tuple(prompt), max_new).tokens
                 assert self.outputs[request_id] == [expected] * n
-            assert self.engine.store.num_free_blocks == self.total_blocks
+            assert self.engine.store.num_free_blocks == self.total_blocks, "a block leaked"
         finally:
-            for (module, name), original in zip(self.patches, self.originals, strict=True):
-                setattr(module, name, original)
+            for (target, name), original in zip(self.patches, self.originals, strict=True):
+                if target is MODEL:
+                    delattr(target, name)  # the shared model's own methods again
+                else:
+                    setattr(target, name, original)
 
     def collect(self, finished: list[Any]) -> None:
         for result in finished:
@@ -358,19 +432,24 @@ class EngineFaultMachine(RuleBasedStateMachine):
     @rule(
         prompt=st.lists(st.integers(0, MODEL.config.vocab_size - 1), min_size=1, max_size=9),
         max_new=st.integers(1, 5),
-        n=st.integers(1, 2),
+        n=st.integers(1, 4),
     )
     def add_request(self, prompt: list[int], max_new: int, n: int) -> None:
-        """Greedy requests; ``n = 2`` forks, and its first write copies on write."""
+        """Greedy requests; ``n > 1`` forks, and its first write copies on write."""
         try:
             request_id = self.engine.add_request(prompt, max_new, n=n)
         except ValueError:
             return
         self.requests[request_id] = (prompt, max_new, n)
+        self.drafts.learn(prompt, max_new)
 
-    @rule(fault=st.none() | st.integers(1, 60))
-    def step(self, fault: int | None) -> None:
-        with self.injector.armed_at(fault), one_thread(), suppress(InjectedFault):
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        """One step, with up to two faults drawn call by call."""
+        self.faulty_step(drawn_faults(data))
+
+    def faulty_step(self, decide: Callable[[str, bool], bool] | None) -> None:
+        with self.injector.armed(decide), one_thread(), suppress(InjectedFault):
             self.collect(self.engine.step().finished)
 
     @invariant()
@@ -381,7 +460,15 @@ class EngineFaultMachine(RuleBasedStateMachine):
         assert store.num_free_blocks + len(held) == self.total_blocks, "a block leaked"
         live = {seq.request_id for seq in [*scheduler.running, *scheduler.waiting]}
         for request_id in self.requests:
-            assert (request_id in live) != (request_id in self.outputs), "lost or duplicated"
+            assert not (request_id in live and request_id in self.outputs), "duplicated"
+            if request_id not in live | set(self.outputs):  # finished in a failed step:
+                assert self.engine.has_unfinished_requests(), "lost"  # the next returns it
+        for seq in scheduler.running:  # a table holds the tokens, or all but the last sampled
+            assert 0 <= seq.num_tokens - store.token_count(seq.seq_id) <= 1, "a draft stayed"
+        for seq in [*scheduler.running, *scheduler.waiting]:
+            prompt, max_new, _ = self.requests[seq.request_id]
+            greedy = greedy_oracle(tuple(prompt), max_new).tokens
+            assert seq.output == greedy[: len(seq.output)], "a token greedy decoding never gives"
 
 
 ENGINE_SETTINGS = settings(
@@ -393,6 +480,95 @@ ENGINE_SETTINGS = settings(
 
 TestEngineFaults = EngineFaultMachine.TestCase
 TestEngineFaults.settings = ENGINE_SETTINGS
+
+HUNT = settings(
+    max_examples=300, stateful_step_count=30, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)  # fmt: skip
+"""The long hunt: the second test command's."""
+
+
+@pytest.mark.long
+@pytest.mark.parametrize(
+    "machine", [SchedulerFaultMachine, WindowSchedulerFaultMachine, EngineFaultMachine]
+)
+def test_long_fault_hunt(machine: type) -> None:
+    """The fault machines above, far longer: up to two faults a step, anywhere."""
+    hunt = settings(HUNT, max_examples=3000) if machine is not EngineFaultMachine else HUNT
+    run_state_machine_as_test(machine, settings=hunt)
+
+
+# ----------------------------------------------------------------- every pair of faults
+
+
+def sweep(
+    machine_class: type, setup: dict[str, Any], requests: list[dict[str, Any]], steps: int
+) -> int:
+    """Every way to fail one call of one of the first ``steps`` steps of a fixed run, alone
+    or together with the call right after it (the undo's, when the undo crosses a boundary):
+    each run replays the steps before it fault-free, checks the machine's invariant after the
+    faulty step, then drains without faults and checks the outputs and the pool. Returns the
+    runs made."""
+
+    def replay(faulty: int, decide: Callable[[str, bool], bool]) -> int:
+        machine = machine_class()
+        machine.start(**setup)
+        for request in requests:
+            machine.add_request(**request)
+        for _ in range(faulty):
+            machine.faulty_step(None)
+        machine.faulty_step(decide)
+        machine.nothing_lost()
+        machine.teardown()
+        return machine.injector.calls
+
+    runs = 0
+    for faulty in range(steps):
+        calls = replay(faulty, lambda name, first: False)  # the calls that step makes
+        for call, twice in itertools.product(range(1, calls + 1), (False, True)):
+            replay(faulty, FaultsAt(call, twice))
+            runs += 1
+    return runs
+
+
+class FaultsAt:
+    """Fail the ``call``-th call of a step and, if ``twice``, the one right after it."""
+
+    def __init__(self, call: int, twice: bool) -> None:
+        self.call, self.twice, self.seen = call, twice, 0
+
+    def __call__(self, name: str, first: bool) -> bool:
+        self.seen += 1
+        return self.seen == self.call or (self.twice and self.seen == self.call + 1)
+
+
+# A request that forks into three (no sample is born done, so both children fork) beside one
+# that does not; the pool is small enough that the run preempts.
+SCHEDULER_SWEEP = (
+    {"total_blocks": 8, "block_size": 2, "prefix": True, "max_num_seqs": 4, "budget": 6},
+    [
+        {"prompt": [1, 2, 3, 4, 6], "max_new": 3, "n": 3},
+        {"prompt": [1, 2, 3], "max_new": 2, "n": 1},
+    ],
+)
+
+
+def test_every_pair_of_faults_in_the_scheduler() -> None:
+    assert sweep(SchedulerFaultMachine, *SCHEDULER_SWEEP, steps=6) > 50
+
+
+ENGINE_SWEEP = (
+    {"total_blocks": 12, "block_size": 2, "prefix": True, "speculative": 2},
+    [
+        {"prompt": [5, 7, 9, 11, 13], "max_new": 4, "n": 3},
+        {"prompt": [5, 7, 9], "max_new": 5, "n": 1},
+    ],
+)
+
+
+def test_every_pair_of_faults_in_the_engine() -> None:
+    """The same over the engine, speculative, with a request that forks into three."""
+    assert sweep(EngineFaultMachine, *ENGINE_SWEEP, steps=3) > 50
 
 
 # ----------------------------------------------------------------- teeth
@@ -411,13 +587,32 @@ PLANTED = {
     ),
     "a failed update leaks the blocks of its forks": (
         pagedkv.impl.serving.scheduler,
-        "            if forks:\n                self.store.remove(forks)",
-        "            if False:\n                self.store.remove(forks)",
+        "            if forks:\n                self.store.undo_fork(forks)",
+        "            if False:\n                self.store.undo_fork(forks)",
     ),
 }
+UNDO_PLANTED = {
+    "the undo of a failed update's forks can fail (the old undo)": (
+        pagedkv.impl.serving.scheduler,
+        "self.store.undo_fork(forks)",
+        "self.store.remove(forks)",
+    ),
+    "the undo of a failed speculative step can fail (the old undo)": (
+        pagedkv.impl.serving.speculative,
+        "store.undo_growth(list(before), list(before.values()))",
+        "store.truncate(list(before), list(before.values()))",
+    ),
+}
+"""The undo paths as they were (checked store calls, which a second fault can fail): only
+two faults in one step find them, which the sweeps of every pair do."""
 
 
 def planted_machine(module: Any, old: str, new: str) -> tuple[type, settings]:
+    if module is pagedkv.impl.serving.speculative:  # an engine copy that calls the mutant
+        engine = load_mutant(pagedkv.impl.serving.engine, "", "", ("RequestOutput", "StepOutput"))
+        engine.speculative = load_mutant(module, old, new, ())
+        attrs = {"ENGINE": engine.PagedAttentionEngine}
+        return type("PlantedEngine", (EngineFaultMachine,), attrs), ENGINE_FIND
     if module is pagedkv.impl.serving.engine:
         mutant = load_mutant(module, old, new, ("RequestOutput", "StepOutput"))
         attrs = {"ENGINE": mutant.PagedAttentionEngine}
@@ -427,7 +622,10 @@ def planted_machine(module: Any, old: str, new: str) -> tuple[type, settings]:
     return type("PlantedScheduler", (SchedulerFaultMachine,), attrs), FIND
 
 
-ENGINE_FIND = settings(ENGINE_SETTINGS, max_examples=60, database=None, derandomize=True)
+ENGINE_FIND = settings(
+    ENGINE_SETTINGS, max_examples=60, database=None, derandomize=True,
+    report_multiple_bugs=False, phases=[Phase.generate],
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("bug", sorted(PLANTED))
@@ -438,6 +636,16 @@ def test_planted_fault_bug_is_caught(bug: str) -> None:
         if issubclass(machine, EngineFaultMachine):
             check_a_failed_copy_is_retried(machine.ENGINE)
         run_state_machine_as_test(machine, settings=search)
+
+
+@pytest.mark.parametrize("bug", sorted(UNDO_PLANTED))
+def test_planted_undo_bug_is_caught_by_the_sweep(bug: str) -> None:
+    machine, _ = planted_machine(*UNDO_PLANTED[bug])
+    with pytest.raises(Exception):  # noqa: B017 - an assertion or the engine wedged
+        if issubclass(machine, EngineFaultMachine):
+            sweep(machine, *ENGINE_SWEEP, steps=3)
+        else:
+            sweep(machine, *SCHEDULER_SWEEP, steps=6)
 
 
 def test_control_unmutated_copies_pass() -> None:
@@ -487,3 +695,96 @@ def check_a_failed_copy_is_retried(engine_class: type) -> None:
 
 def test_a_failed_copy_is_retried_by_the_next_step() -> None:
     check_a_failed_copy_is_retried(pagedkv.impl.serving.engine.PagedAttentionEngine)
+
+
+# ----------------------------------------------------------------- two faults: the undo is hit
+
+
+def wrong_drafts(tokens: list[int], k: int) -> list[int]:
+    """Drafts greedy decoding never keeps: its continuation, each token id shifted by one."""
+    vocab = MODEL.config.vocab_size
+    return [(token + 1) % vocab for token in greedy_oracle(tuple(tokens), k).tokens]
+
+
+def failing_calls(target: Any, name: str, calls: tuple[int, ...]) -> list[int]:
+    """Make ``target.name`` raise :class:`InjectedFault` at its ``calls``-th calls (counted
+    from 1); returns the list of calls that raised."""
+    original, count, fired = getattr(target, name), [0], []
+
+    def faulty(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        if count[0] in calls:
+            fired.append(count[0])
+            raise InjectedFault(f"{name} call {count[0]}")
+        return original(*args, **kwargs)
+
+    setattr(target, name, faulty)
+    return fired
+
+
+def drain(engine: Any) -> list[Any]:
+    """Step ``engine`` until idle, through injected faults; return the outputs in id order."""
+    outputs = []
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        with suppress(InjectedFault):
+            outputs += engine.step().finished
+    assert not engine.has_unfinished_requests(), "the engine is wedged"
+    return sorted(outputs, key=lambda out: out.request_id)
+
+
+def test_a_failed_rollback_and_undo_of_drafts_emit_no_unverified_token() -> None:
+    """Finding 1: ``store.truncate`` raises in a speculative step's rollback and again in the
+    undo of its drafts. The drafts (all wrong) used to stay in the tokens and come out; now
+    the output is greedy decoding's and every block comes back."""
+    engine = pagedkv.impl.serving.engine.PagedAttentionEngine(
+        MODEL, 16, 4, max_num_seqs=4, max_model_len=64, draft_source=wrong_drafts,
+        num_speculative_tokens=3,
+    )  # fmt: skip
+    prompt = [5, 7, 9]
+    engine.add_request(prompt, 8)
+    with one_thread():
+        fired = failing_calls(engine.store, "truncate", (2, 3))
+        outputs = drain(engine)
+    assert fired, "the rollback never failed"
+    assert [out.outputs for out in outputs] == [[greedy_oracle(tuple(prompt), 8).tokens]]
+    check_all_freed(engine)
+
+
+def test_a_failed_fork_and_undo_of_the_forks_do_not_wedge_the_engine() -> None:
+    """Finding 2: with ``n = 3``, ``store.fork`` raises on its second call and the
+    ``store.remove`` undoing the first fork raises too. The first child used to stay in the
+    store but not in the running list, and every later step raised; now the step is retried
+    and every sample is greedy decoding's."""
+    engine = pagedkv.impl.serving.engine.PagedAttentionEngine(
+        MODEL, 16, 4, max_num_seqs=4, max_model_len=64
+    )
+    prompt = [5, 7, 9, 11, 13]
+    engine.add_request(prompt, 4, n=3)
+    with one_thread():
+        forks = failing_calls(engine.store, "fork", (2,))
+        failing_calls(engine.store, "remove", (1,))
+        outputs = drain(engine)
+    assert forks, "no fork failed"
+    assert [out.outputs for out in outputs] == [[greedy_oracle(tuple(prompt), 4).tokens] * 3]
+    check_all_freed(engine)
+
+
+def test_a_request_finished_in_a_step_whose_metrics_failed_comes_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The last request finishes in a step whose metrics then fail: the engine still has it
+    to return, so stepping until idle returns it (it used to be stranded: nothing was
+    unfinished, so nothing stepped again)."""
+    engine = pagedkv.impl.serving.engine.PagedAttentionEngine(
+        MODEL, 16, 4, max_num_seqs=4, max_model_len=64
+    )
+    engine.add_request([5, 7, 9], 1)
+    with monkeypatch.context() as patch, one_thread():
+        patch.setattr(pagedkv.impl.serving.engine, "step_metrics", step_metrics)
+        fired = failing_calls(pagedkv.impl.serving.engine, "step_metrics", (1,))
+        outputs = drain(engine)
+    assert fired
+    assert [out.outputs for out in outputs] == [[greedy_oracle((5, 7, 9), 1).tokens]]
+    check_all_freed(engine)

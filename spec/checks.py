@@ -81,7 +81,8 @@ def check_capacity(num_entries: int, token_count: int, block_size: int) -> None:
 def check_tokens(token_ids: object) -> Sequence[int]:
     """Rule: token ids are a list or tuple of non-negative ints. Returns them: the argument
     itself, not a copy, when it holds tokens and all are plain ints (a long prompt is not
-    copied); otherwise a new list of the same tokens.
+    copied); otherwise a new list of the same tokens as plain ints. Every layer, spec and
+    impl alike, only reads what this returns; one that keeps tokens keeps a copy of them.
 
     The common case is checked in C; otherwise each token is checked in order, so the first bad
     one decides between ``TypeError`` and ``ValueError``.

@@ -213,7 +213,7 @@ class PrefixCachingBlockManager(BlockManager):
         ``hash_fn`` that raises or returns a non-int (``TypeError``) fails the whole call
         before it changes anything.
         """
-        tokens = list(check_tokens(token_ids))
+        tokens = check_tokens(token_ids)  # read only: the keys hold tuples of its tokens
         check_extra_key(extra_key, self.hash_fn)
         keys: list[BlockKey] = []
         parent = None

@@ -302,9 +302,7 @@ class BlockTableStore:
         if over.any():
             ids = np.array(batch.seq_ids)[over].tolist()
             raise ValueError(f"token_counts exceed the token counts of sequences {ids}")
-        self._rows.truncate(rows, counts, self._pool, self._prefix)
-        for index, count in enumerate(counts.tolist()):
-            self._hashes.cut(batch.seq_ids[index], count)
+        self._truncate_rows(rows, batch.seq_ids, counts)
 
     def release_outside_window(
         self, seqs: SeqBatch | SeqIds | None, window: int, token_counts: int | SeqIds | None = None
@@ -436,6 +434,25 @@ class BlockTableStore:
         is gone)."""
         return self._seqs.resolve(seqs)
 
+    # ----------------------------------------------------------------- in-step undo
+
+    # A caller's undo of its own calls earlier in the same step, made when a later call of
+    # that step failed. Unchecked, so they cannot fail: beyond looking their ids up they check
+    # nothing (the caller passes ids and counts that those calls made valid), and they take
+    # no block, only give blocks back (docs/design.md, "Failure semantics").
+
+    def undo_fork(self, child_ids: Sequence[int]) -> None:
+        """Forget children that ``fork`` added in this step, as ``remove(child_ids)`` would
+        (their shared blocks lose the owner the fork gave them), checking nothing."""
+        rows = np.array([self._seqs.row(seq_id) for seq_id in child_ids], dtype=np.intp)
+        self._remove_rows(rows, child_ids)
+
+    def undo_growth(self, seq_ids: Sequence[int], token_counts: Sequence[int]) -> None:
+        """Give back what ``grow`` added to each sequence in this step, as ``truncate(seq_ids,
+        token_counts)`` would (each count at most the sequence's), checking nothing."""
+        rows = np.array([self._seqs.row(seq_id) for seq_id in seq_ids], dtype=np.intp)
+        self._truncate_rows(rows, seq_ids, np.array(token_counts, dtype=np.int64))
+
     # ----------------------------------------------------------------- internals
 
     def _plan(
@@ -455,6 +472,14 @@ class BlockTableStore:
             self._remove_rows(g.rows[chosen], [batch.seq_ids[i] for i in indices])
 
         carry_out(self._rows, self._pool, self._prefix, g, decided, remove)
+
+    def _truncate_rows(
+        self, rows: NDArray[np.intp], seq_ids: Sequence[int], counts: NDArray[np.int64]
+    ) -> None:
+        """``truncate`` the sequences ``seq_ids`` held in ``rows`` to ``counts`` tokens."""
+        self._rows.truncate(rows, counts, self._pool, self._prefix)
+        for index, count in enumerate(counts.tolist()):
+            self._hashes.cut(seq_ids[index], count)
 
     def _remove_rows(self, rows: NDArray[np.intp], seq_ids: Sequence[int]) -> None:
         """``remove`` the sequences ``seq_ids`` held in ``rows``, in order."""

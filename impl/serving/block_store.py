@@ -79,6 +79,12 @@ class BlockStore(Protocol):
         """Free the sequences' tables and forget them."""
         ...
 
+    def undo_fork(self, child_ids: Sequence[int]) -> None:
+        """Undo this step's ``fork`` calls that made ``child_ids``, as ``remove`` would; it
+        cannot fail (no check, no block taken): the scheduler's undo when a later store call
+        of its ``update`` fails."""
+        ...
+
     def cache_blocks(
         self, seq_id: int, token_ids: Sequence[int], extra_key: Hashable = None
     ) -> int:

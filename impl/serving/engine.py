@@ -235,7 +235,10 @@ class PagedAttentionEngine:
         return temperature
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether a request is queued, running, or finished but not yet returned by a step
+        (its step's metrics failed): ``step`` until this is False, and every request comes
+        back."""
+        return self.scheduler.has_unfinished() or bool(self._unreturned)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (after a weight update, say); return whether it did.

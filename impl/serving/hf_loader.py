@@ -35,6 +35,7 @@ from torch import nn
 
 from pagedkv.impl.serving.model import CausalLM, ModelConfig
 from pagedkv.kernels.validation import check_float_dtype
+from pagedkv.spec.checks import check_window
 
 ACCEPTED_MODEL_TYPES = ("llama", "mistral")
 WINDOW_FAMILIES = ("mistral",)  # model types whose sliding_window every layer applies
@@ -88,9 +89,10 @@ def config_from_hf(config: Any) -> ModelConfig:
         )
     known = {*SHAPE_FIELDS, *REQUIRED_VALUES, *INERT_FIELDS, *ROPE_FIELDS, *_generic_fields()}
     windowed = model_type in WINDOW_FAMILIES
+    window = None  # outside WINDOW_FAMILIES a window field is inert
     for name, value in fields.items():
         if windowed and name == "sliding_window":
-            _check_window(value)
+            window = _check_window(value)
         elif name in REQUIRED_VALUES and value != REQUIRED_VALUES[name]:
             raise ValueError(
                 f"config field {name}={value!r} is not supported: CausalLM computes "
@@ -107,20 +109,22 @@ def config_from_hf(config: Any) -> ModelConfig:
     shape = {ours: fields[theirs] for theirs, ours in SHAPE_FIELDS.items() if theirs in fields}
     if shape.get("head_dim") is None:
         shape["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
-    window = fields.get("sliding_window") if windowed else None
     return ModelConfig(**shape, rope_theta=_rope_theta(fields), sliding_window=window)
 
 
-def _check_window(value: object) -> None:
-    """A window ``ModelConfig`` takes: ``None`` or an int ``>= 1`` (``ValueError`` naming the
-    field otherwise, like every refused field)."""
+def _check_window(value: object) -> int | None:
+    """A window ``ModelConfig`` takes: ``None`` or what ``spec.checks.check_window`` takes,
+    returned as the plain int it equals. Refused with ``ValueError`` naming the field, like
+    every refused field (a config file's content is a value, whatever its type)."""
     if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return None
+    try:
+        return check_window(value)
+    except (TypeError, ValueError) as error:
         raise ValueError(
             f"config field sliding_window={value!r} is not supported: it must be None or an "
-            f"int >= 1"
-        )
+            f"int >= 1 ({error})"
+        ) from None
 
 
 def load_hf(

@@ -242,12 +242,12 @@ class Scheduler:
         if needed > capacity:
             raise RequestTooLargeError(
                 f"request {request_id} can never fit: its prompt of {len(prompt)} tokens plus "
-                f"{max_new_tokens} new tokens needs up to {needed} blocks of "
+                f"max_new_tokens={max_new_tokens} new tokens needs up to {needed} blocks of "
                 f"{self.store.block_size} tokens, but a sequence can hold at most {capacity}"
             )
         if n > self.config.max_num_seqs:
             raise RequestTooLargeError(
-                f"request {request_id} asks for {n} samples but at most "
+                f"request {request_id} asks for n={n} samples but at most "
                 f"max_num_seqs={self.config.max_num_seqs} sequences run at once"
             )
         seq = Sequence(
@@ -335,8 +335,10 @@ class Scheduler:
                     seq.tokens if end == len(seq.tokens) else seq.tokens[:end],
                     seq.cache_salt,
                 )
-        # The store calls that can fail come first, each atomic, and are undone on failure;
-        # the scheduler's own state changes only after all of them succeeded.
+        # The store calls that can fail come first, each atomic, and are undone on failure by
+        # a store call that cannot fail (``undo_fork``: no check, no block taken), so a second
+        # fault cannot leave a child in the store; the scheduler's own state changes only
+        # after all of them succeeded.
         first_id = self._next_seq_id
         children: list[Sequence] = []
         finishing: list[Sequence] = []
@@ -359,7 +361,7 @@ class Scheduler:
         except BaseException:
             forks = [child.seq_id for child in children if not child.done]
             if forks:
-                self.store.remove(forks)
+                self.store.undo_fork(forks)
             self._next_seq_id = first_id
             raise
         for item in output.scheduled:

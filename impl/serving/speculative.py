@@ -127,13 +127,15 @@ def roll_back(
 
 def undraft(plan: SchedulerOutput, drafts: Mapping[int, list[int]], store: BlockTableStore) -> None:
     """A speculative step failed: each drafted sequence's table and tokens go back to what they
-    were before its drafts, so the next step schedules the same work again."""
+    were before its drafts, so the next step schedules the same work again. Cannot fail
+    (``store.undo_growth`` checks nothing and takes no block), so a fault in :func:`roll_back`
+    followed by another anywhere leaves no unverified draft behind."""
     before = {
         item.seq.seq_id: item.end - len(drafts[item.seq.seq_id])
         for item in plan.scheduled
         if item.seq.seq_id in drafts
     }
-    store.truncate(list(before), list(before.values()))
+    store.undo_growth(list(before), list(before.values()))
     for item in plan.scheduled:
         if item.seq.seq_id in before:
             del item.seq.tokens[before[item.seq.seq_id] :]
