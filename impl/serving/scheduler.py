@@ -166,18 +166,22 @@ def _row(seq: Sequence) -> list[int]:
     ]  # fmt: skip
 
 
-def _check_sampled(sampled: object, expected: int) -> tuple[list[int], NDArray[np.int64]]:
+def _check_sampled(sampled: object, expected: int) -> tuple[abc.Sequence[int], NDArray[np.int64]]:
     """Rule: a step's sampled tokens are a list or tuple of non-negative ints, or a 1-D integer
     array of them, ``expected`` long (``TypeError``/``ValueError`` otherwise). Returns them as
-    a list of ints and as an int64 array."""
+    a list or tuple of ints and as an int64 array."""
     if isinstance(sampled, np.ndarray):
         if sampled.ndim != 1 or sampled.dtype.kind not in "iu":
             raise TypeError(f"sampled tokens must be a 1-D integer array, got {sampled.dtype}")
-        sampled = sampled.tolist()
-    tokens = list(check_tokens(sampled))
+        if sampled.size and sampled.min() < 0:
+            check_tokens(sampled.tolist())  # the ValueError naming the token
+        tokens, array = sampled.tolist(), sampled.astype(np.int64)
+    else:
+        tokens = check_tokens(sampled)
+        array = np.array(tokens, dtype=np.int64)
     if len(tokens) != expected:
         raise ValueError(f"the step samples {expected} tokens, got {len(tokens)}")
-    return tokens, np.array(tokens, dtype=np.int64)
+    return tokens, array
 
 
 @dataclass(frozen=True)
@@ -403,12 +407,13 @@ class Scheduler:
         per_seq = state[:, _SAMPLES]
         tokens, token_array = _check_sampled(sampled, int(per_seq.sum()))  # before any change
         forking = per_seq > 1
-        if forking.any():  # each sequence's first token
+        any_fork = bool(forking.any())
+        firsts = range(len(tokens))  # each sequence's first token
+        first_tokens = tokens
+        if any_fork:
             firsts = (np.cumsum(per_seq) - per_seq).tolist()
             first_tokens = [tokens[i] for i in firsts]
             token_array = token_array[firsts]
-        else:
-            firsts, first_tokens = list(range(len(tokens))), tokens
         sampling = output.seqs if len(rows) == size else output.sampling
         starts, ends = output.starts, output.ends
         bs = self.store.block_size
@@ -429,7 +434,7 @@ class Scheduler:
         finishing: list[int] = []  # running positions
         finished: list[Sequence] = []  # in batch order: children born done, then the parent
         try:
-            for j in np.flatnonzero(done | forking).tolist():
+            for j in np.flatnonzero(done | forking if any_fork else done).tolist():
                 seq, first = sampling[j], firsts[j]
                 for index in range(1, int(per_seq[j])):
                     child = self._child(seq, int(ends[rows[j]]), index, tokens[first + index])
@@ -452,12 +457,13 @@ class Scheduler:
         # Per sequence, in C (a map consumed by an empty deque): the hot loops of a step.
         _consume(map(setattr, output.seqs, repeat("num_computed"), ends.tolist()))
         _consume(map(list.append, map(_TOKENS, sampling), first_tokens))
-        table = self._rows.copy()
+        table = self._rows  # changed in place: nothing below can fail
         table[:size, _COMPUTED] = ends
         table[rows, _LENGTH] = ends[rows] + 1
-        for j in np.flatnonzero(forking).tolist():
-            sampling[j].num_samples = 1
-        table[rows[forking], _SAMPLES] = 1
+        if any_fork:
+            for j in np.flatnonzero(forking).tolist():
+                sampling[j].num_samples = 1
+            table[rows[forking], _SAMPLES] = 1
         for child in children:
             child.status = SeqStatus.FINISHED if child.done else SeqStatus.RUNNING
             if not child.done:
@@ -522,11 +528,19 @@ class Scheduler:
     def _admit(self, seq: Sequence) -> int | None:
         """Give ``seq`` its prompt's blocks if its samples fit ``max_num_seqs`` and the blocks
         leave the watermark free (waived with nothing running); return its cached tokens, or
-        None (nothing changed). The store plans the prompt once."""
+        None (nothing changed). The store plans the prompt once; without a prefix cache the
+        prompt takes exactly ``blocks_needed(len(tokens))`` blocks, so a prompt that cannot
+        leave the headroom is refused here without asking the store (a waiting request is
+        retried every step)."""
         if self.num_running_seqs + seq.num_samples > self.config.max_num_seqs:
             return None
+        store = self.store
         headroom = self.config.watermark_blocks if self.running else 0
-        return self.store.admit(seq.seq_id, seq.tokens, headroom, seq.cache_salt)
+        if not store.prefix_caching and (
+            blocks_needed(len(seq.tokens), store.block_size) > store.num_free_blocks - headroom
+        ):
+            return None
+        return store.admit(seq.seq_id, seq.tokens, headroom, seq.cache_salt)
 
     def _child(self, parent: Sequence, computed: int, index: int, token: int) -> Sequence:
         """Sample ``index`` of ``parent``'s request: ``parent``'s tokens plus ``token``, with
