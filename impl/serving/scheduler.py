@@ -540,7 +540,7 @@ class Scheduler:
             blocks_needed(len(seq.tokens), store.block_size) > store.num_free_blocks - headroom
         ):
             return None
-        return store.admit(seq.seq_id, seq.tokens, headroom, seq.cache_salt)
+        return self.store.admit(seq.seq_id, seq.tokens, headroom, seq.cache_salt)
 
     def _child(self, parent: Sequence, computed: int, index: int, token: int) -> Sequence:
         """Sample ``index`` of ``parent``'s request: ``parent``'s tokens plus ``token``, with
