@@ -10,20 +10,22 @@ query chunks of one batch, each reading its whole context, cached prefix include
 block table; with the model's sliding window, only the part of it in the window, so the table
 entries of blocks wholly before the window of a sequence's first query in the step are never
 read and may name released blocks. On the triton and numba backends the layer calls
-``kernels.store_kv`` and then, for a step of decodes only (one query per sequence), the split-K
-``kernels.paged_decode_attention``, for any other step ``kernels.paged_prefill_attention``
+``store_kv`` and then, for a step of decodes only (one query per sequence), the split-K
+``paged_decode_attention``, for any other step ``paged_prefill_attention``, all from
+``kernels.trusted``
 (vLLM routes pure decode to its split kernel the same way); on the reference backend, their CPU
 fast path ``kernels.sdpa`` (one plan per step; per layer two ``index_copy_``, two row gathers and
 one SDPA call).
 
 Everything a step's layers need is made once, in :meth:`PagedKVCache.step`, before the first
 layer runs: the step's tables, lengths, positions and slots are validated there, on the host,
-where they are made (``kernels.validation``), and the layers call the kernels with
-``validate=False``. The device copy of the tables is a persistent buffer
-(:class:`DeviceBlockTables`) into which only the rows that changed since the previous step are
-uploaded, from pinned host memory when the device is CUDA; the slot mapping is computed on the
-device. So no layer reads a tensor's value on the host: on a GPU, the layer loop never waits for
-the device.
+where they are made (``kernels.validation``), and the layers call the kernels' trusted
+entries, which check nothing (each layer first compares its query, key and value with the
+step's shapes, dtype and device: a few tuple comparisons). The device copy of the tables is a
+persistent buffer (:class:`DeviceBlockTables`) into which only the rows that changed since the
+previous step are uploaded, from pinned host memory when the device is CUDA; the slot mapping
+is computed on the device. So no layer reads a tensor's value on the host: on a GPU, the layer
+loop never waits for the device.
 
 Every K/V row a query reads comes out of the cache through the block table; nothing
 is kept on the side. The caches start as NaN, so reading a slot no token was written to poisons
