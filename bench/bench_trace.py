@@ -446,19 +446,17 @@ def replay_scheduler(
     config = SchedulerConfig(MAX_BATCH, 10**9, 0)
     scheduler = Scheduler(system.store, config)
     for request in requests:
-        scheduler.add_request(
+        seq = scheduler.add_request(
             request.request_id, request.tokens(request.prompt_len, prefix), request.output_len
         )
+        assert seq.seq_id == request.request_id  # so a row's seq id names its request
     records: list[Record] = []
     while scheduler.has_unfinished():
         out = scheduler.schedule()
-        sampled = {
-            item.seq.seq_id: [1000 + item.seq.request_id] for item in out.scheduled if item.samples
-        }
-        scheduler.update(out, sampled)
+        scheduler.update(out, 1000 + out.seq_ids[out.samples])  # one token per sampling row
         records.append(
             (
-                len(out.scheduled) - len(out.admitted),
+                len(out.seqs) - len(out.admitted),
                 tuple(seq.seq_id for seq in out.preempted),
                 len(out.admitted),
                 system.store.num_free_blocks,

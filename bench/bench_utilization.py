@@ -222,7 +222,7 @@ def window_run(
         np.add.at(total, seqs, held)
         np.add.at(steps, seqs, 1)
         peak = max(peak, store.total_blocks - store.num_free_blocks)
-        scheduler.update(plan, {item.seq.seq_id: [1] for item in plan.scheduled if item.samples})
+        scheduler.update(plan, [1] * int(plan.samples.sum()))  # one token per sampling row
     life = tuple(
         HeldOverLife(context, int(m), float(t / n))
         for context, m, t, n in zip(contexts, most, total, steps, strict=True)

@@ -113,6 +113,7 @@ class ContiguousStore:
     """
 
     block_size = 1
+    prefix_caching = False
 
     def __init__(
         self,
@@ -313,11 +314,7 @@ def simulate(
             continue
         output = scheduler.schedule()
         records.append(_measure(scheduler, output, codec, kv_len))
-        sampled = {
-            item.seq.seq_id: _sample(item.seq, codec, requests)
-            for item in output.scheduled
-            if item.samples
-        }
+        sampled = [t for seq in output.sampling for t in _sample(seq, codec, requests)]
         finished += len(scheduler.update(output, sampled)[1])
         step += 1
     if finished != workload.num_sequences:
@@ -401,7 +398,7 @@ def _measure(
     store = scheduler.store
     running = scheduler.running
     final = np.array([kv_len[codec.sample_of(seq.tokens)] for seq in running], dtype=np.int64)
-    computed = {item.seq.seq_id: item.end for item in output.scheduled}
+    computed = dict(zip(output.seq_ids.tolist(), output.ends.tolist(), strict=True))
     counts = np.array([computed.get(seq.seq_id, seq.num_computed) for seq in running], np.int64)
     ids = [seq.seq_id for seq in running]
     if isinstance(store, ContiguousStore):
@@ -424,7 +421,7 @@ def _measure(
         internal = held - token - reservation
     budget = store.total_blocks * store.block_size
     return (
-        len(output.scheduled),
+        len(output.seqs),
         output.num_batched_tokens,
         len(scheduler.waiting),
         len(output.preempted),

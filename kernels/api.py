@@ -5,7 +5,9 @@ see ``kernels.backend``). Types, shapes, dtypes and devices are always checked. 
 tensor values (block ids, context lengths, slots, positions), and so synchronize a GPU, run unless
 ``validate=False``; pass that only for arguments already known to be valid, because the kernels
 trust them and a bad block id would read or write outside the caches. Every check runs before
-anything is launched or written, so a call that raises leaves the caches untouched.
+anything is launched or written, so a call that raises leaves the caches untouched. After
+its checks, ``store_kv`` and the paged attention functions run the function of the same name in
+``kernels.trusted`` (no checks, for callers that validated a whole step once).
 
 The Triton kernel modules import triton, so each function imports its kernel module only on the
 triton branch, after ``resolve_backend`` has loaded triton under the interpreter rule: the
@@ -30,7 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedkv.kernels import reference
+from pagedkv.kernels import reference, trusted
 from pagedkv.kernels.backend import resolve_backend
 from pagedkv.kernels.validation import (
     INT32_MAX,
@@ -134,17 +136,7 @@ def store_kv(
     device = check_same_device(k_cache=k_cache, key=key, value=value, slot_mapping=slots)
     if validate:
         check_slot_values(slots, caches.num_blocks * caches.block_size)
-    backend_name = resolve_backend(backend, device)
-    if backend_name == "numba":
-        from pagedkv.kernels import numba_cache
-
-        numba_cache.store_kv(key, value, k_cache, v_cache, slots)
-    elif backend_name == "reference":
-        reference.store_kv(key, value, k_cache, v_cache, slots)
-    else:
-        from pagedkv.kernels import triton_store_kv
-
-        triton_store_kv.launch(key, value, k_cache, v_cache, slots)
+    trusted.store_kv(key, value, k_cache, v_cache, slots, resolve_backend(backend, device))
 
 
 def paged_decode_attention(
@@ -194,18 +186,9 @@ def paged_decode_attention(
         starts = window_starts(lens, 1, window) if window is not None else None
         check_context_values(lens, tables, caches.block_size, caches.num_blocks, starts)
         check_max_context_len(max_context_len, lens)
-    backend_name = resolve_backend(backend, device)
-    if backend_name == "numba" and q.dtype == torch.float32:
-        from pagedkv.kernels import numba_attention
-
-        return numba_attention.decode(q, k_cache, v_cache, tables, lens, scale, num_splits, window)
-    if backend_name != "triton":  # the reference, and numba's fp16 / bf16
-        return reference.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, window)
-    from pagedkv.kernels import triton_decode
-
-    return triton_decode.launch(
-        q, k_cache, v_cache, tables, lens, scale, num_splits, window,
-        max_context_len=max_context_len,
+    return trusted.paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, scale, num_splits, window, max_context_len,
+        resolve_backend(backend, device),
     )  # fmt: skip
 
 
@@ -265,20 +248,10 @@ def paged_prefill_attention(
         check_context_values(lens, tables, caches.block_size, caches.num_blocks, key_starts)
         check_cu_seqlens_values(starts, lens, q.shape[0])
         check_max_query_len(max_query_len, query_lens)
-    backend_name = resolve_backend(backend, device)
-    if backend_name == "numba" and q.dtype == torch.float32:
-        from pagedkv.kernels import numba_attention
-
-        return numba_attention.prefill(q, k_cache, v_cache, tables, starts, lens, scale, window)
-    if backend_name != "triton":  # the reference, and numba's fp16 / bf16
-        return reference.paged_prefill_attention(
-            q, k_cache, v_cache, tables, starts, lens, scale, window
-        )
-    from pagedkv.kernels import triton_prefill
-
-    return triton_prefill.launch(
-        q, k_cache, v_cache, tables, starts, lens, scale, window, max_query_len
-    )
+    return trusted.paged_prefill_attention(
+        q, k_cache, v_cache, tables, starts, lens, scale, window, max_query_len,
+        resolve_backend(backend, device),
+    )  # fmt: skip
 
 
 def contiguous_decode_attention(

@@ -251,20 +251,18 @@ class SchedulerFaultMachine(RuleBasedStateMachine):
         copy_blocks(self.kv, store.pending_copy_pairs().tolist(), self.block_size)
         store.pop_copy_pairs()  # forgotten only once copied
         self.stage()
-        for item in plan.scheduled:  # write the step's K/V
+        for item in plan.items():  # write the step's K/V
             table = store.table(item.seq.seq_id)
             for position in range(item.start, item.end):
                 self.kv[translate_slot(table, position, self.block_size)] = item.seq.tokens[
                     position
                 ]
-        sampled = {}
-        for item in plan.scheduled:
-            if item.samples:
-                self.stage()
-                seq = item.seq
-                sampled[seq.seq_id] = [
-                    next_token(seq.tokens, seq.sample_index + j) for j in range(seq.num_samples)
-                ]
+        sampled = []
+        for seq in plan.sampling:
+            self.stage()
+            sampled += [
+                next_token(seq.tokens, seq.sample_index + j) for j in range(seq.num_samples)
+            ]
         _, finished = scheduler.update(plan, sampled)
         for seq in finished:
             outputs = self.outputs.setdefault(seq.request_id, {})
@@ -599,8 +597,8 @@ UNDO_PLANTED = {
     ),
     "the undo of a failed speculative step can fail (the old undo)": (
         pagedkv.impl.serving.speculative,
-        "store.undo_growth(list(before), list(before.values()))",
-        "store.truncate(list(before), list(before.values()))",
+        "store.undo_growth(list(before), [end for _, end in before.values()])",
+        "store.truncate(list(before), [end for _, end in before.values()])",
     ),
 }
 """The undo paths as they were (checked store calls, which a second fault can fail): only

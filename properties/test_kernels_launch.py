@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from pagedkv import kernels
 from pagedkv.impl.serving.model import ModelConfig
 from pagedkv.impl.serving.paged_kv import PagedKVCache
-from pagedkv.kernels import compile_check
+from pagedkv.kernels import compile_check, trusted
 from pagedkv.kernels.launch_config import TARGETS, Call, occupancy, programs_per_sm, tiles
 from pagedkv.kernels.validation import INT32_MAX, MAX_SPLITS
 
@@ -138,16 +138,17 @@ def test_max_context_len_is_checked() -> None:
 
 def test_pure_decode_steps_run_the_decode_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """A step of decodes only goes to the split-K decode kernel with the host's longest context;
-    a step with a prompt chunk goes to the prefill kernel."""
-    calls: list[tuple[str, dict]] = []
+    a step with a prompt chunk goes to the prefill kernel (the layers call the trusted entries:
+    the step was validated once)."""
+    calls: list[tuple[str, tuple]] = []
     for name in ("paged_decode_attention", "paged_prefill_attention"):
-        real = getattr(kernels, name)
+        real = getattr(trusted, name)
 
-        def spy(*args, _name=name, _real=real, **kwargs):
-            calls.append((_name, kwargs))
-            return _real(*args, **kwargs)
+        def spy(*args, _name=name, _real=real):
+            calls.append((_name, args))
+            return _real(*args)
 
-        monkeypatch.setattr(kernels, name, spy)
+        monkeypatch.setattr(trusted, name, spy)
     config = ModelConfig(num_layers=1)  # 4 query heads over 2 KV heads, head dim 16
     cache = PagedKVCache(config, num_blocks=6, block_size=2, backend="triton")
     tables = torch.tensor([[0, 1, 2], [3, 4, -1]], dtype=torch.int32)
@@ -163,7 +164,7 @@ def test_pure_decode_steps_run_the_decode_kernel(monkeypatch: pytest.MonkeyPatch
     attend([5, 3], [5, 3])
     attend([1, 1], [6, 4])
     assert [name for name, _ in calls] == ["paged_prefill_attention", "paged_decode_attention"]
-    assert calls[1][1]["max_context_len"] == 6
+    assert calls[1][1][-2:] == (6, "triton")  # max_context_len, and the backend
 
 
 # ----------------------------------------------------------------------- occupancy and budgets

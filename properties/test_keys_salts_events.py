@@ -84,8 +84,8 @@ def run_prompt(scheduler: Scheduler, request_id: int, salt: str | None) -> int:
     """Admit ``PROMPT`` under ``salt``, compute it, finish it; return its cached tokens."""
     seq = scheduler.add_request(request_id, PROMPT, max_new_tokens=1, cache_salt=salt)
     out = scheduler.schedule()
-    (item,) = [item for item in out.scheduled if item.seq is seq]
-    scheduler.update(out, {seq.seq_id: [0]})
+    (item,) = [item for item in out.items() if item.seq is seq]
+    scheduler.update(out, [0])
     assert not scheduler.has_unfinished()
     return item.cached_tokens
 
@@ -135,7 +135,7 @@ def test_a_str_subclass_salt_is_the_str_it_equals() -> None:
     full = (len(PROMPT) - 1) // 4 * 4
     seq = scheduler.add_request(0, PROMPT, 1, cache_salt=np.str_("tenant-a"))
     assert type(seq.cache_salt) is str
-    scheduler.update(scheduler.schedule(), {seq.seq_id: [0]})
+    scheduler.update(scheduler.schedule(), [0])
     assert not scheduler.has_unfinished()
     assert run_prompt(scheduler, 1, "tenant-a") == full
     assert run_prompt(scheduler, 2, "tenant-b") == 0

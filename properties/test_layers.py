@@ -221,7 +221,7 @@ def test_block_management_and_the_scheduler_load_no_torch(tmp_path: Path) -> Non
         scheduler.add_request(0, [1, 2, 3, 4, 5], 3)
         plan = scheduler.schedule()
         tables = page_tables.block_tables(store)
-        print(len(plan.scheduled), tables.tolist(), BlockManager.__name__, spec.__name__)
+        print(len(plan.seqs), tables.tolist(), BlockManager.__name__, spec.__name__)
         print("torch" in sys.modules, "pagedkv.kernels" in sys.modules)
         """,
         tmp_path,

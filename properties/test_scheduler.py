@@ -180,7 +180,8 @@ def check_step(
     admitted = [seq.seq_id for seq in out.admitted]
     # A victim heads the queue and needs more blocks than the failed growth left: no thrashing.
     assert not (admitted and victims), "admitted in a step that preempted"
-    batch = [item.seq.seq_id for item in out.scheduled]
+    batch = [item.seq.seq_id for item in out.items()]
+    assert out.seq_ids.tolist() == batch
     assert batch[: len(batch) - len(admitted)] == kept[: len(batch) - len(admitted)]
     assert batch[len(batch) - len(admitted) :] == admitted
     assert admitted == (victims[::-1] + waiting_before)[: len(admitted)]
@@ -190,18 +191,19 @@ def check_step(
     # Limits, and every scheduled table holds its tokens.
     assert out.num_batched_tokens <= config.max_num_batched_tokens
     assert scheduler.num_running_seqs <= config.max_num_seqs
-    for item in out.scheduled:
+    for item in out.items():
+        assert item.samples == (item.end == item.seq.num_tokens)
         assert item.num_tokens >= 1 and item.end <= item.seq.num_tokens
         assert item.start == item.seq.num_computed
         assert store.token_count(item.seq.seq_id) == item.seq.num_tokens
     if admitted and (kept or len(admitted) > 1):
         assert store.manager.num_free_blocks >= config.watermark_blocks
     if running_before or waiting_before:
-        assert out.scheduled, "a step with work scheduled nothing"
+        assert out.seqs, "a step with work scheduled nothing"
     assert kv_occupancy(store) == recount_occupancy(store)
     check_window(case, scheduler)
     window = case.config.sliding_window
-    for item in out.scheduled:
+    for item in out.items():
         if (
             window
             and item.cached_tokens
@@ -254,14 +256,12 @@ def play(case: Case) -> dict[int, list[list[int]]]:
         out = scheduler.schedule()
         running = check_step(case, scheduler, out, running, waiting_before, log_start)
         preempted += len(out.preempted)
-        sampled = {
-            item.seq.seq_id: [
-                fake_token(item.seq.request_id, item.seq.sample_index + j, item.seq.num_tokens)
-                for j in range(item.seq.num_samples)
-            ]
-            for item in out.scheduled
-            if item.samples
-        }
+        assert out.sampling == [item.seq for item in out.items() if item.samples]
+        sampled = [
+            fake_token(seq.request_id, seq.sample_index + j, seq.num_tokens)
+            for seq in out.sampling
+            for j in range(seq.num_samples)
+        ]
         forked, finished = scheduler.update(out, sampled)
         running += [seq.seq_id for seq in forked if seq.status is SeqStatus.RUNNING]
         for seq in finished:
@@ -362,15 +362,15 @@ def test_preempts_the_most_recently_admitted() -> None:
     young = scheduler.add_request(1, [3, 4], 2)
     out = scheduler.schedule()
     assert out.admitted == [old, young]
-    scheduler.update(out, {old.seq_id: [5], young.seq_id: [6]})
+    scheduler.update(out, [5, 6])
     out = scheduler.schedule()  # old needs a block for token 5: young is preempted
-    assert out.preempted == [young] and [item.seq for item in out.scheduled] == [old]
+    assert out.preempted == [young] and out.seqs == [old]
     assert list(scheduler.waiting) == [young] and young.tokens == [3, 4, 6]
-    _, finished = scheduler.update(out, {old.seq_id: [7]})
+    _, finished = scheduler.update(out, [7])
     assert finished == [old] and old.output == [5, 7]
     out = scheduler.schedule()  # young is recomputed: its prompt and its first token
-    assert out.admitted == [young] and out.scheduled[0].num_tokens == 3
-    _, finished = scheduler.update(out, {young.seq_id: [8]})
+    assert out.admitted == [young] and out.num_tokens.tolist() == [3]
+    _, finished = scheduler.update(out, np.array([8]))
     assert finished == [young] and young.output == [6, 8]
     assert store.manager.num_free_blocks == 2
 
@@ -389,18 +389,26 @@ def test_update_checks_the_sampled_tokens_before_changing_anything() -> None:
     scheduler = Scheduler(store, SchedulerConfig(max_num_seqs=2))
     seq = scheduler.add_request(0, [1, 2, 3], 2, n=2)
     out = scheduler.schedule()
-    for sampled in ({seq.seq_id: [4]}, {seq.seq_id: [4, 5, 6]}):
-        with pytest.raises(ValueError, match="needs 2 sampled tokens"):
+    for sampled in ([4], [4, 5, 6]):
+        with pytest.raises(ValueError, match="samples 2 tokens, got"):
             scheduler.update(out, sampled)
         assert seq.num_computed == 0 and seq.tokens == [1, 2, 3]
-    forked, finished = scheduler.update(out, {seq.seq_id: [4, 5]})
+    forked, finished = scheduler.update(out, [4, 5])
     assert [child.tokens for child in forked] == [[1, 2, 3, 5]] and not finished
     assert seq.tokens == [1, 2, 3, 4] and store.table(seq.seq_id) == store.table(forked[0].seq_id)
 
 
 @pytest.mark.parametrize(
     ("bad", "error"),
-    [([-7], ValueError), ([True], TypeError), ([1.0], TypeError), ("x", TypeError)],
+    [
+        ([5, -7], ValueError),
+        ([5, True], TypeError),
+        ([5, 1.0], TypeError),
+        ("x", TypeError),
+        (np.array([5.0, 6.0]), TypeError),
+        (np.array([[5, 6]]), TypeError),
+        (np.array([5, -6]), ValueError),
+    ],
 )
 def test_update_refuses_bad_sampled_tokens_and_changes_nothing(bad: object, error: type) -> None:
     case = Case(1, 8, SchedulerConfig(2, 8, 0), False, ())
@@ -409,8 +417,8 @@ def test_update_refuses_bad_sampled_tokens_and_changes_nothing(bad: object, erro
     second = scheduler.add_request(1, [3, 4], max_new_tokens=3)
     out = scheduler.schedule()
     with pytest.raises(error):
-        scheduler.update(out, {first.seq_id: [5], second.seq_id: bad})
+        scheduler.update(out, bad)
     assert (first.num_computed, second.num_computed) == (0, 0)
     assert (first.tokens, second.tokens) == ([1, 2], [3, 4])
-    scheduler.update(out, {first.seq_id: [5], second.seq_id: [6]})
+    scheduler.update(out, [5, 6])
     assert (first.tokens, second.tokens) == ([1, 2, 5], [3, 4, 6])

@@ -366,8 +366,8 @@ ENGINE_BUGS = {
         "kept = accepted_drafts(guess, greedy, None)",
     ),
     "the bonus token is the first draft's greedy token": (
-        "sampled[seq.seq_id] = [greedy[kept]]",
-        "sampled[seq.seq_id] = [greedy[0]]",
+        "sampled.append(greedy[kept])",
+        "sampled.append(greedy[0])",
     ),
 }
 # Planted bugs in a copy of pagedkv.impl.serving.speculative, which the engine then calls.
@@ -377,11 +377,11 @@ SPECULATIVE_BUGS = {
         "        if False:\n            drafts[seq.seq_id] = guess",
     ),
     "the rejected drafts keep their slots": (
-        "    store.truncate(list(kept), list(kept.values()))",
+        "    store.truncate(list(kept), [end for _, end in kept.values()])",
         "    pass",
     ),
     "a failed step keeps its drafts' slots": (
-        "    store.undo_growth(list(before), list(before.values()))",
+        "    store.undo_growth(list(before), [end for _, end in before.values()])",
         "    pass",
     ),
 }

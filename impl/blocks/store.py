@@ -110,6 +110,11 @@ class BlockTableStore:
         return self.manager.num_free_blocks
 
     @property
+    def prefix_caching(self) -> bool:
+        """Whether the manager caches prefixes (else :meth:`cache_blocks` registers nothing)."""
+        return self._prefix is not None
+
+    @property
     def tables(self) -> NDArray[np.int32]:
         """Read-only view of the ``int32[max_seqs, max_blocks_per_seq]`` table array."""
         return _read_only(self._rows.tables)

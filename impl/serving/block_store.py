@@ -47,6 +47,12 @@ class BlockStore(Protocol):
         """Blocks free now."""
         ...
 
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether ``cache_blocks`` registers anything: without a prefix cache the scheduler
+        skips it."""
+        ...
+
     def token_counts_of(self, seqs: Sequence[int] | None) -> Sequence[int]:
         """Tokens each of ``seqs`` holds; ``None`` is every live sequence in the order added."""
         ...

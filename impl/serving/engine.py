@@ -31,8 +31,10 @@ from __future__ import annotations
 
 from collections import abc
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import chain
+from operator import attrgetter
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -55,6 +57,8 @@ from pagedkv.kernels import resolve_backend
 from pagedkv.kernels.validation import check_bool
 from pagedkv.spec.block_manager import blocks_needed, check_int
 from pagedkv.spec.checks import check_tokens
+
+_TOKENS = attrgetter("tokens")
 
 
 @dataclass
@@ -284,7 +288,7 @@ class PagedAttentionEngine:
             if len(pairs):
                 self.kv.copy_blocks(torch.from_numpy(pairs))
             self.store.pop_copy_pairs()  # forgotten only once copied: copying again is harmless
-            sampled, rows = self._run(plan, drafts) if plan.scheduled else ({}, {})
+            sampled, rows = self._run(plan, drafts) if plan.seqs else ([], {})
             verified = speculative.roll_back(plan, drafts, rows, self.store) if drafts else plan
             forked, finished = self.scheduler.update(verified, sampled)
         except BaseException:
@@ -365,62 +369,68 @@ class PagedAttentionEngine:
 
     def _run(
         self, plan: SchedulerOutput, drafts: abc.Mapping[int, list[int]]
-    ) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
+    ) -> tuple[list[int], dict[int, torch.Tensor]]:
         """Compute the planned tokens through the paged cache; sample where a step completes a
-        sequence's known tokens. Returns the sampled tokens and the logits rows they came from
-        (``[tokens, vocab]``), by sequence id. A sequence with ``drafts`` (its last tokens in the
-        plan) gets the greedy token after its accepted drafts, and the rows of those drafts and
-        of that token. Changes nothing outside the K/V cache, whose slots a retry rewrites: a
-        failed draw puts back every generator state it advanced."""
-        items = plan.scheduled
+        sequence's known tokens. Returns the sampled tokens, flat in ``plan.sampling`` order as
+        ``Scheduler.update`` takes them, and the logits rows they came from (``[tokens,
+        vocab]``) by sequence id: every sampling sequence's with ``keep_logits``, else only the
+        drafted ones'. A sequence with ``drafts`` (its last tokens in the plan) gets the greedy
+        token after its accepted drafts, and the rows of those drafts and of that token.
+        Changes nothing outside the K/V cache, whose slots a retry rewrites: a failed draw puts
+        back every generator state it advanced."""
         device = self.model.device
-        batch = self.store.batch([item.seq.seq_id for item in items])
-        step = self.kv.step(
-            torch.from_numpy(block_tables(self.store, batch)),
-            [item.num_tokens for item in items],
-            [item.end for item in items],
-        )
+        starts, counts, ends = plan.starts, plan.num_tokens, plan.ends
+        batch = self.store.batch(plan.seq_ids)
+        step = self.kv.step(torch.from_numpy(block_tables(self.store, batch)), counts, ends)
         input_ids = torch.tensor(
-            [t for item in items for t in item.seq.tokens[item.start : item.end]],
-            dtype=torch.int64,
-            device=device,
-        )
+            list(chain.from_iterable(
+                tokens[start:end]
+                for tokens, start, end in zip(
+                    map(_TOKENS, plan.seqs), starts.tolist(), ends.tolist(), strict=True
+                )
+            )),
+            dtype=torch.int64, device=device,
+        )  # fmt: skip
         hidden = self.model(input_ids, step.positions, step)
-        sampling = [i for i, item in enumerate(items) if item.samples]
-        ends = list(accumulate(item.num_tokens for item in items))
+        sampling = plan.sampling
+        last = np.cumsum(counts)[plan.samples]  # one past each sampling row's last flat token
         # A drafted sequence's logits at its last 1 + k positions; every other one's at its last.
-        lengths = [1 + len(drafts.get(items[i].seq.seq_id, ())) for i in sampling]
-        picked = [range(ends[i] - n, ends[i]) for i, n in zip(sampling, lengths, strict=True)]
-        index = torch.tensor([p for span in picked for p in span], dtype=torch.int64, device=device)
-        logits = self.model.compute_logits(hidden[index]).float().cpu()
+        lengths = [1 + len(drafts.get(seq.seq_id, ())) for seq in sampling] if drafts else None
+        if lengths is None:
+            index = torch.from_numpy(last - 1)
+            lengths = [1] * len(sampling)
+        else:
+            spans = zip(last.tolist(), lengths, strict=True)
+            index = torch.tensor([p for end, n in spans for p in range(end - n, end)])
+        logits = self.model.compute_logits(hidden[index.to(device)]).float().cpu()
         # Every row's greedy token at once: what sample_token gives at temperature 0.
         argmax = logits.argmax(dim=-1).tolist()
-        sampled: dict[int, list[int]] = {}
+        sampled: list[int] = []
         rows: dict[int, torch.Tensor] = {}
         advanced: list[tuple[torch.Generator, torch.Tensor]] = []
         try:
-            offsets = list(accumulate(lengths, initial=0))[:-1]
-            for group, i, offset in zip(logits.split(lengths), sampling, offsets, strict=True):
-                seq = items[i].seq
-                guess = drafts.get(seq.seq_id)
+            offset = 0
+            for seq, n in zip(sampling, lengths, strict=True):
+                guess = drafts.get(seq.seq_id) if drafts else None
                 if guess:  # greedy: the drafts greedy decoding agrees with, then its next token
-                    greedy = argmax[offset : offset + len(group)]
+                    greedy = argmax[offset : offset + n]
                     kept = accepted_drafts(guess, greedy, seq.eos_token_id)
-                    sampled[seq.seq_id] = [greedy[kept]]
-                    rows[seq.seq_id] = group[: kept + 1]
-                    continue
-                request = self._requests[seq.request_id]
-                if not request.temperature:
-                    sampled[seq.seq_id] = [argmax[offset]] * seq.num_samples
-                    rows[seq.seq_id] = group
-                    continue
-                tokens = []
-                for j in range(seq.num_samples):
-                    generator = request.generators[seq.sample_index + j]
-                    advanced.append((generator, generator.get_state()))
-                    tokens.append(sample_token(group[0], request.temperature, generator))
-                sampled[seq.seq_id] = tokens
-                rows[seq.seq_id] = group
+                    sampled.append(greedy[kept])
+                    rows[seq.seq_id] = logits[offset : offset + kept + 1]
+                else:
+                    request = self._requests[seq.request_id]
+                    if not request.temperature:
+                        sampled += [argmax[offset]] * seq.num_samples
+                    else:
+                        for j in range(seq.num_samples):
+                            generator = request.generators[seq.sample_index + j]
+                            advanced.append((generator, generator.get_state()))
+                            sampled.append(
+                                sample_token(logits[offset], request.temperature, generator)
+                            )
+                    if self.keep_logits:
+                        rows[seq.seq_id] = logits[offset : offset + n]
+                offset += n
         except BaseException:
             for generator, state in reversed(advanced):
                 generator.set_state(state)

@@ -85,7 +85,7 @@ def step_metrics(
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),
         num_batched_tokens=output.num_batched_tokens,
-        num_decodes=sum(item.num_tokens == 1 for item in output.scheduled),
+        num_decodes=int(np.count_nonzero(output.num_tokens == 1)),
         free_blocks=store.num_free_blocks,
         used_blocks=used,
         kv_utilization=filled / slots if slots else 1.0,

@@ -10,20 +10,22 @@ query chunks of one batch, each reading its whole context, cached prefix include
 block table; with the model's sliding window, only the part of it in the window, so the table
 entries of blocks wholly before the window of a sequence's first query in the step are never
 read and may name released blocks. On the triton and numba backends the layer calls
-``kernels.store_kv`` and then, for a step of decodes only (one query per sequence), the split-K
-``kernels.paged_decode_attention``, for any other step ``kernels.paged_prefill_attention``
+``store_kv`` and then, for a step of decodes only (one query per sequence), the split-K
+``paged_decode_attention``, for any other step ``paged_prefill_attention``, all from
+``kernels.trusted``
 (vLLM routes pure decode to its split kernel the same way); on the reference backend, their CPU
 fast path ``kernels.sdpa`` (one plan per step; per layer two ``index_copy_``, two row gathers and
 one SDPA call).
 
 Everything a step's layers need is made once, in :meth:`PagedKVCache.step`, before the first
 layer runs: the step's tables, lengths, positions and slots are validated there, on the host,
-where they are made (``kernels.validation``), and the layers call the kernels with
-``validate=False``. The device copy of the tables is a persistent buffer
-(:class:`DeviceBlockTables`) into which only the rows that changed since the previous step are
-uploaded, from pinned host memory when the device is CUDA; the slot mapping is computed on the
-device. So no layer reads a tensor's value on the host: on a GPU, the layer loop never waits for
-the device.
+where they are made (``kernels.validation``), and the layers call the kernels' trusted
+entries, which check nothing (each layer first compares its query, key and value with the
+step's shapes, dtype and device: a few tuple comparisons). The device copy of the tables is a
+persistent buffer (:class:`DeviceBlockTables`) into which only the rows that changed since the
+previous step are uploaded, from pinned host memory when the device is CUDA; the slot mapping
+is computed on the device. So no layer reads a tensor's value on the host: on a GPU, the layer
+loop never waits for the device.
 
 Every K/V row a query reads comes out of the cache through the block table; nothing
 is kept on the side. The caches start as NaN, so reading a slot no token was written to poisons
@@ -35,11 +37,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedkv import kernels
 from pagedkv.impl.serving.model import ModelConfig
-from pagedkv.kernels import sdpa
+from pagedkv.kernels import sdpa, trusted
 from pagedkv.kernels.validation import (
     check_context_values,
     check_cu_seqlens_values,
@@ -108,6 +111,9 @@ class PagedKVCache:
         self.v = [torch.full(shape, torch.nan, dtype=dtype, device=device) for _ in layers]
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.dtype = dtype
         self.group = config.num_heads // config.num_kv_heads
         self.window = check_window(config.sliding_window)  # only a checked window: None if huge
         self.scale = config.head_dim**-0.5
@@ -141,18 +147,25 @@ class PagedKVCache:
         """
         if block_tables.device.type != "cpu":
             raise ValueError(f"block_tables must be on the host, got {block_tables.device}")
-        num_queries = torch.tensor(query_lens, dtype=torch.int64)
-        contexts = torch.tensor(context_lens, dtype=torch.int64)
-        rows = torch.repeat_interleave(torch.arange(len(query_lens)), num_queries)
-        ends = torch.cumsum(num_queries, 0)  # one past each sequence's last flat token
-        positions = torch.arange(rows.numel()) - ends[rows] + contexts[rows]
-        cu_seqlens = torch.cat([ends.new_zeros(1), ends])
+        # The step's index arrays in numpy (an op costs a microsecond, a torch op several),
+        # shared with torch without a copy.
+        counts = np.array(query_lens, dtype=np.int64)
+        lens = np.array(context_lens, dtype=np.int64)
+        offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])  # sequence b's flat tokens: offsets[b] .. [b + 1]
+        num_tokens = int(offsets[-1])
+        num_queries, contexts, cu_seqlens = map(torch.from_numpy, (counts, lens, offsets))
+        check_cu_seqlens_values(cu_seqlens, contexts, num_tokens)  # 0 <= query_lens[b] <= lens
         starts = window_starts(contexts, num_queries, self.window)
-        check_cu_seqlens_values(cu_seqlens, contexts, rows.numel())
         check_context_values(contexts, block_tables, self.block_size, self.num_blocks, starts)
+        owner = np.repeat(np.arange(len(counts)), counts)
+        rows = torch.from_numpy(owner)
+        positions = torch.from_numpy(np.arange(num_tokens) - offsets[1:][owner] + lens[owner])
+        # Every position lies in [first query, context), inside the entries just checked: the
+        # slot mapping's own position check would repeat that. Its slots are checked below.
         host_slots = kernels.slot_mapping(
             block_tables, positions, self.block_size, rows,
-            num_blocks=self.num_blocks, backend="reference",
+            num_blocks=self.num_blocks, backend="reference", validate=False,
         )  # fmt: skip
         check_slot_values(host_slots, self.num_blocks * self.block_size)
 
@@ -168,14 +181,14 @@ class PagedKVCache:
                 tables, positions, self.block_size, rows, backend=self.backend, validate=False
             )
         plan = None
-        if kernels.resolve_backend(self.backend, self.device) == "reference":
+        backend = kernels.resolve_backend(self.backend, self.device)
+        if backend == "reference":
             plan = sdpa.plan(
-                tables, query_lens, context_lens, self.block_size, self.group, self.window
+                tables, counts.tolist(), lens.tolist(), self.block_size, self.group, self.window
             )
-        decode = all(count == 1 for count in query_lens)
         return PagedStep(
-            self, positions, slots, tables, cu_seqlens, contexts, max(query_lens),
-            max(context_lens), decode, plan,
+            self, positions, slots, tables, cu_seqlens, contexts, int(counts.max(initial=0)),
+            int(lens.max(initial=0)), bool((counts == 1).all()), plan, backend,
         )  # fmt: skip
 
 
@@ -195,6 +208,7 @@ class PagedStep:
     max_context_len: int  # the longest context, on the host
     decode: bool  # every sequence has exactly one query: the split-K decode kernel runs
     plan: sdpa.SdpaPlan | None  # the reference backend's attention layout; else None
+    backend: kernels.Backend  # the backend the step's kernels run on
 
     def attend(
         self,
@@ -206,29 +220,42 @@ class PagedStep:
     ) -> torch.Tensor:
         """Write the step's K/V for ``layer``, then attend through the block tables within the
         model's sliding window (``ValueError`` for any other ``window``: the step was validated
-        for that one). The kernels run with ``validate=False``: nothing here reads a value on
-        the host."""
+        for that one). ``query`` must be ``[tokens, num_heads, head_dim]`` and ``key`` and
+        ``value`` ``[tokens, num_kv_heads, head_dim]``, new tensors (not views of the caches) of
+        the caches' dtype on their device (``ValueError`` naming the first that is not). The
+        step's tables, lengths and slots were validated once, so the layer calls the kernels'
+        trusted entries (``kernels.trusted``): nothing here reads a value on the host."""
         cache = self.cache
         if window != cache.window:
             raise ValueError(
                 f"window must be the model's sliding window ({cache.window}), got {window}"
             )
+        tokens = self.positions.shape[0]
+        for name, tensor, heads in (
+            ("query", query, cache.num_heads), ("key", key, cache.num_kv_heads),
+            ("value", value, cache.num_kv_heads),
+        ):  # fmt: skip
+            if (
+                not isinstance(tensor, torch.Tensor)
+                or tensor.shape != (tokens, heads, cache.head_dim)
+                or tensor.dtype != cache.dtype
+                or tensor.device != cache.device
+            ):
+                raise ValueError(
+                    f"{name} must be a {cache.dtype} tensor of shape "
+                    f"{(tokens, heads, cache.head_dim)} on {cache.device}"
+                )
         k_cache, v_cache = cache.k[layer], cache.v[layer]
         if self.plan is not None:
             sdpa.store(key, value, k_cache, v_cache, self.slot_mapping)
             return sdpa.attention(self.plan, query, k_cache, v_cache, cache.scale)
-        kernels.store_kv(
-            key, value, k_cache, v_cache, self.slot_mapping,
-            backend=cache.backend, validate=False,
-        )  # fmt: skip
+        trusted.store_kv(key, value, k_cache, v_cache, self.slot_mapping, self.backend)
         if self.decode:  # query [B, heads, dim]: one token per sequence
-            return kernels.paged_decode_attention(
+            return trusted.paged_decode_attention(
                 query, k_cache, v_cache, self.block_tables, self.context_lens, cache.scale,
-                window=window, max_context_len=self.max_context_len, backend=cache.backend,
-                validate=False,
+                None, window, self.max_context_len, self.backend,
             )  # fmt: skip
-        return kernels.paged_prefill_attention(
+        return trusted.paged_prefill_attention(
             query, k_cache, v_cache, self.block_tables, self.cu_seqlens_q, self.context_lens,
-            cache.scale, window=window, max_query_len=self.max_query_len, backend=cache.backend,
-            validate=False,
+            cache.scale, window, self.max_query_len, self.backend,
         )  # fmt: skip

@@ -47,6 +47,14 @@ the tokens sampled from the prompt's last logits (one per sample) then fork it i
 sequences sharing the prompt's blocks (``store.fork``). The first write into the shared,
 partly filled last block copies it (copy-on-write; the pairs wait in ``store.pop_copy_pairs``).
 It is admitted only if all ``n`` samples fit under ``max_num_seqs``.
+
+Arrays, not objects: a step's plan (:class:`SchedulerOutput`) is numpy arrays, one row per
+scheduled sequence (ids, starts, token counts, prefix hits, whether it samples), and
+:meth:`Scheduler.update` takes the sampled tokens as one flat list or array. The scheduler keeps
+what a step needs of each running sequence (id, token count, ``num_computed``, length limit,
+EOS token, samples to fork) in one int64 array, a row per running sequence in running order, so
+a step reads no per-sequence object; only the :class:`Sequence` objects' ``num_computed`` and
+``tokens`` are written, in C-level loops, to keep them the public view of each sequence.
 """
 
 from __future__ import annotations
@@ -54,6 +62,11 @@ from __future__ import annotations
 import enum
 from collections import abc, deque
 from dataclasses import dataclass, field
+from itertools import compress, repeat
+from operator import attrgetter
+
+import numpy as np
+from numpy.typing import NDArray
 
 from pagedkv.impl.serving.block_store import BlockStore
 from pagedkv.spec.block_manager import blocks_needed, check_int
@@ -136,49 +149,110 @@ class Sequence:
         )
 
 
-def _done_with(seq: Sequence, token: int) -> bool:
-    """Whether ``seq`` is done once ``token`` is appended to it (``Sequence.done``'s rule)."""
-    output = len(seq.tokens) + 1 - seq.prompt_len
-    return output >= seq.max_new_tokens or token == seq.eos_token_id
+_consume = deque(maxlen=0).extend  # runs an iterator to its end, keeping nothing
+_TOKENS = attrgetter("tokens")
+
+# The columns of ``Scheduler._rows``: one int64 row per running sequence, in running order.
+_ID, _LENGTH, _COMPUTED, _MAX_LEN, _EOS, _SAMPLES = range(6)
+_NO_EOS = -1  # the _EOS column of a sequence without an EOS token: no token equals it
+
+
+def _row(seq: Sequence) -> list[int]:
+    """``seq``'s row of ``Scheduler._rows``."""
+    eos = _NO_EOS if seq.eos_token_id is None else seq.eos_token_id
+    return [
+        seq.seq_id, len(seq.tokens), seq.num_computed, seq.prompt_len + seq.max_new_tokens, eos,
+        seq.num_samples,
+    ]  # fmt: skip
+
+
+def _check_sampled(sampled: object, expected: int) -> tuple[abc.Sequence[int], NDArray[np.int64]]:
+    """Rule: a step's sampled tokens are a list or tuple of non-negative ints, or a 1-D integer
+    array of them, ``expected`` long (``TypeError``/``ValueError`` otherwise). Returns them as
+    a list or tuple of ints and as an int64 array."""
+    if isinstance(sampled, np.ndarray):
+        if sampled.ndim != 1 or sampled.dtype.kind not in "iu":
+            raise TypeError(f"sampled tokens must be a 1-D integer array, got {sampled.dtype}")
+        if sampled.size and sampled.min() < 0:
+            check_tokens(sampled.tolist())  # the ValueError naming the token
+        tokens, array = sampled.tolist(), sampled.astype(np.int64)
+    else:
+        tokens = check_tokens(sampled)
+        array = np.array(tokens, dtype=np.int64)
+    if len(tokens) != expected:
+        raise ValueError(f"the step samples {expected} tokens, got {len(tokens)}")
+    return tokens, array
 
 
 @dataclass(frozen=True)
 class ScheduledSeq:
-    """``num_tokens`` tokens of ``seq`` to compute this step, from position ``start``."""
+    """``num_tokens`` tokens of ``seq`` to compute this step, from position ``start``: one row
+    of a :class:`SchedulerOutput`, as an object (:meth:`SchedulerOutput.items`)."""
 
     seq: Sequence
     start: int
     num_tokens: int
     cached_tokens: int = 0  # prefix-cache hits when admitted this step
+    samples: bool = True  # the step computes the sequence's last known token: it samples
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step computes the sequence's last known token, so its logits give the
-        next one (false for a prompt chunk short of the end)."""
-        return self.end == self.seq.num_tokens
-
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """One step's plan: the batch, in order (running sequences first, then new admissions),
-    the sequences preempted while making it (already back in the waiting queue, in the order
-    they were preempted), and those admitted (the batch's last ``len(admitted)`` entries)."""
+    """One step's plan as arrays, one row per scheduled sequence, in batch order (running
+    sequences first, then new admissions): row ``b`` computes ``num_tokens[b]`` tokens of
+    ``seqs[b]`` from position ``starts[b]``, of which ``cached_tokens[b]`` leading ones were
+    prefix-cache hits when it was admitted this step; ``samples[b]`` says whether the row
+    computes the sequence's last known token, so its logits give the next one (false for a
+    prompt chunk short of the end). Also the sequences preempted while making it (already back
+    in the waiting queue, in the order they were preempted), and those admitted (the batch's
+    last ``len(admitted)`` rows). The arrays are int64 (``samples`` bool) and read-only."""
 
-    scheduled: list[ScheduledSeq]
+    seqs: list[Sequence]
+    seq_ids: NDArray[np.int64]
+    starts: NDArray[np.int64]
+    num_tokens: NDArray[np.int64]
+    cached_tokens: NDArray[np.int64]
+    samples: NDArray[np.bool_]
     preempted: list[Sequence]
     admitted: list[Sequence]
 
+    def __post_init__(self) -> None:
+        for array in (self.seq_ids, self.starts, self.num_tokens, self.cached_tokens):
+            array.flags.writeable = False
+        self.samples.flags.writeable = False
+
+    @property
+    def ends(self) -> NDArray[np.int64]:
+        """One past each row's last computed position."""
+        return self.starts + self.num_tokens
+
     @property
     def num_batched_tokens(self) -> int:
-        return sum(item.num_tokens for item in self.scheduled)
+        return int(self.num_tokens.sum())
 
     @property
     def prefix_hit_tokens(self) -> int:
-        return sum(item.cached_tokens for item in self.scheduled)
+        return int(self.cached_tokens.sum())
+
+    @property
+    def sampling(self) -> list[Sequence]:
+        """The sequences of the rows that sample, in batch order: ``update`` takes their
+        sampled tokens in this order."""
+        return [self.seqs[i] for i in np.flatnonzero(self.samples).tolist()]
+
+    def items(self) -> list[ScheduledSeq]:
+        """The rows as objects, in batch order (for readers, not the step's hot path)."""
+        return [
+            ScheduledSeq(seq, start, count, cached, samples)
+            for seq, start, count, cached, samples in zip(
+                self.seqs, self.starts.tolist(), self.num_tokens.tolist(),
+                self.cached_tokens.tolist(), self.samples.tolist(), strict=True,
+            )
+        ]  # fmt: skip
 
 
 @dataclass
@@ -190,6 +264,9 @@ class Scheduler:
     waiting: deque[Sequence] = field(default_factory=deque, init=False)
     running: list[Sequence] = field(default_factory=list, init=False)
     _next_seq_id: int = field(default=0, init=False)
+    # What each running sequence's step needs, as arrays (the _ID.._SAMPLES columns): the
+    # step reads no per-sequence object.
+    _rows: NDArray[np.int64] = field(default_factory=lambda: np.zeros((0, 6), np.int64), init=False)
 
     def __post_init__(self) -> None:
         if self.store.max_seqs < self.config.max_num_seqs:
@@ -201,7 +278,7 @@ class Scheduler:
     @property
     def num_running_seqs(self) -> int:
         """Running sequences, counting every sample an unforked request will fork into."""
-        return sum(seq.num_samples for seq in self.running)
+        return int(self._rows[:, _SAMPLES].sum())
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -260,24 +337,22 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step: grow (or preempt for) the running sequences, then admit waiting ones.
 
-        Every table in the plan holds its sequence's tokens up to ``end``, and with a sliding
-        window none holds a block outside the window of its first token to compute. At most
-        ``max_num_batched_tokens`` tokens are scheduled, and at most ``max_num_seqs`` sequences
-        run.
+        Every table in the plan holds its sequence's tokens up to its row's end, and with a
+        sliding window none holds a block outside the window of its first token to compute. At
+        most ``max_num_batched_tokens`` tokens are scheduled, and at most ``max_num_seqs``
+        sequences run. The running rows are computed as arrays, with no per-sequence object.
         """
         budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledSeq] = []
-        admitted: list[Sequence] = []
         window = self.config.sliding_window
         if window is not None and self.running:  # before growing: the freed blocks can serve it
-            positions = [seq.num_computed for seq in self.running]  # the store's live order
+            positions = self._rows[:, _COMPUTED]  # in the store's live order
             self.store.release_outside_window(None, window, positions)
-        preempted = self._grow_or_preempt(budget)
-        for seq in self.running:  # the visited sequences that were not preempted
-            if budget <= 0:
-                break
-            scheduled.append(ScheduledSeq(seq, seq.num_computed, min(seq.num_pending, budget)))
-            budget -= scheduled[-1].num_tokens
+        preempted, starts, counts, samples = self._grow_or_preempt(budget)
+        seqs = self.running[: len(starts)]  # the visited sequences that were not preempted
+        budget -= int(counts.sum())
+        hit_counts = np.zeros(len(starts), np.int64)
+        rows = []  # each admission's (start, count, cached, samples)
+        admitted: list[Sequence] = []
         # A step that preempted admits nothing: its victims would otherwise be readmitted at
         # once (prefix-cache hits on their own freed blocks make them cheap to admit).
         while not preempted and budget > 0 and self.waiting:
@@ -288,96 +363,122 @@ class Scheduler:
             self.waiting.popleft()  # only once its blocks are held: a failed admit loses nothing
             seq.status, seq.num_computed = SeqStatus.RUNNING, cached
             self.running.append(seq)
+            self._rows = np.append(self._rows, [_row(seq)], axis=0)
             if window is not None and cached:  # hits before the first computed token's window
                 self.store.release_outside_window([seq.seq_id], window, cached)
             admitted.append(seq)
-            scheduled.append(ScheduledSeq(seq, cached, min(seq.num_pending, budget), cached))
-            budget -= scheduled[-1].num_tokens
-        return SchedulerOutput(scheduled, preempted, admitted)
+            count = min(seq.num_pending, budget)
+            budget -= count
+            rows.append((cached, count, cached, count == seq.num_pending))
+        if admitted:
+            seqs = seqs + admitted
+            new_starts, new_counts, new_cached, new_samples = map(list, zip(*rows, strict=True))
+            starts = np.append(starts, new_starts)
+            counts = np.append(counts, new_counts)
+            hit_counts = np.append(hit_counts, new_cached)
+            samples = np.append(samples, new_samples)
+        return SchedulerOutput(
+            seqs, self._rows[: len(seqs), _ID].copy(), starts, counts, hit_counts, samples,
+            preempted, admitted,
+        )  # fmt: skip
 
     def update(
-        self, output: SchedulerOutput, sampled: abc.Mapping[int, abc.Sequence[int]]
+        self, output: SchedulerOutput, sampled: abc.Sequence[int] | NDArray[np.integer]
     ) -> tuple[list[Sequence], list[Sequence]]:
         """Record that ``output``'s tokens were computed, and the tokens sampled from them.
 
-        ``sampled[seq_id]`` holds, for every scheduled sequence whose step ``samples``, one
-        token per sample still to fork (``seq.num_samples``; 1 once forked). Full blocks are
-        registered with the prefix cache; an unforked sequence forks; a sequence whose output
-        is complete finishes and frees its blocks at once. Returns ``(forked, finished)``: the
-        new sequences, and the sequences that finished, in batch order. ``KeyError``,
-        ``TypeError`` or ``ValueError`` (changing nothing) for a missing entry, a wrong number of
-        tokens, or a token that is not a non-negative int.
+        ``sampled`` is flat: for each sequence of ``output.sampling`` (the rows that sample, in
+        batch order), one token per sample still to fork (``seq.num_samples``; 1 once forked),
+        as a list or tuple of ints or a 1-D integer array. Full blocks are registered with the
+        prefix cache; an unforked sequence forks; a sequence whose output is complete finishes
+        and frees its blocks at once. Returns ``(forked, finished)``: the new sequences, and the
+        sequences that finished, in batch order. ``TypeError`` or ``ValueError`` (changing
+        nothing) for a wrong number of tokens, or a token that is not a non-negative int.
 
         Transactional: if a store call raises, the forks made are undone and the scheduler is
         as it was (only idempotent prefix-cache registrations of written K/V remain), so the
         same ``update`` can be retried.
         """
-        draws: list[tuple[ScheduledSeq, abc.Sequence[int]]] = []  # the sampling items
-        for item in output.scheduled:  # check everything before changing anything
-            seq = item.seq
-            if item.start + item.num_tokens == len(seq.tokens):  # item.samples
-                tokens = sampled[seq.seq_id]
-                if not isinstance(tokens, (list, tuple)) or len(tokens) != seq.num_samples:
-                    check_tokens(tokens)  # the TypeError first
-                    raise ValueError(
-                        f"sequence {seq.seq_id} needs {seq.num_samples} sampled tokens, "
-                        f"got {len(tokens)}"
-                    )
-                draws.append((item, tokens))
-        check_tokens([token for _, tokens in draws for token in tokens])  # in one pass
+        size = len(output.seqs)
+        if size > len(self.running) or (size and output.seqs[-1] is not self.running[size - 1]):
+            raise ValueError("update takes the output of the latest schedule()")
+        rows = np.flatnonzero(output.samples)  # the sampling rows: running's first ones
+        state = self._rows[rows]
+        per_seq = state[:, _SAMPLES]
+        tokens, token_array = _check_sampled(sampled, int(per_seq.sum()))  # before any change
+        forking = per_seq > 1
+        any_fork = bool(forking.any())
+        firsts = range(len(tokens))  # each sequence's first token
+        first_tokens = tokens
+        if any_fork:
+            firsts = (np.cumsum(per_seq) - per_seq).tolist()
+            first_tokens = [tokens[i] for i in firsts]
+            token_array = token_array[firsts]
+        sampling = output.seqs if len(rows) == size else output.sampling
+        starts, ends = output.starts, output.ends
         bs = self.store.block_size
-        for item in output.scheduled:  # idempotent: a retried update registers nothing twice
-            end = item.start + item.num_tokens
-            if end // bs > item.start // bs:  # filled a block: its K/V is written
-                seq = item.seq
+        if self.store.prefix_caching:  # idempotent: a retried update registers nothing twice
+            for i in np.flatnonzero(ends // bs > starts // bs).tolist():  # filled a block
+                seq, end = output.seqs[i], int(ends[i])
                 self.store.cache_blocks(
                     seq.seq_id,
                     seq.tokens if end == len(seq.tokens) else seq.tokens[:end],
                     seq.cache_salt,
                 )
+        # Output complete once the sampled token is appended: the length limit, or EOS.
+        done = (ends[rows] + 1 >= state[:, _MAX_LEN]) | (token_array == state[:, _EOS])
         # The store calls that can fail come first, each atomic, and are undone on failure by
         # a store call that cannot fail (``undo_fork``: no check, no block taken), so a second
         # fault cannot leave a child in the store; the scheduler's own state changes only
         # after all of them succeeded.
         first_id = self._next_seq_id
         children: list[Sequence] = []
-        finishing: list[Sequence] = []
+        finishing: list[int] = []  # running positions
         finished: list[Sequence] = []  # in batch order: children born done, then the parent
         try:
-            for item, tokens in draws:
-                seq = item.seq
-                for index, token in enumerate(tokens[1:], start=1):
-                    child = self._child(seq, item.end, index, token)
+            for j in np.flatnonzero(done | forking if any_fork else done).tolist():
+                seq, first = sampling[j], firsts[j]
+                for index in range(1, int(per_seq[j])):
+                    child = self._child(seq, int(ends[rows[j]]), index, tokens[first + index])
                     if child.done:  # a child that is already done holds no blocks
                         finished.append(child)
                     else:
                         self.store.fork(seq.seq_id, child.seq_id)
                     children.append(child)
-                if _done_with(seq, tokens[0]):
-                    finishing.append(seq)
+                if done[j]:
+                    finishing.append(int(rows[j]))
                     finished.append(seq)
             if finishing:
-                self.store.remove([seq.seq_id for seq in finishing])
+                self.store.remove([self.running[i].seq_id for i in finishing])
         except BaseException:
             forks = [child.seq_id for child in children if not child.done]
             if forks:
                 self.store.undo_fork(forks)
             self._next_seq_id = first_id
             raise
-        for item in output.scheduled:
-            item.seq.num_computed = item.start + item.num_tokens
-        for item, tokens in draws:
-            item.seq.num_samples = 1
-            item.seq.tokens.append(tokens[0])
+        # Per sequence, in C (a map consumed by an empty deque): the hot loops of a step.
+        _consume(map(setattr, output.seqs, repeat("num_computed"), ends.tolist()))
+        _consume(map(list.append, map(_TOKENS, sampling), first_tokens))
+        table = self._rows  # changed in place: nothing below can fail
+        table[:size, _COMPUTED] = ends
+        table[rows, _LENGTH] = ends[rows] + 1
+        if any_fork:
+            for j in np.flatnonzero(forking).tolist():
+                sampling[j].num_samples = 1
+            table[rows[forking], _SAMPLES] = 1
         for child in children:
             child.status = SeqStatus.FINISHED if child.done else SeqStatus.RUNNING
             if not child.done:
                 self.running.append(child)
+                table = np.append(table, [_row(child)], axis=0)
         if finishing:
-            done = set(map(id, finishing))
-            self.running = [seq for seq in self.running if id(seq) not in done]
-            for seq in finishing:
-                seq.status = SeqStatus.FINISHED
+            for i in finishing:
+                self.running[i].status = SeqStatus.FINISHED
+            keep = np.ones(len(self.running), dtype=bool)
+            keep[finishing] = False
+            self.running = list(compress(self.running, keep.tolist()))
+            table = table[keep]
+        self._rows = table
         return children, finished
 
     # ----------------------------------------------------------------- internals
@@ -386,41 +487,61 @@ class Scheduler:
         self._next_seq_id += 1
         return self._next_seq_id - 1
 
-    def _grow_or_preempt(self, budget: int) -> list[Sequence]:
+    def _grow_or_preempt(
+        self, budget: int
+    ) -> tuple[list[Sequence], NDArray[np.int64], NDArray[np.int64], NDArray[np.bool_]]:
         """Grow every running sequence the step visits to hold all its tokens, preempting the
-        most recently admitted running sequences while one does not fit; return the victims.
+        most recently admitted running sequences while one does not fit; return the victims,
+        and for the visited survivors the first position to compute, the tokens to compute and
+        whether those are all its pending tokens (so it samples).
 
         The visited sequences are the longest prefix of ``running`` whose pending tokens start
-        within the budget (what :meth:`schedule` then schedules). One ``store.grow_or_preempt``
-        over the whole running list (the store's live sequences, in the order added) decides
-        exactly what growing them one at a time, preempting from the tail, would: a victim
-        frees its blocks and goes back to the front of the waiting queue, its K/V forgotten.
+        within the budget (what :meth:`schedule` then schedules: each its pending tokens, cut to
+        the budget left). One ``store.grow_or_preempt`` over the whole running list (the store's
+        live sequences, in the order added) decides exactly what growing them one at a time,
+        preempting from the tail, would: a victim frees its blocks and goes back to the front
+        of the waiting queue, its K/V forgotten.
         """
-        counts = self.store.token_counts_of(None)
-        missing = [0] * len(self.running)
-        for index, (seq, count) in enumerate(zip(self.running, counts, strict=True)):
-            if budget <= 0:
-                break
-            missing[index] = seq.num_tokens - count
-            budget -= min(seq.num_pending, budget)
-        if not any(missing):
-            return []
+        size = len(self.running)
+        lengths, starts = self._rows[:, _LENGTH], self._rows[:, _COMPUTED]
+        pending = lengths - starts
+        before = np.cumsum(pending) - pending  # tokens scheduled ahead of each, uncut
+        visited = int(np.searchsorted(before, budget))  # before is strictly increasing
+        counts = np.minimum(pending[:visited], budget - before[:visited])
+        missing = lengths[:visited] - np.asarray(self.store.token_counts_of(None))[:visited]
+        samples = counts == pending[:visited]
+        if not missing.any():
+            return [], starts[:visited], counts, samples
+        if visited == size and missing.min() == missing.max():
+            new_tokens: int | list[int] = int(missing[0])  # a step of decodes: one count
+        else:
+            new_tokens = [*missing.tolist(), *[0] * (size - visited)]
         preempted: list[Sequence] = []
-        for victim_id in self.store.grow_or_preempt(None, missing):
+        for victim_id in self.store.grow_or_preempt(None, new_tokens):
             victim = self.running.pop()
             assert victim.seq_id == victim_id  # running is the store's live order
             victim.status, victim.num_computed = SeqStatus.WAITING, 0
             self.waiting.appendleft(victim)
             preempted.append(victim)
-        return preempted
+        self._rows = self._rows[: len(self.running)]
+        kept = min(visited, len(self.running))  # victims come from the tail
+        return preempted, starts[:kept], counts[:kept], samples[:kept]
 
     def _admit(self, seq: Sequence) -> int | None:
         """Give ``seq`` its prompt's blocks if its samples fit ``max_num_seqs`` and the blocks
         leave the watermark free (waived with nothing running); return its cached tokens, or
-        None (nothing changed). The store plans the prompt once."""
+        None (nothing changed). The store plans the prompt once; without a prefix cache the
+        prompt takes exactly ``blocks_needed(len(tokens))`` blocks, so a prompt that cannot
+        leave the headroom is refused here without asking the store (a waiting request is
+        retried every step)."""
         if self.num_running_seqs + seq.num_samples > self.config.max_num_seqs:
             return None
+        store = self.store
         headroom = self.config.watermark_blocks if self.running else 0
+        if not store.prefix_caching and (
+            blocks_needed(len(seq.tokens), store.block_size) > store.num_free_blocks - headroom
+        ):
+            return None
         return self.store.admit(seq.seq_id, seq.tokens, headroom, seq.cache_salt)
 
     def _child(self, parent: Sequence, computed: int, index: int, token: int) -> Sequence:

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from pagedkv.impl.blocks.store import BlockTableStore
@@ -78,11 +79,10 @@ def draft(
     sequence id. Every draft source call is made and checked before anything changes; a
     sequence the pool cannot grow now is not speculated this step."""
     drafts: dict[int, list[int]] = {}
-    for item in plan.scheduled:
-        seq = item.seq
+    for seq in plan.sampling:
         room = seq.max_new_tokens - len(seq.output) - 1  # beyond the token it samples
         k = min(num_speculative_tokens, budget, room)
-        if not item.samples or seq.num_samples > 1 or k < 1:
+        if seq.num_samples > 1 or k < 1:
             continue
         guess = check_drafts(draft_source(list(seq.tokens), k), k, vocab_size)
         if guess:
@@ -92,12 +92,13 @@ def draft(
         return plan, drafts
     for seq_id in store.grow(list(drafts), [len(d) for d in drafts.values()]):
         del drafts[seq_id]  # no free block for its drafts now
-    scheduled = []
-    for item in plan.scheduled:
-        guess = drafts.get(item.seq.seq_id, [])
-        item.seq.tokens.extend(guess)
-        scheduled.append(replace(item, num_tokens=item.num_tokens + len(guess)))
-    return replace(plan, scheduled=scheduled), drafts
+    extra = np.zeros(len(plan.seqs), np.int64)
+    for row, seq_id in enumerate(plan.seq_ids.tolist()):
+        guess = drafts.get(seq_id)
+        if guess:
+            plan.seqs[row].tokens.extend(guess)
+            extra[row] = len(guess)
+    return replace(plan, num_tokens=plan.num_tokens + extra), drafts
 
 
 def roll_back(
@@ -109,20 +110,16 @@ def roll_back(
     """Keep each drafted sequence's accepted drafts (``len(rows[seq_id]) - 1`` of them): its
     table is truncated after them (``store.truncate``) and the rest leave its tokens. Returns
     the plan as verified: each drafted item computes up to its last kept draft."""
-    kept = {}
-    for item in plan.scheduled:
-        seq_id = item.seq.seq_id
+    ends = plan.ends
+    kept = {}  # seq id -> (row, end)
+    for row, seq_id in enumerate(plan.seq_ids.tolist()):
         if seq_id in drafts:
-            kept[seq_id] = item.end - len(drafts[seq_id]) + len(rows[seq_id]) - 1
-    store.truncate(list(kept), list(kept.values()))
-    scheduled = []
-    for item in plan.scheduled:
-        end = kept.get(item.seq.seq_id)
-        if end is not None:
-            del item.seq.tokens[end:]
-            item = replace(item, num_tokens=end - item.start)
-        scheduled.append(item)
-    return replace(plan, scheduled=scheduled)
+            kept[seq_id] = row, int(ends[row]) - len(drafts[seq_id]) + len(rows[seq_id]) - 1
+    store.truncate(list(kept), [end for _, end in kept.values()])
+    for row, end in kept.values():
+        del plan.seqs[row].tokens[end:]
+        ends[row] = end
+    return replace(plan, num_tokens=ends - plan.starts)
 
 
 def undraft(plan: SchedulerOutput, drafts: Mapping[int, list[int]], store: BlockTableStore) -> None:
@@ -130,12 +127,12 @@ def undraft(plan: SchedulerOutput, drafts: Mapping[int, list[int]], store: Block
     were before its drafts, so the next step schedules the same work again. Cannot fail
     (``store.undo_growth`` checks nothing and takes no block), so a fault in :func:`roll_back`
     followed by another anywhere leaves no unverified draft behind."""
-    before = {
-        item.seq.seq_id: item.end - len(drafts[item.seq.seq_id])
-        for item in plan.scheduled
-        if item.seq.seq_id in drafts
+    ends = plan.ends.tolist()
+    before = {  # seq id -> (row, end before its drafts)
+        seq_id: (row, ends[row] - len(drafts[seq_id]))
+        for row, seq_id in enumerate(plan.seq_ids.tolist())
+        if seq_id in drafts
     }
-    store.undo_growth(list(before), list(before.values()))
-    for item in plan.scheduled:
-        if item.seq.seq_id in before:
-            del item.seq.tokens[before[item.seq.seq_id] :]
+    store.undo_growth(list(before), [end for _, end in before.values()])
+    for row, end in before.values():
+        del plan.seqs[row].tokens[end:]
