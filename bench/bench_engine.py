@@ -29,6 +29,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -64,6 +65,40 @@ TARGET_RATIO = 1.5  # the engine's goal: this many times generate's tokens/s
 
 
 @dataclass(frozen=True)
+class Preset:
+    """A model and workload of the comparison: ``shape`` overrides :data:`HF_SHAPE`, and
+    ``count`` seeded prompts of ``shortest .. longest`` tokens get ``new`` tokens each."""
+
+    shape: dict[str, Any]
+    count: int
+    shortest: int
+    longest: int
+    new: int
+
+
+PRESETS: dict[str, Preset] = {
+    # 8 query and 2 KV heads of 32: 4 KB of K/V per token.
+    "small": Preset({}, count=32, shortest=16, longest=128, new=96),
+    # 16 query and 4 KV heads of 64: 16 KB of K/V per token; about 40,000 prompt tokens.
+    "large": Preset(
+        {
+            "vocab_size": 32000,
+            "hidden_size": 1024,
+            "intermediate_size": 2816,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+            "max_position_embeddings": 2048 + 64,
+        },
+        count=32,
+        shortest=512,
+        longest=2048,
+        new=64,
+    ),
+}
+
+
+@dataclass(frozen=True)
 class Comparison:
     """Output tokens/s of the engine and of ``generate`` (medians; ``runs`` has every run's), and
     the engine's decode step at full batch, in median milliseconds: whole step, model math,
@@ -82,7 +117,8 @@ class Comparison:
     runs: dict[str, list[float]] = field(default_factory=dict)  # every run's tokens/s, by side
     new_tokens: int = 1  # tokens generated per prompt
     # Seconds to the first token of every prompt (median; building the inputs, the prefill and
-    # the first sampling), by side: "engine" and "hf".
+    # the first sampling), by side: "engine", "hf" and, with vLLM, "vllm" (``LLM.generate`` of one
+    # token).
     first_token_s: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -91,9 +127,13 @@ class Comparison:
         return self.engine_tokens_per_s / self.hf_tokens_per_s
 
     def decode_step_ms(self, side: str) -> float:
-        """One decode step of ``side`` ("engine" or "hf"), in ms: the whole run's time (from its
-        median tokens/s) less the time to the first token, over the remaining steps."""
-        rate = self.engine_tokens_per_s if side == "engine" else self.hf_tokens_per_s
+        """One decode step of ``side`` ("engine", "hf" or "vllm"), in ms: the whole run's time
+        (from its median tokens/s) less the time to the first token, over the remaining steps."""
+        rate = {
+            "engine": self.engine_tokens_per_s, "hf": self.hf_tokens_per_s,
+            "vllm": self.vllm_tokens_per_s,
+        }[side]  # fmt: skip
+        assert rate is not None, "no vLLM figure in this comparison"
         return self._step_ms(rate, self.first_token_s[side])
 
     def step_ms_for_ratio(self, target: float) -> float:
@@ -187,7 +227,17 @@ def timed(target: object, name: str, totals: dict[str, float]) -> Iterator[None]
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 VLLM_SCRIPT = Path(__file__).resolve().parent / "vllm_generate.py"
 VLLM_BLOCK_SIZE = 32  # vLLM 0.32's CPU attention takes only multiples of 32
-VLLM_KV_CACHE_GIB = "1"
+
+
+def vllm_kv_cache_gib(hf_model: torch.nn.Module, prompts: list[list[int]], new: int) -> int:
+    """The KV space vLLM gets (``VLLM_CPU_KVCACHE_SPACE``, whole GiB): at least 1, and enough
+    for every prompt and its ``new`` tokens at once, in blocks of :data:`VLLM_BLOCK_SIZE`, fp32
+    K and V in every layer."""
+    config = hf_model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
+    blocks = sum(blocks_needed(len(p) + new, VLLM_BLOCK_SIZE) for p in prompts)
+    return max(1, -(-blocks * VLLM_BLOCK_SIZE * per_token // 2**30))
 
 
 @contextmanager
@@ -195,16 +245,18 @@ def vllm_server(
     python: Path, hf_model: torch.nn.Module, prompts: list[list[int]], new: int
 ) -> Iterator[Callable[[], tuple[float, list[list[int]]]]]:
     """vLLM's CPU engine on ``hf_model`` (written with ``save_pretrained`` to a temporary
-    directory), in ``bench/vllm_generate.py`` run by the vLLM environment's ``python``. Yields a
-    function that generates ``new`` greedy tokens for every prompt and returns vLLM's output
-    tokens/s (``LLM.generate`` alone) and its tokens. ``RuntimeError`` with the end of vLLM's
-    log if it cannot start or answer."""
+    directory), in ``bench/vllm_generate.py`` run by the vLLM environment's ``python``, with a KV
+    space that holds every prompt and its ``new`` tokens at once. Yields a function that, for
+    ``command`` ``"run"``, generates ``new`` greedy tokens for every prompt and returns vLLM's
+    output tokens/s (``LLM.generate`` alone) and its tokens, and for ``"first"`` does the same
+    with one new token. ``RuntimeError`` with the end of vLLM's log if it cannot start or
+    answer."""
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         hf_model.save_pretrained(directory / "model")
         (directory / "prompts.json").write_text(json.dumps(prompts))
         env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-        env["VLLM_CPU_KVCACHE_SPACE"] = VLLM_KV_CACHE_GIB
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(vllm_kv_cache_gib(hf_model, prompts, new))
         log_path = directory / "vllm.log"
         with log_path.open("w") as log:
             server = subprocess.Popen(
@@ -224,8 +276,8 @@ def vllm_server(
                 raise RuntimeError(f"vLLM exited with status {server.returncode}:\n{tail}")
             return json.loads(line)
 
-        def run() -> tuple[float, list[list[int]]]:
-            stdin.write("run\n")
+        def run(command: str = "run") -> tuple[float, list[list[int]]]:
+            stdin.write(f"{command}\n")
             stdin.flush()
             result = answer()
             tokens = result["tokens"]
@@ -271,18 +323,20 @@ def decode_split(model: CausalLM, prompts: list[list[int]], new: int) -> list[fl
 
 def compare(
     count: int = 32, shortest: int = 16, longest: int = 128, new: int = 96, repeats: int = 3,
-    vllm_python: Path | None = None, **overrides: Any,
+    vllm_python: Path | None = None, log: Callable[[str], None] | None = None, **overrides: Any,
 ) -> Comparison:  # fmt: skip
     """The engine against batched ``generate``, and with ``vllm_python`` (the vLLM environment's
     interpreter) against vLLM's CPU engine, on one model and one set of prompts (see the module
-    docstring); ``overrides`` change :data:`HF_SHAPE`."""
+    docstring); ``overrides`` change :data:`HF_SHAPE`. ``log``, if given, gets a line after each
+    timed run (long runs show progress)."""
     hf_model = hf_llama(0, **overrides)
     model = load_hf(hf_model)
     prompts = bench_prompts(count, shortest, longest, hf_model.config.vocab_size)
     hf_generate(hf_model, prompts[:4], 4)  # warm-up
     engine_generate(model, prompts[:4], 4)
     rates: dict[str, list[float]] = {"engine": [], "hf": [], "vllm": []}
-    first: dict[str, list[float]] = {"engine": [], "hf": []}
+    first: dict[str, list[float]] = {"engine": [], "hf": [], "vllm": []}
+    note = log or (lambda line: None)
     with contextlib.ExitStack() as stack:
         vllm = None
         if vllm_python is not None:
@@ -292,18 +346,31 @@ def compare(
             engine_rate, actual = tokens_per_s(lambda: engine_generate(model, prompts, new))
             rates["hf"].append(hf_rate)
             rates["engine"].append(engine_rate)
+            note(f"generate {hf_rate:.1f} tok/s, engine {engine_rate:.1f} tok/s")
             if new > 1:
                 first["hf"].append(seconds(lambda: hf_generate(hf_model, prompts, 1)))
                 first["engine"].append(seconds(lambda: engine_generate(model, prompts, 1)))
+                note(
+                    f"first token: generate {first['hf'][-1]:.2f} s, "
+                    f"engine {first['engine'][-1]:.2f} s"
+                )
             if vllm is not None:
                 vllm_rate, theirs = vllm()
                 rates["vllm"].append(vllm_rate)
+                if new > 1:
+                    one_rate, _ = vllm("first")
+                    first["vllm"].append(count / one_rate)
+                note(
+                    f"vLLM {vllm_rate:.1f} tok/s"
+                    + (f", first token {first['vllm'][-1]:.2f} s" if new > 1 else "")
+                )
     equal = sum(a == e for a, e in zip(actual, expected, strict=True))
     vllm_rate = vllm_equal = None
     if vllm is not None:
         vllm_rate = statistics.median(rates["vllm"])
         vllm_equal = sum(a == t for a, t in zip(actual, theirs, strict=True))
     step, math, attention, bookkeeping = decode_split(model, prompts, new)
+    note(f"decode split done: step {step:.2f} ms")
     return Comparison(
         statistics.median(rates["engine"]), statistics.median(rates["hf"]), equal, count,
         step, math, attention, bookkeeping, vllm_rate, vllm_equal,
@@ -332,8 +399,12 @@ def test_engine_against_hf_smoke() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=compare.__doc__)
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument(
+        "--model", choices=PRESETS, default="small",
+        help="the model and workload (PRESETS): small (the default) or large",
+    )  # fmt: skip
+    parser.add_argument("--prompts", type=int, help="default: the preset's")
+    parser.add_argument("--new-tokens", type=int, help="default: the preset's")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--vllm", nargs="?", const=VLLM_PYTHON, type=Path, metavar="PYTHON",
@@ -341,10 +412,14 @@ def main() -> None:
         ".venv-vllm, which python -m properties.vllm_env builds)",
     )  # fmt: skip
     args = parser.parse_args()
+    preset = PRESETS[args.model]
+    count = preset.count if args.prompts is None else args.prompts
+    new = preset.new if args.new_tokens is None else args.new_tokens
     torch.set_num_threads(1)
     result = compare(
-        count=args.prompts, new=args.new_tokens, repeats=args.repeats, vllm_python=args.vllm
-    )
+        count, preset.shortest, preset.longest, new, args.repeats, args.vllm,
+        lambda line: print(line, file=sys.stderr, flush=True), **preset.shape,
+    )  # fmt: skip
     print(
         f"engine {result.engine_tokens_per_s:.0f} tok/s, transformers generate "
         f"{result.hf_tokens_per_s:.0f} tok/s: {result.ratio:.2f}x; tokens equal for "
@@ -359,7 +434,7 @@ def main() -> None:
     for side, values in result.runs.items():
         print(f"{side} runs, in order: {', '.join(f'{v:.0f}' for v in values)} tok/s")
     print(
-        f"decode step at batch {args.prompts}: {result.step_ms:.2f} ms = model math "
+        f"decode step at batch {count}: {result.step_ms:.2f} ms = model math "
         f"{result.model_ms:.2f} + attention {result.attention_ms:.2f} + bookkeeping "
         f"{result.bookkeeping_ms:.2f}"
     )
@@ -369,6 +444,11 @@ def main() -> None:
         f"{first['hf'] * 1e3:.0f} ms; each decode step after it (from the medians): engine "
         f"{result.decode_step_ms('engine'):.2f} ms, generate {result.decode_step_ms('hf'):.2f} ms"
     )
+    if result.vllm_tokens_per_s is not None:
+        print(
+            f"vLLM: first token of every prompt {first['vllm'] * 1e3:.0f} ms, each decode step "
+            f"after it {result.decode_step_ms('vllm'):.2f} ms"
+        )
     print(
         f"for {TARGET_RATIO}x generate's tokens/s the engine's decode step would have to take "
         f"at most {result.step_ms_for_ratio(TARGET_RATIO):.2f} ms"
