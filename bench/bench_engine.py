@@ -44,7 +44,7 @@ import torch
 
 from pagedkv.impl.serving.engine import PagedAttentionEngine
 from pagedkv.impl.serving.hf_loader import load_hf
-from pagedkv.impl.serving.model import CausalLM
+from pagedkv.impl.serving.model import CausalLM, Linear
 from pagedkv.impl.serving.paged_kv import PagedStep
 from pagedkv.spec.block_manager import blocks_needed
 
@@ -379,6 +379,42 @@ def compare(
     )  # fmt: skip
 
 
+def linear_ab(
+    count: int, shortest: int, longest: int, new: int, repeats: int, **overrides: Any
+) -> dict[str, list[float]]:
+    """Same-run A/B of the model's projections: the engine's decode step at full batch
+    (:func:`decode_split`) with :class:`~pagedkv.impl.serving.model.Linear` as it is (``onednn``:
+    the prepacked oneDNN product on the CPU) and with every projection through
+    ``torch.nn.functional.linear`` (``plain``), interleaved ``repeats`` times after a warm-up of
+    each, on one model and one set of prompts (as :func:`compare`), then one generation of each
+    for the tokens. Returns, by side, the median
+    ``[step, model math, attention, bookkeeping]`` in ms and, last, the number of prompts whose
+    tokens equal the other side's."""
+    model = load_hf(hf_llama(0, **overrides))
+    prompts = bench_prompts(count, shortest, longest, model.config.vocab_size)
+    plain = mock.patch.object(
+        Linear, "forward", lambda self, x: torch.nn.functional.linear(x, self.weight)
+    )
+    sides = {"onednn": contextlib.nullcontext, "plain": lambda: plain}
+    for context in sides.values():
+        with context():
+            engine_generate(model, prompts[:4], 4)  # warm-up
+    splits: dict[str, list[list[float]]] = {side: [] for side in sides}
+    for _ in range(repeats):
+        for side, context in sides.items():
+            with context():
+                splits[side].append(decode_split(model, prompts, new))
+    tokens: dict[str, list[list[int]]] = {}
+    for side, context in sides.items():
+        with context():
+            tokens[side] = engine_generate(model, prompts, new)
+    equal = sum(a == b for a, b in zip(tokens["onednn"], tokens["plain"], strict=True))
+    return {
+        side: [statistics.median(column) for column in zip(*rows, strict=True)] + [equal]
+        for side, rows in splits.items()
+    }
+
+
 def test_engine_against_hf_smoke() -> None:
     """The comparison runs end to end on a small case, and the engine's tokens are ``generate``'s
     (a smaller model, so greedy ties stay unlikely)."""
@@ -397,6 +433,17 @@ def test_engine_against_hf_smoke() -> None:
     assert bound == pytest.approx(result.decode_step_ms("engine"))
 
 
+def test_linear_ab_smoke() -> None:
+    """The projections' A/B runs on a small case: both sides timed, tokens equal."""
+    pytest.importorskip("transformers")
+    result = linear_ab(
+        4, 3, 12, 6, 1, hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=256
+    )
+    assert result.keys() == {"onednn", "plain"}
+    for step, math, attention, _bookkeeping, equal in result.values():
+        assert step >= math > 0 and attention > 0 and equal == 4
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=compare.__doc__)
     parser.add_argument(
@@ -407,6 +454,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, help="default: the preset's")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
+        "--linear-ab", action="store_true",
+        help="instead: the same-run A/B of the projections (linear_ab), no generate, no vLLM",
+    )  # fmt: skip
+    parser.add_argument(
         "--vllm", nargs="?", const=VLLM_PYTHON, type=Path, metavar="PYTHON",
         help="also time vLLM's CPU engine, run by this interpreter (default: the one in "
         ".venv-vllm, which python -m properties.vllm_env builds)",
@@ -416,6 +467,16 @@ def main() -> None:
     count = preset.count if args.prompts is None else args.prompts
     new = preset.new if args.new_tokens is None else args.new_tokens
     torch.set_num_threads(1)
+    if args.linear_ab:
+        for side, (step, math, attention, book, equal) in linear_ab(
+            count, preset.shortest, preset.longest, new, args.repeats, **preset.shape
+        ).items():
+            print(
+                f"{side}: decode step at batch {count} {step:.2f} ms = model math {math:.2f} + "
+                f"attention {attention:.2f} + bookkeeping {book:.2f}; tokens equal the other "
+                f"side's for {equal:.0f}/{count} prompts"
+            )
+        return
     result = compare(
         count, preset.shortest, preset.longest, new, args.repeats, args.vllm,
         lambda line: print(line, file=sys.stderr, flush=True), **preset.shape,
