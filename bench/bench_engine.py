@@ -1,12 +1,14 @@
 """The engine against Hugging Face ``transformers`` ``generate`` (and vLLM), on the CPU.
 
 ``python bench/bench_engine.py`` is the comparison with Hugging Face ``transformers``: one random
-fp32 Llama (:data:`HF_SHAPE`), served by the engine and by ``generate`` (one batch, left padding)
-on the same prompts in one run, greedy, one thread. It prints each side's output tokens/s (median
-of ``--repeats`` interleaved runs, after a warm-up of each), their ratio, whether the engine's
-tokens equal ``generate``'s, and the engine's decode step at full batch split into model math,
-attention (``PagedStep.attend``: every layer's K/V store and attention, ``kernels.sdpa`` on the
-CPU) and bookkeeping (the rest of ``engine.step()``: scheduling, tables, validation, slot
+fp32 Llama (:data:`HF_SHAPE`, changed by the ``--model`` preset of :data:`PRESETS`, which also
+sets the prompts and new tokens: ``small``, the default, or ``large``), served by the engine
+and by ``generate`` (one batch, left padding) on the same prompts in one run, greedy, one
+thread. It prints each side's output tokens/s (median of ``--repeats`` interleaved runs, after
+a warm-up of each), their ratio, whether the engine's tokens equal ``generate``'s, and the
+engine's decode step at full batch split into model math, attention (``PagedStep.attend``:
+every layer's K/V store and attention, through the kernels' ``auto`` backend, numba on the CPU)
+and bookkeeping (the rest of ``engine.step()``: scheduling, tables, validation, slot
 mapping, the step's attention plan, sampling, metrics). It also times each side's first token
 of every prompt (a run of one new token: inputs, prefill, first sampling), and from it and the
 median run each side's decode step, and the longest engine decode step at which the engine
@@ -17,8 +19,12 @@ would make :data:`TARGET_RATIO` times ``generate``'s tokens/s.
 --build`` builds it) on the same model, written with ``save_pretrained``, and the same prompts:
 it runs in its own process (``bench/vllm_generate.py``, block size 32, the only sizes its CPU
 attention takes), interleaved with the other two, and the figure is its tokens/s of
-``LLM.generate`` (median, after a warm-up) and how many prompts' tokens equal the engine's.
-vLLM schedules in one process and computes in another, bound to one core.
+``LLM.generate`` (median, after a warm-up), its time to the first token and decode step, and
+how many prompts' tokens equal the engine's. vLLM schedules in one process and computes in
+another, bound to one core; its prefix cache is off and its KV space holds the whole batch.
+
+``--linear-ab`` runs :func:`linear_ab` instead: the engine's decode step with the model's
+projections as they are (oneDNN, prepacked) and through ``torch.nn.functional.linear``.
 """
 
 from __future__ import annotations
