@@ -458,6 +458,8 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--prompts", type=int, help="default: the preset's")
     parser.add_argument("--new-tokens", type=int, help="default: the preset's")
+    parser.add_argument("--shortest", type=int, help="shortest prompt; default: the preset's")
+    parser.add_argument("--longest", type=int, help="longest prompt; default: the preset's")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--linear-ab", action="store_true",
@@ -472,10 +474,12 @@ def main() -> None:
     preset = PRESETS[args.model]
     count = preset.count if args.prompts is None else args.prompts
     new = preset.new if args.new_tokens is None else args.new_tokens
+    shortest = preset.shortest if args.shortest is None else args.shortest
+    longest = preset.longest if args.longest is None else args.longest
     torch.set_num_threads(1)
     if args.linear_ab:
         for side, (step, math, attention, book, equal) in linear_ab(
-            count, preset.shortest, preset.longest, new, args.repeats, **preset.shape
+            count, shortest, longest, new, args.repeats, **preset.shape
         ).items():
             print(
                 f"{side}: decode step at batch {count} {step:.2f} ms = model math {math:.2f} + "
@@ -484,7 +488,7 @@ def main() -> None:
             )
         return
     result = compare(
-        count, preset.shortest, preset.longest, new, args.repeats, args.vllm,
+        count, shortest, longest, new, args.repeats, args.vllm,
         lambda line: print(line, file=sys.stderr, flush=True), **preset.shape,
     )  # fmt: skip
     print(
