@@ -1,12 +1,14 @@
 """The engine against Hugging Face ``transformers`` ``generate`` (and vLLM), on the CPU.
 
 ``python bench/bench_engine.py`` is the comparison with Hugging Face ``transformers``: one random
-fp32 Llama (:data:`HF_SHAPE`), served by the engine and by ``generate`` (one batch, left padding)
-on the same prompts in one run, greedy, one thread. It prints each side's output tokens/s (median
-of ``--repeats`` interleaved runs, after a warm-up of each), their ratio, whether the engine's
-tokens equal ``generate``'s, and the engine's decode step at full batch split into model math,
-attention (``PagedStep.attend``: every layer's K/V store and attention, ``kernels.sdpa`` on the
-CPU) and bookkeeping (the rest of ``engine.step()``: scheduling, tables, validation, slot
+fp32 Llama (:data:`HF_SHAPE`, changed by the ``--model`` preset of :data:`PRESETS`, which also
+sets the prompts and new tokens: ``small``, the default, or ``large``), served by the engine
+and by ``generate`` (one batch, left padding) on the same prompts in one run, greedy, one
+thread. It prints each side's output tokens/s (median of ``--repeats`` interleaved runs, after
+a warm-up of each), their ratio, whether the engine's tokens equal ``generate``'s, and the
+engine's decode step at full batch split into model math, attention (``PagedStep.attend``:
+every layer's K/V store and attention, through the kernels' ``auto`` backend, numba on the CPU)
+and bookkeeping (the rest of ``engine.step()``: scheduling, tables, validation, slot
 mapping, the step's attention plan, sampling, metrics). It also times each side's first token
 of every prompt (a run of one new token: inputs, prefill, first sampling), and from it and the
 median run each side's decode step, and the longest engine decode step at which the engine
@@ -17,8 +19,12 @@ would make :data:`TARGET_RATIO` times ``generate``'s tokens/s.
 --build`` builds it) on the same model, written with ``save_pretrained``, and the same prompts:
 it runs in its own process (``bench/vllm_generate.py``, block size 32, the only sizes its CPU
 attention takes), interleaved with the other two, and the figure is its tokens/s of
-``LLM.generate`` (median, after a warm-up) and how many prompts' tokens equal the engine's.
-vLLM schedules in one process and computes in another, bound to one core.
+``LLM.generate`` (median, after a warm-up), its time to the first token and decode step, and
+how many prompts' tokens equal the engine's. vLLM schedules in one process and computes in
+another, bound to one core; its prefix cache is off and its KV space holds the whole batch.
+
+``--linear-ab`` runs :func:`linear_ab` instead: the engine's decode step with the model's
+projections as they are (oneDNN, prepacked) and through ``torch.nn.functional.linear``.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -43,7 +50,7 @@ import torch
 
 from pagedkv.impl.serving.engine import PagedAttentionEngine
 from pagedkv.impl.serving.hf_loader import load_hf
-from pagedkv.impl.serving.model import CausalLM
+from pagedkv.impl.serving.model import CausalLM, Linear
 from pagedkv.impl.serving.paged_kv import PagedStep
 from pagedkv.spec.block_manager import blocks_needed
 
@@ -61,6 +68,40 @@ HF_SHAPE: dict[str, Any] = {
 }
 HF_BLOCK_SIZE = 16
 TARGET_RATIO = 1.5  # the engine's goal: this many times generate's tokens/s
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model and workload of the comparison: ``shape`` overrides :data:`HF_SHAPE`, and
+    ``count`` seeded prompts of ``shortest .. longest`` tokens get ``new`` tokens each."""
+
+    shape: dict[str, Any]
+    count: int
+    shortest: int
+    longest: int
+    new: int
+
+
+PRESETS: dict[str, Preset] = {
+    # 8 query and 2 KV heads of 32: 4 KB of K/V per token.
+    "small": Preset({}, count=32, shortest=16, longest=128, new=96),
+    # 16 query and 4 KV heads of 64: 16 KB of K/V per token; about 40,000 prompt tokens.
+    "large": Preset(
+        {
+            "vocab_size": 32000,
+            "hidden_size": 1024,
+            "intermediate_size": 2816,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+            "max_position_embeddings": 2048 + 64,
+        },
+        count=32,
+        shortest=512,
+        longest=2048,
+        new=64,
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -82,7 +123,8 @@ class Comparison:
     runs: dict[str, list[float]] = field(default_factory=dict)  # every run's tokens/s, by side
     new_tokens: int = 1  # tokens generated per prompt
     # Seconds to the first token of every prompt (median; building the inputs, the prefill and
-    # the first sampling), by side: "engine" and "hf".
+    # the first sampling), by side: "engine", "hf" and, with vLLM, "vllm" (``LLM.generate`` of one
+    # token).
     first_token_s: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -91,9 +133,13 @@ class Comparison:
         return self.engine_tokens_per_s / self.hf_tokens_per_s
 
     def decode_step_ms(self, side: str) -> float:
-        """One decode step of ``side`` ("engine" or "hf"), in ms: the whole run's time (from its
-        median tokens/s) less the time to the first token, over the remaining steps."""
-        rate = self.engine_tokens_per_s if side == "engine" else self.hf_tokens_per_s
+        """One decode step of ``side`` ("engine", "hf" or "vllm"), in ms: the whole run's time
+        (from its median tokens/s) less the time to the first token, over the remaining steps."""
+        rate = {
+            "engine": self.engine_tokens_per_s, "hf": self.hf_tokens_per_s,
+            "vllm": self.vllm_tokens_per_s,
+        }[side]  # fmt: skip
+        assert rate is not None, "no vLLM figure in this comparison"
         return self._step_ms(rate, self.first_token_s[side])
 
     def step_ms_for_ratio(self, target: float) -> float:
@@ -187,7 +233,17 @@ def timed(target: object, name: str, totals: dict[str, float]) -> Iterator[None]
 VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 VLLM_SCRIPT = Path(__file__).resolve().parent / "vllm_generate.py"
 VLLM_BLOCK_SIZE = 32  # vLLM 0.32's CPU attention takes only multiples of 32
-VLLM_KV_CACHE_GIB = "1"
+
+
+def vllm_kv_cache_gib(hf_model: torch.nn.Module, prompts: list[list[int]], new: int) -> int:
+    """The KV space vLLM gets (``VLLM_CPU_KVCACHE_SPACE``, whole GiB): at least 1, and enough
+    for every prompt and its ``new`` tokens at once, in blocks of :data:`VLLM_BLOCK_SIZE`, fp32
+    K and V in every layer."""
+    config = hf_model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
+    blocks = sum(blocks_needed(len(p) + new, VLLM_BLOCK_SIZE) for p in prompts)
+    return max(1, -(-blocks * VLLM_BLOCK_SIZE * per_token // 2**30))
 
 
 @contextmanager
@@ -195,16 +251,18 @@ def vllm_server(
     python: Path, hf_model: torch.nn.Module, prompts: list[list[int]], new: int
 ) -> Iterator[Callable[[], tuple[float, list[list[int]]]]]:
     """vLLM's CPU engine on ``hf_model`` (written with ``save_pretrained`` to a temporary
-    directory), in ``bench/vllm_generate.py`` run by the vLLM environment's ``python``. Yields a
-    function that generates ``new`` greedy tokens for every prompt and returns vLLM's output
-    tokens/s (``LLM.generate`` alone) and its tokens. ``RuntimeError`` with the end of vLLM's
-    log if it cannot start or answer."""
+    directory), in ``bench/vllm_generate.py`` run by the vLLM environment's ``python``, with a KV
+    space that holds every prompt and its ``new`` tokens at once. Yields a function that, for
+    ``command`` ``"run"``, generates ``new`` greedy tokens for every prompt and returns vLLM's
+    output tokens/s (``LLM.generate`` alone) and its tokens, and for ``"first"`` does the same
+    with one new token. ``RuntimeError`` with the end of vLLM's log if it cannot start or
+    answer."""
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         hf_model.save_pretrained(directory / "model")
         (directory / "prompts.json").write_text(json.dumps(prompts))
         env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-        env["VLLM_CPU_KVCACHE_SPACE"] = VLLM_KV_CACHE_GIB
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(vllm_kv_cache_gib(hf_model, prompts, new))
         log_path = directory / "vllm.log"
         with log_path.open("w") as log:
             server = subprocess.Popen(
@@ -224,8 +282,8 @@ def vllm_server(
                 raise RuntimeError(f"vLLM exited with status {server.returncode}:\n{tail}")
             return json.loads(line)
 
-        def run() -> tuple[float, list[list[int]]]:
-            stdin.write("run\n")
+        def run(command: str = "run") -> tuple[float, list[list[int]]]:
+            stdin.write(f"{command}\n")
             stdin.flush()
             result = answer()
             tokens = result["tokens"]
@@ -271,18 +329,20 @@ def decode_split(model: CausalLM, prompts: list[list[int]], new: int) -> list[fl
 
 def compare(
     count: int = 32, shortest: int = 16, longest: int = 128, new: int = 96, repeats: int = 3,
-    vllm_python: Path | None = None, **overrides: Any,
+    vllm_python: Path | None = None, log: Callable[[str], None] | None = None, **overrides: Any,
 ) -> Comparison:  # fmt: skip
     """The engine against batched ``generate``, and with ``vllm_python`` (the vLLM environment's
     interpreter) against vLLM's CPU engine, on one model and one set of prompts (see the module
-    docstring); ``overrides`` change :data:`HF_SHAPE`."""
+    docstring); ``overrides`` change :data:`HF_SHAPE`. ``log``, if given, gets a line after each
+    timed run (long runs show progress)."""
     hf_model = hf_llama(0, **overrides)
     model = load_hf(hf_model)
     prompts = bench_prompts(count, shortest, longest, hf_model.config.vocab_size)
     hf_generate(hf_model, prompts[:4], 4)  # warm-up
     engine_generate(model, prompts[:4], 4)
     rates: dict[str, list[float]] = {"engine": [], "hf": [], "vllm": []}
-    first: dict[str, list[float]] = {"engine": [], "hf": []}
+    first: dict[str, list[float]] = {"engine": [], "hf": [], "vllm": []}
+    note = log or (lambda line: None)
     with contextlib.ExitStack() as stack:
         vllm = None
         if vllm_python is not None:
@@ -292,24 +352,73 @@ def compare(
             engine_rate, actual = tokens_per_s(lambda: engine_generate(model, prompts, new))
             rates["hf"].append(hf_rate)
             rates["engine"].append(engine_rate)
+            note(f"generate {hf_rate:.1f} tok/s, engine {engine_rate:.1f} tok/s")
             if new > 1:
                 first["hf"].append(seconds(lambda: hf_generate(hf_model, prompts, 1)))
                 first["engine"].append(seconds(lambda: engine_generate(model, prompts, 1)))
+                note(
+                    f"first token: generate {first['hf'][-1]:.2f} s, "
+                    f"engine {first['engine'][-1]:.2f} s"
+                )
             if vllm is not None:
                 vllm_rate, theirs = vllm()
                 rates["vllm"].append(vllm_rate)
+                if new > 1:
+                    one_rate, _ = vllm("first")
+                    first["vllm"].append(count / one_rate)
+                note(
+                    f"vLLM {vllm_rate:.1f} tok/s"
+                    + (f", first token {first['vllm'][-1]:.2f} s" if new > 1 else "")
+                )
     equal = sum(a == e for a, e in zip(actual, expected, strict=True))
     vllm_rate = vllm_equal = None
     if vllm is not None:
         vllm_rate = statistics.median(rates["vllm"])
         vllm_equal = sum(a == t for a, t in zip(actual, theirs, strict=True))
     step, math, attention, bookkeeping = decode_split(model, prompts, new)
+    note(f"decode split done: step {step:.2f} ms")
     return Comparison(
         statistics.median(rates["engine"]), statistics.median(rates["hf"]), equal, count,
         step, math, attention, bookkeeping, vllm_rate, vllm_equal,
         {side: values for side, values in rates.items() if values}, new,
         {side: statistics.median(values) for side, values in first.items() if values},
     )  # fmt: skip
+
+
+def linear_ab(
+    count: int, shortest: int, longest: int, new: int, repeats: int, **overrides: Any
+) -> dict[str, list[float]]:
+    """Same-run A/B of the model's projections: the engine's decode step at full batch
+    (:func:`decode_split`) with :class:`~pagedkv.impl.serving.model.Linear` as it is (``onednn``:
+    the prepacked oneDNN product on the CPU) and with every projection through
+    ``torch.nn.functional.linear`` (``plain``), interleaved ``repeats`` times after a warm-up of
+    each, on one model and one set of prompts (as :func:`compare`), then one generation of each
+    for the tokens. Returns, by side, the median
+    ``[step, model math, attention, bookkeeping]`` in ms and, last, the number of prompts whose
+    tokens equal the other side's."""
+    model = load_hf(hf_llama(0, **overrides))
+    prompts = bench_prompts(count, shortest, longest, model.config.vocab_size)
+    plain = mock.patch.object(
+        Linear, "forward", lambda self, x: torch.nn.functional.linear(x, self.weight)
+    )
+    sides = {"onednn": contextlib.nullcontext, "plain": lambda: plain}
+    for context in sides.values():
+        with context():
+            engine_generate(model, prompts[:4], 4)  # warm-up
+    splits: dict[str, list[list[float]]] = {side: [] for side in sides}
+    for _ in range(repeats):
+        for side, context in sides.items():
+            with context():
+                splits[side].append(decode_split(model, prompts, new))
+    tokens: dict[str, list[list[int]]] = {}
+    for side, context in sides.items():
+        with context():
+            tokens[side] = engine_generate(model, prompts, new)
+    equal = sum(a == b for a, b in zip(tokens["onednn"], tokens["plain"], strict=True))
+    return {
+        side: [statistics.median(column) for column in zip(*rows, strict=True)] + [equal]
+        for side, rows in splits.items()
+    }
 
 
 def test_engine_against_hf_smoke() -> None:
@@ -330,21 +439,58 @@ def test_engine_against_hf_smoke() -> None:
     assert bound == pytest.approx(result.decode_step_ms("engine"))
 
 
+def test_linear_ab_smoke() -> None:
+    """The projections' A/B runs on a small case: both sides timed, tokens equal."""
+    pytest.importorskip("transformers")
+    result = linear_ab(
+        4, 3, 12, 6, 1, hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=256
+    )
+    assert result.keys() == {"onednn", "plain"}
+    for step, math, attention, _bookkeeping, equal in result.values():
+        assert step >= math > 0 and attention > 0 and equal == 4
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=compare.__doc__)
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument(
+        "--model", choices=PRESETS, default="small",
+        help="the model and workload (PRESETS): small (the default) or large",
+    )  # fmt: skip
+    parser.add_argument("--prompts", type=int, help="default: the preset's")
+    parser.add_argument("--new-tokens", type=int, help="default: the preset's")
+    parser.add_argument("--shortest", type=int, help="shortest prompt; default: the preset's")
+    parser.add_argument("--longest", type=int, help="longest prompt; default: the preset's")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--linear-ab", action="store_true",
+        help="instead: the same-run A/B of the projections (linear_ab), no generate, no vLLM",
+    )  # fmt: skip
     parser.add_argument(
         "--vllm", nargs="?", const=VLLM_PYTHON, type=Path, metavar="PYTHON",
         help="also time vLLM's CPU engine, run by this interpreter (default: the one in "
         ".venv-vllm, which python -m properties.vllm_env builds)",
     )  # fmt: skip
     args = parser.parse_args()
+    preset = PRESETS[args.model]
+    count = preset.count if args.prompts is None else args.prompts
+    new = preset.new if args.new_tokens is None else args.new_tokens
+    shortest = preset.shortest if args.shortest is None else args.shortest
+    longest = preset.longest if args.longest is None else args.longest
     torch.set_num_threads(1)
+    if args.linear_ab:
+        for side, (step, math, attention, book, equal) in linear_ab(
+            count, shortest, longest, new, args.repeats, **preset.shape
+        ).items():
+            print(
+                f"{side}: decode step at batch {count} {step:.2f} ms = model math {math:.2f} + "
+                f"attention {attention:.2f} + bookkeeping {book:.2f}; tokens equal the other "
+                f"side's for {equal:.0f}/{count} prompts"
+            )
+        return
     result = compare(
-        count=args.prompts, new=args.new_tokens, repeats=args.repeats, vllm_python=args.vllm
-    )
+        count, shortest, longest, new, args.repeats, args.vllm,
+        lambda line: print(line, file=sys.stderr, flush=True), **preset.shape,
+    )  # fmt: skip
     print(
         f"engine {result.engine_tokens_per_s:.0f} tok/s, transformers generate "
         f"{result.hf_tokens_per_s:.0f} tok/s: {result.ratio:.2f}x; tokens equal for "
@@ -359,7 +505,7 @@ def main() -> None:
     for side, values in result.runs.items():
         print(f"{side} runs, in order: {', '.join(f'{v:.0f}' for v in values)} tok/s")
     print(
-        f"decode step at batch {args.prompts}: {result.step_ms:.2f} ms = model math "
+        f"decode step at batch {count}: {result.step_ms:.2f} ms = model math "
         f"{result.model_ms:.2f} + attention {result.attention_ms:.2f} + bookkeeping "
         f"{result.bookkeeping_ms:.2f}"
     )
@@ -369,6 +515,11 @@ def main() -> None:
         f"{first['hf'] * 1e3:.0f} ms; each decode step after it (from the medians): engine "
         f"{result.decode_step_ms('engine'):.2f} ms, generate {result.decode_step_ms('hf'):.2f} ms"
     )
+    if result.vllm_tokens_per_s is not None:
+        print(
+            f"vLLM: first token of every prompt {first['vllm'] * 1e3:.0f} ms, each decode step "
+            f"after it {result.decode_step_ms('vllm'):.2f} ms"
+        )
     print(
         f"for {TARGET_RATIO}x generate's tokens/s the engine's decode step would have to take "
         f"at most {result.step_ms_for_ratio(TARGET_RATIO):.2f} ms"

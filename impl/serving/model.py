@@ -13,6 +13,10 @@ its new K/V and queries to a :class:`KVAttention` and gets the attention output 
 store (``pagedkv.impl.serving.paged_kv``) and the dense oracle's contiguous store
 (``pagedkv.impl.serving.dense``) are two implementations of that one method, so both run the very
 same layers.
+
+Every projection is a :class:`Linear`: on the CPU in fp32 it multiplies through oneDNN with its
+weight prepacked into oneDNN's blocked layout, as vLLM's CPU engine does (``docs/results.md``,
+"Engine against Hugging Face ``generate`` and vLLM", has the same-run A/B that put it here).
 """
 
 from __future__ import annotations
@@ -101,6 +105,46 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
 
 
+# The batch size (rows of the input) oneDNN lays the prepacked weight out for: the decode step
+# of a full batch. Any number of rows works with it; vLLM's CPU engine packs for 32 as well.
+PACK_ROWS = 32
+ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(
+    torch.ops.mkldnn, "_linear_pointwise"
+)
+
+
+class Linear(nn.Linear):
+    """A bias-free ``nn.Linear`` (the same ``weight`` parameter, the same product up to fp32
+    rounding order) that, for an fp32 weight on the CPU outside autograd, multiplies through
+    oneDNN (``torch.ops.mkldnn._linear_pointwise``, the op ``torch.compile`` emits for a CPU
+    linear) on a copy of the weight prepacked for :data:`PACK_ROWS` rows. The copy is made on
+    the first such call and again whenever the weight is replaced or changed in place (its
+    storage or version counter moves; a write through ``.data``, which autograd does not track,
+    is not seen); it doubles the layer's memory. Everywhere else (other
+    dtypes or devices, gradients wanted, a torch without oneDNN) it is
+    ``torch.nn.functional.linear``."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+        self._packed: torch.Tensor | None = None
+        self._packed_of: tuple[int, int] | None = None  # (data_ptr, version) it was made from
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if (
+            not ONEDNN_LINEAR
+            or weight.dtype != torch.float32
+            or weight.device.type != "cpu"
+            or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+        ):
+            return nn.functional.linear(x, weight)
+        source = (weight.data_ptr(), weight._version)
+        if self._packed is None or source != self._packed_of:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+            self._packed_of = source
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
+
+
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)``, computed in fp32 (Llama's ``LlamaRMSNorm``)."""
 
@@ -147,10 +191,10 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, q_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=False)
-        self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=False)
+        self.q_proj = Linear(config.hidden_size, q_dim)
+        self.k_proj = Linear(config.hidden_size, kv_dim)
+        self.v_proj = Linear(config.hidden_size, kv_dim)
+        self.o_proj = Linear(q_dim, config.hidden_size)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: KVAttention
@@ -169,9 +213,9 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -211,7 +255,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Decoder(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -1,0 +1,86 @@
+"""The model's :class:`~pagedkv.impl.serving.model.Linear`: the product of ``nn.Linear`` whether
+it runs on oneDNN's prepacked copy of the weight or falls back, and never a stale copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedkv.impl.serving import model
+from pagedkv.impl.serving.model import Linear
+
+
+def linear(rows: int, inputs: int, outputs: int, seed: int) -> tuple[Linear, torch.Tensor]:
+    """A seeded :class:`Linear` and an input of ``rows`` rows."""
+    generator = torch.Generator().manual_seed(seed)
+    layer = Linear(inputs, outputs)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(outputs, inputs, generator=generator) / inputs**0.5)
+    return layer, torch.randn(rows, inputs, generator=generator)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(1, 80), inputs=st.integers(1, 96), outputs=st.integers(1, 96),
+    seed=st.integers(0, 2**32 - 1),
+)  # fmt: skip
+def test_the_product_is_the_linear_one(rows: int, inputs: int, outputs: int, seed: int) -> None:
+    """Any number of rows (the copy is packed for ``PACK_ROWS``), any shape: ``x @ weight.T`` up
+    to fp32 rounding order, also through a leading batch dimension."""
+    layer, x = linear(rows, inputs, outputs, seed)
+    with torch.no_grad():
+        expected = torch.nn.functional.linear(x.double(), layer.weight.double()).float()
+        torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(layer(x[None])[0], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_changed_weight_is_packed_again() -> None:
+    """An in-place change (``copy_``, as the loaders write weights), a replaced ``.data`` and a
+    replaced parameter each show in the next product."""
+    layer, x = linear(32, 48, 40, 0)
+    with torch.no_grad():
+        layer(x)  # packs
+        for change in range(3):
+            new = torch.randn(40, 48) * (change + 1)
+            if change == 0:
+                layer.weight.copy_(new)
+            elif change == 1:
+                layer.weight.data = new
+            else:
+                layer.weight = torch.nn.Parameter(new)
+            expected = torch.nn.functional.linear(x.double(), new.double()).float()
+            torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_gradients_and_other_dtypes_take_the_plain_product() -> None:
+    """With gradients wanted the result is the plain ``nn.Linear`` one, and backward works; a
+    bf16 weight is multiplied by ``torch.nn.functional.linear`` too."""
+    layer, x = linear(8, 16, 12, 1)
+    x.requires_grad_(True)
+    out = layer(x)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight), rtol=0, atol=0)
+    out.sum().backward()
+    assert x.grad is not None and layer.weight.grad is not None
+    half = layer.to(torch.bfloat16)
+    with torch.no_grad():
+        y = x.detach().bfloat16()
+        torch.testing.assert_close(
+            half(y), torch.nn.functional.linear(y, half.weight), rtol=0, atol=0
+        )
+
+
+def test_onednn_is_what_runs_on_this_cpu() -> None:
+    """Where torch has oneDNN (every x86 and arm64 wheel), fp32 products go through the packed
+    copy: a change to the weight that its version counter does not see (through ``.data``,
+    which autograd does not track either) is not in the next product."""
+    if not model.ONEDNN_LINEAR:
+        pytest.skip("this torch has no oneDNN")
+    layer, x = linear(32, 24, 20, 2)
+    with torch.no_grad():
+        before = layer(x)
+        layer.weight.data.mul_(2)
+        torch.testing.assert_close(layer(x), before, rtol=0, atol=0)
+        layer.weight.mul_(1)  # a tracked change: packed again
+        torch.testing.assert_close(layer(x), 2 * before, rtol=1e-4, atol=1e-5)
