@@ -119,6 +119,22 @@ def private_uses(tree: ast.AST) -> list[tuple[int, str]]:
     return uses
 
 
+TORCH_PRIVATE_USES = {  # (path, use): why the package reaches into torch's private names there
+    ("impl/serving/model.py", "torch.ops.mkldnn._reorder_linear_weight"): (
+        "prepacks a projection's weight for oneDNN, as torch.compile's CPU linear and vLLM's "
+        "CPU engine do; torch has no public op for it"
+    ),
+    ("impl/serving/model.py", "torch.ops.mkldnn._linear_pointwise"): (
+        "multiplies by the prepacked weight, the op torch.compile emits for a CPU linear"
+    ),
+    ("impl/serving/model.py", "weight._version"): (
+        "the tensor's in-place version counter, which tells that the prepacked copy is stale"
+    ),
+}
+"""The only private names of another package the package uses, each with its reason. Every
+other private use is a violation, and each entry here must still be used."""
+
+
 def check_tree(root: Path) -> list[Violation]:
     """Every way the package under ``root`` breaks the layer contract or the private-name rule."""
     violations: list[Violation] = []
@@ -138,13 +154,22 @@ def check_tree(root: Path) -> list[Violation]:
                 elif target is None and top not in stdlib | ALLOWED_THIRD_PARTY[layer]:
                     violations.append(Violation(where, line, f"{layer} imports {top}"))
             violations.extend(
-                Violation(where, line, f"uses private {use}") for line, use in private_uses(tree)
+                Violation(where, line, f"uses private {use}")
+                for line, use in private_uses(tree)
+                if (where, use) not in TORCH_PRIVATE_USES
             )
     return violations
 
 
 def test_the_package_keeps_its_layers_and_privates() -> None:
     assert check_tree(ROOT) == []
+
+
+def test_each_allowed_torch_private_use_is_still_made() -> None:
+    """No stale entry: each allowed use appears in its file."""
+    for path, use in TORCH_PRIVATE_USES:
+        tree = ast.parse((ROOT / path).read_text(), filename=path)
+        assert use in {found for _, found in private_uses(tree)}, (path, use)
 
 
 def test_every_package_module_is_in_a_checked_layer() -> None:
