@@ -75,6 +75,7 @@ BLOCK_MANAGEMENT_TESTS = (
     "properties/test_prefix_cache_spec.py",
     "properties/test_spec_examples.py",
     "properties/test_spec_machine.py",
+    "properties/test_store_hash_work.py",
     "properties/test_store_preemption.py",
     "properties/test_trusted_api.py",
     "properties/test_utilization_and_demo.py",

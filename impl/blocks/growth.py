@@ -97,9 +97,10 @@ def growth_of(
     lengths = tables.num_blocks.take(rows)
     new_counts = counts + step
     needed = (new_counts + (bs - 1)) // bs
-    if needed.max() > width:
-        over = [s for s, n in zip(seq_ids, needed.tolist(), strict=True) if n > width]
-        raise CapacityError(f"sequences {over} would need more than {width} blocks")
+    over = needed > width
+    if over.any():
+        ids = [seq_ids[i] for i in over.nonzero()[0].tolist()]
+        raise CapacityError(f"sequences {ids} would need more than {width} blocks")
     if isinstance(step, int) and step == 0:
         return None
     # A live table holds exactly ceil(count / block_size) blocks, so the only present block
@@ -161,8 +162,9 @@ def plan(g: Growth, free: int, preempt: bool, tables: BlockTables, pool: BlockPo
             removed.append(victim)
             _record(steps, False, victim)
             held = tables.held(int(g.rows[victim])).astype(np.intp)
-            for block, count in zip(held.tolist(), pool.refs_of(held).tolist(), strict=True):
-                left = refs.get(block, count) - 1
+            held_refs = pool.refs_of(held).tolist()
+            for index, block in enumerate(held.tolist()):
+                left = refs.get(block, held_refs[index]) - 1
                 refs[block] = left
                 free += left == 0
         if tail < i:  # it was itself removed

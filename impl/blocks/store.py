@@ -42,7 +42,6 @@ from pagedkv.impl.blocks.tables import BlockTables, CapacityError
 from pagedkv.spec.checks import (
     INT32_MAX,
     check_int,
-    check_window,
     int32_window,
 )
 
@@ -332,7 +331,7 @@ class BlockTableStore:
         step = (
             None if token_counts is None else check_counts("token_counts", token_counts, rows.size)
         )
-        check_window(window)
+        width = int32_window(window)  # the checked window; None: wider than any count
         lengths = self._rows.num_blocks.take(rows)
         if step is None:
             counts = self._rows.token_counts.take(rows).astype(np.int64)
@@ -342,7 +341,7 @@ class BlockTableStore:
             if over.any():
                 ids = np.array(batch.seq_ids)[over].tolist()
                 raise ValueError(f"token_counts exceed the table capacity of sequences {ids}")
-        if int32_window(window) is None:
+        if width is None:
             return  # wider than any count the store holds: releases nothing, as in the spec
         # The spec's blocks_outside_window(count, window, block_size), for the whole batch.
         outside = np.maximum(counts - (window - 1), 0) // self.block_size
@@ -374,8 +373,7 @@ class BlockTableStore:
         if decided is None:
             return []
         g, decided = decided
-        ok = decided.grown.tolist()
-        failed = [seq_id for seq_id, grew in zip(batch.seq_ids, ok, strict=True) if not grew]
+        failed = [batch.seq_ids[i] for i in (~decided.grown).nonzero()[0].tolist()]
         if atomic and failed:
             return failed
         self._carry_out(batch, g, decided)

@@ -1,0 +1,102 @@
+"""The store hashes each full block once while a sequence's tokens keep extending.
+
+``BlockTableStore.cache_blocks`` registers a sequence's full blocks incrementally
+(:mod:`pagedkv.impl.blocks.block_hashes`): the keys made when the prompt was admitted, and
+those of every later call whose tokens extend the previous call's, are kept, so only the
+blocks filled since are hashed. A forked child starts with its parent's keys. The hash
+function is the user's (``hash_fn``), so how often it runs is part of the contract: counted
+here against a model that knows only the token counts, on both ways in (``add_prompt`` and
+``admit``), through decode growth, forks and truncation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pagedkv.impl.blocks.manager import BlockManager
+from pagedkv.impl.blocks.prefix_cache import (
+    BlockKey,
+    PrefixCachingBlockManager,
+    default_block_hash,
+)
+from pagedkv.impl.blocks.store import BlockTableStore
+
+BLOCK_SIZE = 4
+
+
+class CountingHash:
+    """``default_block_hash``, counting its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, parent: BlockKey | None, tokens: tuple[int, ...], extra: Hashable) -> int:
+        self.calls += 1
+        return default_block_hash(parent, tokens, extra)
+
+
+def make_store() -> tuple[BlockTableStore, CountingHash]:
+    counting = CountingHash()
+    manager = PrefixCachingBlockManager(512, BLOCK_SIZE, hash_fn=counting)
+    return BlockTableStore(manager, 8, 64), counting
+
+
+def test_the_store_reports_whether_it_caches_prefixes() -> None:
+    assert make_store()[0].prefix_caching
+    assert not BlockTableStore(BlockManager(16, BLOCK_SIZE), 2, 4).prefix_caching
+
+
+@given(
+    prompt_len=st.integers(1, 40),
+    growth=st.lists(st.integers(1, 9), max_size=6),
+    via_admit=st.booleans(),
+)
+def test_each_full_block_is_hashed_once(
+    prompt_len: int, growth: list[int], via_admit: bool
+) -> None:
+    """Admitting a prompt hashes its full blocks; caching it and every longer token list
+    after it hashes only the blocks filled since."""
+    store, counting = make_store()
+    tokens = list(range(100, 100 + prompt_len))
+    if via_admit:
+        assert store.admit(0, tokens) is not None
+    else:
+        store.add_prompt(0, tokens)
+    assert counting.calls == prompt_len // BLOCK_SIZE
+    store.cache_blocks(0, tokens)
+    for step in growth:
+        store.grow([0], step)
+        tokens += range(len(tokens), len(tokens) + step)
+        store.cache_blocks(0, tokens)
+    assert counting.calls == len(tokens) // BLOCK_SIZE
+
+
+@given(
+    prompt_len=st.integers(1, 40),
+    child_growth=st.integers(0, 9),
+    cut=st.integers(0, 40),
+)
+def test_a_forked_child_keeps_its_parents_keys(
+    prompt_len: int, child_growth: int, cut: int
+) -> None:
+    """A child caching its parent's tokens hashes nothing; its own tokens past them hash
+    only their blocks. After a truncate, the blocks it kept whole are not hashed again."""
+    store, counting = make_store()
+    tokens = list(range(100, 100 + prompt_len))
+    store.add_prompt(0, tokens)
+    store.cache_blocks(0, tokens)
+    store.fork(0, 1)
+    store.cache_blocks(1, tokens)
+    assert counting.calls == prompt_len // BLOCK_SIZE
+    store.grow([1], child_growth)
+    child = tokens + [7] * child_growth  # the child's own tokens after the shared ones
+    store.cache_blocks(1, child)
+    hashed = counting.calls
+    assert hashed == len(child) // BLOCK_SIZE
+    kept = min(cut, len(child))
+    store.truncate([1], kept)
+    store.cache_blocks(1, child[:kept])
+    assert counting.calls == hashed
