@@ -100,3 +100,23 @@ def test_a_forked_child_keeps_its_parents_keys(
     store.truncate([1], kept)
     store.cache_blocks(1, child[:kept])
     assert counting.calls == hashed
+
+
+@given(prompt_len=st.integers(1, 40), retry_id=st.sampled_from([0, 5]), refusals=st.integers(1, 3))
+def test_a_refused_prompt_is_not_hashed_again(
+    prompt_len: int, retry_id: int, refusals: int
+) -> None:
+    """``admit`` keeps a refused prompt's keys: retrying it (as the same sequence or another)
+    hashes nothing more, and neither does caching it once admitted. Another prompt is hashed
+    in full."""
+    store, counting = make_store()
+    tokens = list(range(100, 100 + prompt_len))
+    for _ in range(refusals):
+        assert store.admit(0, tokens, headroom=10_000) is None
+    assert counting.calls == prompt_len // BLOCK_SIZE
+    assert store.admit(retry_id, tokens) is not None
+    store.cache_blocks(retry_id, tokens)
+    assert counting.calls == prompt_len // BLOCK_SIZE
+    other = [t + 1 for t in tokens]
+    assert store.admit(9, other, headroom=10_000) is None
+    assert counting.calls == 2 * (prompt_len // BLOCK_SIZE)

@@ -80,11 +80,11 @@ class Admission:
                 return None
             self._place(seq_id, self.pool.take(needed), len(token_ids))
             return 0
-        known = self.hashes.keys_if_refused(seq_id, token_ids, extra_key)
+        known = self.hashes.keys_if_refused(token_ids, extra_key)
         plan = self.prefix.plan_prompt(token_ids, extra_key, known)
         self._check_fits(plan.num_blocks, seq_id)
         if not self.tables.free_rows or free - plan.needed < headroom:
-            self.hashes.refuse(seq_id, token_ids, extra_key, plan.keys)
+            self.hashes.refuse(token_ids, extra_key, plan.keys)
             return None
         return self._add_planned(seq_id, token_ids, extra_key, plan)
 

@@ -5,14 +5,15 @@ sequence's full blocks incrementally: a ``cache_blocks`` call whose tokens exten
 call's (one list comparison) hashes only the blocks filled since, and registers only those plus
 any earlier block left uncached because its content was cached in another block. Any other call
 starts over, exactly as the spec walks every block. A prompt that ``admit`` refused keeps its
-keys for the next call with the same sequence id, equal tokens and the same extra key (a waiting
-request retried every step), which then skips hashing.
+keys for the next call with equal tokens and the same extra key (a waiting request retried
+every step), which then skips hashing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -54,11 +55,10 @@ class SeqKeys:
         return SeqKeys(self.extra, list(self.keys), self.done, list(self.retry), list(self.tokens))
 
 
-@dataclass(frozen=True, slots=True)
-class RefusedPrompt:
-    """The last prompt ``admit`` refused: its sequence id, tokens, extra key and block keys."""
+class RefusedPrompt(NamedTuple):
+    """The last prompt ``admit`` refused: its tokens, extra key and block keys (which depend
+    on nothing else, so any sequence admitting the same prompt can reuse them)."""
 
-    seq_id: int
     tokens: list[int]
     extra: Hashable
     keys: tuple[BlockKey, ...]
@@ -73,24 +73,21 @@ class BlockHashes:
         self.refused: RefusedPrompt | None = None
 
     def keys_if_refused(
-        self, seq_id: int, token_ids: Sequence[int], extra: Hashable
+        self, token_ids: Sequence[int], extra: Hashable
     ) -> tuple[BlockKey, ...] | None:
-        """The refused prompt's keys, if ``(seq_id, token_ids, extra)`` is that prompt."""
+        """The refused prompt's keys, if ``(token_ids, extra)`` is that prompt."""
         refused = self.refused
         if (
             refused is not None
-            and refused.seq_id == seq_id
             and refused.extra is extra
             and list(token_ids) == refused.tokens  # one C-level compare
         ):
             return refused.keys
         return None
 
-    def refuse(
-        self, seq_id: int, token_ids: Sequence[int], extra: Hashable, keys: tuple[BlockKey, ...]
-    ) -> None:
+    def refuse(self, token_ids: Sequence[int], extra: Hashable, keys: tuple[BlockKey, ...]) -> None:
         """Remember a refused prompt's keys (forgetting the previous one's)."""
-        self.refused = RefusedPrompt(seq_id, list(token_ids), extra, keys)
+        self.refused = RefusedPrompt(list(token_ids), extra, keys)
 
     def admit(
         self, seq_id: int, token_ids: Sequence[int], extra: Hashable, keys: tuple[BlockKey, ...]
@@ -111,7 +108,7 @@ class BlockHashes:
     def cut(self, seq_id: int, count: int) -> None:
         """A truncate to ``count`` tokens: keep the keys of the blocks it kept whole."""
         state = self.by_seq.get(seq_id)
-        if state is not None and len(state.tokens) > count:
+        if state is not None:  # a cut at or past the keyed tokens keeps them all
             state.cut(count // self.block_size, self.block_size)
 
     def state_for(self, seq_id: int, token_ids: Sequence[int], extra: Hashable) -> SeqKeys:

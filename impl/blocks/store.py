@@ -234,10 +234,10 @@ class BlockTableStore:
         """``add_prompt(seq_id, token_ids, extra_key)`` if it leaves at least ``headroom``
         blocks free and a row is free; otherwise None, changing nothing. Plans the prompt once.
 
-        A refused prompt's block keys are kept for the next call with the same ``seq_id``,
-        equal tokens and the same ``extra_key`` (a waiting request retried every step), which
-        then skips hashing. Raises what ``add_prompt`` raises for bad arguments
-        (``CapacityError`` only for a prompt longer than a table).
+        A refused prompt's block keys are kept for the next call with equal tokens and the
+        same ``extra_key`` (a waiting request retried every step), which then skips hashing.
+        Raises what ``add_prompt`` raises for bad arguments (``CapacityError`` only for a
+        prompt longer than a table).
         """
         return self._admission.admit(seq_id, token_ids, headroom, extra_key)
 
