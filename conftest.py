@@ -6,11 +6,21 @@
 * ``deep``: a long hunt, at least 2000 examples of up to 200 steps.
 
 Pick one explicitly with ``pytest --hypothesis-profile=NAME``.
+
+Triton's mode is chosen here, before any test runs, by the rule ``pagedkv.kernels`` applies
+when it first needs triton (the interpreter when ``TRITON_INTERPRET`` is unset and CUDA is
+absent): Triton decides once, when it is imported, and ``torch._dynamo`` imports it (a test
+that reaches it before the first triton-backend call would otherwise fix the compiled mode for
+the rest of its process). Tests of the rule itself run it in fresh processes.
 """
 
 import os
 
+import torch
 from hypothesis import HealthCheck, settings
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 settings.register_profile(
     "dev",

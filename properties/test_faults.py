@@ -733,9 +733,11 @@ def drain(engine: Any) -> list[Any]:
 
 
 def test_a_failed_rollback_and_undo_of_drafts_emit_no_unverified_token() -> None:
-    """Finding 1: ``store.truncate`` raises in a speculative step's rollback and again in the
-    undo of its drafts. The drafts (all wrong) used to stay in the tokens and come out; now
-    the output is greedy decoding's and every block comes back."""
+    """Finding 1: ``store.truncate`` raises on its 2nd and 3rd calls. At 5263599 those were a
+    speculative step's rollback and the undo of its drafts, and the drafts (all wrong) stayed
+    in the tokens and came out. Now the undo is ``store.undo_growth``, which cannot fail, so
+    the 3rd call is a later step's rollback; either way the output is greedy decoding's and
+    every block comes back."""
     engine = pagedkv.impl.serving.engine.PagedAttentionEngine(
         MODEL, 16, 4, max_num_seqs=4, max_model_len=64, draft_source=wrong_drafts,
         num_speculative_tokens=3,

@@ -84,3 +84,16 @@ def test_onednn_is_what_runs_on_this_cpu() -> None:
         torch.testing.assert_close(layer(x), before, rtol=0, atol=0)
         layer.weight.mul_(1)  # a tracked change: packed again
         torch.testing.assert_close(layer(x), 2 * before, rtol=1e-4, atol=1e-5)
+
+
+def test_a_layer_built_under_inference_mode_multiplies() -> None:
+    """A layer made and called under ``torch.inference_mode`` (whose tensors have no version
+    counter) gives the plain product, and a replaced parameter still shows."""
+    with torch.inference_mode():
+        layer, x = linear(32, 24, 20, 3)
+        expected = torch.nn.functional.linear(x.double(), layer.weight.double()).float()
+        torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-5)
+        new = torch.randn(20, 24)
+        layer.weight = torch.nn.Parameter(new, requires_grad=False)
+        expected = torch.nn.functional.linear(x.double(), new.double()).float()
+        torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-5)

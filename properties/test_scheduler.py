@@ -408,6 +408,8 @@ def test_update_checks_the_sampled_tokens_before_changing_anything() -> None:
         (np.array([5.0, 6.0]), TypeError),
         (np.array([[5, 6]]), TypeError),
         (np.array([5, -6]), ValueError),
+        ([5, 2**63], ValueError),  # past int64, the step arrays' type
+        (np.array([5, 2**64 - 1], dtype=np.uint64), ValueError),  # not -1 (no EOS) in int64
     ],
 )
 def test_update_refuses_bad_sampled_tokens_and_changes_nothing(bad: object, error: type) -> None:
@@ -422,3 +424,20 @@ def test_update_refuses_bad_sampled_tokens_and_changes_nothing(bad: object, erro
     assert (first.tokens, second.tokens) == ([1, 2], [3, 4])
     scheduler.update(out, [5, 6])
     assert (first.tokens, second.tokens) == ([1, 2, 5], [3, 4, 6])
+
+
+def test_a_request_keeps_plain_ints_and_refuses_an_eos_past_int64() -> None:
+    """The prompt is kept as the plain ints ``check_tokens`` returns (an int subclass is taken
+    as its value at the door), and an EOS id past int64 is refused, changing nothing."""
+
+    class Token(int):
+        pass
+
+    scheduler = Case(1, 8, SchedulerConfig(2, 8, 0), False, ()).scheduler()
+    seq = scheduler.add_request(0, [Token(1), Token(2)], max_new_tokens=3, eos_token_id=Token(9))
+    assert [type(t) for t in seq.tokens] == [int, int] and type(seq.eos_token_id) is int
+    with pytest.raises(ValueError, match="eos_token_id"):
+        scheduler.add_request(1, [1, 2], max_new_tokens=3, eos_token_id=2**63)
+    assert [s.request_id for s in scheduler.waiting] == [0]
+    out = scheduler.schedule()
+    assert out.seq_ids.dtype == np.int64

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -32,10 +33,16 @@ class CountingHash:
 
     def __init__(self) -> None:
         self.calls = 0
+        self.token_types: set[type] = set()
 
     def __call__(self, parent: BlockKey | None, tokens: tuple[int, ...], extra: Hashable) -> int:
         self.calls += 1
+        self.token_types.update(map(type, tokens))
         return default_block_hash(parent, tokens, extra)
+
+
+class Token(int):
+    """An int subclass: taken at the door as the plain int it equals."""
 
 
 def make_store() -> tuple[BlockTableStore, CountingHash]:
@@ -50,7 +57,7 @@ def test_the_store_reports_whether_it_caches_prefixes() -> None:
 
 
 @given(
-    prompt_len=st.integers(1, 40),
+    prompt_len=st.integers(BLOCK_SIZE, 40),
     growth=st.lists(st.integers(1, 9), max_size=6),
     via_admit=st.booleans(),
 )
@@ -75,7 +82,7 @@ def test_each_full_block_is_hashed_once(
 
 
 @given(
-    prompt_len=st.integers(1, 40),
+    prompt_len=st.integers(BLOCK_SIZE, 40),
     child_growth=st.integers(0, 9),
     cut=st.integers(0, 40),
 )
@@ -102,7 +109,11 @@ def test_a_forked_child_keeps_its_parents_keys(
     assert counting.calls == hashed
 
 
-@given(prompt_len=st.integers(1, 40), retry_id=st.sampled_from([0, 5]), refusals=st.integers(1, 3))
+@given(
+    prompt_len=st.integers(BLOCK_SIZE, 40),
+    retry_id=st.sampled_from([0, 5]),
+    refusals=st.integers(1, 3),
+)
 def test_a_refused_prompt_is_not_hashed_again(
     prompt_len: int, retry_id: int, refusals: int
 ) -> None:
@@ -110,13 +121,47 @@ def test_a_refused_prompt_is_not_hashed_again(
     hashes nothing more, and neither does caching it once admitted. Another prompt is hashed
     in full."""
     store, counting = make_store()
-    tokens = list(range(100, 100 + prompt_len))
+    twin, _ = make_store()  # the same calls without the refusals: the plan to match
+    cached = list(range(100, 100 + BLOCK_SIZE))  # a block both find cached
+    for each in (store, twin):
+        each.add_prompt(7, [*cached, 1])
+        each.cache_blocks(7, [*cached, 1])
+        each.remove([7])
+    counting.calls = 0
+    tokens = cached + list(range(200, 200 + prompt_len))
     for _ in range(refusals):
         assert store.admit(0, tokens, headroom=10_000) is None
-    assert counting.calls == prompt_len // BLOCK_SIZE
-    assert store.admit(retry_id, tokens) is not None
+    assert counting.calls == len(tokens) // BLOCK_SIZE
+    assert store.admit(retry_id, tokens) == twin.admit(retry_id, tokens) == BLOCK_SIZE
+    assert store.table(retry_id) == twin.table(retry_id)
     store.cache_blocks(retry_id, tokens)
-    assert counting.calls == prompt_len // BLOCK_SIZE
+    assert counting.calls == len(tokens) // BLOCK_SIZE
     other = [t + 1 for t in tokens]
     assert store.admit(9, other, headroom=10_000) is None
-    assert counting.calls == 2 * (prompt_len // BLOCK_SIZE)
+    assert counting.calls == 2 * (len(tokens) // BLOCK_SIZE)
+
+
+@given(prompt_len=st.integers(BLOCK_SIZE, 20), growth=st.integers(BLOCK_SIZE, 12))
+def test_the_hash_sees_plain_ints_only(prompt_len: int, growth: int) -> None:
+    """Tokens given as an int subclass reach ``hash_fn`` (and the keys it makes) as plain
+    ints: at admission, and in ``cache_blocks`` after the sequence grows."""
+    store, counting = make_store()
+    tokens = [Token(t) for t in range(100, 100 + prompt_len)]
+    store.add_prompt(0, tokens)
+    store.cache_blocks(0, tokens)
+    store.grow([0], growth)
+    tokens += [Token(t) for t in range(growth)]
+    store.cache_blocks(0, tokens)
+    assert counting.calls == len(tokens) // BLOCK_SIZE
+    assert counting.token_types == {int}
+
+
+def test_after_a_refusal_a_bad_prompt_gets_the_token_error() -> None:
+    """The refused-prompt memo never reads a prompt that is not a list or tuple: ``admit``
+    answers it with ``check_tokens``' ``TypeError`` naming ``token_ids``, changing nothing."""
+    store, _ = make_store()
+    assert store.admit(0, list(range(8)), headroom=10_000) is None
+    free = store.num_free_blocks
+    with pytest.raises(TypeError, match="token_ids must be a list of ints"):
+        store.admit(0, 5)  # type: ignore[arg-type]
+    assert store.num_free_blocks == free and 0 not in store

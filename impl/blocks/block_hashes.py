@@ -80,6 +80,7 @@ class BlockHashes:
         if (
             refused is not None
             and refused.extra is extra
+            and isinstance(token_ids, (list, tuple))  # else plan_prompt's TypeError
             and list(token_ids) == refused.tokens  # one C-level compare
         ):
             return refused.keys
@@ -135,7 +136,10 @@ class BlockHashes:
         if not isinstance(token_ids, (list, tuple)):
             check_tokens(token_ids)  # the TypeError
         state = self.state_for(seq_id, token_ids, extra)
-        check_tokens(token_ids[len(state.tokens) :])  # the keyed tokens were checked before
+        tail = token_ids[len(state.tokens) :]  # the keyed tokens were checked before
+        checked = check_tokens(tail)
+        if checked is not tail:  # int subclasses in it: from here on, the plain ints
+            token_ids = [*state.tokens, *checked]
         if len(token_ids) > count:
             raise ValueError(f"{len(token_ids)} tokens, but sequence {seq_id} holds {count}")
         if prefix is None:

@@ -120,8 +120,9 @@ class Linear(nn.Linear):
     linear) on a copy of the weight prepacked for :data:`PACK_ROWS` rows. The copy is made on
     the first such call and again whenever the weight is replaced or changed in place (its
     storage or version counter moves; a write through ``.data``, which autograd does not track,
-    is not seen); it doubles the layer's memory. Everywhere else (other
-    dtypes or devices, gradients wanted, a torch without oneDNN) it is
+    is not seen, and neither is an in-place write to a weight made under
+    ``torch.inference_mode``, which has no version counter); it doubles the layer's memory.
+    Everywhere else (other dtypes or devices, gradients wanted, a torch without oneDNN) it is
     ``torch.nn.functional.linear``."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
@@ -138,7 +139,8 @@ class Linear(nn.Linear):
             or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
         ):
             return nn.functional.linear(x, weight)
-        source = (weight.data_ptr(), weight._version)
+        # An inference tensor (made under torch.inference_mode) has no version counter.
+        source = (weight.data_ptr(), 0 if weight.is_inference() else weight._version)
         if self._packed is None or source != self._packed_of:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
             self._packed_of = source

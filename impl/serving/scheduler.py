@@ -155,6 +155,7 @@ _TOKENS = attrgetter("tokens")
 # The columns of ``Scheduler._rows``: one int64 row per running sequence, in running order.
 _ID, _LENGTH, _COMPUTED, _MAX_LEN, _EOS, _SAMPLES = range(6)
 _NO_EOS = -1  # the _EOS column of a sequence without an EOS token: no token equals it
+_INT64_MAX = 2**63 - 1  # the largest token the step arrays hold (sampled tokens, EOS ids)
 
 
 def _row(seq: Sequence) -> list[int]:
@@ -168,17 +169,19 @@ def _row(seq: Sequence) -> list[int]:
 
 def _check_sampled(sampled: object, expected: int) -> tuple[abc.Sequence[int], NDArray[np.int64]]:
     """Rule: a step's sampled tokens are a list or tuple of non-negative ints, or a 1-D integer
-    array of them, ``expected`` long (``TypeError``/``ValueError`` otherwise). Returns them as
-    a list or tuple of ints and as an int64 array."""
+    array of them, ``expected`` long, each at most int64's largest (``TypeError``/``ValueError``
+    otherwise). Returns them as a list or tuple of ints and as an int64 array."""
     if isinstance(sampled, np.ndarray):
         if sampled.ndim != 1 or sampled.dtype.kind not in "iu":
             raise TypeError(f"sampled tokens must be a 1-D integer array, got {sampled.dtype}")
         if sampled.size and sampled.min() < 0:
             check_tokens(sampled.tolist())  # the ValueError naming the token
-        tokens, array = sampled.tolist(), sampled.astype(np.int64)
+        tokens = sampled.tolist()
     else:
         tokens = check_tokens(sampled)
-        array = np.array(tokens, dtype=np.int64)
+    if tokens and max(tokens) > _INT64_MAX:
+        raise ValueError(f"sampled token {max(tokens)} exceeds int64's largest, {_INT64_MAX}")
+    array = np.array(tokens, dtype=np.int64)
     if len(tokens) != expected:
         raise ValueError(f"the step samples {expected} tokens, got {len(tokens)}")
     return tokens, array
@@ -309,9 +312,12 @@ class Scheduler:
         check_int("max_new_tokens", max_new_tokens, 1)
         check_int("n", n, 1)
         if eos_token_id is not None:
-            check_int("eos_token_id", eos_token_id, 0)
+            eos_token_id = check_int("eos_token_id", eos_token_id, 0)
+            if eos_token_id > _INT64_MAX:
+                raise ValueError(f"eos_token_id={eos_token_id} exceeds int64's largest")
         cache_salt = check_cache_salt(cache_salt)
-        if not check_tokens(prompt):
+        prompt = check_tokens(prompt)  # plain ints: an int subclass is taken as its value
+        if not prompt:
             raise ValueError("the prompt must hold at least one token")
         max_len = len(prompt) + max_new_tokens - 1
         needed = blocks_needed(max_len, self.store.block_size)
