@@ -336,15 +336,16 @@ PLANTED = {
     ),
     "a refused prompt's keys are reused for another prompt": (
         pagedkv.impl.blocks.block_hashes,
-        "refused is not None and refused.seq_id == seq_id and refused.extra is extra "
-        "and list(token_ids) == refused.tokens",
-        "refused is not None and refused.seq_id == seq_id and refused.extra is extra",
+        "refused is not None and refused.extra is extra "
+        "and isinstance(token_ids, (list, tuple)) and list(token_ids) == refused.tokens",
+        "refused is not None and refused.extra is extra and isinstance(token_ids, (list, tuple))",
     ),
     "a refused prompt's keys are reused under another salt": (
         pagedkv.impl.blocks.block_hashes,
-        "refused is not None and refused.seq_id == seq_id and refused.extra is extra "
-        "and list(token_ids) == refused.tokens",
-        "refused is not None and refused.seq_id == seq_id and list(token_ids) == refused.tokens",
+        "refused is not None and refused.extra is extra "
+        "and isinstance(token_ids, (list, tuple)) and list(token_ids) == refused.tokens",
+        "refused is not None "
+        "and isinstance(token_ids, (list, tuple)) and list(token_ids) == refused.tokens",
     ),
     "admit ignores the salt": (
         pagedkv.impl.blocks.admission,

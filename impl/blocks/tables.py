@@ -9,7 +9,8 @@
 * ``num_blocks``, ``num_released``, ``token_counts`` (``int32[S]``): a live row's table is
   exactly ``ceil(token_counts[r] / block_size)`` entries long, of which
   ``num_blocks[r] - num_released[r]`` hold a block;
-* the free rows, lowest first;
+* the free rows, as a stack (the row released last is filled first; row 0 first when none
+  was released);
 * ``tail_shared`` (``bool[S]``): rows whose partly filled last block a fork shared, or a
   truncate or window cut into: the only ways a write can reach a block with other owners or a
   key (prefix-cache hits are full blocks, and never a table's last one). Conservative: a flag
@@ -50,7 +51,7 @@ class BlockTables:
         self.num_blocks = np.zeros(max_seqs, dtype=np.int32)
         self.num_released = np.zeros(max_seqs, dtype=np.int32)  # leading PAD entries per row
         self.token_counts = np.zeros(max_seqs, dtype=np.int32)
-        self.free_rows = list(range(max_seqs - 1, -1, -1))  # pop() yields the lowest row
+        self.free_rows = list(range(max_seqs - 1, -1, -1))  # pop() yields row 0 first
         self.tail_shared = np.zeros(max_seqs, dtype=np.bool_)
 
     @property
@@ -63,7 +64,7 @@ class BlockTables:
         return self.tables[row, self.num_released[row] : self.num_blocks[row]]
 
     def place(self, blocks: IdArray, token_count: int) -> int:
-        """Fill the lowest free row with ``blocks`` and ``token_count`` tokens; return it."""
+        """Fill the next free row with ``blocks`` and ``token_count`` tokens; return it."""
         row = self.free_rows.pop()
         self.tables[row, : blocks.size] = blocks
         self.num_blocks[row] = blocks.size
@@ -71,7 +72,7 @@ class BlockTables:
         return row
 
     def copy_row(self, parent: int) -> int:
-        """Fill the lowest free row with a copy of row ``parent`` (released entries as
+        """Fill the next free row with a copy of row ``parent`` (released entries as
         ``PAD``); return it. The caller gives its held blocks their new owner."""
         row = self.free_rows.pop()
         length = self.num_blocks[parent]
