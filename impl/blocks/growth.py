@@ -5,8 +5,8 @@
 grow first removes the batch's last remaining sequence, until it fits or was itself removed.
 :func:`growth_of` reads what each sequence needs (changing nothing), :func:`plan` decides, on
 counts alone, who grows, who copies its shared last block on write and who is removed, and
-:func:`apply` carries the plan out in the spec's order. :func:`grow_decode` is the decode step
-when no written block can be shared.
+:func:`carry_out` carries the plan out in the spec's order (:func:`apply_growth` grows).
+:func:`grow_decode` is the decode step when no written block can be shared.
 
 Two shortcuts decide common cases with a fixed number of numpy calls, each exact, and each kept
 because the trace benchmark's store step was more than 10% slower without it (docs/design.md §9
@@ -214,18 +214,14 @@ def carry_out(
     remove: Callable[[list[int]], None],
 ) -> None:
     """Apply a plan in the spec's order; ``remove`` removes the sequences at the given batch
-    indices, in order. Without a copy on write, takes from the free queue's head and frees to
-    its tail commute: every removal first, then one growth."""
+    indices, in order."""
     if not decided.victims:
         everyone = bool(decided.grown.all())
         keep = None if everyone else decided.grown.nonzero()[0]
         copies = decided.copies if keep is None else decided.copies[keep]
         apply_growth(tables, pool, prefix, g, keep, copies)
         return
-    steps = decided.steps
-    if not decided.copies.any():
-        steps = [(False, decided.victims), (True, decided.grown.nonzero()[0].tolist())]
-    for grows, indices in steps:
+    for grows, indices in decided.steps:
         if grows:
             chosen = np.array(indices, dtype=np.intp)
             apply_growth(tables, pool, prefix, g, chosen, decided.copies[chosen])
@@ -259,8 +255,11 @@ def apply_growth(
     num_fresh = growth + shared
     total = int(num_fresh.sum())
     keyed = _keyed_in_place(tables, prefix, rows, last, writes_last & ~shared)
+    if prefix is None or keyed is None:
+        fresh = pool.take(total)
+    else:
+        fresh = _take_in_spec_order(pool, prefix, num_fresh, last, keyed)
     if total:
-        fresh = _take_fresh(pool, prefix, num_fresh, total, last, keyed)
         flat = tables.flat
         # total counts the copies too, so this is: no copy, and at most one block each.
         if total == np.count_nonzero(growth):
@@ -278,8 +277,6 @@ def apply_growth(
             flat[base[owner] + lengths[owner] + within] = fresh[
                 (first_fresh + shared)[owner] + within
             ]
-    elif keyed is not None:
-        _take_fresh(pool, prefix, num_fresh, 0, last, keyed)
     tables.num_blocks[rows] = needed
     tables.token_counts[rows] = new_counts
     # A write copied or filled the last block, or passed it.
@@ -303,20 +300,17 @@ def _keyed_in_place(
     return candidates & np.isin(last, list(cached)) if cached else None
 
 
-def _take_fresh(
+def _take_in_spec_order(
     pool: BlockPool,
-    prefix: PrefixCachingBlockManager | None,
+    prefix: PrefixCachingBlockManager,
     num_fresh: NDArray[np.int64],
-    total: int,
     last: NDArray[np.int32],
-    keyed: NDArray[np.bool_] | None,
+    keyed: NDArray[np.bool_],
 ) -> IdArray:
-    """``pool.take(total)`` for the sequences' fresh blocks, in batch order. With ``keyed``
-    (see :func:`_keyed_in_place`), the spec's order instead: per sequence, its fresh blocks,
-    then its written block's key removal (a cached block is never written in place). The
-    removals happen even when ``total`` is 0."""
-    if keyed is None or prefix is None:
-        return pool.take(total)
+    """The sequences' fresh blocks (``num_fresh`` each), in batch order, taken in the spec's
+    order when some written last block is cached (``keyed``, see :func:`_keyed_in_place`):
+    per sequence, its fresh blocks, then its written block's key removal (a cached block is
+    never written in place). The removals happen even when no block is taken."""
     parts = []
     for index, count in enumerate(num_fresh.tolist()):
         parts.append(pool.take(count))
@@ -330,7 +324,7 @@ def grow_decode(tables: BlockTables, pool: BlockPool, rows: Rows, base: Rows) ->
     can be shared (no row is flagged ``tail_shared``). Only sequences at a block boundary
     touch the pool. Returns False, changing nothing, when :func:`plan` must decide (a flagged
     row, more sequences at a boundary than free blocks, a table at full width)."""
-    if rows.size == 0 or tables.tail_shared.take(rows).any():
+    if tables.tail_shared.take(rows).any():
         return False
     counts = tables.token_counts.take(rows)
     boundary = (counts % tables.block_size == 0).nonzero()[0]  # a new block each
