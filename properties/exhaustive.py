@@ -39,7 +39,7 @@ import pagedkv.spec.block_manager as spec_manager
 import pagedkv.spec.prefix_cache as spec_prefix
 from pagedkv.spec import BlockTableError
 from properties.block_model import BlockModel, Outcome, observe
-from properties.prefix_cache_machine import colliding_hash, content_of
+from properties.machines.prefix_cache import colliding_hash, content_of
 from properties.prefix_model import PrefixCacheModel
 
 Operation = tuple[Any, ...]

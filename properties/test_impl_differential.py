@@ -1,12 +1,12 @@
 """``impl.BlockManager`` against ``spec.BlockManager``, in lockstep: the differential machine of
 ``properties.machines.differential``, and the spec's own model-based machine
-(``properties.block_manager_machine``) run on ``impl``.
+(``properties.machines.block_manager``) run on ``impl``.
 """
 
 from __future__ import annotations
 
 from pagedkv.impl.blocks.manager import BlockManager as ImplBlockManager
-from properties.block_manager_machine import block_manager_machine
+from properties.machines.block_manager import block_manager_machine
 from properties.machines.differential import DifferentialMachine
 
 TestImplDifferential = DifferentialMachine.TestCase

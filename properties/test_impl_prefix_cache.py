@@ -1,6 +1,6 @@
 """``impl``'s prefix cache against ``spec.prefix_cache``: model, lockstep, store and scenarios.
 
-* The spec's own prefix-cache machine (``properties.prefix_cache_machine``: simulated KV data,
+* The spec's own prefix-cache machine (``properties.machines.prefix_cache``: simulated KV data,
   queue order, bijection, a hit never returns other tokens) runs on the impl class.
 * The machines of ``properties.machines.prefix``: spec and impl managers in lockstep, and the
   ``BlockTableStore`` machine on prefix-caching managers, with and without sliding windows.
@@ -28,7 +28,7 @@ from properties.machines.prefix import (
     PrefixStoreMachine,
     WindowPrefixStoreMachine,
 )
-from properties.prefix_cache_machine import (
+from properties.machines.prefix_cache import (
     prefix_cache_machine,
 )
 

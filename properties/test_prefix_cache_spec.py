@@ -13,7 +13,7 @@ import pytest
 
 from pagedkv.spec import BlockTableError, OutOfBlocksError
 from pagedkv.spec.prefix_cache import PrefixCachingBlockManager, default_block_hash
-from properties.prefix_cache_machine import colliding_hash, prefix_cache_machine
+from properties.machines.prefix_cache import colliding_hash, prefix_cache_machine
 
 TestSpecPrefixCache = prefix_cache_machine(PrefixCachingBlockManager).TestCase
 

@@ -1,6 +1,6 @@
 """The spec's block manager satisfies every rule, step by step (see block_manager_machine)."""
 
 from pagedkv.spec import BlockManager
-from properties.block_manager_machine import block_manager_machine
+from properties.machines.block_manager import block_manager_machine
 
 TestSpecBlockManager = block_manager_machine(BlockManager).TestCase

@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 import pagedkv.spec.block_manager as spec_block_manager
-from properties.block_manager_machine import block_manager_machine
+from properties.machines.block_manager import block_manager_machine
 from properties.mutants import CONTROL_SEARCHES, FIND, load_mutant
 
 SPEC_BUGS = {

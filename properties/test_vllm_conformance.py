@@ -2,7 +2,7 @@
 
 :func:`test_vllm_conforms_to_the_spec_under_the_named_divergences` builds ``.venv-vllm`` (or
 reuses it when complete; ``properties/vllm_env.py``) and runs the conformance machine,
-``properties/vllm_machine.py``, there under the ``ci`` profile; the next test replays
+``properties/machines/vllm.py``, there under the ``ci`` profile; the next test replays
 bench_trace's vLLM systems there (identical steps asserted). If the environment cannot be built
 the tests FAIL with the reason: a missing vLLM is a failure, not a skip. The first build
 downloads about 3.5 GB and takes about 2 minutes; a reused one costs seconds. Both are marked

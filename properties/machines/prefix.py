@@ -35,7 +35,7 @@ from pagedkv.spec import OutOfBlocksError, blocks_needed
 from properties.machines.differential import IntSubclass, assert_same_construction
 from properties.machines.store import StoreMachine, WindowStoreMachine
 from properties.outcomes import outcome
-from properties.prefix_cache_machine import (
+from properties.machines.prefix_cache import (
     ALPHABET,
     SALTS,
     SYSTEM_PROMPTS,
