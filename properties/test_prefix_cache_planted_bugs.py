@@ -7,8 +7,8 @@ from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 import pagedkv.spec.prefix_cache as spec_prefix_cache
-from properties.mutants import CONTROL_SEARCHES, FIND, load_mutant
 from properties.machines.prefix_cache import prefix_cache_machine
+from properties.mutants import CONTROL_SEARCHES, FIND, load_mutant
 
 PREFIX_BUGS = {
     "no token comparison on lookup": (

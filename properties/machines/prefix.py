@@ -33,14 +33,14 @@ from pagedkv.impl.blocks.prefix_cache import (
 )
 from pagedkv.spec import OutOfBlocksError, blocks_needed
 from properties.machines.differential import IntSubclass, assert_same_construction
-from properties.machines.store import StoreMachine, WindowStoreMachine
-from properties.outcomes import outcome
 from properties.machines.prefix_cache import (
     ALPHABET,
     SALTS,
     SYSTEM_PROMPTS,
     colliding_hash,
 )
+from properties.machines.store import StoreMachine, WindowStoreMachine
+from properties.outcomes import outcome
 
 FILLER = 9  # the token a sequence holds where no rule chose one (outside ALPHABET)
 BAD_TOKEN_LISTS = st.one_of(
