@@ -47,16 +47,13 @@ from hypothesis.stateful import (
 from pagedkv.spec import BlockTableError, OutOfBlocksError
 from pagedkv.spec.prefix_cache import PrefixCachingBlockManager
 from properties.block_model import observe
+from properties.machines.prefix_cache import ALPHABET, SALTS, SYSTEM_PROMPTS
 from properties.mutants import FIND
 from properties.vllm_adapter import VllmKVCache, VllmRequest
 from properties.vllm_rules import (
     BEHAVIOUR_RULES,
     VllmRules,
 )
-
-SYSTEM_PROMPTS = [[], [7, 7, 8, 9, 7, 8], [7, 7, 8, 9, 1, 2, 3, 4, 5], [5, 5, 5, 5, 5, 5, 5, 5]]
-ALPHABET = st.integers(0, 2)
-SALTS = st.sampled_from([None, "tenant-b"])
 
 
 @dataclass(eq=False)
@@ -124,7 +121,7 @@ def conformance_machine(
             target=live,
             system=st.sampled_from(SYSTEM_PROMPTS),
             suffix=st.lists(ALPHABET, max_size=6),
-            salt=SALTS,
+            salt=st.sampled_from(SALTS),
         )
         def admit(self, system: list[int], suffix: list[int], salt: str | None) -> object:
             """Look up, allocate and register a prompt on both sides."""
@@ -208,7 +205,11 @@ def conformance_machine(
             self.vllm.free(request.handle)
             assert self.vllm.snapshot() == before, "a second free changed vLLM"
 
-        @rule(system=st.sampled_from(SYSTEM_PROMPTS), suffix=st.lists(ALPHABET), salt=SALTS)
+        @rule(
+            system=st.sampled_from(SYSTEM_PROMPTS),
+            suffix=st.lists(ALPHABET),
+            salt=st.sampled_from(SALTS),
+        )
         def lookup(self, system: list[int], suffix: list[int], salt: str | None) -> None:
             """A lookup alone, which changes nothing."""
             tokens = system + suffix
