@@ -378,7 +378,7 @@ class PagedAttentionEngine:
         token after its accepted drafts, and the rows of those drafts and of that token.
         Changes nothing outside the K/V cache, whose slots a retry rewrites: a failed draw puts
         back every generator state it advanced."""
-        device = self.model.device
+        device = self.kv.device
         starts, counts, ends = plan.starts, plan.num_tokens, plan.ends
         batch = self.store.batch(plan.seq_ids)
         step = self.kv.step(torch.from_numpy(block_tables(self.store, batch)), counts, ends)
@@ -403,8 +403,9 @@ class PagedAttentionEngine:
             spans = zip(last.tolist(), lengths, strict=True)
             index = torch.tensor([p for end, n in spans for p in range(end - n, end)])
         logits = self.model.compute_logits(hidden[index.to(device)]).float().cpu()
-        # Every row's greedy token at once: what sample_token gives at temperature 0.
-        argmax = logits.argmax(dim=-1).tolist()
+        # Every row's greedy token at once: what sample_token gives at temperature 0 (numpy's
+        # argmax, like torch's, takes the first of equal maxima and a NaN as the maximum).
+        argmax = logits.numpy().argmax(axis=-1).tolist()
         sampled: list[int] = []
         rows: dict[int, torch.Tensor] = {}
         advanced: list[tuple[torch.Generator, torch.Tensor]] = []

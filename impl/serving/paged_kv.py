@@ -55,45 +55,50 @@ from pagedkv.kernels.validation import (
 class DeviceBlockTables:
     """A persistent ``[rows, max_blocks]`` int32 block-table buffer on ``device``.
 
-    :meth:`update` makes its first ``batch`` rows equal a step's host tables by uploading only
-    the rows that differ from what the buffer holds (a host-side comparison with its host
-    mirror), staged in pinned memory when the device is CUDA. ``num_uploaded_rows`` counts the
-    rows uploaded so far.
+    :meth:`update` makes its first ``batch`` rows equal a step's host tables by copying only
+    the rows that differ from what the buffer holds (a numpy comparison with its host mirror).
+    On the CPU the mirror is the buffer; on CUDA the rows are uploaded from pinned memory.
+    ``num_uploaded_rows`` counts the rows copied so far.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._pinned = device.type == "cuda"
-        self._host = torch.empty(0, 0, dtype=torch.int32)  # what the buffer holds
-        self._buffer = torch.empty(0, 0, dtype=torch.int32, device=device)
+        self._host = np.empty((0, 0), dtype=np.int32)  # what the buffer holds
+        self._buffer = self._new_buffer()
         self.num_uploaded_rows = 0
+
+    def _new_buffer(self) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return torch.from_numpy(self._host)
+        return torch.from_numpy(self._host).to(self.device)
 
     def update(self, tables: torch.Tensor) -> torch.Tensor:
         """The device tables for host ``tables`` (int32 ``[batch, max_blocks]``, CPU): a view of
-        the buffer's first ``batch`` rows, which equal ``tables`` once the upload is done (in
+        the buffer's first ``batch`` rows, which equal ``tables`` once the copy is done (in
         stream order: kernels queued after it see it)."""
-        batch, width = tables.shape
+        host_tables = tables.numpy()
+        batch, width = host_tables.shape
         if width != self._host.shape[1] or batch > self._host.shape[0]:
-            rows = max(batch, self._host.shape[0])
-            self._host = torch.full((rows, width), -1, dtype=torch.int32)
-            self._buffer = torch.full((rows, width), -1, dtype=torch.int32, device=self.device)
-        changed = (self._host[:batch] != tables).any(dim=1).nonzero().view(-1)
-        if changed.numel():
-            rows = tables.index_select(0, changed)
-            self._host[changed] = rows
-            if self._pinned:  # torch's pinned allocator keeps them until the copies are done
-                rows, changed = rows.pin_memory(), changed.pin_memory()
-            self._buffer.index_copy_(
-                0,
-                changed.to(self.device, non_blocking=True),
-                rows.to(self.device, non_blocking=True),
-            )
-            self.num_uploaded_rows += changed.numel()
+            self._host = np.full((max(batch, self._host.shape[0]), width), -1, dtype=np.int32)
+            self._buffer = self._new_buffer()
+        changed = np.flatnonzero((self._host[:batch] != host_tables).any(axis=1))
+        if changed.size:
+            self._host[changed] = host_tables[changed]
+            if self.device.type != "cpu":  # torch's pinned allocator keeps them until copied
+                index, rows = (
+                    torch.from_numpy(array).pin_memory().to(self.device, non_blocking=True)
+                    for array in (changed, self._host[changed])
+                )
+                self._buffer.index_copy_(0, index, rows)
+            self.num_uploaded_rows += changed.size
         return self._buffer[:batch]
 
 
 class PagedKVCache:
-    """K/V caches of every layer, ``[num_blocks, block_size, num_kv_heads, head_dim]`` each."""
+    """K/V caches of every layer, ``[num_blocks, block_size, num_kv_heads, head_dim]`` each.
+
+    ``backend`` (``None``: ``PAGEDKV_BACKEND`` or auto) is resolved once, when the cache is made
+    (``kernels.resolve_backend``'s errors): every step and layer runs on that backend."""
 
     def __init__(
         self,
@@ -117,8 +122,13 @@ class PagedKVCache:
         self.group = config.num_heads // config.num_kv_heads
         self.window = check_window(config.sliding_window)  # only a checked window: None if huge
         self.scale = config.head_dim**-0.5
-        self.backend = backend
         self.device = self.k[0].device
+        # The backend is resolved once, here: every step and layer runs on it.
+        self.backend = kernels.resolve_backend(backend, self.device)
+        # The step's slots are computed on the host first, to be checked there: by the backend
+        # when it runs on the host, else by the reference.
+        on_host = self.backend in ("numba", "reference")
+        self.host_backend: kernels.Backend = self.backend if on_host else "reference"
         self.tables = DeviceBlockTables(self.device)
 
     def copy_blocks(self, pairs: torch.Tensor) -> None:
@@ -156,7 +166,7 @@ class PagedKVCache:
         num_tokens = int(offsets[-1])
         num_queries, contexts, cu_seqlens = map(torch.from_numpy, (counts, lens, offsets))
         check_cu_seqlens_values(cu_seqlens, contexts, num_tokens)  # 0 <= query_lens[b] <= lens
-        starts = window_starts(contexts, num_queries, self.window)
+        starts = None if self.window is None else window_starts(contexts, num_queries, self.window)
         check_context_values(contexts, block_tables, self.block_size, self.num_blocks, starts)
         owner = np.repeat(np.arange(len(counts)), counts)
         rows = torch.from_numpy(owner)
@@ -165,7 +175,7 @@ class PagedKVCache:
         # slot mapping's own position check would repeat that. Its slots are checked below.
         host_slots = kernels.slot_mapping(
             block_tables, positions, self.block_size, rows,
-            num_blocks=self.num_blocks, backend="reference", validate=False,
+            num_blocks=self.num_blocks, backend=self.host_backend, validate=False,
         )  # fmt: skip
         check_slot_values(host_slots, self.num_blocks * self.block_size)
 
@@ -181,14 +191,13 @@ class PagedKVCache:
                 tables, positions, self.block_size, rows, backend=self.backend, validate=False
             )
         plan = None
-        backend = kernels.resolve_backend(self.backend, self.device)
-        if backend == "reference":
+        if self.backend == "reference":
             plan = sdpa.plan(
                 tables, counts.tolist(), lens.tolist(), self.block_size, self.group, self.window
             )
         return PagedStep(
             self, positions, slots, tables, cu_seqlens, contexts, int(counts.max(initial=0)),
-            int(lens.max(initial=0)), bool((counts == 1).all()), plan, backend,
+            int(lens.max(initial=0)), bool((counts == 1).all()), plan, self.backend,
         )  # fmt: skip
 
 
