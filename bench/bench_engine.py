@@ -25,6 +25,8 @@ another, bound to one core; its prefix cache is off and its KV space holds the w
 
 ``--linear-ab`` runs :func:`linear_ab` instead: the engine's decode step with the model's
 projections as they are (oneDNN, prepacked) and through ``torch.nn.functional.linear``.
+``--base DIR`` runs :func:`base_ab` instead: the engine's decode step of this tree against that
+of ``DIR``, a checkout of another commit (``git archive REV | tar -x -C DIR``).
 """
 
 from __future__ import annotations
@@ -421,6 +423,39 @@ def linear_ab(
     }
 
 
+def split_child(count: int, shortest: int, longest: int, new: int, **overrides: Any) -> None:
+    """Print, as JSON, :func:`decode_split` of the engine as this process imports it, after a
+    warm-up generation (one side of :func:`base_ab`)."""
+    model = load_hf(hf_llama(0, **overrides))
+    prompts = bench_prompts(count, shortest, longest, model.config.vocab_size)
+    engine_generate(model, prompts[:4], 4)
+    print(json.dumps(decode_split(model, prompts, new)))
+
+
+def base_ab(base: Path, args: list[str], repeats: int) -> dict[str, list[float]]:
+    """Same-run A/B of the engine's decode step at full batch: this tree (``current``) against
+    ``base``, a checkout of another commit whose ``pagedkv`` this file's :func:`decode_split`
+    imports (through ``bench.trace_ab.shim``). Each run is a fresh process (``--split-child``
+    with ``args``, the preset's options), the two sides interleaved ``repeats`` times. Returns,
+    by side, the median over the runs of ``[step, model math, attention, bookkeeping]`` in ms.
+    """
+    from bench.trace_ab import shim
+
+    root = Path(__file__).resolve().parents[1]
+    paths = {"current": str(root), "base": str(shim(base.resolve()))}
+    runs: dict[str, list[list[float]]] = {side: [] for side in paths}
+    for _ in range(repeats):
+        for side, path in paths.items():
+            command = [sys.executable, str(Path(__file__).resolve()), "--split-child", *args]
+            env = {**os.environ, "PYTHONPATH": path}
+            out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+            runs[side].append(json.loads(out.stdout.splitlines()[-1]))
+    return {
+        side: [statistics.median(column) for column in zip(*rows, strict=True)]
+        for side, rows in runs.items()
+    }
+
+
 def test_engine_against_hf_smoke() -> None:
     """The comparison runs end to end on a small case, and the engine's tokens are ``generate``'s
     (a smaller model, so greedy ties stay unlikely)."""
@@ -450,6 +485,17 @@ def test_linear_ab_smoke() -> None:
         assert step >= math > 0 and attention > 0 and equal == 4
 
 
+@pytest.mark.long
+def test_base_ab_smoke() -> None:
+    """The A/B against another checkout runs end to end, here against this tree itself."""
+    pytest.importorskip("transformers")
+    options = ["--prompts", "2", "--new-tokens", "3", "--shortest", "3", "--longest", "5"]
+    result = base_ab(Path(__file__).resolve().parents[1], options, 1)
+    assert result.keys() == {"current", "base"}
+    for step, math, attention, book in result.values():
+        assert step >= math > 0 and attention > 0 and book > 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=compare.__doc__)
     parser.add_argument(
@@ -466,6 +512,11 @@ def main() -> None:
         help="instead: the same-run A/B of the projections (linear_ab), no generate, no vLLM",
     )  # fmt: skip
     parser.add_argument(
+        "--base", type=Path, metavar="DIR",
+        help="instead: the same-run A/B of the decode step against the checkout in DIR (base_ab)",
+    )  # fmt: skip
+    parser.add_argument("--split-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
         "--vllm", nargs="?", const=VLLM_PYTHON, type=Path, metavar="PYTHON",
         help="also time vLLM's CPU engine, run by this interpreter (default: the one in "
         ".venv-vllm, which python -m properties.vllm_env builds)",
@@ -477,6 +528,20 @@ def main() -> None:
     shortest = preset.shortest if args.shortest is None else args.shortest
     longest = preset.longest if args.longest is None else args.longest
     torch.set_num_threads(1)
+    if args.split_child:
+        split_child(count, shortest, longest, new, **preset.shape)
+        return
+    if args.base is not None:
+        options = ["--model", args.model, "--prompts", str(count), "--new-tokens", str(new)]
+        options += ["--shortest", str(shortest), "--longest", str(longest)]
+        for side, (step, math, attention, book) in base_ab(
+            args.base, options, args.repeats
+        ).items():
+            print(
+                f"{side}: decode step at batch {count} {step:.2f} ms = model math {math:.2f} + "
+                f"attention {attention:.2f} + bookkeeping {book:.2f} (median of {args.repeats})"
+            )
+        return
     if args.linear_ab:
         for side, (step, math, attention, book, equal) in linear_ab(
             count, shortest, longest, new, args.repeats, **preset.shape

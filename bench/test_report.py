@@ -23,6 +23,7 @@ from bench.reporting.sections import header_section, latency_section
 from bench.reporting.serving import serving_section
 from bench.reporting.verdicts import ordering, same_order, trend, within
 from bench.simulator import ServingConfig, simulate
+from bench.stable_attention import merge
 from bench.utilization_policies import PAPER_CONTIGUOUS, Paged, lifetime_breakdown
 from bench.workloads import CHAPTER_KV_SLOTS, chapter_toy
 
@@ -327,6 +328,31 @@ def test_noise_and_latency_sentences_follow_the_timings() -> None:
     faster = rendered(latency_section, slower_contiguous(small_run(), 0.5))
     assert "from 1.00x to 2.00x (median 1.50x). At block sizes of 16 and more" in faster
     assert "holds at 0 of the 1 points (worst 2.00x)" in faster
+
+
+def test_unstable_cases_are_named_and_timed_again() -> None:
+    """A case spreading by 10% or more in either layout is named for another sitting; the
+    sitting's entry replaces it, and the report counts the cases timed again."""
+    run = small_run()
+    names = [f"bench/bench_attention.py::test_decode_attention[{b}-1024-8]" for b in (1, 16)]
+    attention = [b for b in run.benchmarks if b["group"].startswith("attention-bs")]
+    for name, b in zip(names, attention, strict=True):
+        b["fullname"] = name
+    assert run.unstable_attention() == [] and run.attention_sittings() == [1, 1]
+    attention[1]["extra_info"]["contiguous_iqr"] = 0.00011  # 11% of the contiguous median
+    assert run.unstable_attention() == [names[1]]
+    assert run.unstable_attention(limit=0.12) == []
+    data = {"benchmarks": list(run.benchmarks)}
+    for index, other in enumerate(data["benchmarks"]):
+        other.setdefault("fullname", f"bench/other.py::test[{index}]")
+    again = {**attention[1], "extra_info": {**attention[1]["extra_info"], "contiguous_iqr": 0.0}}
+    merge(data, {"benchmarks": [again]}, sitting=2)
+    merged = dataclasses.replace(run, benchmarks=data["benchmarks"])
+    assert merged.unstable_attention() == [] and merged.attention_sittings() == [1, 2]
+    text = rendered(latency_section, merged)
+    assert "1 of the 2 cases spread by 10% or more in their first sitting" in text
+    assert "up to 2 sittings" in text
+    assert "in their first sitting" not in rendered(latency_section, run)
 
 
 def test_reference_attention_timings_are_not_tabulated() -> None:

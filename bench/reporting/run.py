@@ -29,6 +29,23 @@ AttentionKey = tuple[str, int, int]
 """``(layout, batch, context)`` of a ``bench_attention.py`` case."""
 
 
+SPREAD_LIMIT = 0.10
+"""A timed median is stable when the interquartile range of its rounds is under this fraction of
+it (issue 24's bar for the decode-latency table)."""
+
+
+def case_spread(benchmark: dict[str, Any]) -> dict[str, float]:
+    """Interquartile range / median of a ``bench_attention.py`` case's rounds, by layout: the
+    paged rounds' (pytest-benchmark's) and the contiguous rounds' interleaved with them
+    (``extra_info``)."""
+    info = benchmark["extra_info"]
+    paged = benchmark["stats"]["median"] / info["calls_per_round"]
+    return {
+        "paged": info["paged_iqr"] / paged,
+        "contiguous": info["contiguous_iqr"] / info["contiguous_median"],
+    }
+
+
 @dataclass(frozen=True)
 class Serving:
     """The ``bench_serving.py`` runs of a :class:`Run`, by :data:`ServingKey`."""
@@ -139,12 +156,24 @@ class Run:
         for b in self._attention_benchmarks():
             info = b["extra_info"]
             n, context, size = info["batch"], info["context"], info["block_size"]
-            paged = b["stats"]["median"] / info["calls_per_round"]
-            spreads["paged", n, context][size] = info["paged_iqr"] / paged
-            spreads["contiguous", n, context][size] = (
-                info["contiguous_iqr"] / info["contiguous_median"]
-            )
+            spread = case_spread(b)
+            spreads["paged", n, context][size] = spread["paged"]
+            spreads["contiguous", n, context][size] = spread["contiguous"]
         return dict(spreads)
+
+    def unstable_attention(self, limit: float = SPREAD_LIMIT) -> list[str]:
+        """The ``fullname`` of each ``bench_attention.py`` case with a spread of ``limit`` or
+        more in either layout, in the run's order."""
+        return [
+            b["fullname"]
+            for b in self._attention_benchmarks()
+            if max(case_spread(b).values()) >= limit
+        ]
+
+    def attention_sittings(self) -> list[int]:
+        """How many sittings each ``bench_attention.py`` case took (``extra_info["sittings"]``,
+        set by ``bench/stable_attention.py``; 1 for a case measured once)."""
+        return [b["extra_info"].get("sittings", 1) for b in self._attention_benchmarks()]
 
     def attention_ratio(self) -> dict[tuple[int, int], dict[int, float]]:
         """Paged / contiguous by ``(context, batch)``, then block size: the median over rounds of
