@@ -439,7 +439,10 @@ def base_ab(base: Path, args: list[str], repeats: int) -> dict[str, list[float]]
     with ``args``, the preset's options), the two sides interleaved ``repeats`` times. Returns,
     by side, the median over the runs of ``[step, model math, attention, bookkeeping]`` in ms.
     """
-    from bench.trace_ab import shim
+    if __package__:
+        from bench.trace_ab import shim
+    else:  # run as a script: this folder is on the path, the repository root is not
+        from trace_ab import shim  # type: ignore[no-redef]
 
     root = Path(__file__).resolve().parents[1]
     paths = {"current": str(root), "base": str(shim(base.resolve()))}
