@@ -24,6 +24,7 @@ from pathlib import Path
 from types import ModuleType
 
 import numba
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -403,3 +404,45 @@ def test_check_catches_copy_that_reads_the_wrong_block() -> None:
     check_copy_blocks(cache, pairs, lambda k, v, p: kernels.copy_blocks(k, v, p, backend="numba"))
     with pytest.raises(AssertionError):
         check_copy_blocks(cache, pairs, mutant.copy_blocks)
+
+
+@numba.njit
+def _exp32_all(values: np.ndarray) -> np.ndarray:
+    out = np.empty_like(values)
+    for i in range(values.size):
+        out[i] = numba_runtime.exp32(values[i])
+    return out
+
+
+@numba.njit
+def _sum_in_order_of(values: np.ndarray) -> np.float32:
+    return numba_runtime.sum_in_order(values)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(-100.0, 88.0, width=32), min_size=1, max_size=64))
+def test_exp32_is_exp_within_its_bound(xs: list[float]) -> None:
+    """The softmax's exp: within 4e-7 relative of float64's exp from fp32's smallest normal up
+    to 88, exactly 0 below it."""
+    values = np.array(xs, dtype=np.float32)
+    got = _exp32_all(values).astype(np.float64)
+    want = np.exp(values.astype(np.float64))
+    normal = values >= numba_runtime.EXP_MIN
+    assert np.all(np.abs(got[normal] - want[normal]) <= 4e-7 * want[normal])
+    assert np.all(got[~normal] == 0.0)
+
+
+def test_exp32_special_values() -> None:
+    """1 at 0, 0 at -inf, NaN at NaN (a poisoned score must reach the output)."""
+    got = _exp32_all(np.array([0.0, -np.inf, np.nan], dtype=np.float32))
+    assert got[0] == 1.0 and got[1] == 0.0 and np.isnan(got[2])
+
+
+@given(st.lists(st.floats(-1e3, 1e3, width=32), max_size=40))
+def test_sum_in_order_adds_left_to_right(xs: list[float]) -> None:
+    """Bit for bit the fp32 sum added in index order (what keeps the drivers' outputs equal)."""
+    values = np.array(xs, dtype=np.float32)
+    expected = np.float32(0.0)
+    for value in values:
+        expected = np.float32(expected + value)
+    assert _sum_in_order_of(values) == expected
