@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -434,9 +435,10 @@ def split_child(count: int, shortest: int, longest: int, new: int, **overrides: 
 
 def base_ab(base: Path, args: list[str], repeats: int) -> dict[str, list[float]]:
     """Same-run A/B of the engine's decode step at full batch: this tree (``current``) against
-    ``base``, a checkout of another commit whose ``pagedkv`` this file's :func:`decode_split`
-    imports (through ``bench.trace_ab.shim``). Each run is a fresh process (``--split-child``
-    with ``args``, the preset's options), the two sides interleaved ``repeats`` times. Returns,
+    ``base``, a checkout of another commit, each side's ``pagedkv`` imported from its own tree
+    (through ``bench.trace_ab.shim``) by this file's :func:`decode_split`. Each run is a fresh
+    process (``--split-child`` with ``args``, the preset's options), the two sides interleaved
+    ``repeats`` times, taking turns to go first. Returns,
     by side, the median over the runs of ``[step, model math, attention, bookkeeping]`` in ms.
     """
     if __package__:
@@ -444,15 +446,20 @@ def base_ab(base: Path, args: list[str], repeats: int) -> dict[str, list[float]]
     else:  # run as a script: this folder is on the path, the repository root is not
         from trace_ab import shim  # type: ignore[no-redef]
 
-    root = Path(__file__).resolve().parents[1]
-    paths = {"current": str(root), "base": str(shim(base.resolve()))}
+    trees = {"current": Path(__file__).resolve().parents[1], "base": base.resolve()}
+    paths = {side: shim(tree) for side, tree in trees.items()}  # each side's own pagedkv
     runs: dict[str, list[list[float]]] = {side: [] for side in paths}
-    for _ in range(repeats):
-        for side, path in paths.items():
-            command = [sys.executable, str(Path(__file__).resolve()), "--split-child", *args]
-            env = {**os.environ, "PYTHONPATH": path}
-            out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
-            runs[side].append(json.loads(out.stdout.splitlines()[-1]))
+    try:
+        for repeat in range(repeats):
+            order = list(paths) if repeat % 2 == 0 else list(reversed(paths))  # no side first
+            for side in order:
+                command = [sys.executable, str(Path(__file__).resolve()), "--split-child", *args]
+                env = {**os.environ, "PYTHONPATH": str(paths[side])}
+                out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+                runs[side].append(json.loads(out.stdout.splitlines()[-1]))
+    finally:
+        for path in paths.values():
+            shutil.rmtree(path)
     return {
         side: [statistics.median(column) for column in zip(*rows, strict=True)]
         for side, rows in runs.items()

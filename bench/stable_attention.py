@@ -12,8 +12,8 @@ sittings in all; each new sitting's result replaces the case's entry in the JSON
 ``extra_info["sittings"]`` counts the sittings it took. A case's ratio and medians always come
 from one sitting, in which its paged and contiguous rounds alternated. The report says how many
 cases took more than one sitting and how many stay unstable. On this project's 2-core VM the
-spread comes from the hypervisor: a case that spreads in one sitting is usually still in the
-next.
+spread comes from the hypervisor, and the cases it hits differ from sitting to sitting: a case
+that spreads in one sitting is usually steady in the next.
 """
 
 from __future__ import annotations

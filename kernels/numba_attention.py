@@ -12,10 +12,10 @@ key):
 
 and makes three passes: scores ``q . k * scale`` for every (query row, key) into a scratch
 buffer, an exact softmax per query row (its max, then ``exp`` and the sum; ``exp`` is
-``numba_runtime.exp32``, a polynomial within 4e-7 of libm's that vectorizes), and the weighted
-sum of the V rows. All arithmetic is fp32 (``numba_runtime.FASTMATH``: sums may be reordered, NaN
-still propagates). Only the keys in the program's range are read, so the table entries of blocks
-wholly before a sliding window are never read.
+``numba_runtime.exp32``, a polynomial within 1.5e-7 of the exact value that vectorizes), and
+the weighted sum of the V rows. All arithmetic is fp32 (``numba_runtime.FASTMATH``: sums may be
+reordered, NaN still propagates). Only the keys in the program's range are read, so the table
+entries of blocks wholly before a sliding window are never read.
 
 The contiguous variant (``block_tables=None``) is the same function compiled without the table
 lookup: numba types ``None`` as a constant and prunes the branch, so key ``n`` of sequence ``b``
@@ -124,7 +124,9 @@ def _attend(
         for c in range(visible.shape[0]):
             visible[c] = exp32(visible[c] - m)
         total = sum_in_order(visible)
-        lse[r] = m + np.log(total) if total > 0 else -np.inf
+        # No visible key: -inf, an empty split. A NaN total (a NaN score) stays NaN, so the
+        # merge cannot take the split for an empty one.
+        lse[r] = m + np.log(total) if total != 0 else -np.inf
         inverse = np.float32(1.0) / total if total > 0 else np.float32(1.0)
         for c in range(visible.shape[0]):
             visible[c] *= inverse
@@ -195,15 +197,18 @@ def _decode_serial(query, k_cache, v_cache, tables, lens, scale, window, split_l
 
 @njit(cache=True, fastmath=FASTMATH)
 def _merge(partial, lse, out):
-    """``out[b, h] = sum_s exp(lse_s - max) * partial_s / sum_s exp(lse_s - max)`` (0 if empty)."""
+    """``out[b, h] = sum_s exp(lse_s - max) * partial_s / sum_s exp(lse_s - max)`` (0 if every
+    split is empty, NaN if one read a NaN)."""
     batch, num_heads, num_splits, head_dim = partial.shape
     for bh in range(batch * num_heads):
         b, h = bh // num_heads, bh % num_heads
         top = -np.inf
+        poisoned = False  # a split read a NaN: so does the output
         for s in range(num_splits):
+            poisoned |= lse[b, h, s] != lse[b, h, s]
             top = max(top, lse[b, h, s])
-        out[b, h, :] = 0.0
-        if top == -np.inf:
+        out[b, h, :] = np.nan if poisoned else 0.0
+        if poisoned or top == -np.inf:
             continue
         total = np.float32(0.0)
         for s in range(num_splits):

@@ -139,12 +139,18 @@ def check_caches(k_cache: object, v_cache: object) -> CacheShape:
     return CacheShape(num_blocks, block_size, num_kv_heads, head_dim)
 
 
+def _host(tensor: torch.Tensor) -> NDArray[np.integer]:
+    """``tensor``'s values as a numpy array on the host, in its own dtype: a view of a CPU
+    tensor, else a copy (for a GPU tensor, the one device-to-host read a value check needs).
+    The value checks run in numpy, where an operation on a step's few hundred entries costs
+    about a microsecond against torch's several."""
+    return tensor.detach().cpu().numpy()
+
+
 def _values(tensor: torch.Tensor) -> NDArray[np.int64]:
-    """``tensor``'s values as an int64 numpy array on the host: a view of a CPU int64 tensor,
-    else a copy (for a GPU tensor, the one device-to-host read a value check needs). The value
-    checks run in numpy, where an operation on a step's few hundred entries costs about a
-    microsecond against torch's several."""
-    return tensor.detach().cpu().numpy().astype(np.int64, copy=False)
+    """:func:`_host` widened to int64, for arithmetic (a block table is only compared and
+    indexed, so it is read with :func:`_host`, not copied)."""
+    return _host(tensor).astype(np.int64, copy=False)
 
 
 def _first_true(mask: NDArray[np.bool_]) -> tuple[int, ...]:
@@ -217,7 +223,7 @@ def check_context_values(
     batch, max_blocks = block_tables.shape
     if batch == 0:
         return
-    lens_, tables = _values(lens), _values(block_tables)
+    lens_, tables = _values(lens), _host(block_tables)
     negative = lens_ < 0
     if negative.any():
         (b,) = _first_true(negative)
@@ -402,7 +408,7 @@ def check_position_values(
                 f"{capacity} slots"
             )
     safe_seq = np.where(live, seq_, 0)
-    entries = _values(block_tables)[safe_seq, np.where(live, pos_, 0) // block_size]
+    entries = _host(block_tables)[safe_seq, np.where(live, pos_, 0) // block_size]
     bad = live & (entries < 0)
     if num_blocks is not None:
         bad |= live & (entries >= num_blocks)

@@ -290,6 +290,26 @@ def test_poisoning_reaches_blocks_a_window_excludes() -> None:
         assert bool(out.isnan().any())
 
 
+@pytest.mark.parametrize("backend", ["triton", "numba", "reference"])
+def test_a_nan_key_reaches_the_output_at_every_split_count(backend: str) -> None:
+    """A NaN in a K row that a sequence reads makes that sequence's outputs NaN, whatever the
+    split count: a split whose scores are NaN must not pass for an empty one in the merge (the
+    reference, one softmax over every key, is the oracle of which outputs are NaN)."""
+    cache = KVCache(fixed_scenario(4), Shape(4, 2, 2, 64, torch.float32))
+    _, tables, lens = cache.batch()
+    # The shortest sequence: its keys lie in the first split, the others are empty.
+    b = min(range(len(lens)), key=lambda i: int(lens[i]) if int(lens[i]) >= 2 else 10**9)
+    k_cache = cache.k_cache.clone()
+    k_cache[int(tables[b, 0]), 1] = torch.nan  # its position 1, every KV head
+    query = cache.randn(tables.shape[0], 4, 64)
+    args = (query, k_cache, cache.v_cache, tables, lens)
+    expected = kernels.paged_decode_attention(*args, backend="reference").isnan()
+    assert bool(expected[b].all()) and not bool(expected.all())
+    for num_splits in (1, 2, 3, 4):
+        out = kernels.paged_decode_attention(*args, num_splits=num_splits, backend=backend)
+        assert torch.equal(out.isnan(), expected), num_splits
+
+
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_window_is_checked(backend: str) -> None:
     cache = KVCache(fixed_scenario(4), Shape(4, 2, 2, 64, torch.float32))

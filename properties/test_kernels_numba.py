@@ -293,8 +293,8 @@ DECODE_MUTANTS = {
         "q[g, d] = query[b, kv_head + g * num_kv_heads, d] * scale",
     ),
     "split-K merge ignores each split's denominator": (
-        "lse[r] = m + np.log(total) if total > 0 else -np.inf",
-        "lse[r] = m if total > 0 else -np.inf",
+        "lse[r] = m + np.log(total) if total != 0 else -np.inf",
+        "lse[r] = m if total != 0 else -np.inf",
     ),
     "keys walked from 0 and masked": (
         "first = max(length - window, 0)",
@@ -406,7 +406,7 @@ def test_check_catches_copy_that_reads_the_wrong_block() -> None:
         check_copy_blocks(cache, pairs, mutant.copy_blocks)
 
 
-@numba.njit
+@numba.njit(fastmath=numba_runtime.FASTMATH)  # the kernels' flags, which exp32 must withstand
 def _exp32_all(values: np.ndarray) -> np.ndarray:
     out = np.empty_like(values)
     for i in range(values.size):
@@ -422,13 +422,13 @@ def _sum_in_order_of(values: np.ndarray) -> np.float32:
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.floats(-100.0, 88.0, width=32), min_size=1, max_size=64))
 def test_exp32_is_exp_within_its_bound(xs: list[float]) -> None:
-    """The softmax's exp: within 4e-7 relative of float64's exp from fp32's smallest normal up
-    to 88, exactly 0 below it."""
+    """The softmax's exp: within 1.5e-7 relative of float64's exp from fp32's smallest normal
+    up to 88, exactly 0 below it."""
     values = np.array(xs, dtype=np.float32)
     got = _exp32_all(values).astype(np.float64)
     want = np.exp(values.astype(np.float64))
     normal = values >= numba_runtime.EXP_MIN
-    assert np.all(np.abs(got[normal] - want[normal]) <= 4e-7 * want[normal])
+    assert np.all(np.abs(got[normal] - want[normal]) <= 1.5e-7 * want[normal])
     assert np.all(got[~normal] == 0.0)
 
 
