@@ -149,11 +149,11 @@ EXP_MIN = np.float32(-87.33654)  # ln of fp32's smallest normal: below it exp32 
 @numba.njit(fastmath=FASTMATH - {"reassoc"})
 def exp32(x):  # type: ignore[no-untyped-def]
     """``exp(x)`` of an fp32 ``x <= 88``, within 1.5e-7 relative of the exact value (9.1e-8 at
-    worst on a grid of 20 million points from ``EXP_MIN`` to 88), without a
-    branch or a libm call, so the softmax loops around it vectorize (numba's ``np.exp`` calls
-    libm per element). ``exp32(x) = 0`` below ``EXP_MIN`` (for ``-inf`` too); NaN gives NaN.
-    Compiled without ``reassoc`` (LLVM inlines it, keeping these flags on its instructions), so
-    its range reduction stays as written in every kernel."""
+    worst on a grid of 20 million points from ``EXP_MIN`` to 88), without a branch or a libm
+    call, so the softmax loops around it vectorize (numba's ``np.exp`` calls libm per element).
+    ``exp32(x) = 0`` below ``EXP_MIN`` (for ``-inf`` too); NaN gives NaN. Compiled without
+    ``reassoc`` (LLVM inlines it, keeping these flags on its instructions), so its range
+    reduction stays as written in every kernel."""
     clamped = EXP_MIN if x < EXP_MIN else x  # NaN < EXP_MIN is false: NaN stays
     n = np.floor(clamped * LOG2_E + np.float32(0.5))
     n = n if n == n else np.float32(0.0)  # NaN's exponent: r below is NaN, and so the result
