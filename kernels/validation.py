@@ -103,12 +103,15 @@ def check_float_dtype(name: str, dtype: object) -> torch.dtype:
 
 
 def check_same_device(**tensors: torch.Tensor) -> torch.device:
-    """All tensors on one device; returns it."""
+    """All tensors on one device, which holds values (not ``meta``, where no kernel can read or
+    write); returns it."""
     devices = {name: tensor.device for name, tensor in tensors.items()}
     first_name, first = next(iter(devices.items()))
     for name, device in devices.items():
         if device != first:
             raise ValueError(f"{name} is on {device} but {first_name} is on {first}")
+    if first.type == "meta":
+        raise ValueError(f"{first_name} is a meta tensor, which holds no values")
     return first
 
 

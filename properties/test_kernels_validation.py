@@ -96,6 +96,37 @@ def copy(s: Setup, backend: str, pairs: object) -> object:
 Call = Callable[[Setup, str], object]
 # (id, call, error type, words the message must contain)
 CASES: list[tuple[str, Call, type[Exception], str]] = [
+    # --- meta tensors hold no values: no kernel can run on them (every tensor on meta; one alone
+    # is a tensor on another device, below)
+    (
+        "attention on meta tensors",
+        lambda s, b: attention(
+            s,
+            b,
+            **{
+                name: getattr(s, name).to("meta")
+                for name in ("query", "k_cache", "v_cache", "block_tables", "context_lens")
+            },
+        ),
+        ValueError,
+        "k_cache is a meta tensor",
+    ),
+    (
+        "slot mapping on meta tensors",
+        lambda s, b: slots(
+            s, b, block_tables=s.block_tables.to("meta"), positions=ints([5, 1]).to("meta")
+        ),
+        ValueError,
+        "block_tables is a meta tensor",
+    ),
+    (
+        "store on meta tensors",
+        lambda s, b: kernels.store_kv(
+            *(t.to("meta") for t in (s.key, s.value, s.k_cache, s.v_cache, s.slots)), backend=b
+        ),
+        ValueError,
+        "k_cache is a meta tensor",
+    ),
     # --- paged_decode_attention
     (
         "block id too large",
