@@ -174,6 +174,15 @@ def bench_prompts(count: int, shortest: int, longest: int, vocab: int) -> list[l
     return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
+def engine_workload(
+    count: int, shortest: int, longest: int, **overrides: Any
+) -> tuple[CausalLM, list[list[int]]]:
+    """The engine's model (:func:`hf_llama` with seed 0, loaded) and the prompts
+    (:func:`bench_prompts`) of the comparison."""
+    model = load_hf(hf_llama(0, **overrides))
+    return model, bench_prompts(count, shortest, longest, model.config.vocab_size)
+
+
 def hf_generate(model: torch.nn.Module, prompts: list[list[int]], new: int) -> list[list[int]]:
     """``generate(do_sample=False)`` on all prompts as one left-padded batch, no EOS stop."""
     width = max(map(len, prompts))
@@ -399,8 +408,7 @@ def linear_ab(
     for the tokens. Returns, by side, the median
     ``[step, model math, attention, bookkeeping]`` in ms and, last, the number of prompts whose
     tokens equal the other side's."""
-    model = load_hf(hf_llama(0, **overrides))
-    prompts = bench_prompts(count, shortest, longest, model.config.vocab_size)
+    model, prompts = engine_workload(count, shortest, longest, **overrides)
     plain = mock.patch.object(
         Linear, "forward", lambda self, x: torch.nn.functional.linear(x, self.weight)
     )
@@ -427,8 +435,7 @@ def linear_ab(
 def split_child(count: int, shortest: int, longest: int, new: int, **overrides: Any) -> None:
     """Print, as JSON, :func:`decode_split` of the engine as this process imports it, after a
     warm-up generation (one side of :func:`base_ab`)."""
-    model = load_hf(hf_llama(0, **overrides))
-    prompts = bench_prompts(count, shortest, longest, model.config.vocab_size)
+    model, prompts = engine_workload(count, shortest, longest, **overrides)
     engine_generate(model, prompts[:4], 4)
     print(json.dumps(decode_split(model, prompts, new)))
 
