@@ -190,6 +190,10 @@ class ContiguousStore:
             self.num_free_blocks += self.reserved.pop(seq_id)
             del self.counts[seq_id]
 
+    def pop_copy_pairs(self) -> NDArray[np.int32]:
+        """No copy-on-write pair: nothing is shared."""
+        return np.empty((0, 2), dtype=np.int32)
+
     def fork(self, parent_id: int, child_id: int) -> None:
         """Contiguous memory cannot be shared: the simulator runs every sample as a request."""
         raise NotImplementedError("a contiguous reservation cannot be shared by a fork")
@@ -313,6 +317,7 @@ def simulate(
             step = arrivals[0].arrival  # idle until the next arrival
             continue
         output = scheduler.schedule()
+        store.pop_copy_pairs()  # an engine copies them now; their sources are then free
         records.append(_measure(scheduler, output, codec, kv_len))
         sampled = [t for seq in output.sampling for t in _sample(seq, codec, requests)]
         finished += len(scheduler.update(output, sampled)[1])

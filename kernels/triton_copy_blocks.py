@@ -4,6 +4,8 @@ The spec's ``pop_copy_pairs`` contract is sequential: copy the pairs *in order*.
 its pairs in parallel, so the pairs are cut into waves, in order, such that no pair in a wave
 reads or writes a block that an earlier pair of the same wave writes, or writes a block that an
 earlier pair reads. Running the waves one after another then equals the sequential loop.
+A retry after a failed wave launches every wave again: exact for the lists a block manager
+leaves pending, in which no pair writes a block that it or an earlier pair reads (design.md §5).
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ class BlockModel:
         self.queue = list(range(total_blocks))  # head first
         self.refs = [0] * total_blocks
         self.copy_pairs: list[tuple[int, int]] = []
+        self.parked: list[int] = []  # copy sources no table holds, until the pairs are popped
 
     @staticmethod
     def _released(table: list[int | None]) -> int:
@@ -100,8 +101,11 @@ class BlockModel:
         return Outcome(value=result + fresh[len(shared) :])
 
     def pop_copy_pairs(self) -> Outcome:
-        """The pairs made since the last call, oldest first; they are forgotten."""
+        """The pairs made since the last call, oldest first; they are forgotten, and the
+        sources parked for them become free."""
         pairs, self.copy_pairs = self.copy_pairs, []
+        self.queue += self.parked  # their copies are the caller's now
+        self.parked = []
         return Outcome(value=pairs)
 
     def fork(self, table: list[int]) -> Outcome:
@@ -126,7 +130,11 @@ class BlockModel:
             if block_id is None:
                 continue
             self.refs[block_id] -= 1
-            if self.refs[block_id] == 0:
+            if self.refs[block_id] > 0:
+                continue
+            if any(src == block_id for src, _ in self.copy_pairs):
+                self.parked.append(block_id)  # read by a pending copy: not free yet
+            else:
                 self.queue.append(block_id)
 
     def truncate(self, table: list[int], token_count: int) -> Outcome:

@@ -8,11 +8,11 @@ operations, on three systems in lockstep: the spec, impl, and the independent mo
 ``properties.block_model`` (block manager) or ``properties.prefix_model`` (prefix caching).
 Every call's result or exception class must agree among the three; after every operation the
 whole observable state must agree (free queue in order, reference counts, pending copy-on-write
-pairs read from copies, and for prefix caching every block's key and the counters), every
-reference count must equal the live tables holding the block, and every position of every live
-table must translate alike. States are deduplicated by what they observably are (the states
-above, plus the driver's live tables and token counts, counters left out), so each distinct
-state is expanded once, at the smallest depth that reaches it.
+pairs and the sources waiting for them, and for prefix caching every block's key and the
+counters), every reference count must equal the live tables holding the block, and every
+position of every live table must translate alike. States are deduplicated by what they
+observably are (the states above, plus the driver's live tables and token counts, counters left
+out), so each distinct state is expanded once, at the smallest depth that reaches it.
 
 :class:`BlockSystem` covers the block manager: prompts of every length that fits the pool and
 one past it, decode steps, multi-block chunks, lookahead reservations, forks, frees, taking the
@@ -100,12 +100,14 @@ class System:
         raise NotImplementedError
 
     def observe(self, manager: Any) -> tuple[object, ...]:
-        """What a manager shows: queue, reference counts, pending copy pairs (from a copy)."""
+        """What a manager shows: queue, reference counts, pending copy pairs, and the copy
+        sources waiting for them."""
         refs = [manager.ref_count(b) for b in range(self.total_blocks)]
-        return manager.free_block_ids(), refs, copy.deepcopy(manager).pop_copy_pairs()
+        pairs = manager.pending_copy_pairs()
+        return manager.free_block_ids(), refs, pairs, list(manager.waiting_for_copy)
 
     def model_view(self, model: Any) -> tuple[object, ...]:
-        return model.queue, model.refs, model.copy_pairs
+        return model.queue, model.refs, model.copy_pairs, model.parked
 
     def check(self, world: World) -> Hashable:
         """The state's checks; returns its key (the observables and the live tables)."""

@@ -107,8 +107,8 @@ class PrefixCacheModel(BlockModel):
         self.queried_blocks += self.max_hits(len(tokens))
         self.hit_blocks += len(hits)
         for block_id in hits:
-            if self.refs[block_id] == 0:
-                self.queue.remove(block_id)
+            if self.refs[block_id] == 0:  # free, or parked for a pending copy
+                (self.parked if block_id in self.parked else self.queue).remove(block_id)
             self.refs[block_id] += 1
         fresh = self._take(-(-len(tokens) // self.block_size) - len(hits))
         return Outcome(value=(hits + fresh, len(hits) * self.block_size))

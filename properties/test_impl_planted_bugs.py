@@ -63,8 +63,8 @@ BUGS: dict[str, tuple[types.ModuleType, str, str, str]] = {
     ),
     "free pushes a table's blocks first-to-last": (
         pagedkv.impl.blocks.pool,
-        "self.queue.extend(freed[::-1].copy())",
-        "self.queue.extend(freed.copy())",
+        "self._free(freed[::-1].copy())",
+        "self._free(freed.copy())",
         "differential",
     ),
     "append_slot takes growth blocks before copy-on-write blocks": (
@@ -109,6 +109,12 @@ BUGS: dict[str, tuple[types.ModuleType, str, str, str]] = {
         pagedkv.impl.blocks.manager,
         "            if first_written < released:",
         "            if False:",
+        "differential",
+    ),
+    "the pool frees a pending copy's source at once": (
+        pagedkv.impl.blocks.pool,
+        "waits = self.is_source.take(freed)",
+        "waits = np.zeros(freed.size, dtype=np.bool_)",
         "differential",
     ),
     "a store truncate forgets the tail-shared flag": (

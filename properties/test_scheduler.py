@@ -255,6 +255,7 @@ def play(case: Case) -> dict[int, list[list[int]]]:
         log_start = len(store.log)
         out = scheduler.schedule()
         running = check_step(case, scheduler, out, running, waiting_before, log_start)
+        store.pop_copy_pairs()  # an engine's copies: their waiting sources are free again
         preempted += len(out.preempted)
         assert out.sampling == [item.seq for item in out.items() if item.samples]
         sampled = [

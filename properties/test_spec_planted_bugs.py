@@ -97,6 +97,14 @@ SPEC_BUGS = {
         "if any(table[i] is None for i in written):",
         "if False:",
     ),
+    "a pending copy's source is freed at once": (
+        "sources = {src for src, _ in self._copy_pairs}",
+        "sources = set()",
+    ),
+    "the blocks waiting for a copy stay out of the queue after it": (
+        "self.free_queue.extend(self.waiting_for_copy)  # Rule: read by now; free again.",
+        "pass",
+    ),
     "the window past the table's capacity": (
         "        check_capacity(len(table), token_count, self.block_size)\n        outside =",
         "        outside =",

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import pytest
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -223,12 +223,38 @@ class PreemptionMachine(RuleBasedStateMachine):
         manager = store.manager
         assert manager.free_block_ids() == self.spec.free_block_ids()
         assert manager.ref_counts().tolist() == [b.ref_count for b in self.spec.blocks]
+        pairs = self.spec.pending_copy_pairs()
+        assert store.pending_copy_pairs().tolist() == [list(pair) for pair in pairs]
+        assert manager.waiting_for_copy == self.spec.waiting_for_copy
+        if self.spec.waiting_for_copy:
+            event("a preempted copy source waits for its copy")
         if self.prefix:
             for block in range(manager.total_blocks):
                 assert manager.key_of(block) == self.spec.key_of(block)
 
 
 TestPreemption = PreemptionMachine.TestCase
+
+
+class CopySourcePreemptionMachine(PreemptionMachine):
+    """:class:`PreemptionMachine` with a step that preempts the last holder of a block copied on
+    write in the same growth (a subclass, so the searches above stay as they were)."""
+
+    @precondition(lambda self: 0 < len(self.model) < 8)
+    @rule(data=st.data())
+    def fork_then_preempt_the_child(self, data: st.DataObject) -> None:
+        """A sample forked from a partly filled block, then one growth in which the parent
+        copies that block on write and a later sequence's growth preempts the child, the
+        source's last holder: the source waits for its copy (docs/design.md §5)."""
+        parent = data.draw(st.sampled_from(list(self.model)), label="parent")
+        self.fork(parent)
+        ids = list(self.model)  # the child is the last: the first victim
+        steps = [1 if s == parent else data.draw(st.integers(0, 8)) for s in ids[:-1]] + [1]
+        victims = self.store.grow_or_preempt(ids, steps)
+        assert victims == self.expected_victims(ids, steps)
+
+
+TestCopySourcePreemption = CopySourcePreemptionMachine.TestCase
 
 
 class WindowPreemptionMachine(PreemptionMachine):
@@ -360,6 +386,16 @@ PLANTED = {
 }
 
 
+# A bug in preemption's count of what a victim frees, which the copy-source machine catches.
+COPY_SOURCE_PLANTED = {
+    "a preemption plan counts a source waiting for its copy as free": (
+        pagedkv.impl.blocks.growth,
+        "free += left == 0 and block not in sources and not pool.is_source[block]",
+        "free += left == 0",
+    ),
+}
+
+
 # Bugs in the store's handling of released entries, which the window machine catches.
 WINDOW_PLANTED = {
     "a victim's released entries count as freed blocks": (
@@ -425,5 +461,12 @@ def test_control_unmutated_copy_passes_the_window_machine(search: settings) -> N
 @pytest.mark.parametrize("bug", sorted(WINDOW_PLANTED))
 def test_planted_window_bug_is_caught(bug: str) -> None:
     machine = planted_machine(*WINDOW_PLANTED[bug], WindowPreemptionMachine)
+    with pytest.raises(Exception):  # noqa: B017 - an assertion or a crash inside a rule
+        run_state_machine_as_test(machine, settings=FIND)
+
+
+@pytest.mark.parametrize("bug", sorted(COPY_SOURCE_PLANTED))
+def test_planted_copy_source_bug_is_caught(bug: str) -> None:
+    machine = planted_machine(*COPY_SOURCE_PLANTED[bug], CopySourcePreemptionMachine)
     with pytest.raises(Exception):  # noqa: B017 - an assertion or a crash inside a rule
         run_state_machine_as_test(machine, settings=FIND)

@@ -97,10 +97,15 @@ class BlockManager:
 
     Invariants, true between any two calls:
 
-    * every block is either in the free queue (``ref_count == 0``) or held by at least one live
-      table (``ref_count >= 1``), never both;
+    * every block is exactly one of: in the free queue (``ref_count == 0``), held by at least
+      one live table (``ref_count >= 1``), or waiting for its copy (``ref_count == 0``, the
+      source of a pending copy-on-write pair that every table has let go of);
     * ``ref_count`` of a block equals the number of live tables that contain it;
     * the free queue holds each free block exactly once;
+    * no pending pair writes a block that it or an earlier pending pair reads: a source is
+      never handed out again while its pair is pending, so copying the pending pairs again,
+      after any part of them was copied, gives the same bytes (design.md §6, "Copy-on-write
+      and retries");
     * a live table's released entries (``None``) come before its block ids and hold nothing.
     """
 
@@ -111,6 +116,9 @@ class BlockManager:
         self.blocks = [Block(block_id) for block_id in range(total_blocks)]
         self.free_queue: deque[int] = deque(range(total_blocks))
         self._copy_pairs: list[tuple[int, int]] = []
+        # Rule: a pending pair's source let go of by every table waits here, in the order it
+        # was let go, until the pairs are popped: it is read by the copy, so it is not free.
+        self.waiting_for_copy: list[int] = []
 
     # ----------------------------------------------------------------- introspection
 
@@ -121,7 +129,8 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        """Rule: the fraction of the pool held by live tables, ``1 - free / total_blocks``."""
+        """Rule: the fraction of the pool not free (held by live tables or waiting for a
+        copy), ``1 - free / total_blocks``."""
         return (self.total_blocks - len(self.free_queue)) / self.total_blocks
 
     def can_allocate(self, num_blocks: int) -> bool:
@@ -137,13 +146,22 @@ class BlockManager:
         """The free queue, head (next to be allocated) first."""
         return list(self.free_queue)
 
+    def pending_copy_pairs(self) -> list[tuple[int, int]]:
+        """The ``(src, dst)`` copy-on-write pairs made since the last ``pop_copy_pairs``, oldest
+        first, still pending (a caller copies them, then pops them)."""
+        return list(self._copy_pairs)
+
     def pop_copy_pairs(self) -> list[tuple[int, int]]:
         """Return and forget the ``(src, dst)`` copy-on-write pairs made since the last call.
 
         The caller must copy the KV data of block ``src`` into block ``dst`` for every pair, in
-        order, before writing any new KV data into the cache.
+        order, before writing any new KV data into the cache. The blocks waiting for these
+        copies (sources every table let go of while their pair was pending) join the tail of
+        the free queue, in the order they were let go.
         """
         pairs, self._copy_pairs = self._copy_pairs, []
+        self.free_queue.extend(self.waiting_for_copy)  # Rule: read by now; free again.
+        self.waiting_for_copy = []
         return pairs
 
     # ----------------------------------------------------------------- validation
@@ -168,10 +186,13 @@ class BlockManager:
 
     def _release(self, blocks: list[int]) -> None:
         """Drop one hold on each of ``blocks`` (held, distinct), in the order ``free`` uses."""
+        sources = {src for src, _ in self._copy_pairs}
         for block_id in reversed(blocks):  # Rule: tail first, so prefixes outlive tails.
             block = self.blocks[block_id]
             block.ref_count -= 1
-            if block.ref_count == 0:
+            if block.ref_count == 0 and block_id in sources:
+                self.waiting_for_copy.append(block_id)  # Rule: a pending copy still reads it.
+            elif block.ref_count == 0:
                 self.free_queue.append(block_id)  # Rule: freed blocks join the tail of the queue.
 
     def _take_from_head(self, num_blocks: int) -> list[int]:
@@ -249,8 +270,10 @@ class BlockManager:
 
         Each block's ``ref_count`` drops by one; blocks that reach 0 join the TAIL of the free
         queue, the table's LAST block first, so a sequence's prefix blocks are reused after its
-        tail blocks. Released entries hold nothing and are skipped. Unknown ids, repeated ids
-        and already-free blocks raise ``BlockTableError`` before anything changes.
+        tail blocks; one that a pending copy-on-write pair still reads waits for
+        ``pop_copy_pairs`` instead (``waiting_for_copy``). Released entries hold nothing and
+        are skipped. Unknown ids, repeated ids and already-free blocks raise
+        ``BlockTableError`` before anything changes.
         """
         self._release(held_ids(self.check_live_table(block_table)))
 

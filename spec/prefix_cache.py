@@ -179,7 +179,8 @@ class PrefixCachingBlockManager(BlockManager):
 
     * ``cached_block(key) == block_id`` exactly when ``key_of(block_id) == key``: the key map and
       the blocks' keys are a bijection over cached blocks;
-    * a cached block is either held (``ref_count >= 1``) or in the free queue, once;
+    * a cached block is either held (``ref_count >= 1``), in the free queue, or waiting for a
+      copy, once;
     * the tokens under a block's key are the tokens written in that block;
     * with KV events on, replaying every event taken so far and still pending, in order, on an
       empty key map gives exactly the map from cached keys to their blocks.
@@ -290,7 +291,7 @@ class PrefixCachingBlockManager(BlockManager):
         forgotten, the free queue keeps its order, ``stats.resets`` counts it, and one
         ``AllBlocksCleared`` event is emitted (no ``BlockRemoved`` per key).
         """
-        if self.num_free_blocks != self.total_blocks:  # Rule: refuse while any block is held.
+        if self.num_free_blocks != self.total_blocks:  # Rule: refuse while any block is not free.
             return False
         self._key_of.clear()
         self._block_of.clear()
@@ -304,7 +305,8 @@ class PrefixCachingBlockManager(BlockManager):
         """Build a table for a prompt, reusing its cached prefix; return (table, cached tokens).
 
         Rule: hit blocks get one more owner (``ref_count + 1``); a hit block that was free is
-        revived (it leaves the free queue, the rest of the queue keeps its order). Rule: the
+        revived (it leaves the free queue, the rest of the queue keeps its order), and so is
+        one waiting for a copy (it leaves the waiting blocks). Rule: the
         remaining blocks come from the head of the queue (evicting their old keys). Rule:
         all-or-nothing: if ``blocks_to_allocate`` exceeds the free blocks, ``OutOfBlocksError``
         is raised and nothing changes (counters included).
@@ -314,10 +316,10 @@ class PrefixCachingBlockManager(BlockManager):
         self.stats.queried_blocks += self.max_hit_blocks(len(token_ids))
         self.stats.hit_blocks += len(hits)
         for block_id in hits:
-            if self.blocks[block_id].ref_count == 0:
-                self.free_queue.remove(
-                    block_id
-                )  # Rule: revival leaves the rest of the queue in order.
+            if self.blocks[block_id].ref_count == 0 and block_id in self.waiting_for_copy:
+                self.waiting_for_copy.remove(block_id)  # Rule: its content is still valid.
+            elif self.blocks[block_id].ref_count == 0:
+                self.free_queue.remove(block_id)  # Rule: the rest of the queue keeps its order.
             self.blocks[block_id].ref_count += 1
         fresh = self._take_from_head(-(-len(token_ids) // self.block_size) - len(hits))
         return hits + fresh, len(hits) * self.block_size

@@ -129,7 +129,8 @@ def plan(g: Growth, free: int, preempt: bool, tables: BlockTables, pool: BlockPo
     a sequence grows only if all its blocks are free then. Otherwise, without ``preempt``, it
     changes nothing; with ``preempt`` the batch's last remaining sequence is removed (each of
     its blocks loses a hold, and those left with none are free again) until it grows or was
-    itself the one removed, which ends the batch.
+    itself the one removed, which ends the batch. A removed block that a pending copy reads
+    (copied on write earlier in this plan, or before it) waits for the copy: it is not free.
     """
     n = g.rows.size
     if preempt and not g.shared.any():  # no copy on write: removals free what they hold
@@ -137,12 +138,17 @@ def plan(g: Growth, free: int, preempt: bool, tables: BlockTables, pool: BlockPo
         stop = plan_preemption(g.growth, held_counts.astype(np.int64), free)
         victims = tables.tables[g.rows[stop:]]
         held = victims[victims != PAD].astype(np.intp)
-        if held.size == 0 or pool.refs_of(held).max() == 1:  # each frees all it holds
+        # Each frees all it holds, and none of it waits for a pending copy.
+        if held.size == 0 or (
+            pool.refs_of(held).max() == 1
+            and not (pool.copy_pairs and pool.is_source.take(held).any())
+        ):
             grown = np.arange(n) < stop
             removed = list(range(n - 1, stop - 1, -1))
             steps = [(False, removed), (True, list(range(stop)))]
             return Plan(grown, g.shared & grown, removed, steps)
     refs: dict[int, int] = {}  # the blocks whose counts the plan has changed so far
+    sources: set[int] = set()  # the blocks the plan has copied on write so far
     grown = np.zeros(n, dtype=np.bool_)
     copies = np.zeros(n, dtype=np.bool_)
     removed: list[int] = []
@@ -166,7 +172,8 @@ def plan(g: Growth, free: int, preempt: bool, tables: BlockTables, pool: BlockPo
             for index, block in enumerate(held.tolist()):
                 left = refs.get(block, held_refs[index]) - 1
                 refs[block] = left
-                free += left == 0
+                # A pending copy's source waits for the copy instead of joining the queue.
+                free += left == 0 and block not in sources and not pool.is_source[block]
         if tail < i:  # it was itself removed
             break
         if need <= free:
@@ -176,6 +183,7 @@ def plan(g: Growth, free: int, preempt: bool, tables: BlockTables, pool: BlockPo
             if owners > 1:
                 copies[i] = True
                 refs[last[i]] = owners - 1
+                sources.add(last[i])
     return Plan(grown, copies, removed, steps)
 
 

@@ -73,7 +73,8 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        """The fraction of the pool held by live tables, ``1 - free / total_blocks``."""
+        """The fraction of the pool not free (held, or waiting for a copy),
+        ``1 - free / total_blocks``."""
         return (self.total_blocks - self.pool.num_free) / self.total_blocks
 
     def can_allocate(self, num_blocks: int) -> bool:
@@ -92,8 +93,19 @@ class BlockManager:
         """The free queue, head (next to be allocated) first."""
         return self.pool.queue.to_array().tolist()
 
+    @property
+    def waiting_for_copy(self) -> list[int]:
+        """Sources of pending pairs that no table holds, in the order let go: not free until
+        the pairs are popped (the spec's ``waiting_for_copy``)."""
+        return list(self.pool.waiting)
+
+    def pending_copy_pairs(self) -> list[tuple[int, int]]:
+        """The copy-on-write pairs :meth:`pop_copy_pairs` would return, still pending."""
+        return [(src, dst) for src, dst in self.pool.pending_copy_pairs().tolist()]
+
     def pop_copy_pairs(self) -> list[tuple[int, int]]:
-        """Return and forget the ``(src, dst)`` copy-on-write pairs made since the last call.
+        """Return and forget the ``(src, dst)`` copy-on-write pairs made since the last call;
+        the blocks waiting for them join the free queue's tail, in order.
 
         The caller must copy block ``src`` into block ``dst`` for every pair, in order, before
         writing new KV data. (``BlockTableStore.pop_copy_pairs`` drains the same pairs.)

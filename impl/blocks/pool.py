@@ -14,8 +14,11 @@ first, so a call never fails halfway:
   handed out and not yet released, and compares with ``num_free`` before it takes.
 
 ``refs`` (``int32[total_blocks]``) is every block's reference count and ``queue`` the FIFO free
-queue; both are read by the callers' checks. A pool made with an :class:`Evictor` calls it with
-every block it hands to a new owner (prefix caching forgets their keys there).
+queue; both are read by the callers' checks. ``waiting`` holds, in the order they were let go,
+the sources of pending copy-on-write pairs that every table has let go of: the spec's
+``waiting_for_copy``, which join the queue's tail when the pairs are popped. A pool made with
+an :class:`Evictor` calls it with every block it hands to a new owner (prefix caching forgets
+their keys there).
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ class BlockPool:
         self.queue = FreeBlockQueue(total_blocks)
         self.evictor = evictor
         self.copy_pairs: list[NDArray[np.int32]] = []  # int32[P, 2] chunks, oldest first
+        self.is_source = np.zeros(total_blocks, dtype=np.bool_)  # of a pending pair
+        self.waiting: list[int] = []  # sources no table holds, in the order let go
 
     @property
     def num_free(self) -> int:
@@ -77,7 +82,10 @@ class BlockPool:
         """Give each of the distinct cached blocks ``hits`` one more owner; ``revived``, those
         of them that are free, leave the free queue first (the rest of it keeps its order)."""
         for block_id in revived.tolist():
-            self.queue.remove(block_id)  # O(1)
+            if self.waiting and block_id in self.waiting:
+                self.waiting.remove(block_id)  # a source waiting for its copy
+            else:
+                self.queue.remove(block_id)  # O(1)
         self.refs[hits] += 1
 
     def share(self, ids: IdArray) -> None:
@@ -100,7 +108,7 @@ class BlockPool:
         remaining = held - 1
         self.refs[ids] = remaining
         freed = ids[remaining == 0] if np.count_nonzero(remaining) else ids
-        self.queue.extend(freed[::-1].copy())  # contiguous: faster scatters in extend
+        self._free(freed[::-1].copy())  # contiguous: faster scatters in extend
 
     def release_in_order(self, ids: IdArray) -> None:
         """Drop one reference per occurrence in ``ids``, in order (several tables' ids).
@@ -115,7 +123,17 @@ class BlockPool:
         self.refs[unique] = remaining
         freed = remaining == 0
         # The later a block's last occurrence, the earlier its first one in reverse.
-        self.queue.extend(unique[freed][np.argsort(-first_in_reverse[freed])])
+        self._free(unique[freed][np.argsort(-first_in_reverse[freed])])
+
+    def _free(self, freed: IdArray) -> None:
+        """Blocks whose last hold just went, in order: to the free queue's tail, except the
+        sources of pending pairs, which wait for :meth:`pop_copy_pairs`."""
+        if self.copy_pairs:
+            waits = self.is_source.take(freed)
+            if waits.any():
+                self.waiting += freed[waits].tolist()
+                freed = freed[~waits]
+        self.queue.extend(freed)
 
     def copy_on_write(self, src: IdArray, dst: IdArray) -> None:
         """Record that block ``dst[i]`` (freshly taken) replaces the shared ``src[i]`` in one
@@ -123,6 +141,7 @@ class BlockPool:
         count stays >= 1) and ``(src[i], dst[i])`` is queued for :meth:`pop_copy_pairs`."""
         np.subtract.at(self.refs, src, 1)
         self.copy_pairs.append(np.stack((src, dst), axis=1).astype(np.int32))
+        self.is_source[src] = True
 
     def pending_copy_pairs(self) -> NDArray[np.int32]:
         """The pending ``(src, dst)`` pairs as a new ``int32[P, 2]`` array, oldest first, still
@@ -135,7 +154,12 @@ class BlockPool:
         return merged.copy()
 
     def pop_copy_pairs(self) -> NDArray[np.int32]:
-        """:meth:`pending_copy_pairs`, then forget them."""
+        """:meth:`pending_copy_pairs`, then forget them; the blocks waiting for them join the
+        free queue's tail, in order."""
         pairs = self.pending_copy_pairs()
         self.copy_pairs = []
+        self.is_source[pairs[:, 0]] = False
+        if self.waiting:
+            self.queue.extend(np.array(self.waiting, dtype=np.intp))
+            self.waiting = []
         return pairs

@@ -138,7 +138,7 @@ class PrefixCachingBlockManager:
 
     @property
     def usage(self) -> float:
-        """``BlockManager.usage``: the fraction of the pool held by live tables."""
+        """``BlockManager.usage``: the fraction of the pool not free."""
         return self.blocks.usage
 
     def can_allocate(self, num_blocks: int) -> bool:
@@ -152,6 +152,13 @@ class PrefixCachingBlockManager:
 
     def free_block_ids(self) -> list[int]:
         return self.blocks.free_block_ids()
+
+    @property
+    def waiting_for_copy(self) -> list[int]:
+        return self.blocks.waiting_for_copy
+
+    def pending_copy_pairs(self) -> list[tuple[int, int]]:
+        return self.blocks.pending_copy_pairs()
 
     def pop_copy_pairs(self) -> list[tuple[int, int]]:
         return self.blocks.pop_copy_pairs()

@@ -287,7 +287,10 @@ class PagedAttentionEngine:
             pairs = self.store.pending_copy_pairs()
             if len(pairs):
                 self.kv.copy_blocks(torch.from_numpy(pairs))
-            self.store.pop_copy_pairs()  # forgotten only once copied: copying again is harmless
+            # Forgotten only once copied into every layer. A retry copies them all again: exact,
+            # as no pending pair writes a pending source (docs/design.md §5, "Copy-on-write and
+            # retries").
+            self.store.pop_copy_pairs()
             sampled, rows = self._run(plan, drafts) if plan.seqs else ([], {})
             verified = speculative.roll_back(plan, drafts, rows, self.store) if drafts else plan
             forked, finished = self.scheduler.update(verified, sampled)

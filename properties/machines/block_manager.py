@@ -11,7 +11,6 @@ user-visible meaning of "no two sequences ever write the same physical slot".
 
 from __future__ import annotations
 
-import copy
 import itertools
 from dataclasses import dataclass, field
 
@@ -80,8 +79,10 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
         def snapshot(self) -> tuple[object, ...]:
             """Every observable, pending copy pairs included (read from a copy)."""
             refs = tuple(self.manager.ref_count(b) for b in range(self.model.total_blocks))
-            pending = copy.deepcopy(self.manager).pop_copy_pairs()
-            return (self.manager.free_block_ids(), refs, self.manager.num_free_blocks, pending)
+            pending = self.manager.pending_copy_pairs()
+            waiting = list(self.manager.waiting_for_copy)
+            return (self.manager.free_block_ids(), refs, self.manager.num_free_blocks, pending,
+                    waiting)  # fmt: skip
 
         def check_same(self, actual: Outcome, expected: Outcome, before: tuple) -> None:
             """The call did what the model says; if it raised, it changed nothing."""
@@ -147,12 +148,12 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
                 if expected.error is not None:
                     return False
                 before = self.snapshot()
-                if self.model.copy_pairs:
+                made = self.model.copy_pairs[len(self.pending_pairs) :]
+                if made:
                     event("copy-on-write")
-                for src, dst in self.model.copy_pairs:  # the caller copies before writing
+                for src, dst in made:  # the caller copies before writing
                     self.copy_block(src, dst)
-                self.pending_pairs += self.model.copy_pairs
-                self.model.copy_pairs.clear()
+                self.pending_pairs += made
                 seq.table = actual.value
             for pos in range(count, count + new_tokens):
                 block = seq.table[pos // self.size]
@@ -224,8 +225,11 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
         @rule()
         def take_copy_pairs(self) -> None:
             """Pairs stay pending, failed calls included, until the caller takes them, once."""
+            if self.model.parked:
+                event("a copy source waited for its copy")
             assert self.manager.pop_copy_pairs() == self.pending_pairs
             assert self.manager.pop_copy_pairs() == []
+            self.model.pop_copy_pairs()
             self.pending_pairs = []
 
         @rule(target=seqs, parent=seqs)
@@ -353,8 +357,14 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
 
         @invariant()
         def pending_pairs_match(self) -> None:
-            """Pairs made and not yet taken (read from a copy: the invariant changes nothing)."""
-            assert copy.deepcopy(self.manager).pop_copy_pairs() == self.pending_pairs
+            """Pairs made and not yet taken, and the sources waiting for them; no pending pair
+            writes a block that it or an earlier one reads (so copying again is exact)."""
+            assert self.manager.pending_copy_pairs() == self.pending_pairs
+            assert list(self.manager.waiting_for_copy) == self.model.parked
+            read: set[int] = set()
+            for src, dst in self.pending_pairs:
+                read.add(src)
+                assert dst not in read, f"pair {(src, dst)} overwrites a pending source"
 
         @invariant()
         def ref_counts_equal_live_references(self) -> None:
@@ -363,7 +373,8 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
                 ref = self.manager.ref_count(block_id)
                 assert ref == self.model.refs[block_id] == held.count(block_id)
                 in_queue = block_id in self.manager.free_block_ids()
-                assert in_queue == (ref == 0), f"block {block_id}: free xor used violated"
+                waiting = block_id in self.model.parked
+                assert in_queue == (ref == 0 and not waiting), f"block {block_id}: not one state"
 
         @invariant()
         def every_sequence_reads_its_own_tokens(self) -> None:

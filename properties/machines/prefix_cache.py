@@ -21,7 +21,6 @@ of their own; the pool's ``usage`` is part of the observed state.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -136,7 +135,8 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
                 [content_of(manager.key_of(b)) for b in blocks],
                 manager.num_cached_blocks,
                 (stats.queried_blocks, stats.hit_blocks, stats.evictions, stats.resets),
-                copy.deepcopy(manager).pop_copy_pairs(),
+                manager.pending_copy_pairs(),
+                list(manager.waiting_for_copy),
                 manager.usage,
             )
 
@@ -149,6 +149,7 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
                 len(model.content_of),
                 (model.queried_blocks, model.hit_blocks, model.evictions, model.resets),
                 model.copy_pairs,
+                model.parked,
                 (model.total_blocks - len(model.queue)) / model.total_blocks,
             )
 
@@ -296,13 +297,12 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
 
         def take_pairs(self) -> None:
             """The caller takes the copy-on-write pairs and copies the simulated K/V."""
-            pairs = self.model.copy_pairs
-            self.check(self.manager.pop_copy_pairs, (), Outcome(list(pairs)))
+            pairs = list(self.model.copy_pairs)
+            self.check(self.manager.pop_copy_pairs, (), self.model.pop_copy_pairs())
             for src, dst in pairs:
                 for offset in range(self.size):
                     if src * self.size + offset in self.kv:
                         self.kv[dst * self.size + offset] = self.kv[src * self.size + offset]
-            pairs.clear()
 
         @rule(
             request=requests,

@@ -451,10 +451,9 @@ class StoreMachine(RuleBasedStateMachine):
                 assert store.num_blocks[row] == 0 and store.token_counts[row] == 0
         assert store.manager.free_block_ids() == self.spec.free_block_ids()
         assert store.manager.ref_counts().tolist() == [b.ref_count for b in self.spec.blocks]
-        pending = copy.deepcopy(store).pop_copy_pairs()
-        assert [tuple(pair) for pair in pending.tolist()] == copy.deepcopy(
-            self.spec
-        ).pop_copy_pairs()
+        pending = store.pending_copy_pairs()
+        assert [tuple(pair) for pair in pending.tolist()] == self.spec.pending_copy_pairs()
+        assert store.manager.waiting_for_copy == self.spec.waiting_for_copy
 
 
 class WindowStoreMachine(StoreMachine):
