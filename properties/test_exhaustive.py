@@ -133,10 +133,18 @@ def test_controls_pass() -> None:
     explore(planted(PrefixSystem, prefix_mutant(snippet, snippet), 1), 4)
 
 
+FIVE_OPERATIONS = {"the blocks waiting for a copy stay out of the queue after it"}
+"""Planted bugs only five operations reach (allocate, fork, a copy on write, freeing the
+source's last holder, taking the pairs): searched to depth 5, the others to depth 4."""
+
+
 @pytest.mark.parametrize("bug", sorted(set(SPEC_BUGS) - ROLLBACK_BUGS - WINDOW_BUGS))
 def test_planted_block_manager_bug_is_caught(bug: str) -> None:
     with pytest.raises(Mismatch):
-        explore(planted(BlockSystem, block_mutant(*SPEC_BUGS[bug]), 2), 4)
+        explore(
+            planted(BlockSystem, block_mutant(*SPEC_BUGS[bug]), 2),
+            5 if bug in FIVE_OPERATIONS else 4,
+        )
 
 
 @pytest.mark.parametrize("bug", sorted(set(PREFIX_BUGS) - ROLLBACK_BUGS - OBSERVER_BUGS))

@@ -32,10 +32,11 @@ by the sweeps. The ``long`` hunt runs the machines far longer.
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from typing import Any, ClassVar
 
 import pytest
@@ -50,16 +51,24 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+import pagedkv.impl.blocks.growth
+import pagedkv.impl.blocks.manager
+import pagedkv.impl.blocks.pool
+import pagedkv.impl.blocks.prefix_cache
+import pagedkv.impl.blocks.store
 import pagedkv.impl.serving.engine
 import pagedkv.impl.serving.scheduler
 import pagedkv.impl.serving.speculative
 import pagedkv.kernels
-from pagedkv.impl.blocks import BlockManager, BlockTableStore, PrefixCachingBlockManager
+from pagedkv.impl.blocks import BlockTableStore
+from pagedkv.impl.serving.dense import dense_generate
 from pagedkv.impl.serving.metrics import step_metrics
+from pagedkv.impl.serving.model import CausalLM, ModelConfig
 from pagedkv.impl.serving.scheduler import Scheduler, SchedulerConfig, SeqStatus
 from pagedkv.spec.block_manager import translate_slot
 from properties.engine_cases import MODEL, check_all_freed, greedy_oracle, one_thread
-from properties.mutants import FIND, load_mutant
+from properties.mutants import CONTROL_SEARCHES, FIND, load_mutant
+from properties.seams import installed, listed_seams
 
 VOCAB = 8
 
@@ -77,15 +86,18 @@ class FaultInjector:
 
     MAX_FAULTS = 2
 
-    def __init__(self) -> None:
+    def __init__(self, observe: Callable[[str], None] | None = None) -> None:
         self.calls = 0
         self.decide: Callable[[str, bool], bool] | None = None
         self.fired: list[str] = []
+        self.observe = observe  # told of every call before it is made
 
     def wrap(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(function)
         def faulty(*args: Any, **kwargs: Any) -> Any:
             self.calls += 1
+            if self.observe is not None:
+                self.observe(name)
             decide = self.decide
             if (
                 decide is not None
@@ -120,6 +132,39 @@ def drawn_faults(data: st.DataObject) -> Callable[[str, bool], bool]:
         return data.draw(st.booleans(), label=f"fail {name} too?")
 
     return decide
+
+
+HUNT_STATS: collections.Counter[tuple[str, str]] = collections.Counter()
+"""Per machine class: ``steps`` run, ``chains`` (steps whose copy found a copy-on-write source
+that every table had let go of: waiting for its copy under the rule, handed out again without
+it) and ``faults`` injected."""
+
+
+class Counted:
+    """A fault machine's step counts in :data:`HUNT_STATS`."""
+
+    chained = False
+
+    def observe(self, name: str) -> None:
+        """Before each wrapped call: at the step's copy, does a pair's source wait for it, or
+        (without the rule) does a pair write a block an earlier pair reads?"""
+        if name.endswith("pending_copy_pairs"):
+            manager = self.engine_store().manager
+            read: set[int] = set()
+            for src, dst in manager.pending_copy_pairs():
+                read.add(src)
+                self.chained |= dst in read
+            self.chained |= bool(manager.waiting_for_copy)
+
+    def engine_store(self) -> Any:
+        raise NotImplementedError
+
+    def count_step(self, injector: FaultInjector) -> None:
+        name = type(self).__name__
+        HUNT_STATS[name, "steps"] += 1
+        HUNT_STATS[name, "chains"] += self.chained
+        HUNT_STATS[name, "faults"] += len(injector.fired)
+        self.chained = False
 
 
 def wrap_methods(injector: FaultInjector, target: Any, names: tuple[str, ...]) -> None:
@@ -187,10 +232,11 @@ SCHEDULER_SETUP = {
 """The pools, budgets and sequence limits the scheduler fault machines draw."""
 
 
-class SchedulerFaultMachine(RuleBasedStateMachine):
+class SchedulerFaultMachine(Counted, RuleBasedStateMachine):
     """The scheduler and a real store, a simulated K/V cache, and faults anywhere."""
 
     SCHEDULER: ClassVar[type] = Scheduler
+    BLOCKS: ClassVar[Any] = pagedkv.impl.blocks.store  # its manager and store classes
 
     @initialize(**SCHEDULER_SETUP)
     def start(
@@ -207,9 +253,11 @@ class SchedulerFaultMachine(RuleBasedStateMachine):
         budget: int,
         window: int | None,
     ) -> None:
-        manager = (PrefixCachingBlockManager if prefix else BlockManager)(total_blocks, block_size)
-        self.injector = FaultInjector()
-        store = BlockTableStore(manager, max_num_seqs, 64)
+        blocks = self.BLOCKS
+        manager_class = blocks.PrefixCachingBlockManager if prefix else blocks.BlockManager
+        manager = manager_class(total_blocks, block_size)
+        self.injector = FaultInjector(self.observe)
+        store = blocks.BlockTableStore(manager, max_num_seqs, 64)
         self.store: Any = FaultyStore(store, self.injector, STORE_CALLS)
         config = SchedulerConfig(max_num_seqs, budget, 0, sliding_window=window)
         self.scheduler = self.SCHEDULER(self.store, config)
@@ -243,6 +291,10 @@ class SchedulerFaultMachine(RuleBasedStateMachine):
     def faulty_step(self, decide: Callable[[str, bool], bool] | None) -> None:
         with self.injector.armed(decide), suppress(InjectedFault):
             self.run_step()
+        self.count_step(self.injector)
+
+    def engine_store(self) -> Any:
+        return self.store
 
     def run_step(self) -> None:
         scheduler, store = self.scheduler, self.store
@@ -278,7 +330,8 @@ class SchedulerFaultMachine(RuleBasedStateMachine):
         assert not set(waiting) & set(running)
         assert all(seq.status.value == SeqStatus.WAITING.value for seq in scheduler.waiting)
         held = {b for seq_id in store.seq_ids for b in store.table(seq_id) if b is not None}
-        assert store.num_free_blocks + len(held) == self.total_blocks, "a block leaked"
+        waiting = len(store.manager.waiting_for_copy)  # sources of pairs a fault left pending
+        assert store.num_free_blocks + len(held) + waiting == self.total_blocks, "a block leaked"
         kv = dict(self.kv)  # as the next step will see it: after the pending copies
         copy_blocks(kv, store.pending_copy_pairs().tolist(), self.block_size)
         for seq in scheduler.running:  # every computed token's K/V reads back: no lost pair
@@ -332,14 +385,113 @@ class WindowSchedulerFaultMachine(SchedulerFaultMachine):
 TestWindowSchedulerFaults = WindowSchedulerFaultMachine.TestCase
 
 
+FORKING_REQUEST = {
+    "prompt": st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=7),
+    "max_new": st.integers(3, 6),
+    "n": st.integers(2, 4),
+}
+"""Requests that fork and then grow: their samples copy the prompt's partly filled last block."""
+
+
+class ChainRequests:
+    """A rule for the chain machines: requests that chain copy-on-write on purpose."""
+
+    VOCAB: ClassVar[int] = VOCAB
+    block_size: int
+    total_blocks: int
+    requests: dict[int, Any]
+    chained: bool
+    add_request: Callable[..., None]  # the machine's own
+    faulty_step: Callable[[Callable[[str, bool], bool] | None], None]
+
+    @rule(seam=st.sampled_from(["pop_copy_pairs", "copy_blocks"]))
+    def step_failing_after_a_chained_copy(self, seam: str) -> None:
+        """A step that fails at ``seam`` (the copies' end, or a layer's copy) once it has
+        copied a list whose source was waiting: the retry the rule is for."""
+        self.faulty_step(lambda name, first: first and self.chained and name.endswith(seam))
+
+    @precondition(lambda self: len(self.requests) < 4 and self.total_blocks >= 3)
+    @rule(data=st.data())
+    def add_two_requests_that_chain(self, data: st.DataObject) -> None:
+        """Two requests that leave one block free: a pair of samples whose prompt ends in a
+        partly filled block, then one whose prompt fills its blocks. Once both are prefilled
+        (in one step), the first sample copies its shared block on write into the last free
+        block, the second request needs a block for its next token, and the preemption frees
+        the other sample, that block's last other holder: the block waits for its copy."""
+        size = self.block_size
+        forked = data.draw(st.integers(1, self.total_blocks - 2), label="its blocks")
+        tail = data.draw(st.integers(1, size - 1), label="its last block's tokens")
+        filled = (self.total_blocks - 1 - forked) * size
+        token = st.integers(0, self.VOCAB - 1)
+        for length, n in ((forked * size - size + tail, 2), (filled, 1)):
+            prompt = data.draw(st.lists(token, min_size=length, max_size=length))
+            self.add_request(prompt, data.draw(st.integers(2, 4), label="max_new"), n)
+
+    @precondition(lambda self: len(self.requests) < 4 and self.total_blocks >= 4)
+    @rule(data=st.data())
+    def add_two_forking_requests_that_chain(self, data: st.DataObject) -> None:
+        """Three samples, then two, each prompt ending in a partly filled block, leaving two
+        blocks free (the issue's run). Once both are prefilled, each request's first sample
+        copies its shared block on write, the next sample of the first finds no block, the
+        preemption of the second request's other sample frees that request's shared block, and
+        the copy on write that follows would take it, while a pending pair still reads it."""
+        size = self.block_size
+        first = data.draw(st.integers(1, self.total_blocks - 3), label="first's blocks")
+        token = st.integers(0, self.VOCAB - 1)
+        for blocks, n in ((first, 3), (self.total_blocks - 2 - first, 2)):
+            tail = data.draw(st.integers(1, size - 1), label="its last block's tokens")
+            length = blocks * size - size + tail
+            prompt = data.draw(st.lists(token, min_size=length, max_size=length))
+            self.add_request(prompt, data.draw(st.integers(2, 4), label="max_new"), n)
+
+
+class ChainSchedulerFaultMachine(ChainRequests, SchedulerFaultMachine):
+    """The same on workloads that chain copy-on-write: pools of 4 to 8 blocks, rows for every
+    sample, and requests that fork into 2 to 4, so a preemption often frees, in the growth that
+    copied it, a block its last other holder copied on write, which then waits for its copy
+    (design.md §5, "Copy-on-write and retries"). A subclass, so the base machine's search for
+    its planted bugs stays as it was."""
+
+    @initialize(
+        total_blocks=st.integers(4, 8),
+        block_size=st.sampled_from([2, 3, 4]),
+        prefix=st.booleans(),
+        max_num_seqs=st.integers(6, 8),
+        budget=st.integers(8, 32),
+    )
+    def start(  # type: ignore[override]
+        self, total_blocks: int, block_size: int, prefix: bool, max_num_seqs: int, budget: int
+    ) -> None:
+        self.set_up(total_blocks, block_size, prefix, max_num_seqs, budget, None)
+
+    @precondition(lambda self: len(self.requests) < 8)
+    @rule(**FORKING_REQUEST)
+    def add_forking_request(self, prompt: list[int], max_new: int, n: int) -> None:
+        self.add_request(prompt, max_new, n)
+
+
+TestChainSchedulerFaults = ChainSchedulerFaultMachine.TestCase
+
+
+def test_the_chain_machine_chains() -> None:
+    """Chains happen in the quick command: a fixed search of the chain machine meets at least
+    one step whose copy finds a waiting source (results.md gives the rate)."""
+    name = ChainSchedulerFaultMachine.__name__
+    before = HUNT_STATS[name, "chains"]
+    search = settings(
+        max_examples=100, stateful_step_count=30, derandomize=True, database=None,
+        deadline=None, suppress_health_check=[HealthCheck.too_slow],
+    )  # fmt: skip
+    run_state_machine_as_test(ChainSchedulerFaultMachine, settings=search)
+    assert HUNT_STATS[name, "chains"] > before
+
+
 # ----------------------------------------------------------------- the engine
 
 
-KERNEL_CALLS = ("copy_blocks", "store_kv", "slot_mapping", "paged_prefill_attention")
-ENGINE_CALLS = (
-    *KERNEL_CALLS, *STORE_CALLS, "schedule", "update", "forward", "compute_logits",
-    "sample_token", "draft_source",
-)  # fmt: skip
+MODELS = {w: MODEL if w is None else CausalLM.from_seed(ModelConfig(sliding_window=w), seed=0)
+          for w in (None, 3, 5)}  # fmt: skip
+"""The engine machine's models: the tiny one, and the same with a sliding window."""
 
 
 class GreedyDrafts:
@@ -348,11 +500,12 @@ class GreedyDrafts:
     (none, if the pick is past the drafts). Reads continuations recorded ahead of time, so it
     never runs the model (whose calls the machine counts and faults) while a step runs."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: CausalLM) -> None:
+        self.model = model
         self.after: dict[tuple[int, ...], list[int]] = {}  # known tokens -> greedy tokens after
 
     def learn(self, prompt: list[int], max_new: int) -> None:
-        tokens = [*prompt, *greedy_oracle(tuple(prompt), max_new).tokens]
+        tokens = [*prompt, *dense_tokens(self.model, tuple(prompt), max_new)]
         for end in range(len(prompt), len(tokens)):
             self.after[tuple(tokens[:end])] = tokens[end:]
 
@@ -364,9 +517,20 @@ class GreedyDrafts:
         return guess
 
 
-class EngineFaultMachine(RuleBasedStateMachine):
-    """The engine, greedy, speculative or not, with parallel sampling up to ``n = 4``, and up
-    to two faults a step in kernels, store, scheduler, model, sampler and draft source."""
+@functools.lru_cache(maxsize=4096)
+def dense_tokens(model: CausalLM, prompt: tuple[int, ...], max_new: int) -> list[int]:
+    """The dense model's greedy continuation (cached: the machine asks after every step)."""
+    return dense_generate(model, prompt, max_new).tokens
+
+
+ENGINE_SEAMS = listed_seams()
+"""Where the engine machine injects: every seam a traced step crosses (properties/seams.py)."""
+
+
+class EngineFaultMachine(Counted, RuleBasedStateMachine):
+    """The engine on every backend, greedy or sampled, speculative or not, with a sliding
+    window or not, parallel sampling up to ``n = 4``, and up to two faults a step at every
+    traced seam (:data:`ENGINE_SEAMS`) and in the draft source."""
 
     ENGINE: ClassVar[type] = pagedkv.impl.serving.engine.PagedAttentionEngine
 
@@ -375,30 +539,36 @@ class EngineFaultMachine(RuleBasedStateMachine):
         block_size=st.sampled_from([1, 2, 4]),
         prefix=st.booleans(),
         speculative=st.integers(0, 3),
+        window=st.sampled_from([None, None, 3, 5]),
+        backend=st.sampled_from(["numba", "reference", "triton"]),
     )
-    def start(self, total_blocks: int, block_size: int, prefix: bool, speculative: int) -> None:
-        self.injector = FaultInjector()
-        self.drafts = GreedyDrafts()
+    def start(
+        self,
+        total_blocks: int,
+        block_size: int,
+        prefix: bool,
+        speculative: int,
+        window: int | None = None,
+        backend: str = "numba",
+        max_num_seqs: int = 4,
+        max_num_batched_tokens: int = 16,
+    ) -> None:
+        self.injector = FaultInjector(self.observe)
+        self.model = MODELS[window]
+        self.drafts = GreedyDrafts(self.model)
         source = self.injector.wrap("draft_source", self.drafts) if speculative else None
-        self.engine = self.ENGINE(
-            MODEL, total_blocks, block_size, max_num_seqs=4, max_num_batched_tokens=16,
-            enable_prefix_caching=prefix, max_model_len=64, draft_source=source,
-            num_speculative_tokens=speculative,
+        self.options = dict(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=prefix,
+            max_model_len=64, draft_source=source, num_speculative_tokens=speculative,
+            backend=backend,
         )  # fmt: skip
-        engine = self.engine
-        engine.store = engine.scheduler.store = FaultyStore(
-            engine.store, self.injector, STORE_CALLS
-        )
-        wrap_methods(self.injector, engine.scheduler, ("schedule", "update"))
-        self.patches = [(pagedkv.impl.serving.engine, "sample_token")]
-        self.patches += [(pagedkv.kernels, name) for name in KERNEL_CALLS]
-        self.patches += [(engine.model, "forward"), (engine.model, "compute_logits")]
-        self.originals = [getattr(target, name) for target, name in self.patches]
-        for (target, name), original in zip(self.patches, self.originals, strict=True):
-            setattr(target, name, self.injector.wrap(name, original))
-        self.requests: dict[int, tuple[list[int], int, int]] = {}
+        self.engine = self.ENGINE(self.model, total_blocks, block_size, **self.options)
+        self.seams = ExitStack()
+        self.seams.enter_context(installed(ENGINE_SEAMS, self.injector.wrap))
+        self.requests: dict[int, tuple[list[int], int, int, int | None]] = {}
         self.outputs: dict[int, list[list[int]]] = {}
-        self.total_blocks = total_blocks
+        self.total_blocks, self.block_size = total_blocks, block_size
 
     def teardown(self) -> None:
         if not hasattr(self, "engine"):
@@ -410,16 +580,28 @@ class EngineFaultMachine(RuleBasedStateMachine):
                 with one_thread():
                     self.collect(self.engine.step().finished)
             assert not self.engine.has_unfinished_requests(), "the engine is wedged"
-            for request_id, (prompt, max_new, n) in self.requests.items():
-                expected = greedy_oracle(tuple(prompt), max_new).tokens
-                assert self.outputs[request_id] == [expected] * n
             assert self.engine.store.num_free_blocks == self.total_blocks, "a block leaked"
-        finally:
-            for (target, name), original in zip(self.patches, self.originals, strict=True):
-                if target is MODEL:
-                    delattr(target, name)  # the shared model's own methods again
+            sampled = self.fault_free_samples()
+            for request_id, (prompt, max_new, n, seed) in self.requests.items():
+                if seed is None:
+                    expected = dense_tokens(self.model, tuple(prompt), max_new)
+                    assert self.outputs[request_id] == [expected] * n
                 else:
-                    setattr(target, name, original)
+                    assert self.outputs[request_id] == sampled[request_id], "a draw repeated"
+        finally:
+            self.seams.close()
+
+    def fault_free_samples(self) -> dict[int, list[list[int]]]:
+        """The sampled requests' outputs in a run of the same requests without faults."""
+        if all(seed is None for *_, seed in self.requests.values()):
+            return {}
+        engine = self.ENGINE(self.model, self.total_blocks, self.block_size, **self.options)
+        for prompt, max_new, n, seed in self.requests.values():
+            temperature = 0.0 if seed is None else 1.0
+            engine.add_request(prompt, max_new, n=n, temperature=temperature, seed=seed)
+        with one_thread():
+            finished = drain(engine)
+        return {out.request_id: out.outputs for out in finished}
 
     def collect(self, finished: list[Any]) -> None:
         for result in finished:
@@ -431,14 +613,20 @@ class EngineFaultMachine(RuleBasedStateMachine):
         prompt=st.lists(st.integers(0, MODEL.config.vocab_size - 1), min_size=1, max_size=9),
         max_new=st.integers(1, 5),
         n=st.integers(1, 4),
+        sampled=st.booleans(),
     )
-    def add_request(self, prompt: list[int], max_new: int, n: int) -> None:
-        """Greedy requests; ``n > 1`` forks, and its first write copies on write."""
+    def add_request(self, prompt: list[int], max_new: int, n: int, sampled: bool = False) -> None:
+        """Greedy requests, or (without speculation) seeded sampled ones; ``n > 1`` forks, and
+        its first write copies on write."""
+        speculative = self.options["num_speculative_tokens"]
+        seed = len(self.requests) if sampled and not speculative else None
         try:
-            request_id = self.engine.add_request(prompt, max_new, n=n)
+            request_id = self.engine.add_request(
+                prompt, max_new, n=n, temperature=0.0 if seed is None else 1.0, seed=seed
+            )
         except ValueError:
             return
-        self.requests[request_id] = (prompt, max_new, n)
+        self.requests[request_id] = (prompt, max_new, n, seed)
         self.drafts.learn(prompt, max_new)
 
     @rule(data=st.data())
@@ -449,13 +637,18 @@ class EngineFaultMachine(RuleBasedStateMachine):
     def faulty_step(self, decide: Callable[[str, bool], bool] | None) -> None:
         with self.injector.armed(decide), one_thread(), suppress(InjectedFault):
             self.collect(self.engine.step().finished)
+        self.count_step(self.injector)
+
+    def engine_store(self) -> Any:
+        return self.engine.store
 
     @invariant()
     def nothing_lost(self) -> None:
         store, scheduler = self.engine.store, self.engine.scheduler
         assert [seq.seq_id for seq in scheduler.running] == list(store.seq_ids)
-        held = {b for seq_id in store.seq_ids for b in store.table(seq_id)}
-        assert store.num_free_blocks + len(held) == self.total_blocks, "a block leaked"
+        held = {b for seq_id in store.seq_ids for b in store.table(seq_id) if b is not None}
+        waiting = len(store.manager.waiting_for_copy)  # sources of pairs a fault left pending
+        assert store.num_free_blocks + len(held) + waiting == self.total_blocks, "a block leaked"
         live = {seq.request_id for seq in [*scheduler.running, *scheduler.waiting]}
         for request_id in self.requests:
             assert not (request_id in live and request_id in self.outputs), "duplicated"
@@ -464,9 +657,10 @@ class EngineFaultMachine(RuleBasedStateMachine):
         for seq in scheduler.running:  # a table holds the tokens, or all but the last sampled
             assert 0 <= seq.num_tokens - store.token_count(seq.seq_id) <= 1, "a draft stayed"
         for seq in [*scheduler.running, *scheduler.waiting]:
-            prompt, max_new, _ = self.requests[seq.request_id]
-            greedy = greedy_oracle(tuple(prompt), max_new).tokens
-            assert seq.output == greedy[: len(seq.output)], "a token greedy decoding never gives"
+            prompt, max_new, _, seed = self.requests[seq.request_id]
+            if seed is None:
+                greedy = dense_tokens(self.model, tuple(prompt), max_new)
+                assert seq.output == greedy[: len(seq.output)], "a token greedy never gives"
 
 
 ENGINE_SETTINGS = settings(
@@ -479,6 +673,39 @@ ENGINE_SETTINGS = settings(
 TestEngineFaults = EngineFaultMachine.TestCase
 TestEngineFaults.settings = ENGINE_SETTINGS
 
+
+class ChainEngineFaultMachine(ChainRequests, EngineFaultMachine):
+    """The engine machine on workloads that chain copy-on-write (as
+    :class:`ChainSchedulerFaultMachine`): pools of 4 to 8 blocks and rows for every sample."""
+
+    VOCAB = MODEL.config.vocab_size
+
+    @initialize(
+        total_blocks=st.integers(4, 8),
+        block_size=st.sampled_from([2, 3, 4]),
+        prefix=st.booleans(),
+        speculative=st.sampled_from([0, 0, 2]),
+        window=st.sampled_from([None, None, 5]),
+        backend=st.sampled_from(["numba", "reference", "triton"]),
+    )
+    def start(  # type: ignore[override]
+        self,
+        total_blocks: int,
+        block_size: int,
+        prefix: bool,
+        speculative: int,
+        window: int | None,
+        backend: str,
+    ) -> None:
+        super().start(total_blocks, block_size, prefix, speculative, window, backend, 8, 32)
+
+    @precondition(lambda self: len(self.requests) < 4)
+    @rule(prompt=st.lists(st.integers(0, MODEL.config.vocab_size - 1), min_size=1, max_size=7),
+          max_new=st.integers(3, 6), n=st.integers(2, 4))  # fmt: skip
+    def add_forking_request(self, prompt: list[int], max_new: int, n: int) -> None:
+        self.add_request(prompt, max_new, n)
+
+
 HUNT = settings(
     max_examples=300, stateful_step_count=30, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
@@ -488,12 +715,24 @@ HUNT = settings(
 
 @pytest.mark.long
 @pytest.mark.parametrize(
-    "machine", [SchedulerFaultMachine, WindowSchedulerFaultMachine, EngineFaultMachine]
-)
+    "machine",
+    [
+        SchedulerFaultMachine, WindowSchedulerFaultMachine, ChainSchedulerFaultMachine,
+        EngineFaultMachine, ChainEngineFaultMachine,
+    ],
+)  # fmt: skip
 def test_long_fault_hunt(machine: type) -> None:
-    """The fault machines above, far longer: up to two faults a step, anywhere."""
-    hunt = settings(HUNT, max_examples=3000) if machine is not EngineFaultMachine else HUNT
+    """The fault machines above, far longer: up to two faults a step, anywhere. Prints what it
+    ran (``-s``); the chain machines must meet chains."""
+    hunt = HUNT if issubclass(machine, EngineFaultMachine) else settings(HUNT, max_examples=3000)
     run_state_machine_as_test(machine, settings=hunt)
+    name = machine.__name__
+    steps, chains, faults = (HUNT_STATS[name, key] for key in ("steps", "chains", "faults"))
+    print(
+        f"{name}: {steps} steps, {faults} faults injected, {chains} chained copies "
+        f"({1000 * chains / steps:.1f} per 1,000 steps)"
+    )
+    assert chains > 0 or not issubclass(machine, ChainRequests)
 
 
 # ----------------------------------------------------------------- every pair of faults
@@ -603,6 +842,49 @@ UNDO_PLANTED = {
 }
 """The undo paths as they were (checked store calls, which a second fault can fail): only
 two faults in one step find them, which the sweeps of every pair do."""
+
+
+WITHOUT_THE_RETRY_RULE = {
+    pagedkv.impl.blocks.pool: (
+        "waits = self.is_source.take(freed)",
+        "waits = np.zeros(freed.size, dtype=np.bool_)",
+    ),
+    pagedkv.impl.blocks.growth: (
+        "free += left == 0 and block not in sources",
+        "free += left == 0",
+    ),
+}
+"""The block layer as it was before the retry rule (design.md §5): a pending copy's source
+joins the free queue when its last table lets go, and the growth plan counts it free."""
+
+
+def chain_machine_over(edits: dict[Any, tuple[str, str]]) -> type:
+    """:class:`ChainSchedulerFaultMachine` over a manager and store whose block layer has
+    ``edits`` planted (module -> ``(old, new)``), every module above a planted one loaded again
+    over the copies."""
+    layer = [
+        pagedkv.impl.blocks.pool, pagedkv.impl.blocks.manager, pagedkv.impl.blocks.prefix_cache,
+        pagedkv.impl.blocks.growth, pagedkv.impl.blocks.store,
+    ]  # fmt: skip
+    shared = ("CapacityError", "OutOfBlocksError", "BlockTableError")
+    copies: dict[str, Any] = {}
+    for module in layer:
+        old, new = edits.get(module, ("", ""))
+        names = tuple(name for name in shared if hasattr(module, name))
+        copies[module.__name__] = load_mutant(module, old, new, names, using=dict(copies))
+    blocks = copies[pagedkv.impl.blocks.store.__name__]
+    return type("PlantedChainScheduler", (ChainSchedulerFaultMachine,), {"BLOCKS": blocks})
+
+
+def test_the_chain_machine_catches_the_block_layer_without_the_retry_rule() -> None:
+    with pytest.raises(Exception):  # noqa: B017 - an assertion or a crash inside a rule
+        run_state_machine_as_test(chain_machine_over(WITHOUT_THE_RETRY_RULE), settings=FIND)
+
+
+@pytest.mark.parametrize("search", CONTROL_SEARCHES)
+def test_control_unmutated_block_layer_passes_the_chain_machine(search: settings) -> None:
+    faithful = {module: ("", "") for module in WITHOUT_THE_RETRY_RULE}
+    run_state_machine_as_test(chain_machine_over(faithful), settings=search)
 
 
 def planted_machine(module: Any, old: str, new: str) -> tuple[type, settings]:

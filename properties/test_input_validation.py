@@ -538,3 +538,23 @@ def test_a_bad_prompt_anywhere_in_generate_queues_nothing() -> None:
     assert not engine.has_unfinished_requests()
     outputs = engine.generate([[1, 2, 3]], 3)
     assert outputs[0].request_id == 0 and len(outputs[0].outputs[0]) == 3
+
+
+def test_max_model_len_bounds_the_prompt_plus_output_exactly() -> None:
+    """Block size 4, ``max_model_len=10``: a prompt plus ``max_new_tokens`` of 10 is served,
+    of 11 refused (as vLLM refuses it), though the table's three blocks hold 12 tokens."""
+    from pagedkv.impl.serving.scheduler import RequestTooLargeError
+
+    eng = PagedAttentionEngine(MODEL, 16, 4, max_num_seqs=2, max_model_len=10)
+    for prompt_len, max_new in ((5, 6), (1, 10), (10, 1)):
+        with pytest.raises(RequestTooLargeError, match="max_model_len=10"):
+            eng.add_request([1] * prompt_len, max_new)
+    assert not eng.has_unfinished_requests()
+    with one_thread():
+        outputs = eng.generate([[1] * 5, [2] * 9], 1)
+    assert [len(out.outputs[0]) for out in outputs] == [1, 1]
+    eng.add_request([1] * 5, 5)
+    with one_thread():
+        while eng.has_unfinished_requests():
+            eng.step()
+    check_all_freed(eng)

@@ -390,7 +390,7 @@ PLANTED = {
 COPY_SOURCE_PLANTED = {
     "a preemption plan counts a source waiting for its copy as free": (
         pagedkv.impl.blocks.growth,
-        "free += left == 0 and block not in sources and not pool.is_source[block]",
+        "free += left == 0 and block not in sources",
         "free += left == 0",
     ),
 }

@@ -39,6 +39,22 @@ class Int(int):
     pass
 
 
+class LyingInt(int):
+    """An int subclass whose arithmetic is off by one: a layer that computes with the argument
+    instead of the plain value its check returned goes wrong."""
+
+    def __add__(self, other: object) -> int:
+        return int(self) + int(other) + 1  # type: ignore[call-overload]
+
+    __radd__ = __add__
+
+    def __sub__(self, other: object) -> int:
+        return int(self) - int(other) - 1  # type: ignore[call-overload]
+
+    def __rsub__(self, other: object) -> int:
+        return int(other) - int(self) - 1  # type: ignore[call-overload]
+
+
 class Str(str):
     pass
 
@@ -49,6 +65,8 @@ class Bytes(bytes):
 
 ZOO: dict[str, object] = {
     "int subclass": Int(3),
+    "int subclass with its own arithmetic": LyingInt(3),
+    "None": None,
     "bool": True,
     "numpy int64": np.int64(3),
     "numpy bool": np.bool_(True),
@@ -180,6 +198,23 @@ def test_spec_and_impl_managers_agree() -> None:
         if got_spec[0] == "ok":
             assert got_spec[1] == got_impl[1], what
         assert spec.free_block_ids() == impl.free_block_ids(), what
+
+
+def test_allocate_array_takes_what_allocate_takes() -> None:
+    for label, value in ZOO.items():
+        array, listed = ImplManager(8, 4), ImplManager(8, 4)
+        got = verdict(lambda: array.allocate_array(value).tolist())  # noqa: B023 - called here
+        assert got == verdict(lambda: listed.allocate(value)), label  # noqa: B023
+        assert array.free_block_ids() == listed.free_block_ids(), label
+
+
+def test_request_outputs_hold_the_checked_prompt() -> None:
+    """``RequestOutput.prompt`` is the prompt as plain ints, not the caller's token objects."""
+    eng = engine()
+    tokens = [Int(5), LyingInt(7), 9]
+    with one_thread():
+        (out,) = eng.generate([tokens], 2)
+    assert out.prompt == [5, 7, 9] and all(type(token) is int for token in out.prompt)
 
 
 STORE_CALLS: dict[str, tuple[Callable[[Any, object], Any], Callable[[Any, Any, object], Any]]] = {

@@ -156,8 +156,9 @@ DIVERGENCES: dict[str, Divergence] = {
             NO_FORK,
             "no fork or copy-on-write of a running request's blocks: n > 1 samples are separate "
             "requests that share the prompt through the prefix cache",
-            "fork shares a table; append_slot copies a shared block on write",
-            "the machine does not fork",
+            "fork shares a table; append_slot copies a shared block on write, and a pending "
+            "copy's source waits for its copy instead of joining the free queue",
+            "the machine does not fork, so no pair is ever pending and no block waits",
             "scope",
         ),
         Divergence(

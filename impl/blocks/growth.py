@@ -148,7 +148,8 @@ def plan(g: Growth, free: int, preempt: bool, tables: BlockTables, pool: BlockPo
             steps = [(False, removed), (True, list(range(stop)))]
             return Plan(grown, g.shared & grown, removed, steps)
     refs: dict[int, int] = {}  # the blocks whose counts the plan has changed so far
-    sources: set[int] = set()  # the blocks the plan has copied on write so far
+    # Copy-on-write sources: of pairs already pending, then of the plan's own copies.
+    sources = set(pool.pending_sources()) if pool.copy_pairs else set()
     grown = np.zeros(n, dtype=np.bool_)
     copies = np.zeros(n, dtype=np.bool_)
     removed: list[int] = []
@@ -173,7 +174,7 @@ def plan(g: Growth, free: int, preempt: bool, tables: BlockTables, pool: BlockPo
                 left = refs.get(block, held_refs[index]) - 1
                 refs[block] = left
                 # A pending copy's source waits for the copy instead of joining the queue.
-                free += left == 0 and block not in sources and not pool.is_source[block]
+                free += left == 0 and block not in sources
         if tail < i:  # it was itself removed
             break
         if need <= free:

@@ -227,7 +227,7 @@ class BlockManager:
 
     def allocate_array(self, num_blocks: int) -> IdArray:
         """``allocate``, returning the ids as a new ``intp`` array instead of a list."""
-        check_int("num_blocks", num_blocks, 0)
+        num_blocks = check_int("num_blocks", num_blocks, 0)  # a plain int: its value
         check_available(num_blocks, self.pool.num_free)
         return self.pool.take(num_blocks)
 

@@ -143,6 +143,10 @@ class BlockPool:
         self.copy_pairs.append(np.stack((src, dst), axis=1).astype(np.int32))
         self.is_source[src] = True
 
+    def pending_sources(self) -> list[int]:
+        """The blocks that pending pairs read."""
+        return np.flatnonzero(self.is_source).tolist()
+
     def pending_copy_pairs(self) -> NDArray[np.int32]:
         """The pending ``(src, dst)`` pairs as a new ``int32[P, 2]`` array, oldest first, still
         pending: a caller copies, then pops, so a failed copy loses no pair."""

@@ -42,6 +42,7 @@ from pagedkv.impl.blocks.tables import BlockTables, CapacityError
 from pagedkv.spec.checks import (
     INT32_MAX,
     check_int,
+    check_window,
     int32_window,
 )
 
@@ -331,7 +332,7 @@ class BlockTableStore:
         step = (
             None if token_counts is None else check_counts("token_counts", token_counts, rows.size)
         )
-        width = int32_window(window)  # the checked window; None: wider than any count
+        width = int32_window(check_window(window))  # None: wider than any count the store holds
         lengths = self._rows.num_blocks.take(rows)
         if step is None:
             counts = self._rows.token_counts.take(rows).astype(np.int64)

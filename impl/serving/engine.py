@@ -100,9 +100,10 @@ class PagedAttentionEngine:
     ``enable_kv_events`` records KV events for :meth:`take_kv_events`. ``backend`` is the
     kernels' backend (``None``: ``PAGEDKV_BACKEND`` or auto). With ``keep_logits`` each output keeps
     the logits of every step, for comparison with an oracle. ``max_model_len`` is the longest
-    sequence (prompt plus output) served: each block table is ``ceil(max_model_len /
-    block_size)`` blocks wide, so per-step costs follow the model, not the pool, and a request
-    that could outgrow it is refused (``RequestTooLargeError``).
+    sequence (prompt plus output) served: a request whose prompt plus ``max_new_tokens``
+    exceeds it is refused (``RequestTooLargeError``, as vLLM does), and each block table is
+    ``ceil(max_model_len / block_size)`` blocks wide, so per-step costs follow the model, not
+    the pool.
 
     With ``draft_source`` and ``num_speculative_tokens=k`` (both or neither) the engine decodes
     speculatively (``pagedkv.impl.serving.speculative``): each step, every sequence whose step
@@ -156,8 +157,9 @@ class PagedAttentionEngine:
             manager, max_num_seqs, blocks_needed(max_model_len, block_size)
         )
         config = SchedulerConfig(
-            max_num_seqs, max_num_batched_tokens, watermark_blocks, model.config.sliding_window
-        )
+            max_num_seqs, max_num_batched_tokens, watermark_blocks, model.config.sliding_window,
+            max_model_len,
+        )  # fmt: skip
         self.scheduler = Scheduler(self.store, config)
         self.kv = PagedKVCache(
             model.config, total_blocks, block_size,
@@ -201,7 +203,7 @@ class PagedAttentionEngine:
         ``eos_token_id`` outside the vocabulary, and what ``sampling.check_temperature`` raises
         for a temperature outside its rule. All-or-nothing: nothing is queued when it raises.
         """
-        self._check_prompt(prompt)
+        prompt = self._check_prompt(prompt)
         temperature = self._check_options(temperature, eos_token_id, seed)
         request_id = self._next_request_id
         seq = self.scheduler.add_request(
@@ -209,19 +211,23 @@ class PagedAttentionEngine:
             cache_salt=cache_salt,
         )  # fmt: skip
         self._next_request_id += 1
-        base = (self.seed, request_id) if seed is None else (seed,)
+        n = seq.num_samples  # the checked values, plain ints
+        base = (self.seed, request_id) if seed is None else (check_int("seed", seed, 0),)
         generators = [
             torch.Generator().manual_seed(hash((*base, i)) & 0x7FFF_FFFF) for i in range(n)
         ]
-        self._requests[request_id] = _Request(list(prompt), n, temperature, generators, {0: seq})
+        self._requests[request_id] = _Request(prompt, n, temperature, generators, {0: seq})
         self._logits[seq.seq_id] = []
         return request_id
 
-    def _check_prompt(self, prompt: abc.Sequence[int]) -> None:
-        """The engine's own check of a prompt (the scheduler's follow): ints in the vocabulary."""
+    def _check_prompt(self, prompt: abc.Sequence[int]) -> list[int]:
+        """The engine's own check of a prompt (the scheduler's follow): ints in the vocabulary.
+        Returns it as plain ints."""
         vocab = self.model.config.vocab_size
-        if any(token >= vocab for token in check_tokens(prompt)):
+        tokens = check_tokens(prompt)
+        if any(token >= vocab for token in tokens):
             raise ValueError(f"prompt tokens must lie in [0, {vocab})")
+        return tokens
 
     def _check_options(self, temperature: object, eos_token_id: object, seed: object) -> float:
         """The engine's own checks of a request's options; returns the temperature as a float."""
@@ -277,9 +283,11 @@ class PagedAttentionEngine:
         """
         plan = self.scheduler.schedule()
         drafts: dict[int, list[int]] = {}
+        before: speculative.Before = {}
+        drawn: list[tuple[torch.Generator, torch.Tensor]] = []  # generator states before draws
         if self.draft_source is not None:
             budget = self.scheduler.config.max_num_batched_tokens - plan.num_batched_tokens
-            plan, drafts = speculative.draft(
+            plan, drafts, before = speculative.draft(
                 plan, self.store, self.draft_source, self.num_speculative_tokens, budget,
                 self.model.config.vocab_size,
             )  # fmt: skip
@@ -291,12 +299,14 @@ class PagedAttentionEngine:
             # as no pending pair writes a pending source (docs/design.md §5, "Copy-on-write and
             # retries").
             self.store.pop_copy_pairs()
-            sampled, rows = self._run(plan, drafts) if plan.seqs else ([], {})
+            sampled, rows = self._run(plan, drafts, drawn) if plan.seqs else ([], {})
             verified = speculative.roll_back(plan, drafts, rows, self.store) if drafts else plan
             forked, finished = self.scheduler.update(verified, sampled)
         except BaseException:
+            for generator, state in reversed(drawn):  # no sample draws twice
+                generator.set_state(state)
             if drafts:
-                speculative.undraft(plan, drafts, self.store)
+                speculative.undraft(plan, before, self.store)
             raise
         if self.keep_logits:
             for seq_id, row in rows.items():
@@ -371,7 +381,10 @@ class PagedAttentionEngine:
     # ----------------------------------------------------------------- internals
 
     def _run(
-        self, plan: SchedulerOutput, drafts: abc.Mapping[int, list[int]]
+        self,
+        plan: SchedulerOutput,
+        drafts: abc.Mapping[int, list[int]],
+        drawn: list[tuple[torch.Generator, torch.Tensor]],
     ) -> tuple[list[int], dict[int, torch.Tensor]]:
         """Compute the planned tokens through the paged cache; sample where a step completes a
         sequence's known tokens. Returns the sampled tokens, flat in ``plan.sampling`` order as
@@ -379,8 +392,9 @@ class PagedAttentionEngine:
         vocab]``) by sequence id: every sampling sequence's with ``keep_logits``, else only the
         drafted ones'. A sequence with ``drafts`` (its last tokens in the plan) gets the greedy
         token after its accepted drafts, and the rows of those drafts and of that token.
-        Changes nothing outside the K/V cache, whose slots a retry rewrites: a failed draw puts
-        back every generator state it advanced."""
+        Changes nothing outside the K/V cache, whose slots a retry rewrites, and the samplers'
+        generators: each state is appended to ``drawn`` before its draw, for the step to put
+        back if anything fails before it commits."""
         device = self.kv.device
         starts, counts, ends = plan.starts, plan.num_tokens, plan.ends
         batch = self.store.batch(plan.seq_ids)
@@ -411,38 +425,32 @@ class PagedAttentionEngine:
         argmax = logits.numpy().argmax(axis=-1).tolist()
         sampled: list[int] = []
         rows: dict[int, torch.Tensor] = {}
-        advanced: list[tuple[torch.Generator, torch.Tensor]] = []
-        try:
-            offset = 0
-            for seq, n in zip(sampling, lengths, strict=True):
-                guess = drafts.get(seq.seq_id) if drafts else None
-                if guess:  # greedy: the drafts greedy decoding agrees with, then its next token
-                    greedy = argmax[offset : offset + n]
-                    kept = accepted_drafts(guess, greedy, seq.eos_token_id)
-                    sampled.append(greedy[kept])
-                    rows[seq.seq_id] = logits[offset : offset + kept + 1]
+        offset = 0
+        for seq, n in zip(sampling, lengths, strict=True):
+            guess = drafts.get(seq.seq_id) if drafts else None
+            if guess:  # greedy: the drafts greedy decoding agrees with, then its next token
+                greedy = argmax[offset : offset + n]
+                kept = accepted_drafts(guess, greedy, seq.eos_token_id)
+                sampled.append(greedy[kept])
+                rows[seq.seq_id] = logits[offset : offset + kept + 1]
+            else:
+                request = self._requests[seq.request_id]
+                if not request.temperature:
+                    sampled += [argmax[offset]] * seq.num_samples
                 else:
-                    request = self._requests[seq.request_id]
-                    if not request.temperature:
-                        sampled += [argmax[offset]] * seq.num_samples
-                    else:
-                        for j in range(seq.num_samples):
-                            generator = request.generators[seq.sample_index + j]
-                            advanced.append((generator, generator.get_state()))
-                            sampled.append(
-                                sample_token(logits[offset], request.temperature, generator)
-                            )
-                    if self.keep_logits:
-                        rows[seq.seq_id] = logits[offset : offset + n]
-                offset += n
-        except BaseException:
-            for generator, state in reversed(advanced):
-                generator.set_state(state)
-            raise
+                    for j in range(seq.num_samples):
+                        generator = request.generators[seq.sample_index + j]
+                        drawn.append((generator, generator.get_state()))
+                        sampled.append(sample_token(logits[offset], request.temperature, generator))
+                if self.keep_logits:
+                    rows[seq.seq_id] = logits[offset : offset + n]
+            offset += n
         return sampled, rows
 
     def _record(self, forked: list[Sequence], finished: list[Sequence]) -> list[RequestOutput]:
-        """Track forked samples; return the requests whose every sample has finished."""
+        """Track forked samples; return the requests whose every sample has finished. Runs
+        after the scheduler committed the step, so it calls no other module: nothing in it
+        can fail (docs/design.md §10, "Failure semantics")."""
         for child in forked:
             self._requests[child.request_id].seqs[child.sample_index] = child
             parent_rows = self._logits[self._requests[child.request_id].seqs[0].seq_id]
@@ -463,4 +471,5 @@ class PagedAttentionEngine:
         if self.keep_logits:
             vocab = self.model.config.vocab_size
             logits = [torch.stack(r) if r else torch.empty(0, vocab) for r in rows]
-        return RequestOutput(request_id, request.prompt, [seq.output for seq in seqs], logits)
+        outputs = [seq.tokens[seq.prompt_len :] for seq in seqs]
+        return RequestOutput(request_id, request.prompt, outputs, logits)

@@ -96,6 +96,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     watermark_blocks: int = 0
     sliding_window: int | None = None
+    max_model_len: int | None = None  # the longest prompt plus output served; None: no limit
 
     def __post_init__(self) -> None:
         check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -103,6 +104,8 @@ class SchedulerConfig:
         check_int("watermark_blocks", self.watermark_blocks, 0)
         if self.sliding_window is not None:
             check_int("sliding_window", self.sliding_window, 1)
+        if self.max_model_len is not None:
+            check_int("max_model_len", self.max_model_len, 1)
 
 
 class SeqStatus(enum.Enum):
@@ -309,8 +312,8 @@ class Scheduler:
         up to ``len(prompt) + max_new_tokens - 1`` tokens (the last token is never computed),
         which must fit the pool and a table, and its ``n`` samples must fit ``max_num_seqs``.
         """
-        check_int("max_new_tokens", max_new_tokens, 1)
-        check_int("n", n, 1)
+        max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)  # plain ints: the
+        n = check_int("n", n, 1)  # values, whatever an int subclass's arithmetic does
         if eos_token_id is not None:
             eos_token_id = check_int("eos_token_id", eos_token_id, 0)
             if eos_token_id > _INT64_MAX:
@@ -319,6 +322,12 @@ class Scheduler:
         prompt = check_tokens(prompt)  # plain ints: an int subclass is taken as its value
         if not prompt:
             raise ValueError("the prompt must hold at least one token")
+        max_model_len = self.config.max_model_len
+        if max_model_len is not None and len(prompt) + max_new_tokens > max_model_len:
+            raise RequestTooLargeError(
+                f"request {request_id}: its prompt of {len(prompt)} tokens plus "
+                f"max_new_tokens={max_new_tokens} exceeds max_model_len={max_model_len}"
+            )
         max_len = len(prompt) + max_new_tokens - 1
         needed = blocks_needed(max_len, self.store.block_size)
         capacity = min(self.store.total_blocks, self.store.max_blocks_per_seq)

@@ -65,6 +65,11 @@ def accepted_drafts(drafts: Sequence[int], greedy: Sequence[int], eos_token_id: 
     return kept
 
 
+Before = dict[int, tuple[int, int]]
+"""Each drafted sequence's row in the plan and its end before its drafts, by sequence id: what
+:func:`undraft` gives back to."""
+
+
 def draft(
     plan: SchedulerOutput,
     store: BlockTableStore,
@@ -72,15 +77,16 @@ def draft(
     num_speculative_tokens: int,
     budget: int,
     vocab_size: int,
-) -> tuple[SchedulerOutput, dict[int, list[int]]]:
+) -> tuple[SchedulerOutput, dict[int, list[int]], Before]:
     """Give each sequence whose step samples (one sample) up to ``num_speculative_tokens``
     drafts, within ``budget`` more tokens in the step and the room left in its output, and grow
-    its table by them. Returns the plan that also computes the drafts, and the drafts by
-    sequence id. Every draft source call is made and checked before anything changes; a
-    sequence the pool cannot grow now is not speculated this step."""
+    its table by them. Returns the plan that also computes the drafts, the drafts by sequence
+    id, and what :func:`undraft` needs. All-or-nothing: every draft source call is made and
+    checked before anything changes, and a failure after the growth gives it back; a sequence
+    the pool cannot grow now is not speculated this step."""
     drafts: dict[int, list[int]] = {}
     for seq in plan.sampling:
-        room = seq.max_new_tokens - len(seq.output) - 1  # beyond the token it samples
+        room = seq.max_new_tokens - len(seq.tokens) + seq.prompt_len - 1  # beyond its sample
         k = min(num_speculative_tokens, budget, room)
         if seq.num_samples > 1 or k < 1:
             continue
@@ -89,16 +95,23 @@ def draft(
             drafts[seq.seq_id] = guess
             budget -= len(guess)
     if not drafts:
-        return plan, drafts
+        return plan, drafts, {}
+    ends = plan.ends
+    rows = {seq_id: row for row, seq_id in enumerate(plan.seq_ids.tolist()) if seq_id in drafts}
     for seq_id in store.grow(list(drafts), [len(d) for d in drafts.values()]):
         del drafts[seq_id]  # no free block for its drafts now
+    before = {seq_id: (rows[seq_id], int(ends[rows[seq_id]])) for seq_id in drafts}
     extra = np.zeros(len(plan.seqs), np.int64)
-    for row, seq_id in enumerate(plan.seq_ids.tolist()):
-        guess = drafts.get(seq_id)
-        if guess:
-            plan.seqs[row].tokens.extend(guess)
-            extra[row] = len(guess)
-    return replace(plan, num_tokens=plan.num_tokens + extra), drafts
+    for seq_id, (row, _) in before.items():
+        extra[row] = len(drafts[seq_id])
+    try:
+        drafted = replace(plan, num_tokens=plan.num_tokens + extra)
+    except BaseException:
+        undraft(plan, before, store)  # the tokens hold no draft yet
+        raise
+    for seq_id, (row, _) in before.items():  # nothing after this can fail
+        plan.seqs[row].tokens.extend(drafts[seq_id])
+    return drafted, drafts, before
 
 
 def roll_back(
@@ -122,17 +135,12 @@ def roll_back(
     return replace(plan, num_tokens=ends - plan.starts)
 
 
-def undraft(plan: SchedulerOutput, drafts: Mapping[int, list[int]], store: BlockTableStore) -> None:
+def undraft(plan: SchedulerOutput, before: Before, store: BlockTableStore) -> None:
     """A speculative step failed: each drafted sequence's table and tokens go back to what they
-    were before its drafts, so the next step schedules the same work again. Cannot fail
-    (``store.undo_growth`` checks nothing and takes no block), so a fault in :func:`roll_back`
-    followed by another anywhere leaves no unverified draft behind."""
-    ends = plan.ends.tolist()
-    before = {  # seq id -> (row, end before its drafts)
-        seq_id: (row, ends[row] - len(drafts[seq_id]))
-        for row, seq_id in enumerate(plan.seq_ids.tolist())
-        if seq_id in drafts
-    }
+    were before its drafts (``before``, from :func:`draft`), so the next step schedules the
+    same work again. Cannot fail: ``store.undo_growth`` checks nothing and takes no block, and
+    nothing else here calls another module, so a fault in :func:`roll_back` followed by another
+    anywhere leaves no unverified draft behind."""
     store.undo_growth(list(before), [end for _, end in before.values()])
     for row, end in before.values():
         del plan.seqs[row].tokens[end:]
