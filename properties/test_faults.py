@@ -795,7 +795,7 @@ def test_every_pair_of_faults_in_the_scheduler() -> None:
 
 
 ENGINE_SWEEP = (
-    {"total_blocks": 12, "block_size": 2, "prefix": True, "speculative": 2},
+    {"total_blocks": 12, "block_size": 2, "prefix": True, "speculative": 2, "backend": "reference"},
     [
         {"prompt": [5, 7, 9, 11, 13], "max_new": 4, "n": 3},
         {"prompt": [5, 7, 9], "max_new": 5, "n": 1},

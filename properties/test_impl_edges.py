@@ -141,3 +141,27 @@ def test_releasing_several_tables_at_once_orders_the_queue_as_frees_in_turn(
     same_state(spec, impl)
     expected = [8, 2, 1, 0, 7, 6, 5, 4, 3] if shared else [8, 2, 1, 0, 4, 3, 7, 6, 5]
     assert spec.free_block_ids() == expected
+
+
+def waiting_state(manager: Any) -> tuple[list[int], list[int], list[int]]:
+    refs = [manager.ref_count(b) for b in range(manager.total_blocks)]
+    return manager.free_block_ids(), list(manager.waiting_for_copy), refs
+
+
+@pytest.mark.parametrize("manager_class", [SpecBlockManager, BlockManager])
+def test_a_source_is_a_source_only_while_its_pair_is_pending(manager_class: type) -> None:
+    """Block 0 is copied on write, its pair taken, then the block freed while a later pair is
+    pending: it joins the free queue (it waits only for a pair that reads it)."""
+    manager = manager_class(4, 4)
+    table = manager.allocate(1)  # [0], one token
+    sibling = manager.fork(table)
+    table = manager.append_slot(table, 2)  # copies 0 -> 1
+    assert manager.pop_copy_pairs() == [(0, 1)]
+    forked = manager.fork(table)
+    table = manager.append_slot(table, 3)  # copies 1 -> 2: pending
+    manager.free(sibling)  # block 0's last holder
+    assert waiting_state(manager) == ([3, 0], [], [0, 1, 1, 0])
+    manager.free(forked)  # block 1's last holder: it waits for (1, 2)
+    assert waiting_state(manager) == ([3, 0], [1], [0, 0, 1, 0])
+    assert manager.pop_copy_pairs() == [(1, 2)]
+    assert waiting_state(manager) == ([3, 0, 1], [], [0, 0, 1, 0])

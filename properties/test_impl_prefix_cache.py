@@ -22,6 +22,7 @@ from pagedkv.impl.blocks.prefix_cache import (
     check_tokens,
 )
 from pagedkv.spec import BlockTableError, OutOfBlocksError
+from pagedkv.spec.prefix_cache import PrefixCachingBlockManager as SpecPrefixManager
 from properties.machines.differential import IntSubclass
 from properties.machines.prefix import (
     PrefixDifferentialMachine,
@@ -130,3 +131,29 @@ SCENARIOS: dict[str, Callable[[], None]] = {
 def test_spec_scenario_on_impl(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(spec_scenarios, "PrefixCachingBlockManager", PrefixCachingBlockManager)
     SCENARIOS[name]()
+
+
+@pytest.mark.parametrize("manager_class", [SpecPrefixManager, PrefixCachingBlockManager])
+def test_a_hit_revives_a_cached_block_waiting_for_its_copy(manager_class: type) -> None:
+    """A cached block copied on write (after a truncate cut into it) and then let go by its
+    last holder waits for its copy with its key. While it waits, a hit on a free cached block
+    revives that one from the queue, and a hit on the waiting one revives it from the waiting
+    blocks; neither joins the queue when the pairs are taken."""
+    manager = manager_class(6, 2)
+    other, _ = manager.allocate_prompt([5, 6])  # [0]
+    manager.cache_blocks(other, [5, 6])
+    manager.free(other)  # block 0: cached, free
+    table, _ = manager.allocate_prompt([1, 2, 3])  # [1, 2]
+    manager.cache_blocks(table, [1, 2, 3])  # block 1 holds [1, 2]
+    sibling = manager.fork(table)
+    table = manager.truncate(table, 1)  # [1]: cut into block 1, which the sibling holds
+    table = manager.append_slot(table, 2)  # copies 1 -> 3
+    manager.free(sibling)  # block 2 is free, block 1 waits for its copy
+    assert (manager.free_block_ids(), manager.waiting_for_copy) == ([4, 5, 0, 2], [1])
+    assert manager.allocate_prompt([5, 6, 7]) == ([0, 4], 2)  # from the queue
+    assert (manager.free_block_ids(), manager.waiting_for_copy) == ([5, 2], [1])
+    assert manager.allocate_prompt([1, 2, 9]) == ([1, 5], 2)  # from the waiting blocks
+    assert (manager.free_block_ids(), manager.waiting_for_copy) == ([2], [])
+    assert manager.pop_copy_pairs() == [(1, 3)]
+    assert manager.free_block_ids() == [2]
+    assert [manager.ref_count(b) for b in range(6)] == [1, 1, 0, 1, 1, 1]
