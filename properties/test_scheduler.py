@@ -442,3 +442,19 @@ def test_a_request_keeps_plain_ints_and_refuses_an_eos_past_int64() -> None:
     assert [s.request_id for s in scheduler.waiting] == [0]
     out = scheduler.schedule()
     assert out.seq_ids.dtype == np.int64
+
+
+def test_occupancy_leaves_out_a_block_waiting_for_its_copy() -> None:
+    """A growth that copies a shared block on write and then preempts its last other holder:
+    until the pairs are taken that block waits for its copy, held by no table, so it is not a
+    used block (CI's search found ``kv_occupancy`` counting it)."""
+    store = BlockTableStore(BlockManager(5, 4), 4, 4)
+    store.add(0, 5)  # blocks 0, 1; block 1 holds one token
+    store.fork(0, 1)
+    store.add(2, 4)  # block 2, full: its next token needs a block
+    store.add(3, 4)  # block 3
+    # 0 copies 1 -> 4, 2 finds no block: 1 is preempted (block 1 waits), then 3 (block 3 is
+    # free again), and 2 takes block 3.
+    assert store.grow_or_preempt([0, 2, 3, 1], 1) == [1, 3]
+    assert store.num_free_blocks == 0 and store.num_waiting_blocks == 1
+    assert kv_occupancy(store) == recount_occupancy(store) == (4 + 2 + 4 + 1, 4)

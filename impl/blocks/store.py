@@ -110,6 +110,12 @@ class BlockTableStore:
         return self.manager.num_free_blocks
 
     @property
+    def num_waiting_blocks(self) -> int:
+        """Blocks waiting for a copy: sources of pending copy-on-write pairs that no table holds
+        (``manager.waiting_for_copy``); neither free nor held until the pairs are popped."""
+        return len(self._pool.waiting)
+
+    @property
     def prefix_caching(self) -> bool:
         """Whether the manager caches prefixes (else :meth:`cache_blocks` registers nothing)."""
         return self._prefix is not None

@@ -51,8 +51,8 @@ def kv_occupancy(store: BlockTableStore) -> tuple[int, int]:
     """``(filled slots, used blocks)`` over the live tables, each physical block once.
 
     O(live sequences), whatever the pool size, table width or sequence length, from three facts
-    of a store that is its manager's only user: every block not in the free queue is held by a
-    live table; a table's blocks before its last are full; and a partly filled last block is
+    of a store that is its manager's only user: every block neither in the free queue nor
+    waiting for a copy is held by a live table; a table's blocks before its last are full; and a partly filled last block is
     never an earlier block of another table (prefix hits are full blocks, a fork shares a last
     block only until the first write copies it, and the engine's speculative rollback cuts only
     into a block the step just wrote, which no other table holds). So only the distinct partly
@@ -69,7 +69,7 @@ def kv_occupancy(store: BlockTableStore) -> tuple[int, int]:
     unique, inverse = np.unique(last, return_inverse=True)
     most = np.zeros(unique.size, dtype=np.int64)
     np.maximum.at(most, inverse, fill[partial])
-    used = store.total_blocks - store.num_free_blocks
+    used = store.total_blocks - store.num_free_blocks - store.num_waiting_blocks
     return (used - unique.size) * bs + int(most.sum()), used
 
 
