@@ -52,11 +52,12 @@ def kv_occupancy(store: BlockTableStore) -> tuple[int, int]:
 
     O(live sequences), whatever the pool size, table width or sequence length, from three facts
     of a store that is its manager's only user: every block neither in the free queue nor
-    waiting for a copy is held by a live table; a table's blocks before its last are full; and a partly filled last block is
-    never an earlier block of another table (prefix hits are full blocks, a fork shares a last
-    block only until the first write copies it, and the engine's speculative rollback cuts only
-    into a block the step just wrote, which no other table holds). So only the distinct partly
-    filled last blocks fall short of ``block_size``, each by its most-filled holder's shortfall.
+    waiting for a copy is held by a live table; a table's blocks before its last are full; and
+    a partly filled last block is never an earlier block of another table (prefix hits are full
+    blocks, a fork shares a last block only until the first write copies it, and the engine's
+    speculative rollback cuts only into a block the step just wrote, which no other table
+    holds). So only the distinct partly filled last blocks fall short of ``block_size``, each by
+    its most-filled holder's shortfall.
     """
     bs = store.block_size
     rows = store.resolve(None).rows
