@@ -56,10 +56,11 @@ class PrefixCacheModel(BlockModel):
         return hits
 
     def blocks_to_allocate(self, tokens: list[int], salt: Hashable) -> int:
-        """Fresh blocks plus hit blocks that are free now (reviving one consumes a free block)."""
+        """Fresh blocks plus hit blocks in the queue now (reviving one consumes a free block;
+        one parked for a copy is not free)."""
         hits = self.lookup(tokens, salt)
         table_len = -(-len(tokens) // self.block_size)
-        return table_len - len(hits) + sum(self.refs[b] == 0 for b in hits)
+        return table_len - len(hits) + sum(b in self.queue for b in hits)
 
     def _take(self, count: int) -> list[int]:
         """Blocks taken from the head lose their content: eviction."""

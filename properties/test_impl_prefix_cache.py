@@ -157,3 +157,20 @@ def test_a_hit_revives_a_cached_block_waiting_for_its_copy(manager_class: type) 
     assert manager.pop_copy_pairs() == [(1, 3)]
     assert manager.free_block_ids() == [2]
     assert [manager.ref_count(b) for b in range(6)] == [1, 1, 0, 1, 1, 1]
+
+
+@pytest.mark.parametrize("manager_class", [SpecPrefixManager, PrefixCachingBlockManager])
+def test_reviving_a_block_waiting_for_its_copy_takes_no_free_block(manager_class: type) -> None:
+    """A prompt whose hits are a held block and one waiting for its copy needs one fresh block,
+    and one is free: it fits (the waiting block is not in the free queue)."""
+    manager = manager_class(4, 2)
+    first, _ = manager.allocate_prompt([1, 2, 3, 4])  # [0, 1]
+    manager.cache_blocks(first, [1, 2, 3, 4])
+    second = manager.fork(first)
+    second = manager.truncate(second, 3)  # cut into block 1, which the first holds
+    second = manager.append_slot(second, 4)  # copies 1 -> 2
+    manager.free(first)  # block 1 waits for its copy
+    assert (manager.free_block_ids(), manager.waiting_for_copy) == ([3], [1])
+    assert manager.blocks_to_allocate([1, 2, 3, 4, 5]) == 1
+    assert manager.allocate_prompt([1, 2, 3, 4, 5]) == ([0, 1, 3], 4)
+    assert (manager.free_block_ids(), manager.waiting_for_copy) == ([], [])

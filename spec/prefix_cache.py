@@ -249,10 +249,15 @@ class PrefixCachingBlockManager(BlockManager):
         return max(0, check_int("prompt_len", prompt_len, 0) - 1) // self.block_size
 
     def blocks_to_allocate(self, token_ids: Sequence[int], extra_key: Hashable = None) -> int:
-        """Free blocks ``allocate_prompt`` would consume: fresh blocks plus revived cached ones."""
+        """Free blocks ``allocate_prompt`` would consume: fresh blocks plus revived cached ones
+        that are in the free queue (one waiting for a copy is not a free block)."""
         hits = self.lookup(token_ids, extra_key)
         fresh = -(-len(token_ids) // self.block_size) - len(hits)
-        revived = sum(1 for block_id in hits if self.blocks[block_id].ref_count == 0)
+        revived = sum(  # Rule: reviving a free block consumes it, as a fresh one does.
+            1
+            for block_id in hits
+            if self.blocks[block_id].ref_count == 0 and block_id not in self.waiting_for_copy
+        )
         return fresh + revived
 
     def key_of(self, block_id: int) -> BlockKey | None:

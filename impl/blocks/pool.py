@@ -80,7 +80,8 @@ class BlockPool:
 
     def revive(self, hits: IdArray, revived: IdArray) -> None:
         """Give each of the distinct cached blocks ``hits`` one more owner; ``revived``, those
-        of them that are free, leave the free queue first (the rest of it keeps its order)."""
+        of them no table holds, leave the free queue first (the rest of it keeps its order), or
+        the blocks waiting for a copy."""
         for block_id in revived.tolist():
             if self.waiting and block_id in self.waiting:
                 self.waiting.remove(block_id)  # a source waiting for its copy

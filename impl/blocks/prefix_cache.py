@@ -72,7 +72,8 @@ class PromptPlan(NamedTuple):
     """What ``allocate_prompt`` will do for one prompt, decided before anything changes."""
 
     hits: IdArray  # the cached prefix's blocks, in table order
-    revived: IdArray  # those of the hits that are free now (ref_count 0)
+    revived: IdArray  # those of the hits that no table holds (ref_count 0)
+    num_waiting: int  # of those, how many wait for a copy (not in the free queue)
     num_blocks: int  # the prompt's table length, ceil(len / block_size)
     queried: int  # full blocks that count as looked up (max_hit_blocks)
     cached_tokens: int  # len(hits) * block_size
@@ -80,8 +81,8 @@ class PromptPlan(NamedTuple):
 
     @property
     def needed(self) -> int:
-        """Free blocks consumed: the fresh ones plus the revived ones."""
-        return self.num_blocks - self.hits.size + self.revived.size
+        """Free blocks consumed: the fresh ones plus the revived ones from the free queue."""
+        return self.num_blocks - self.hits.size + self.revived.size - self.num_waiting
 
 
 class PrefixCachingBlockManager:
@@ -93,9 +94,9 @@ class PrefixCachingBlockManager:
     add the spec's key rules to it.
 
     Invariants (as in the spec): ``cached_block(key) == b`` exactly when ``key_of(b) == key``;
-    a cached block is held or in the free queue once. Additionally, a cached key's parent is the
-    cached key object of its parent block whenever that parent content was cached when the key
-    was registered (which keeps comparisons one level deep).
+    a cached block is held, in the free queue or waiting for a copy, once. Additionally, a
+    cached key's parent is the cached key object of its parent block whenever that parent
+    content was cached when the key was registered (which keeps comparisons one level deep).
 
     ``hash_fn`` must depend only on the content of its arguments, as any ``__hash__`` must:
     impl passes it a cached parent key where the spec passes an equal fresh one, and does not
@@ -253,10 +254,13 @@ class PrefixCachingBlockManager:
         num_hits = cached.index(None) if None in cached else len(cached)
         hits = np.array(cached[:num_hits], dtype=np.intp)
         revived = hits[self.pool.refs[hits] == 0]
+        waiting = self.pool.waiting
+        num_waiting = sum(b in waiting for b in revived.tolist()) if waiting else 0
         num_blocks = blocks_needed(len(tokens), self.block_size)
         return PromptPlan(
-            hits, revived, num_blocks, queried, num_hits * self.block_size, tuple(keys)
-        )
+            hits, revived, num_waiting, num_blocks, queried, num_hits * self.block_size,
+            tuple(keys),
+        )  # fmt: skip
 
     # ----------------------------------------------------------------- operations
 

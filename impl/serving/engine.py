@@ -268,7 +268,8 @@ class PagedAttentionEngine:
 
     @property
     def kv_cache_usage(self) -> float:
-        """The fraction of the KV pool held by requests now."""
+        """The fraction of the KV pool not free now: held by requests, or (after a step that
+        failed at its copy) waiting for that copy."""
         return self.store.usage
 
     @torch.no_grad()
