@@ -204,7 +204,7 @@ class PagedAttentionEngine:
         for a temperature outside its rule. All-or-nothing: nothing is queued when it raises.
         """
         prompt = self._check_prompt(prompt)
-        temperature = self._check_options(temperature, eos_token_id, seed)
+        temperature, seed = self._check_options(temperature, eos_token_id, seed)
         request_id = self._next_request_id
         seq = self.scheduler.add_request(
             request_id, prompt, max_new_tokens, n=n, eos_token_id=eos_token_id,
@@ -212,7 +212,7 @@ class PagedAttentionEngine:
         )  # fmt: skip
         self._next_request_id += 1
         n = seq.num_samples  # the checked values, plain ints
-        base = (self.seed, request_id) if seed is None else (check_int("seed", seed, 0),)
+        base = (self.seed, request_id) if seed is None else (seed,)
         generators = [
             torch.Generator().manual_seed(hash((*base, i)) & 0x7FFF_FFFF) for i in range(n)
         ]
@@ -229,8 +229,11 @@ class PagedAttentionEngine:
             raise ValueError(f"prompt tokens must lie in [0, {vocab})")
         return tokens
 
-    def _check_options(self, temperature: object, eos_token_id: object, seed: object) -> float:
-        """The engine's own checks of a request's options; returns the temperature as a float."""
+    def _check_options(
+        self, temperature: object, eos_token_id: object, seed: object
+    ) -> tuple[float, int | None]:
+        """The engine's own checks of a request's options; returns the temperature as a float
+        and the seed as a plain int (or None)."""
         vocab = self.model.config.vocab_size
         temperature = check_temperature(temperature)
         if temperature and self.num_speculative_tokens:
@@ -239,10 +242,10 @@ class PagedAttentionEngine:
                 f"num_speculative_tokens={self.num_speculative_tokens}, got {temperature}"
             )
         if seed is not None:
-            check_int("seed", seed, 0)
+            seed = check_int("seed", seed, 0)
         if eos_token_id is not None and check_int("eos_token_id", eos_token_id, 0) >= vocab:
             raise ValueError(f"eos_token_id must lie in [0, {vocab}), got {eos_token_id}")
-        return temperature
+        return temperature, seed  # type: ignore[return-value]
 
     def has_unfinished_requests(self) -> bool:
         """Whether a request is queued, running, or finished but not yet returned by a step
