@@ -409,3 +409,14 @@ def load_mutant(module: ModuleType, original: str, mutated: str, directory: Path
     sys.modules[name] = mutant  # importlib's recipe: a dataclass looks its module up there
     spec.loader.exec_module(mutant)
     return mutant
+
+
+def copy_in_order(
+    cache: torch.Tensor, pairs: list[list[int]] | list[tuple[int, int]]
+) -> torch.Tensor:
+    """``copy_blocks``'s contract, literally: ``cache`` (``[2, blocks, ...]``) after copying
+    each ``(src, dst)`` pair over, one after another, once."""
+    expected = cache.clone()
+    for src, dst in pairs:
+        expected[:, dst] = expected[:, src].clone()
+    return expected

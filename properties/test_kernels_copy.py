@@ -19,7 +19,14 @@ from hypothesis import strategies as st
 from pagedkv import kernels
 from pagedkv.kernels import triton_copy_blocks
 from pagedkv.kernels.triton_copy_blocks import hazard_free_waves
-from properties.kernel_cases import BLOCK_SIZES, DEVICE, DTYPES, kernel_examples, load_mutant
+from properties.kernel_cases import (
+    BLOCK_SIZES,
+    DEVICE,
+    DTYPES,
+    copy_in_order,
+    kernel_examples,
+    load_mutant,
+)
 
 
 def block_pairs(num_blocks: int) -> st.SearchStrategy[list[tuple[int, int]]]:
@@ -33,9 +40,9 @@ CopyBlocks = Callable[[torch.Tensor, torch.Tensor, object], None]
 
 def check_copy_blocks(cache: torch.Tensor, pairs: object, copy_blocks: CopyBlocks) -> None:
     """``copy_blocks`` on copies of ``cache`` (``[2, blocks, ...]``) equals the sequential loop."""
-    expected = cache.clone()
-    for src, dst in torch.as_tensor(pairs, dtype=torch.int64).reshape(-1, 2).tolist():
-        expected[:, dst] = expected[:, src].clone()  # the contract, literally
+    expected = copy_in_order(
+        cache, torch.as_tensor(pairs, dtype=torch.int64).reshape(-1, 2).tolist()
+    )
     k_cache, v_cache = cache[0].clone(), cache[1].clone()
     copy_blocks(k_cache, v_cache, pairs)
     assert torch.equal(k_cache, expected[0])

@@ -27,7 +27,7 @@ from pagedkv import kernels
 from pagedkv.impl.serving.dense import dense_generate
 from pagedkv.impl.serving.engine import PagedAttentionEngine
 from pagedkv.impl.serving.model import CausalLM, ModelConfig
-from properties.kernel_cases import DEVICE, kernel_examples
+from properties.kernel_cases import DEVICE, copy_in_order, kernel_examples
 
 BACKENDS = ("numba", "reference", "triton")
 
@@ -48,14 +48,6 @@ def pending_lists(draw: st.DrawFn, num_blocks: int) -> list[tuple[int, int]]:
         read.add(src)
         pairs.append((src, draw(st.sampled_from(writable))))
     return pairs
-
-
-def copy_in_order(cache: torch.Tensor, pairs: list[tuple[int, int]]) -> torch.Tensor:
-    """The contract, literally: ``cache`` (``[2, blocks, ...]``) after copying ``pairs`` once."""
-    expected = cache.clone()
-    for src, dst in pairs:
-        expected[:, dst] = expected[:, src].clone()
-    return expected
 
 
 def retried_layers(
