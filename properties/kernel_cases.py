@@ -12,6 +12,7 @@ interpreter), so ``bench/gpu_kernels.py`` reruns them compiled on a GPU.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib.util
 import sys
@@ -26,6 +27,7 @@ from hypothesis import strategies as st
 
 from pagedkv import kernels
 from pagedkv.spec.block_manager import BlockManager, OutOfBlocksError, blocks_needed, translate_slot
+from properties.mutants import replace_code
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -386,18 +388,20 @@ def check_attention(
 # ----------------------------------------------------------------------- planted bugs
 
 
-def load_mutant(module: ModuleType, original: str, mutated: str, directory: Path) -> ModuleType:
-    """A copy of ``module`` whose source has its one ``original`` replaced by ``mutated``.
+def load_mutant(module: ModuleType, within: str, old: str, new: str, directory: Path) -> ModuleType:
+    """A copy of ``module`` with the code ``old`` inside the function ``within`` replaced by
+    ``new``, keyed and matched as :func:`properties.mutants.replace_code` does.
 
-    The copy is written under ``directory`` and imported from there, so Triton sees real source
-    for its kernels. Tests use it to prove that a check fails for a plausible bug. The file is
-    named by a hash of its source and left alone when it already holds that source, so in a
-    directory kept between runs numba's cache of its compiled kernels stays valid.
+    The copy's source (``ast.unparse`` of the edited tree) is written under ``directory`` and
+    imported from there, so Triton sees real source for its kernels. Tests use it to prove that
+    a check fails for a plausible bug. The file is named by a hash of its source and left alone
+    when it already holds that source, so in a directory kept between runs numba's cache of its
+    compiled kernels stays valid.
     """
     assert module.__file__ is not None
-    source = Path(module.__file__).read_text()
-    assert source.count(original) == 1, f"{original!r} must occur once in {module.__name__}"
-    mutated_source = source.replace(original, mutated)
+    tree = ast.parse(Path(module.__file__).read_text())
+    replace_code(tree, within, old, new)
+    mutated_source = ast.unparse(tree) + "\n"
     digest = hashlib.sha256(mutated_source.encode()).hexdigest()[:16]
     name = f"mutant_{module.__name__.rsplit('.', 1)[-1]}_{digest}"
     path = directory / f"{name}.py"

@@ -1,12 +1,14 @@
 """Planted bugs: load a copy of a module with one piece of code replaced.
 
-A planted bug names the code it replaces as code, not as text: ``old`` and ``new`` are parsed,
-and ``old`` must match exactly one place of the module's syntax tree (one expression, or one
-run of statements), optionally only inside the function or class named by ``within``
-(``"BlockManager.free"``). Layout, comments and line breaks do not matter, so reformatting a
-file or editing another function never moves a planted bug; a bug whose code is gone raises
-``LookupError`` instead of planting nothing. A snippet that is not whole code (a line cut
-mid-statement, as older bugs are written) falls back to text: it must then occur exactly once.
+A planted bug is keyed by where it lives and what it replaces, as code: the module, the function
+or class it is planted in (a dotted name, ``"BlockManager.free"``), and ``old`` and ``new``,
+parsed. ``old`` must match exactly one place of that function's syntax tree (one expression, or
+one run of statements), compared without positions, so layout, comments and line breaks do not
+matter, and reformatting a file, editing another function or moving the function to another
+module (with its key's module) never moves a planted bug; a bug whose code is gone raises
+``LookupError`` instead of planting nothing. ``old`` may also be one of the mutation tool's
+edits of the function (``"edit:Lt->LtE:<statement's first line>"``, see
+:mod:`properties.mutation`), so a planted bug and a mutant can share one id.
 A mutant is executed as a fresh module, and the names in ``shared`` (typically exception
 classes) are re-bound to the real module's, so a mutant raises the same types as the original
 and a test can only fail because of the planted behaviour.
@@ -57,10 +59,10 @@ def _shape(node: ast.AST) -> str:
     return ast.dump(node, annotate_fields=False, include_attributes=False)
 
 
-def _scope(tree: ast.Module, within: str | None) -> ast.AST:
-    """The function or class named by the dotted path ``within`` (the module for None)."""
+def _scope(tree: ast.Module, within: str) -> ast.AST:
+    """The function or class named by the dotted path ``within``."""
     node: ast.AST = tree
-    for name in within.split(".") if within else ():
+    for name in within.split("."):
         found = [
             child
             for child in ast.iter_child_nodes(node)
@@ -73,12 +75,16 @@ def _scope(tree: ast.Module, within: str | None) -> ast.AST:
     return node
 
 
-def replace_code(tree: ast.Module, old: str, new: str, within: str | None = None) -> None:
-    """Replace, in place, the one place of ``tree`` (inside ``within``) whose code is ``old``
-    by ``new``. ``old`` is one expression (matched anywhere, and replaced by ``new``'s
-    expression) or one or more statements (matched as a run of one statement list, and
-    replaced by ``new``'s statements, none for an empty ``new``). ``LookupError`` unless
-    exactly one place matches."""
+def replace_code(tree: ast.Module, within: str, old: str, new: str) -> None:
+    """Replace, in place, the one place of ``tree`` inside the function or class ``within``
+    whose code is ``old`` by ``new``. ``old`` is one expression (matched anywhere, and
+    replaced by ``new``'s expression), one or more statements (matched as a run of one
+    statement list, and replaced by ``new``'s statements, none for an empty ``new``), or a
+    mutation-tool edit (``"edit:OPERATOR:CODE"``, with ``new`` empty). ``LookupError``
+    unless exactly one place matches."""
+    if old.startswith(EDIT):
+        apply_edit(tree, within, old, new)
+        return
     old_body = ast.parse(textwrap.dedent(old)).body
     new_body = ast.parse(textwrap.dedent(new)).body
     scope = _scope(tree, within)
@@ -110,8 +116,7 @@ def replace_code(tree: ast.Module, old: str, new: str, within: str | None = None
                     if shapes[start : start + size] == target_run:
                         matches.append((parent, field, start, size))
     if len(matches) != 1:
-        where = f" in {within}" if within else ""
-        raise LookupError(f"{len(matches)} places{where} match the code {old!r}")
+        raise LookupError(f"{len(matches)} places in {within} match the code {old!r}")
     parent, field, index, size = matches[0]
     if one_expression:
         replacement = new_body[0].value  # type: ignore[attr-defined]
@@ -124,28 +129,40 @@ def replace_code(tree: ast.Module, old: str, new: str, within: str | None = None
         statements[index : index + size] = new_body or [ast.Pass()]
 
 
-def load_mutant(
+EDIT = "edit:"
+"""How a planted bug names one of the mutation tool's edits instead of code."""
+
+
+def apply_edit(tree: ast.Module, within: str, old: str, new: str) -> None:
+    """Make, in place, the mutation tool's edit ``old`` (``"edit:OPERATOR:CODE"``: the edit's
+    operator and its statement's first line, as in a mutant's id) inside ``within``."""
+    from properties import mutation
+
+    operator, code = old.removeprefix(EDIT).split(":", 1)
+    if new:
+        raise ValueError(f"an edit plants no new code, got {new!r}")
+    found = [
+        site
+        for site in mutation.sites(tree)
+        if site.scope == within and site.operator == operator and site.code == code
+    ]
+    if len(found) != 1:
+        raise LookupError(f"{len(found)} edits {operator} of {code!r} in {within}")
+    mutation.apply(found[0])
+
+
+def load_copy(
     module: types.ModuleType,
-    old: str,
-    new: str,
     shared: Sequence[str] = (),
     *,
-    within: str | None = None,
     using: Mapping[str, types.ModuleType] | None = None,
+    tree: ast.Module | None = None,
 ) -> types.ModuleType:
-    """Execute ``module`` with the code ``old`` replaced by ``new`` (see :func:`replace_code`)
-    as a new module; return it. ``old == new`` loads a faithful copy. ``using`` maps module
-    names to copies that the new module's imports receive instead of the real modules. Names
-    in ``shared`` are taken from the real module."""
-    source = inspect.getsource(module)
-    tree = ast.parse(source)
-    if old != new:
-        try:
-            replace_code(tree, old, new, within)
-        except (SyntaxError, LookupError) as error:  # not whole code, or not found as code
-            if within is not None or source.count(old) != 1:
-                raise LookupError(f"{module.__name__}: {error}") from None
-            tree = ast.parse(source.replace(old, new))
+    """Execute ``module`` (or ``tree``, its edited syntax) as a new module; return it.
+    ``using`` maps module names to copies that the new module's imports receive instead of
+    the real modules. Names in ``shared`` are taken from the real module."""
+    if tree is None:
+        tree = ast.parse(inspect.getsource(module))
     mutant = types.ModuleType(f"{module.__name__}_mutant")
     code = compile(ast.fix_missing_locations(tree), f"<mutant of {module.__name__}>", "exec")
     stand_ins = {mutant.__name__: mutant, **(using or {})}
@@ -164,23 +181,39 @@ def load_mutant(
     return mutant
 
 
-def load_chain(
-    modules: Sequence[types.ModuleType],
+def load_mutant(
+    module: types.ModuleType,
+    within: str,
     old: str,
     new: str,
     shared: Sequence[str] = (),
     *,
-    within: str | None = None,
+    using: Mapping[str, types.ModuleType] | None = None,
+) -> types.ModuleType:
+    """A copy of ``module`` (see :func:`load_copy`) with the code ``old`` inside ``within``
+    replaced by ``new`` (see :func:`replace_code`)."""
+    tree = ast.parse(inspect.getsource(module))
+    try:
+        replace_code(tree, within, old, new)
+    except LookupError as error:
+        raise LookupError(f"{module.__name__}: {error}") from None
+    return load_copy(module, shared, using=using, tree=tree)
+
+
+def load_chain(
+    modules: Sequence[types.ModuleType],
+    within: str,
+    old: str,
+    new: str,
+    shared: Sequence[str] = (),
 ) -> types.ModuleType:
     """Plant ``old -> new`` in ``modules[0]``, then load each later module again with the
     copies of those before it in its imports; return the copy of the last one. Each module
     re-binds ``shared`` names it has to the real ones."""
     first, *rest = modules
-    copies = {first.__name__: load_mutant(first, old, new, _own(first, shared), within=within)}
+    copies = {first.__name__: load_mutant(first, within, old, new, _own(first, shared))}
     for module in rest:
-        copies[module.__name__] = load_mutant(
-            module, "", "", _own(module, shared), using=dict(copies)
-        )
+        copies[module.__name__] = load_copy(module, _own(module, shared), using=dict(copies))
     return copies[modules[-1].__name__]
 
 
@@ -188,9 +221,7 @@ def _own(module: types.ModuleType, names: Sequence[str]) -> tuple[str, ...]:
     return tuple(name for name in names if hasattr(module, name))
 
 
-def planted_store(
-    module: types.ModuleType, old: str, new: str, *, within: str | None = None
-) -> type:
+def planted_store(module: types.ModuleType, within: str, old: str, new: str) -> type:
     """``BlockTableStore`` with ``old -> new`` planted in ``module``: the store itself, or one of
     the parts it is built from (its tables, growth, block hashes or prefix cache), loaded again
     under the store. Exception classes stay the real ones."""
@@ -198,4 +229,4 @@ def planted_store(
 
     chain = [store] if module is store else [module, store]
     shared = ("CapacityError", "OutOfBlocksError", "BlockTableError")
-    return load_chain(chain, old, new, shared, within=within).BlockTableStore
+    return load_chain(chain, within, old, new, shared).BlockTableStore

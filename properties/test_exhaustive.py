@@ -22,7 +22,7 @@ from properties.exhaustive import (
     System,
     explore,
 )
-from properties.mutants import load_mutant
+from properties.mutants import load_copy, load_mutant
 from properties.test_prefix_cache_planted_bugs import EVENT_CLASSES, PREFIX_BUGS
 from properties.test_spec_planted_bugs import SHARED_NAMES, SPEC_BUGS
 
@@ -112,12 +112,12 @@ def planted(system_cls: type[System], spec_cls: type, block_size: int) -> System
     return type(f"Planted{system_cls.__name__}", (system_cls,), attrs)(3, block_size)
 
 
-def block_mutant(old: str, new: str) -> type:
-    return load_mutant(spec_block_manager, old, new, SHARED_NAMES).BlockManager
+def block_mutant(within: str, old: str, new: str) -> type:
+    return load_mutant(spec_block_manager, within, old, new, SHARED_NAMES).BlockManager
 
 
-def prefix_mutant(old: str, new: str) -> type:
-    return load_mutant(spec_prefix_cache, old, new, EVENT_CLASSES).PrefixCachingBlockManager
+def prefix_mutant(within: str, old: str, new: str) -> type:
+    return load_mutant(spec_prefix_cache, within, old, new, EVENT_CLASSES).PrefixCachingBlockManager
 
 
 def test_the_bugs_left_to_the_machines_are_planted_bugs() -> None:
@@ -127,10 +127,9 @@ def test_the_bugs_left_to_the_machines_are_planted_bugs() -> None:
 
 def test_controls_pass() -> None:
     """The loading path is sound: unmodified copies agree everywhere."""
-    snippet = "for block_id in reversed(blocks):"
-    explore(planted(BlockSystem, block_mutant(snippet, snippet), 2), 4)
-    snippet = "key = self._key_of.pop(block_id)"
-    explore(planted(PrefixSystem, prefix_mutant(snippet, snippet), 1), 4)
+    explore(planted(BlockSystem, load_copy(spec_block_manager, SHARED_NAMES).BlockManager, 2), 4)
+    prefix = load_copy(spec_prefix_cache, EVENT_CLASSES).PrefixCachingBlockManager
+    explore(planted(PrefixSystem, prefix, 1), 4)
 
 
 FIVE_OPERATIONS = {"the blocks waiting for a copy stay out of the queue after it"}

@@ -67,7 +67,7 @@ from pagedkv.impl.serving.model import CausalLM, ModelConfig
 from pagedkv.impl.serving.scheduler import Scheduler, SchedulerConfig, SeqStatus
 from pagedkv.spec.block_manager import translate_slot
 from properties.engine_cases import MODEL, check_all_freed, greedy_oracle, one_thread
-from properties.mutants import CONTROL_SEARCHES, FIND, load_mutant
+from properties.mutants import CONTROL_SEARCHES, FIND, load_copy, load_mutant
 from properties.seams import installed, listed_seams
 
 VOCAB = 8
@@ -814,16 +814,19 @@ def test_every_pair_of_faults_in_the_engine() -> None:
 PLANTED = {
     "a failed copy loses its copy-on-write pairs": (
         pagedkv.impl.serving.engine,
+        "PagedAttentionEngine.step",
         "pairs = self.store.pending_copy_pairs()",
         "pairs = self.store.pop_copy_pairs()",
     ),
     "a failed admission loses its request": (
         pagedkv.impl.serving.scheduler,
+        "Scheduler.schedule",
         "            seq = self.waiting[0]\n            cached = self._admit(seq)",
         "            seq = self.waiting.popleft()\n            cached = self._admit(seq)",
     ),
     "a failed update leaks the blocks of its forks": (
         pagedkv.impl.serving.scheduler,
+        "Scheduler.update",
         "            if forks:\n                self.store.undo_fork(forks)",
         "            if False:\n                self.store.undo_fork(forks)",
     ),
@@ -831,11 +834,13 @@ PLANTED = {
 UNDO_PLANTED = {
     "the undo of a failed update's forks can fail (the old undo)": (
         pagedkv.impl.serving.scheduler,
+        "Scheduler.update",
         "self.store.undo_fork(forks)",
         "self.store.remove(forks)",
     ),
     "the undo of a failed speculative step can fail (the old undo)": (
         pagedkv.impl.serving.speculative,
+        "undraft",
         "store.undo_growth(list(before), [end for _, end in before.values()])",
         "store.truncate(list(before), [end for _, end in before.values()])",
     ),
@@ -846,22 +851,24 @@ two faults in one step find them, which the sweeps of every pair do."""
 
 WITHOUT_THE_RETRY_RULE = {
     pagedkv.impl.blocks.pool: (
+        "BlockPool._free",
         "waits = self.is_source.take(freed)",
         "waits = np.zeros(freed.size, dtype=np.bool_)",
     ),
     pagedkv.impl.blocks.growth: (
-        "free += left == 0 and block not in sources",
-        "free += left == 0",
+        "plan",
+        "left == 0 and block not in sources",
+        "left == 0",
     ),
 }
 """The block layer as it was before the retry rule (design.md §5): a pending copy's source
 joins the free queue when its last table lets go, and the growth plan counts it free."""
 
 
-def chain_machine_over(edits: dict[Any, tuple[str, str]]) -> type:
+def chain_machine_over(edits: dict[Any, tuple[str, str, str]]) -> type:
     """:class:`ChainSchedulerFaultMachine` over a manager and store whose block layer has
-    ``edits`` planted (module -> ``(old, new)``), every module above a planted one loaded again
-    over the copies."""
+    ``edits`` planted (module -> ``(function, old, new)``), every module above a planted one
+    loaded again over the copies."""
     layer = [
         pagedkv.impl.blocks.pool, pagedkv.impl.blocks.manager, pagedkv.impl.blocks.prefix_cache,
         pagedkv.impl.blocks.growth, pagedkv.impl.blocks.store,
@@ -869,9 +876,13 @@ def chain_machine_over(edits: dict[Any, tuple[str, str]]) -> type:
     shared = ("CapacityError", "OutOfBlocksError", "BlockTableError")
     copies: dict[str, Any] = {}
     for module in layer:
-        old, new = edits.get(module, ("", ""))
         names = tuple(name for name in shared if hasattr(module, name))
-        copies[module.__name__] = load_mutant(module, old, new, names, using=dict(copies))
+        if module in edits:
+            within, old, new = edits[module]
+            copy = load_mutant(module, within, old, new, names, using=dict(copies))
+        else:
+            copy = load_copy(module, names, using=dict(copies))
+        copies[module.__name__] = copy
     blocks = copies[pagedkv.impl.blocks.store.__name__]
     return type("PlantedChainScheduler", (ChainSchedulerFaultMachine,), {"BLOCKS": blocks})
 
@@ -883,21 +894,23 @@ def test_the_chain_machine_catches_the_block_layer_without_the_retry_rule() -> N
 
 @pytest.mark.parametrize("search", CONTROL_SEARCHES)
 def test_control_unmutated_block_layer_passes_the_chain_machine(search: settings) -> None:
-    faithful = {module: ("", "") for module in WITHOUT_THE_RETRY_RULE}
+    faithful = {
+        module: (within, old, old) for module, (within, old, _) in WITHOUT_THE_RETRY_RULE.items()
+    }
     run_state_machine_as_test(chain_machine_over(faithful), settings=search)
 
 
-def planted_machine(module: Any, old: str, new: str) -> tuple[type, settings]:
+def planted_machine(module: Any, within: str, old: str, new: str) -> tuple[type, settings]:
     if module is pagedkv.impl.serving.speculative:  # an engine copy that calls the mutant
-        engine = load_mutant(pagedkv.impl.serving.engine, "", "", ("RequestOutput", "StepOutput"))
-        engine.speculative = load_mutant(module, old, new, ())
+        engine = load_copy(pagedkv.impl.serving.engine, ("RequestOutput", "StepOutput"))
+        engine.speculative = load_mutant(module, within, old, new)
         attrs = {"ENGINE": engine.PagedAttentionEngine}
         return type("PlantedEngine", (EngineFaultMachine,), attrs), ENGINE_FIND
     if module is pagedkv.impl.serving.engine:
-        mutant = load_mutant(module, old, new, ("RequestOutput", "StepOutput"))
+        mutant = load_mutant(module, within, old, new, ("RequestOutput", "StepOutput"))
         attrs = {"ENGINE": mutant.PagedAttentionEngine}
         return type("PlantedEngine", (EngineFaultMachine,), attrs), ENGINE_FIND
-    mutant = load_mutant(module, old, new, ("RequestTooLargeError",))
+    mutant = load_mutant(module, within, old, new, ("RequestTooLargeError",))
     attrs = {"SCHEDULER": mutant.Scheduler}
     return type("PlantedScheduler", (SchedulerFaultMachine,), attrs), FIND
 
@@ -929,11 +942,15 @@ def test_planted_undo_bug_is_caught_by_the_sweep(bug: str) -> None:
 
 
 def test_control_unmutated_copies_pass() -> None:
-    for module, snippet in (
-        (pagedkv.impl.serving.engine, "class PagedAttentionEngine:"),
-        (pagedkv.impl.serving.scheduler, "class Scheduler:"),
+    for module, within, snippet in (
+        (
+            pagedkv.impl.serving.engine,
+            "PagedAttentionEngine.step",
+            "pairs = self.store.pending_copy_pairs()",
+        ),
+        (pagedkv.impl.serving.scheduler, "Scheduler.update", "self.store.undo_fork(forks)"),
     ):
-        machine, search = planted_machine(module, snippet, snippet)
+        machine, search = planted_machine(module, within, snippet, snippet)
         if issubclass(machine, EngineFaultMachine):
             check_a_failed_copy_is_retried(machine.ENGINE)
         run_state_machine_as_test(machine, settings=search)

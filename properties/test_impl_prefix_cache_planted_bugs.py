@@ -25,7 +25,7 @@ import pagedkv.impl.blocks.store
 import pagedkv.impl.blocks.tables
 import pagedkv.spec.prefix_cache as spec_prefix_cache
 from properties.machines.prefix import PrefixDifferentialMachine, PrefixStoreMachine
-from properties.mutants import CONTROL_SEARCHES, FIND, load_mutant, planted_store
+from properties.mutants import CONTROL_SEARCHES, FIND, load_copy, load_mutant, planted_store
 from properties.test_prefix_cache_planted_bugs import PREFIX_BUGS
 
 STORE_PARTS = (
@@ -36,14 +36,15 @@ STORE_PARTS = (
     pagedkv.impl.blocks.block_hashes,
 )
 
-# (module, snippet, replacement); spec.prefix_cache mutants reach impl through BlockKey.
-BUGS: dict[str, tuple[types.ModuleType, str, str]] = {
+# (module, function, code, replacement); spec.prefix_cache mutants reach impl through BlockKey.
+BUGS: dict[str, tuple[types.ModuleType, str, str, str]] = {
     "no token comparison on lookup": (
         spec_prefix_cache,
         *PREFIX_BUGS["no token comparison on lookup"],
     ),
     "revival moves the queue's head to its tail": (
         pagedkv.impl.blocks.prefix_cache,
+        "PrefixCachingBlockManager.apply_prompt_plan",
         "self.pool.revive(plan.hits, plan.revived)",
         "self.pool.revive(plan.hits, plan.revived)\n"
         "queue = self.pool.queue\n"
@@ -51,46 +52,56 @@ BUGS: dict[str, tuple[types.ModuleType, str, str]] = {
     ),
     "eviction keeps the stale key": (
         pagedkv.impl.blocks.prefix_cache,
+        "PrefixCachingBlockManager.evict",
         "            for block_id in evicted:\n                self._remove_key(block_id)\n",
         "",
     ),
     "events of one batch's evictions out of queue order": (
         pagedkv.impl.blocks.prefix_cache,
+        "PrefixCachingBlockManager.evict",
         "evicted = [block_id for block_id in ids if block_id in evicted]",
         "evicted = sorted(evicted, reverse=True)",
     ),
     "a registration emits no event": (
         pagedkv.impl.blocks.prefix_cache,
+        "PrefixCachingBlockManager.register_table_blocks",
         "events.append(BlockStored(block_id, key))",
         "pass",
     ),
     "a reset while blocks are held": (
         pagedkv.impl.blocks.prefix_cache,
+        "PrefixCachingBlockManager.reset_prefix_cache",
         "if self.pool.num_free != self.total_blocks:\n    return False",
         "",
     ),
     "reading the stats does not reset them": (
         pagedkv.impl.blocks.prefix_cache,
+        "PrefixCachingBlockManager.take_stats",
         "stats, self.stats = self.stats, PrefixCacheStats()",
         "stats = self.stats",
     ),
     "re-registration trusts a cached block without comparing its tokens": (
         pagedkv.impl.blocks.prefix_cache,
-        "and held.tokens == chunk",
-        "",
+        "PrefixCachingBlockManager._chain",
+        "held is not None and held.parent is parent and held.extra is extra_key"
+        " and held.tokens == chunk",
+        "held is not None and held.parent is parent and held.extra is extra_key",
     ),
     "revived blocks are not counted as consumed": (
         pagedkv.impl.blocks.prefix_cache,
-        "return self.num_blocks - self.hits.size + self.revived.size",
-        "return self.num_blocks - self.hits.size",
+        "PromptPlan.needed",
+        "self.num_blocks - self.hits.size + self.revived.size",
+        "self.num_blocks - self.hits.size",
     ),
     "duplicate content is cached twice": (
         pagedkv.impl.blocks.prefix_cache,
-        "            if holder is None:\n",
-        "            if holder != block_id:\n",
+        "PrefixCachingBlockManager.register_table_blocks",
+        "holder is None",
+        "holder != block_id",
     ),
     "add_prompt counts only the computed tokens": (
         pagedkv.impl.blocks.admission,
+        "Admission._add_planned",
         "self._place(seq_id, np.concatenate((prompt.hits, fresh)), len(token_ids))",
         "self._place(\n"
         "    seq_id, np.concatenate((prompt.hits, fresh)), len(token_ids) - prompt.cached_tokens\n"
@@ -98,63 +109,74 @@ BUGS: dict[str, tuple[types.ModuleType, str, str]] = {
     ),
     "cache_blocks registers the blocks after the released entries under the wrong keys": (
         pagedkv.impl.blocks.prefix_cache,
+        "PrefixCachingBlockManager.cache_blocks",
         "        return self.register_table_blocks(held, keys[released:])[0]",
         "        return self.register_table_blocks(held, keys[: len(held)])[0]",
     ),
     "truncate keeps the key of a cut cached block": (
         pagedkv.impl.blocks.prefix_cache,
+        "PrefixCachingBlockManager.truncate",
         "            self.remove_keys([cut])",
         "            pass",
     ),
     "append_slot writes a cached block in place": (
         pagedkv.impl.blocks.prefix_cache,
+        "PrefixCachingBlockManager.append_slot",
         "            self.remove_keys(table[first:end])",
         "            pass",
     ),
     "a store truncate keeps the sequence's keys past its kept blocks": (
         pagedkv.impl.blocks.block_hashes,
+        "BlockHashes.cut",
         "state.cut(count // self.block_size, self.block_size)",
         "None",
     ),
     "a store truncate keeps the key of a cut cached block": (
         pagedkv.impl.blocks.tables,
+        "BlockTables.truncate",
         "prefix.remove_keys([block])",
         "None",
     ),
     "a store grow writes a cached block in place": (
         pagedkv.impl.blocks.growth,
+        "_take_in_spec_order",
         "prefix.remove_keys([int(last[index])])",
         "None",
     ),
 }
 
 
-def machine_with(module: types.ModuleType, old: str, new: str) -> type[RuleBasedStateMachine]:
+def machine_with(
+    module: types.ModuleType, within: str, old: str, new: str
+) -> type[RuleBasedStateMachine]:
     """The machine that must catch a bug planted in ``module``, running the mutant."""
     if module in STORE_PARTS:
-        return type(
-            "PlantedStore", (PrefixStoreMachine,), {"STORE": planted_store(module, old, new)}
-        )
+        store = planted_store(module, within, old, new)
+        return type("PlantedStore", (PrefixStoreMachine,), {"STORE": store})
     if module is spec_prefix_cache:  # a faithful impl copy over the mutant key class
-        manager = load_mutant(pagedkv.impl.blocks.prefix_cache, "", "", ("BlockTableError",))
-        manager.BlockKey = load_mutant(module, old, new, ()).BlockKey
+        manager = load_copy(pagedkv.impl.blocks.prefix_cache, ("BlockTableError",))
+        manager.BlockKey = load_mutant(module, within, old, new).BlockKey
     else:
-        manager = load_mutant(module, old, new, ("BlockTableError",))
+        manager = load_mutant(module, within, old, new, ("BlockTableError",))
     attrs = {"IMPL": manager.PrefixCachingBlockManager}
     return type("PlantedDifferential", (PrefixDifferentialMachine,), attrs)
 
 
 @pytest.mark.parametrize(
-    ("module", "snippet"),
-    [(spec_prefix_cache, "class BlockKey:"), (pagedkv.impl.blocks.store, "def add_prompt(")],
+    ("module", "within", "snippet"),
+    [
+        (spec_prefix_cache, "BlockKey.__eq__", "mine, theirs = mine.parent, theirs.parent"),
+        (pagedkv.impl.blocks.store, "BlockTableStore.grow", "atomic and failed"),
+    ],
     ids=["impl-over-copied-key", "store"],
 )
 @pytest.mark.parametrize("search", CONTROL_SEARCHES)
 def test_control_unmutated_copy_passes(
-    module: types.ModuleType, snippet: str, search: settings
+    module: types.ModuleType, within: str, snippet: str, search: settings
 ) -> None:
     """The loading paths are sound: identity 'mutations' pass the machines."""
-    run_state_machine_as_test(machine_with(module, snippet, snippet), settings=search)
+    machine = machine_with(module, within, snippet, snippet)
+    run_state_machine_as_test(machine, settings=search)
 
 
 @pytest.mark.parametrize("bug", sorted(BUGS))

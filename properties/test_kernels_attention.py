@@ -170,18 +170,22 @@ def test_contiguous_attention_matches_dense(
 # Planted bugs: each is a one-line change to the kernel's source that the checks above must catch.
 MUTANTS = {
     "table read off by one": (
-        "block_tables_ptr + seq * table_stride + n // BLOCK_SIZE,",
-        "block_tables_ptr + seq * table_stride + n // BLOCK_SIZE + 1,",
+        "_decode_kernel",
+        "block_tables_ptr + seq * table_stride + n // BLOCK_SIZE",
+        "block_tables_ptr + seq * table_stride + n // BLOCK_SIZE + 1",
     ),
     "wrong row inside a block": (
+        "_decode_kernel",
         "rows = block_id * BLOCK_SIZE + n % BLOCK_SIZE",
         "rows = block_id * BLOCK_SIZE + (n + 1) % BLOCK_SIZE",
     ),
     "query heads interleaved over KV heads": (
+        "_decode_kernel",
         "heads = kv_head * group + g",
         "heads = kv_head + g * NUM_KV_HEADS",
     ),
     "split-K merge ignores each split's denominator": (
+        "_decode_kernel",
         'lse = tl.where(has_tokens, m + tl.log(safe_denom), float("-inf"))',
         'lse = tl.where(has_tokens, m, float("-inf"))',
     ),
@@ -334,14 +338,17 @@ def test_window_is_checked(backend: str) -> None:
 
 WINDOW_MUTANTS = {
     "window ignored": (
+        "_decode_kernel",
         "first_key = tl.maximum(context_len - window, 0)",
         "first_key = context_len * 0",
     ),
     "window one token too wide": (
+        "_decode_kernel",
         "first_key = tl.maximum(context_len - window, 0)",
         "first_key = tl.maximum(context_len - window - 1, 0)",
     ),
     "splits cut the capacity, not the window": (
+        "_decode_kernel",
         "start = tl.minimum(first_key + split * tokens_per_split, context_len)",
         "start = tl.minimum(split * tokens_per_split, context_len)",
     ),

@@ -90,8 +90,9 @@ def test_check_catches_copy_that_reads_the_wrong_block(tmp_path: Path) -> None:
     """Planted bug: the kernel loads ``dst`` where it should load ``src``."""
     mutant = load_mutant(
         triton_copy_blocks,
-        "src = tl.load(pairs_ptr + 2 * pair).to(tl.int64)",
-        "src = tl.load(pairs_ptr + 2 * pair + 1).to(tl.int64)",
+        "_copy_blocks_kernel",
+        "tl.load(pairs_ptr + 2 * pair)",
+        "tl.load(pairs_ptr + 2 * pair + 1)",
         tmp_path,
     )
     cache = torch.randn(2, 4, 16, 2, 80, device=DEVICE)

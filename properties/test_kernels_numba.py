@@ -64,10 +64,10 @@ pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="the numba backend 
 MUTANT_DIR = Path(tempfile.gettempdir()) / "pagedkv-numba-mutants"
 
 
-def mutant_of(module: ModuleType, original: str, mutated: str) -> ModuleType:
+def mutant_of(module: ModuleType, within: str, old: str, new: str) -> ModuleType:
     """``load_mutant`` into ``MUTANT_DIR``."""
     MUTANT_DIR.mkdir(exist_ok=True)
-    return load_mutant(module, original, mutated, MUTANT_DIR)
+    return load_mutant(module, within, old, new, MUTANT_DIR)
 
 
 def numba_decode(num_splits: int | None = None):
@@ -281,44 +281,54 @@ def test_the_parallel_drivers_equal_the_serial_ones(
 
 DECODE_MUTANTS = {
     "table read off by one": (
+        "_rows_of",
         "base = np.int64(tables[b, column]) * block_size",
         "base = np.int64(tables[b, column + 1]) * block_size",
     ),
     "wrong row inside a block": (
+        "_rows_of",
         "rows[n - start + t] = base + row + t",
         "rows[n - start + t] = base + (row + t + 1) % block_size",
     ),
     "query heads interleaved over KV heads": (
+        "_decode_program",
         "q[g, d] = query[b, h0 + g, d] * scale",
         "q[g, d] = query[b, kv_head + g * num_kv_heads, d] * scale",
     ),
     "split-K merge ignores each split's denominator": (
+        "_attend",
         "lse[r] = m + np.log(total) if total != 0 else -np.inf",
         "lse[r] = m if total != 0 else -np.inf",
     ),
     "keys walked from 0 and masked": (
+        "_decode_program",
         "first = max(length - window, 0)",
         "first = 0",
     ),
     "splits cut the capacity, not the window": (
+        "_decode_program",
         "start = min(first + split * split_len, length)",
         "start = min(split * split_len, length)",
     ),
 }
 PREFILL_MUTANTS = {
     "window one token too wide": (
+        "_attend",
         "lo = max(positions[r] - window + 1, start) - start",
         "lo = max(positions[r] - window, start) - start",
     ),
     "causal mask lets a query see the next token": (
+        "_attend",
         "hi = min(positions[r] + 1, end) - start",
         "hi = min(positions[r] + 2, end) - start",
     ),
     "chunk positions ignore the cached prefix": (
+        "_prefill_program",
         "first = lens[b] - (cu_seqlens[b + 1] - cu_seqlens[b])",
         "first = lens[b] * 0",
     ),
     "prefill keys walked from 0 and masked": (
+        "_prefill_program",
         "start = max(first + lo - window + 1, 0)",
         "start = 0",
     ),
@@ -371,6 +381,7 @@ def test_check_catches_planted_prefill_bug(mutation: str) -> None:
 def test_check_catches_slot_mapping_that_ignores_the_table() -> None:
     mutant = mutant_of(
         numba_cache,
+        "_slot_mapping",
         "out[t] = block_id * block_size + pos % block_size",
         "out[t] = pos + 0 * block_id",
     )
@@ -386,7 +397,7 @@ def test_check_catches_slot_mapping_that_ignores_the_table() -> None:
 
 
 def test_check_catches_store_kv_that_skips_slot_zero() -> None:
-    mutant = mutant_of(numba_cache, "if slot >= 0:", "if slot >= 1:")
+    mutant = mutant_of(numba_cache, "_store_rows", "edit:0->1:if slot >= 0:", "")
     cache = torch.zeros(2, 3, 4, 2, 80)
     key = torch.randn(4, 2, 80)
     slots = [5, 0, -1, 11]
@@ -397,7 +408,10 @@ def test_check_catches_store_kv_that_skips_slot_zero() -> None:
 
 def test_check_catches_copy_that_reads_the_wrong_block() -> None:
     mutant = mutant_of(
-        numba_cache, "src, dst = pairs[i, 0], pairs[i, 1]", "src, dst = pairs[i, 1], pairs[i, 1]"
+        numba_cache,
+        "_copy_blocks",
+        "src, dst = pairs[i, 0], pairs[i, 1]",
+        "src, dst = pairs[i, 1], pairs[i, 1]",
     )
     cache = torch.randn(2, 4, 16, 2, 80)
     pairs = [(0, 1), (2, 3)]

@@ -263,44 +263,54 @@ MUTANT_QUERY_LENS = [17, 1, 19]  # fixed_scenario's live sequences hold 50, 51 a
 
 TRITON_MUTANTS = {
     "table read off by one": (
-        "block_tables_ptr + seq * table_stride + n // BLOCK_SIZE, mask=n_mask, other=0",
-        "block_tables_ptr + seq * table_stride + n // BLOCK_SIZE + 1, mask=n_mask, other=0",
+        "_prefill_kernel",
+        "block_tables_ptr + seq * table_stride + n // BLOCK_SIZE",
+        "block_tables_ptr + seq * table_stride + n // BLOCK_SIZE + 1",
     ),
     "wrong row inside a block": (
+        "_prefill_kernel",
         "rows = block_id * BLOCK_SIZE + n % BLOCK_SIZE",
         "rows = block_id * BLOCK_SIZE + (n + 1) % BLOCK_SIZE",
     ),
     "query heads interleaved over KV heads": (
+        "_prefill_kernel",
         "heads = kv_head * group + g",
         "heads = kv_head + g * NUM_KV_HEADS",
     ),
     "causal mask lets a query see the next token": (
+        "_prefill_kernel",
         "causal = n[None, :] <= positions[:, None]",
         "causal = n[None, :] <= positions[:, None] + 1",
     ),
     "chunk positions ignore the cached prefix": (
+        "_prefill_kernel",
         "positions = context_len - q_len + i",
         "positions = i",
     ),
 }
 REFERENCE_MUTANTS = {
     "table read off by one": (
-        "columns = (tokens // block_size).clamp(",
-        "columns = (tokens // block_size + 1).clamp(",
+        "gather_kv",
+        "tokens // block_size",
+        "tokens // block_size + 1",
     ),
     "wrong row inside a block": (
-        "entries * block_size + tokens % block_size, 0)",
-        "entries * block_size + (tokens + 1) % block_size, 0)",
+        "gather_kv",
+        "entries * block_size + tokens % block_size",
+        "entries * block_size + (tokens + 1) % block_size",
     ),
     "query heads interleaved over KV heads": (
+        "masked_attention",
         "q = query.float().view(batch, num_queries, num_kv_heads, group, head_dim)",
         "q = query.float().view(batch, num_queries, group, num_kv_heads, head_dim).transpose(2, 3)",
     ),
     "causal mask lets a query see the next token": (
+        "masked_attention",
         "hidden = key_positions[:, None, :] > p",
         "hidden = key_positions[:, None, :] > p + 1",
     ),
     "chunk positions ignore the cached prefix": (
+        "paged_prefill_attention",
         "first = lens - query_lens  # position of each sequence's first query token",
         "first = lens * 0",
     ),
@@ -400,24 +410,29 @@ def test_prefill_window_is_checked(backend: str) -> None:
 
 WINDOW_TRITON_MUTANTS = {
     "window one token too wide": (
+        "_prefill_kernel",
         "in_window = n[None, :] > positions[:, None] - window",
         "in_window = n[None, :] >= positions[:, None] - window",
     ),
     "keys walked from 0 and masked": (
-        "for tile_start in range(first_key, end, BLOCK_N):",
-        "for tile_start in range(0, end, BLOCK_N):",
+        "_prefill_kernel",
+        "range(first_key, end, BLOCK_N)",
+        "range(0, end, BLOCK_N)",
     ),
     "window starts at the tile's last query": (
+        "_prefill_kernel",
         "first_key = tl.maximum(tile_position - window + 1, 0)",
         "first_key = tl.maximum(tile_position + BLOCK_Q - window, 0)",
     ),
 }
 WINDOW_REFERENCE_MUTANTS = {
     "window one token too wide": (
+        "masked_attention",
         "hidden |= key_positions[:, None, :] <= p - window",
         "hidden |= key_positions[:, None, :] < p - window",
     ),
     "keys gathered from 0 and masked": (
+        "paged_prefill_attention",
         "starts = window_starts(lens, query_lens, window)",
         "starts = torch.zeros_like(lens)",
     ),

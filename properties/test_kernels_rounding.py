@@ -88,8 +88,9 @@ def test_a_coarser_rounding_breaks_the_tolerance(tmp_path: Path) -> None:
     fp16 tolerance: the property can tell a wrong rounding point."""
     mutant = load_mutant(
         reference,
-        "weights = p.to(key.dtype).float()",
-        "weights = p.to(torch.float8_e4m3fn).float()",
+        "masked_attention",
+        "p.to(key.dtype).float()",
+        "p.to(torch.float8_e4m3fn).float()",
         tmp_path,
     )
     cache = KVCache(fixed_scenario(16), Shape(16, 2, 4, 128, torch.float16), backend="reference")

@@ -140,26 +140,32 @@ def check_store(store: object, num_slots: int, data: st.DataObject, dtype: torch
 
 SDPA_MUTANTS = {
     "causal mask lets a query see the next token": (
+        "plan",
         "visible = tokens[:, None, :] <= positions",
         "visible = tokens[:, None, :] <= positions + 1",
     ),
     "window one key too wide": (
+        "plan",
         "visible &= tokens[:, None, :] > positions - window",
         "visible &= tokens[:, None, :] >= positions - window",
     ),
     "padding columns read unwritten slots": (
+        "plan",
         "read = torch.where(inside, tokens, torch.where(has_keys, key_starts[:, None], 0))",
         "read = tokens.clamp(max=block_tables.shape[1] * block_size - 1)",
     ),
     "wrong row inside a block": (
-        "entries * block_size + read % block_size, 0)",
-        "entries * block_size + (read + 1) % block_size, 0)",
+        "plan",
+        "entries * block_size + read % block_size",
+        "entries * block_size + (read + 1) % block_size",
     ),
     "chunk positions ignore the cached prefix": (
+        "plan",
         "first = lens - num_queries",
         "first = lens * 0",
     ),
     "query heads interleaved over KV heads": (
+        "attention",
         "q = padded.view(batch, q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)",
         "q = padded.view(batch, q_len, group, num_kv_heads, head_dim).permute(0, 3, 2, 1, 4)",
     ),
@@ -188,7 +194,11 @@ def test_fixed_run_passes_with_and_without_window() -> None:
 def test_check_catches_planted_store_bug(tmp_path: Path) -> None:
     """A store that writes the keys into the value cache too is caught."""
     mutant = load_mutant(
-        sdpa, "((k_cache, key), (v_cache, value))", "((k_cache, key), (v_cache, key))", tmp_path
+        sdpa,
+        "store",
+        "((k_cache, key), (v_cache, value))",
+        "((k_cache, key), (v_cache, key))",
+        tmp_path,
     )
 
     @settings(max_examples=20, deadline=None, database=None)

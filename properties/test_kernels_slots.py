@@ -183,6 +183,7 @@ def test_store_kv_writes_exactly_the_given_slots(
 def test_check_catches_slot_mapping_that_ignores_the_table(tmp_path: Path) -> None:
     mutant = load_mutant(
         triton_slot_mapping,
+        "_slot_mapping_kernel",
         "slot = tl.where(live, block_id * BLOCK_SIZE + pos % BLOCK_SIZE, -1)",
         "slot = tl.where(live, pos + 0 * block_id, -1)",
         tmp_path,
@@ -200,7 +201,11 @@ def test_check_catches_slot_mapping_that_ignores_the_table(tmp_path: Path) -> No
 
 def test_check_catches_store_kv_that_skips_slot_zero(tmp_path: Path) -> None:
     mutant = load_mutant(
-        triton_store_kv, "(row_mask & (slots >= 0))", "(row_mask & (slots >= 1))", tmp_path
+        triton_store_kv,
+        "_store_kv_kernel",
+        "(row_mask & (slots >= 0))",
+        "(row_mask & (slots >= 1))",
+        tmp_path,
     )
     cache = torch.zeros(2, 3, 4, 2, 80, device=DEVICE)
     key = torch.randn(4, 2, 80, device=DEVICE)

@@ -111,6 +111,7 @@ def test_salts_isolate_tenants_through_the_scheduler() -> None:
 def test_a_scheduler_that_drops_the_salt_is_caught() -> None:
     mutant = load_mutant(
         scheduler_module,
+        "Scheduler._admit",
         "return self.store.admit(seq.seq_id, seq.tokens, headroom, seq.cache_salt)",
         "return self.store.admit(seq.seq_id, seq.tokens, headroom)",
         ("RequestTooLargeError",),

@@ -358,14 +358,17 @@ def check_fault(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
 # Planted bugs in a copy of the engine; each fails one of the checks above.
 ENGINE_BUGS = {
     "every draft is kept": (
+        "PagedAttentionEngine._run",
         "kept = accepted_drafts(guess, greedy, seq.eos_token_id)",
         "kept = len(guess)",
     ),
     "an end-of-sequence draft is kept": (
+        "PagedAttentionEngine._run",
         "kept = accepted_drafts(guess, greedy, seq.eos_token_id)",
         "kept = accepted_drafts(guess, greedy, None)",
     ),
     "the bonus token is the first draft's greedy token": (
+        "PagedAttentionEngine._run",
         "sampled.append(greedy[kept])",
         "sampled.append(greedy[0])",
     ),
@@ -373,14 +376,17 @@ ENGINE_BUGS = {
 # Planted bugs in a copy of pagedkv.impl.serving.speculative, which the engine then calls.
 SPECULATIVE_BUGS = {
     "speculation silently off": (
-        "        if guess:\n            drafts[seq.seq_id] = guess",
-        "        if False:\n            drafts[seq.seq_id] = guess",
+        "draft",
+        "if guess:\n    drafts[seq.seq_id] = guess\n    budget -= len(guess)",
+        "pass",
     ),
     "the rejected drafts keep their slots": (
+        "roll_back",
         "    store.truncate(list(kept), [end for _, end in kept.values()])",
         "    pass",
     ),
     "a failed step keeps its drafts' slots": (
+        "undraft",
         "    store.undo_growth(list(before), [end for _, end in before.values()])",
         "    pass",
     ),
@@ -396,7 +402,7 @@ def test_planted_engine_bug_is_caught(bug: str) -> None:
             mutant = load_mutant(engine_module, *ENGINE_BUGS[bug], shared)
             monkeypatch.setattr(engine_cases, "PagedAttentionEngine", mutant.PagedAttentionEngine)
         else:
-            mutant = load_mutant(speculative_module, *SPECULATIVE_BUGS[bug], ())
+            mutant = load_mutant(speculative_module, *SPECULATIVE_BUGS[bug])
             monkeypatch.setattr(engine_module, "speculative", mutant)
         with pytest.raises(Exception):  # noqa: B017 - either kind of failure is a catch
             for source in SOURCES:

@@ -49,7 +49,7 @@ from pagedkv.impl.blocks import BlockManager, BlockTableStore, PrefixCachingBloc
 from pagedkv.spec.block_manager import BlockManager as SpecBlockManager
 from pagedkv.spec.block_manager import OutOfBlocksError
 from pagedkv.spec.prefix_cache import PrefixCachingBlockManager as SpecPrefixManager
-from properties.mutants import CONTROL_SEARCHES, FIND, load_mutant, planted_store
+from properties.mutants import CONTROL_SEARCHES, FIND, load_copy, load_mutant, planted_store
 from properties.outcomes import outcome
 
 VOCAB = st.integers(0, 1)  # two tokens: prompts share prefixes often
@@ -332,42 +332,50 @@ def test_many_writers_of_one_shared_block(method: str) -> None:
 PLANTED = {
     "victims are taken from the head": (
         pagedkv.impl.blocks.growth,
+        "plan",
         "removed = list(range(n - 1, stop - 1, -1))",
         "removed = list(range(n - stop))",
     ),
     "the batched plan forgets that a victim may be the sequence itself": (
         pagedkv.impl.blocks.growth,
+        "plan_preemption",
         "cut = np.arange(n) + victims >= n",
         "cut = np.arange(n) + victims > n",
     ),
     "a shared prefix block counts as freed": (
         pagedkv.impl.blocks.growth,
-        "free += left == 0",
-        "free += 1",
+        "plan",
+        "left == 0",
+        "True",
     ),
     "victims are freed first-block-first": (
         pagedkv.impl.blocks.tables,
+        "BlockTables.release",
         "reversed_tables = self.tables[rows, ::-1]",
         "reversed_tables = self.tables[rows]",
     ),
     "incremental registration never retries a block left uncached": (
         pagedkv.impl.blocks.block_hashes,
+        "BlockHashes.register",
         "indices = [i for i in state.retry if i >= released]",
         "indices = []",
     ),
     "extended keys restart the chain": (
         pagedkv.impl.blocks.prefix_cache,
+        "PrefixCachingBlockManager.extend_block_keys",
         "parent = keys[-1] if keys else None",
         "parent = None",
     ),
     "a refused prompt's keys are reused for another prompt": (
         pagedkv.impl.blocks.block_hashes,
+        "BlockHashes.keys_if_refused",
         "refused is not None and refused.extra is extra "
         "and isinstance(token_ids, (list, tuple)) and list(token_ids) == refused.tokens",
         "refused is not None and refused.extra is extra and isinstance(token_ids, (list, tuple))",
     ),
     "a refused prompt's keys are reused under another salt": (
         pagedkv.impl.blocks.block_hashes,
+        "BlockHashes.keys_if_refused",
         "refused is not None and refused.extra is extra "
         "and isinstance(token_ids, (list, tuple)) and list(token_ids) == refused.tokens",
         "refused is not None "
@@ -375,11 +383,13 @@ PLANTED = {
     ),
     "admit ignores the salt": (
         pagedkv.impl.blocks.admission,
+        "Admission.admit",
         "self.prefix.plan_prompt(token_ids, extra_key, known)",
         "self.prefix.plan_prompt(token_ids, None, known)",
     ),
     "the decode fast path ignores a forked last block": (
         pagedkv.impl.blocks.growth,
+        "grow_decode",
         "tables.tail_shared.take(rows).any()",
         "False",
     ),
@@ -390,6 +400,7 @@ PLANTED = {
 COPY_SOURCE_PLANTED = {
     "a preemption plan counts a source waiting for its copy as free": (
         pagedkv.impl.blocks.growth,
+        "plan",
         "free += left == 0 and block not in sources",
         "free += left == 0",
     ),
@@ -400,16 +411,19 @@ COPY_SOURCE_PLANTED = {
 WINDOW_PLANTED = {
     "a victim's released entries count as freed blocks": (
         pagedkv.impl.blocks.growth,
+        "plan",
         "held_counts = g.lengths - tables.num_released.take(g.rows)",
         "held_counts = g.lengths",
     ),
     "a victim shared with others releases its released entries too": (
         pagedkv.impl.blocks.growth,
+        "plan",
         "tables.held(int(g.rows[victim]))",
         "tables.tables[int(g.rows[victim]), : g.lengths[victim]]",
     ),
     "cache_blocks registers a released entry": (
         pagedkv.impl.blocks.store,
+        "BlockTableStore.cache_blocks",
         "count, released = int(rows.token_counts[row]), int(rows.num_released[row])",
         "count, released = int(rows.token_counts[row]), 0",
     ),
@@ -417,31 +431,41 @@ WINDOW_PLANTED = {
 
 
 def planted_machine(
-    module: Any, old: str, new: str, base: type[PreemptionMachine] = PreemptionMachine
+    module: Any,
+    within: str,
+    old: str,
+    new: str,
+    base: type[PreemptionMachine] = PreemptionMachine,
 ) -> type:
-    """``base`` over the store with ``old -> new`` planted in ``module`` (the store or a part
-    of it; with the prefix cache, the machine's prefix manager is the planted copy too)."""
+    """``base`` over the store with ``old -> new`` planted in ``within`` of ``module`` (the
+    store or a part of it; with the prefix cache, the machine's prefix manager is the planted
+    copy too)."""
     if module is pagedkv.impl.blocks.prefix_cache:
-        prefix = load_mutant(module, old, new, ("BlockTableError",))
-        store = load_mutant(
-            pagedkv.impl.blocks.store, "", "", ("CapacityError",),
-            using={module.__name__: prefix},
-        )  # fmt: skip
+        prefix = load_mutant(module, within, old, new, ("BlockTableError",))
+        store = load_copy(
+            pagedkv.impl.blocks.store, ("CapacityError",), using={module.__name__: prefix}
+        )
         attrs = {"PREFIX_MANAGER": prefix.PrefixCachingBlockManager, "STORE": store.BlockTableStore}
         return type("PlantedPreemption", (base,), attrs)
-    return type("PlantedPreemption", (base,), {"STORE": planted_store(module, old, new)})
+    store = planted_store(module, within, old, new)
+    return type("PlantedPreemption", (base,), {"STORE": store})
 
 
 @pytest.mark.parametrize("search", CONTROL_SEARCHES)
 def test_control_unmutated_copies_pass(search: settings) -> None:
     """The loading paths are sound: identity 'mutations' of both modules pass."""
-    for module, snippet in (
-        (pagedkv.impl.blocks.store, "class BlockTableStore:"),
-        (pagedkv.impl.blocks.growth, "def plan("),
-        (pagedkv.impl.blocks.block_hashes, "class BlockHashes:"),
-        (pagedkv.impl.blocks.prefix_cache, "class PrefixCachingBlockManager("),
+    for module, within, snippet in (
+        (pagedkv.impl.blocks.store, "BlockTableStore.grow", "atomic and failed"),
+        (pagedkv.impl.blocks.growth, "plan", "left == 0"),
+        (pagedkv.impl.blocks.block_hashes, "BlockHashes.admit", "self.refused = None"),
+        (
+            pagedkv.impl.blocks.prefix_cache,
+            "PrefixCachingBlockManager.extend_block_keys",
+            "parent = keys[-1] if keys else None",
+        ),
     ):
-        run_state_machine_as_test(planted_machine(module, snippet, snippet), settings=search)
+        machine = planted_machine(module, within, snippet, snippet)
+        run_state_machine_as_test(machine, settings=search)
 
 
 @pytest.mark.parametrize("bug", sorted(PLANTED))
@@ -453,8 +477,8 @@ def test_planted_preemption_bug_is_caught(bug: str) -> None:
 
 @pytest.mark.parametrize("search", CONTROL_SEARCHES)
 def test_control_unmutated_copy_passes_the_window_machine(search: settings) -> None:
-    snippet = "class BlockTableStore:"
-    machine = planted_machine(pagedkv.impl.blocks.store, snippet, snippet, WindowPreemptionMachine)
+    store, within, snippet = pagedkv.impl.blocks.store, "BlockTableStore.grow", "atomic and failed"
+    machine = planted_machine(store, within, snippet, snippet, WindowPreemptionMachine)
     run_state_machine_as_test(machine, settings=search)
 
 

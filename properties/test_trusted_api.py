@@ -141,18 +141,21 @@ TestOneIdQueue = OneIdQueueMachine.TestCase
 PLANTED = {
     "pop_one returns a tombstone": (
         pagedkv.impl.blocks.free_queue,
-        "        while block == TOMBSTONE:  # each tombstone is skipped once\n",
-        "        while False:\n",
+        "FreeBlockQueue.pop_one",
+        "block == TOMBSTONE",
+        "False",
         OneIdQueueMachine,
     ),
     "release frees a block that still has owners": (
         pagedkv.impl.blocks.pool,
+        "BlockPool.release_held",
         "ids[remaining == 0] if np.count_nonzero(remaining) else ids",
         "ids",
         SingleBlockMachine,
     ),
     "take_one does not evict": (
         pagedkv.impl.blocks.pool,
+        "BlockPool.take_one",
         "self.evictor.evict_one(block)",
         "None",
         SingleBlockMachine,
@@ -160,13 +163,14 @@ PLANTED = {
 }
 
 
-def planted(module: Any, old: str, new: str, base: type) -> type:
-    """``base`` over a copy of ``module`` with ``old`` replaced by ``new``."""
+def planted(module: Any, within: str, old: str, new: str, base: type) -> type:
+    """``base`` over a copy of ``module`` with ``old`` replaced by ``new`` in ``within``."""
     if module is pagedkv.impl.blocks.free_queue:
-        queue = load_mutant(module, old, new, ())
+        queue = load_mutant(module, within, old, new)
         return type("PlantedQueue", (base,), {"QUEUE": queue.FreeBlockQueue})
     prefix = load_chain(  # the prefix manager over a copy of the mutant pool
         [module, pagedkv.impl.blocks.manager, pagedkv.impl.blocks.prefix_cache],
+        within,
         old,
         new,
         ("BlockTableError", "OutOfBlocksError"),
@@ -176,11 +180,22 @@ def planted(module: Any, old: str, new: str, base: type) -> type:
 
 @pytest.mark.parametrize("search", CONTROL_SEARCHES)
 def test_control_unmutated_copies_pass(search: settings) -> None:
-    for module, snippet, base in (
-        (pagedkv.impl.blocks.free_queue, "class FreeBlockQueue:", OneIdQueueMachine),
-        (pagedkv.impl.blocks.pool, "class BlockPool:", SingleBlockMachine),
+    for module, within, snippet, base in (
+        (
+            pagedkv.impl.blocks.free_queue,
+            "FreeBlockQueue.pop_one",
+            "block == TOMBSTONE",
+            OneIdQueueMachine,
+        ),
+        (
+            pagedkv.impl.blocks.pool,
+            "BlockPool.take_one",
+            "self.evictor.evict_one(block)",
+            SingleBlockMachine,
+        ),
     ):
-        run_state_machine_as_test(planted(module, snippet, snippet, base), settings=search)
+        machine = planted(module, within, snippet, snippet, base)
+        run_state_machine_as_test(machine, settings=search)
 
 
 @pytest.mark.parametrize("bug", sorted(PLANTED))
