@@ -60,9 +60,9 @@ from pagedkv.kernels.validation import (
     check_sources_apart,
     check_tensor,
     check_token_index,
-    check_window,
     window_starts,
 )
+from pagedkv.spec.checks import int32_window
 
 
 def slot_mapping(
@@ -179,7 +179,7 @@ def paged_decode_attention(
     device = check_same_device(query=q, k_cache=k_cache, block_tables=tables, context_lens=lens)
     scale = check_scale(scale, caches.head_dim)
     num_splits = check_num_splits(num_splits)
-    window = check_window(window)
+    window = int32_window(window)
     if max_context_len is not None:
         check_int_range("max_context_len", max_context_len, 0, INT32_MAX)
     if check_bool("validate", validate):
@@ -237,7 +237,7 @@ def paged_prefill_attention(
         query=q, k_cache=k_cache, block_tables=tables, cu_seqlens_q=starts, context_lens=lens
     )
     scale = check_scale(scale, caches.head_dim)
-    window = check_window(window)
+    window = int32_window(window)
     if max_query_len is not None:
         check_int_range("max_query_len", max_query_len, 0, INT32_MAX)
     if check_bool("validate", validate):
@@ -285,7 +285,7 @@ def contiguous_decode_attention(
     device = check_same_device(query=q, key=key, context_lens=lens)
     scale = check_scale(scale, caches.head_dim)
     num_splits = check_num_splits(num_splits)
-    window = check_window(window)
+    window = int32_window(window)
     if max_context_len is not None:
         check_int_range("max_context_len", max_context_len, 0, INT32_MAX)
     if check_bool("validate", validate):  # contiguous: a paged cache whose table for b is [b]

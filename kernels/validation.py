@@ -22,12 +22,11 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
-from pagedkv.spec.checks import INT32_MAX, MAX_INT32_BLOCKS, check_int, int32_window
+from pagedkv.spec.checks import INT32_MAX, INT64_MAX, MAX_INT32_BLOCKS, check_int
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_SPLITS = 64  # split-K ranges per sequence, at most
-INT64_MAX = 2**63 - 1
 # Block ids are int32, so a pool has at most MAX_INT32_BLOCKS = 2**31 blocks; and slots are int64,
 # so the largest slot, (2**31 - 1) * block_size + block_size - 1 = 2**31 * block_size - 1, fits
 # for block sizes up to 2**32.
@@ -177,18 +176,6 @@ def check_context_lens(context_lens: object, batch: int) -> torch.Tensor:
     lens = check_tensor("context_lens", context_lens, 1, INDEX_DTYPES)
     check_shape("context_lens", lens, (batch,))
     return lens
-
-
-def check_window(window: object) -> int | None:
-    """A sliding window: ``None`` (full causal attention) or an int ``>= 1`` (``TypeError`` or
-    ``ValueError`` naming ``window`` otherwise; ``bool`` is not an int here).
-
-    With window ``w`` a query at position ``p`` attends the keys at positions ``j`` with
-    ``p - w < j <= p``: itself and the ``w - 1`` tokens before it (Hugging Face's
-    ``sliding_window``; ``w = 1`` is the query alone). Returns the window, or ``None`` for a
-    window longer than any context can be (``INT32_MAX`` tokens), which hides nothing.
-    """
-    return int32_window(window)
 
 
 def window_starts(

@@ -31,9 +31,9 @@ from pagedkv.impl.serving.engine import PagedAttentionEngine
 from pagedkv.impl.serving.model import CausalLM
 from pagedkv.impl.serving.paged_kv import PagedKVCache
 from pagedkv.impl.serving.scheduler import RequestTooLargeError, SchedulerConfig, SchedulerOutput
-from pagedkv.kernels.validation import check_window
 from pagedkv.spec.block_manager import BlockManager as SpecBlockManager
 from pagedkv.spec.block_manager import blocks_needed, blocks_outside_window
+from pagedkv.spec.checks import int32_window
 from properties.engine_cases import (
     CONFIG,
     MODEL,
@@ -300,7 +300,7 @@ def test_a_window_wider_than_any_context_is_no_window_in_every_layer(window: int
     with pytest.raises(ValueError, match="token_counts"):  # the other checks still run first
         store.release_outside_window([0], window, 13)
     assert SchedulerConfig(sliding_window=window).sliding_window == window
-    assert check_window(window) is None
+    assert int32_window(window) is None
     wide = CausalLM.from_seed(dataclasses.replace(CONFIG, sliding_window=window), seed=0)
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8]]
     with one_thread():

@@ -284,7 +284,8 @@ def test_an_unchecked_window_in_the_kernels_is_caught(monkeypatch: pytest.Monkey
 
     mutant = load_mutant(
         paged_kv_module,
-        "self.window = check_window(config.sliding_window)",
+        "PagedKVCache.__init__",
+        "self.window = int32_window(config.sliding_window)",
         "self.window = config.sliding_window",
         ("PagedStep",),
     )

@@ -12,13 +12,12 @@ from collections.abc import Sequence
 INT32_MAX = 2**31 - 1
 """The largest int32: token counts and slot ids the arrays of ``impl`` and the kernels hold."""
 
+INT64_MAX = 2**63 - 1
+"""The largest int64: token ids, lengths and positions held in int64 arrays stay at or below it."""
+
 MAX_INT32_BLOCKS = 2**31
 """The most blocks a pool may have where block ids are int32 (the kernels' tables):
 ids ``0 .. 2**31 - 1``."""
-
-MAX_FREE_RING_BLOCKS = 2**29
-"""The most blocks ``impl``'s free queue serves: its ring is 1.5x the pool, and the ring's
-slot arithmetic is int32, so 1.5 * 2**29 stays below 2**31 (the spec's deque has no limit)."""
 
 
 class OutOfBlocksError(RuntimeError):

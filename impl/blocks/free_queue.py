@@ -25,6 +25,10 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
+MAX_FREE_RING_BLOCKS = 2**29
+"""The most blocks the queue serves: its ring is 1.5x the pool, and the ring's slot arithmetic
+is int32, so 1.5 * 2**29 stays below 2**31 (the spec's deque has no limit)."""
+
 TOMBSTONE = -1
 """Marks a ring slot whose block was removed from the middle of the queue."""
 

@@ -18,10 +18,10 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import NDArray
 
+from pagedkv.impl.blocks.free_queue import MAX_FREE_RING_BLOCKS
 from pagedkv.impl.blocks.pool import BlockPool, IdArray
 from pagedkv.spec.block_manager import blocks_needed, leading_released, translate_slot
 from pagedkv.spec.checks import (
-    MAX_FREE_RING_BLOCKS,
     BlockTableError,
     OutOfBlocksError,
     blocks_outside_window,

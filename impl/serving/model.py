@@ -35,9 +35,9 @@ from pagedkv.kernels.validation import (
     check_same_device,
     check_shape,
     check_tensor,
-    check_window,
 )
 from pagedkv.spec.block_manager import check_int
+from pagedkv.spec.checks import int32_window
 
 
 class KVAttention(Protocol):
@@ -189,7 +189,7 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
-        self.window = check_window(config.sliding_window)  # the window the paged cache attends
+        self.window = int32_window(config.sliding_window)  # the window the paged cache attends
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim

@@ -47,9 +47,9 @@ from pagedkv.kernels.validation import (
     check_context_values,
     check_cu_seqlens_values,
     check_slot_values,
-    check_window,
     window_starts,
 )
+from pagedkv.spec.checks import int32_window
 
 
 class DeviceBlockTables:
@@ -120,7 +120,7 @@ class PagedKVCache:
         self.head_dim = config.head_dim
         self.dtype = dtype
         self.group = config.num_heads // config.num_kv_heads
-        self.window = check_window(config.sliding_window)  # only a checked window: None if huge
+        self.window = int32_window(config.sliding_window)  # only a checked window: None if huge
         self.scale = config.head_dim**-0.5
         self.device = self.k[0].device
         # The backend is resolved once, here: every step and layer runs on it.

@@ -70,7 +70,7 @@ from numpy.typing import NDArray
 
 from pagedkv.impl.serving.block_store import BlockStore
 from pagedkv.spec.block_manager import blocks_needed, check_int
-from pagedkv.spec.checks import check_str, check_tokens
+from pagedkv.spec.checks import INT64_MAX, check_str, check_tokens
 
 
 class RequestTooLargeError(ValueError):
@@ -158,7 +158,6 @@ _TOKENS = attrgetter("tokens")
 # The columns of ``Scheduler._rows``: one int64 row per running sequence, in running order.
 _ID, _LENGTH, _COMPUTED, _MAX_LEN, _EOS, _SAMPLES = range(6)
 _NO_EOS = -1  # the _EOS column of a sequence without an EOS token: no token equals it
-_INT64_MAX = 2**63 - 1  # the largest token the step arrays hold (sampled tokens, EOS ids)
 
 
 def _row(seq: Sequence) -> list[int]:
@@ -182,8 +181,8 @@ def _check_sampled(sampled: object, expected: int) -> tuple[abc.Sequence[int], N
         tokens = sampled.tolist()
     else:
         tokens = check_tokens(sampled)
-    if tokens and max(tokens) > _INT64_MAX:
-        raise ValueError(f"sampled token {max(tokens)} exceeds int64's largest, {_INT64_MAX}")
+    if tokens and max(tokens) > INT64_MAX:
+        raise ValueError(f"sampled token {max(tokens)} exceeds int64's largest, {INT64_MAX}")
     array = np.array(tokens, dtype=np.int64)
     if len(tokens) != expected:
         raise ValueError(f"the step samples {expected} tokens, got {len(tokens)}")
@@ -316,7 +315,7 @@ class Scheduler:
         n = check_int("n", n, 1)  # values, whatever an int subclass's arithmetic does
         if eos_token_id is not None:
             eos_token_id = check_int("eos_token_id", eos_token_id, 0)
-            if eos_token_id > _INT64_MAX:
+            if eos_token_id > INT64_MAX:
                 raise ValueError(f"eos_token_id={eos_token_id} exceeds int64's largest")
         cache_salt = check_cache_salt(cache_salt)
         prompt = check_tokens(prompt)  # plain ints: an int subclass is taken as its value
