@@ -22,7 +22,7 @@ attention, in which a query at position ``p`` attends only the keys at positions
 q_idx - sliding_window``, with the causal ``kv_idx <= q_idx``), so Mistral's ``sliding_window =
 4096`` is ``window=4096``. With a window the kernels start at each sequence's first key in the
 window and never read the block-table entries of blocks wholly before it; validation checks only
-the entries that are read (``validation.window_starts``), so those of released blocks may hold
+the entries that are read (``check_values.window_starts``), so those of released blocks may hold
 anything.
 """
 
@@ -34,35 +34,38 @@ import torch
 
 from pagedkv.kernels import reference, trusted
 from pagedkv.kernels.backend import resolve_backend
-from pagedkv.kernels.validation import (
-    INT32_MAX,
+from pagedkv.kernels.check_arguments import (
     MAX_BLOCK_SIZE,
     MAX_NUM_BLOCKS,
-    check_block_tables,
     check_bool,
-    check_caches,
-    check_context_lens,
-    check_context_values,
-    check_cu_seqlens,
-    check_cu_seqlens_values,
-    check_decode_query,
     check_int_range,
-    check_kv_rows,
-    check_max_context_len,
-    check_max_query_len,
     check_num_splits,
-    check_pairs,
-    check_position_values,
     check_same_device,
     check_scale,
-    check_slot_values,
+    check_tensor,
+)
+from pagedkv.kernels.check_shapes import (
+    check_block_tables,
+    check_caches,
+    check_context_lens,
+    check_cu_seqlens,
+    check_decode_query,
+    check_kv_rows,
     check_slots,
     check_sources_apart,
-    check_tensor,
     check_token_index,
+)
+from pagedkv.kernels.check_values import (
+    check_context_values,
+    check_cu_seqlens_values,
+    check_max_context_len,
+    check_max_query_len,
+    check_pairs,
+    check_position_values,
+    check_slot_values,
     window_starts,
 )
-from pagedkv.spec.checks import int32_window
+from pagedkv.spec.checks import INT32_MAX, int32_window
 
 
 def slot_mapping(

@@ -108,73 +108,92 @@ def variants(sample: bool = False, grid: Grid | None = None, capability: int = 9
     """The documented grid (or ``grid``), through the launchers' config functions for target
     ``capability``, one per distinct compile; with ``sample``, the few the quick suite
     compiles."""
-    grid = grid or Grid()
-    from pagedkv.kernels import triton_decode, triton_prefill
-
-    def call(dtype: str, head_dim: int, block_size: int, group: int) -> Call:
-        """One sequence whose table spans ``CONTEXT`` tokens (block size 0: contiguous)."""
-        stride = CONTEXT // max(1, block_size)
-        heads = group * NUM_KV_HEADS
-        return Call(1, heads, NUM_KV_HEADS, head_dim, DTYPES[dtype], torch.int64, block_size,
-                    stride, capability)  # fmt: skip
-
-    def decode(dtype: str, head_dim: int, block_size: int, group: int, split: bool) -> Variant:
-        num_splits = 1
-        if split:  # the launcher's automatic split, for one sequence at the longest context
-            num_splits = triton_decode.auto_num_splits(NUM_KV_HEADS, CONTEXT, SM_COUNT, 8)
-        config = triton_decode.decode_config(
-            call(dtype, head_dim, block_size, group),
-            rows_per_seq=CONTEXT,
-            paged=block_size > 0,
-            max_tokens=CONTEXT,
-            num_splits=num_splits,
-        )
-        kind = "contiguous" if block_size == 0 else "decode-split" if split else "decode"
-        return Variant(DECODE, kind, dtype, head_dim, block_size, group, config)
-
-    def prefill(dtype: str, head_dim: int, block_size: int, group: int, chunk: int) -> Variant:
-        config = triton_prefill.prefill_config(
-            call(dtype, head_dim, block_size, group), window=CONTEXT, max_query_len=chunk
-        )
-        return Variant(PREFILL, "prefill", dtype, head_dim, block_size, group, config)
-
-    def merge(dtype: str, head_dim: int) -> Variant:
-        splits = triton_decode.auto_num_splits(NUM_KV_HEADS, CONTEXT, SM_COUNT, 8)
-        config = triton_decode.merge_config(
-            batch=1,
-            num_heads=NUM_KV_HEADS,
-            head_dim=head_dim,
-            dtype=DTYPES[dtype],
-            num_splits=splits,
-        )
-        return Variant(DECODE, "merge", dtype, head_dim, 0, 1, config)
-
     if sample:
         found = [
-            decode("fp16", 128, 16, 4, False),
-            decode("bf16", 128, 16, 4, True),
-            prefill("fp16", 128, 16, 4, 512),
-            decode("fp32", 128, 16, 4, False),
+            decode_variant("fp16", 128, 16, 4, False, capability),
+            decode_variant("bf16", 128, 16, 4, True, capability),
+            prefill_variant("fp16", 128, 16, 4, 512, capability),
+            decode_variant("fp32", 128, 16, 4, False, capability),
         ]
     else:
-        found = []
-        for dtype in grid.dtypes:
-            for head_dim in grid.head_dims:
-                found.append(merge(dtype, head_dim))
-                for group in grid.groups:
-                    found += [decode(dtype, head_dim, 0, group, s) for s in (False, True)]
-                    for block_size in grid.block_sizes:
-                        found += [
-                            decode(dtype, head_dim, block_size, group, s) for s in (False, True)
-                        ]
-                        found += [
-                            prefill(dtype, head_dim, block_size, group, chunk)
-                            for chunk in PREFILL_CHUNKS
-                        ]
+        found = list(grid_variants(grid or Grid(), capability))
     unique: dict[str, Variant] = {}
     for variant in found:
         unique.setdefault(variant.key(), variant)
     return list(unique.values())
+
+
+def grid_variants(grid: Grid, capability: int) -> Iterator[Variant]:
+    """Every launch of ``grid`` for ``capability``, duplicates included: per dtype and head dim
+    the merge, and per group the contiguous decode, then per block size the paged decode (one
+    split and the automatic split) and the prefill of every chunk in ``PREFILL_CHUNKS``."""
+    for dtype in grid.dtypes:
+        for head_dim in grid.head_dims:
+            yield merge_variant(dtype, head_dim)
+            for group in grid.groups:
+                for split in (False, True):
+                    yield decode_variant(dtype, head_dim, 0, group, split, capability)
+                for block_size in grid.block_sizes:
+                    for split in (False, True):
+                        yield decode_variant(dtype, head_dim, block_size, group, split, capability)
+                    for chunk in PREFILL_CHUNKS:
+                        yield prefill_variant(dtype, head_dim, block_size, group, chunk, capability)
+
+
+def enumerated_call(
+    dtype: str, head_dim: int, block_size: int, group: int, capability: int
+) -> Call:
+    """One sequence whose table spans ``CONTEXT`` tokens (block size 0: contiguous)."""
+    stride = CONTEXT // max(1, block_size)
+    heads = group * NUM_KV_HEADS
+    return Call(1, heads, NUM_KV_HEADS, head_dim, DTYPES[dtype], torch.int64, block_size, stride,
+                capability)  # fmt: skip
+
+
+def decode_variant(
+    dtype: str, head_dim: int, block_size: int, group: int, split: bool, capability: int
+) -> Variant:
+    """The decode launch of :func:`enumerated_call` (block size 0: the contiguous kernel), with
+    one split or, with ``split``, the launcher's automatic split at the longest context."""
+    from pagedkv.kernels import triton_decode
+
+    num_splits = 1
+    if split:
+        num_splits = triton_decode.auto_num_splits(NUM_KV_HEADS, CONTEXT, SM_COUNT, 8)
+    config = triton_decode.decode_config(
+        enumerated_call(dtype, head_dim, block_size, group, capability),
+        rows_per_seq=CONTEXT,
+        paged=block_size > 0,
+        max_tokens=CONTEXT,
+        num_splits=num_splits,
+    )
+    kind = "contiguous" if block_size == 0 else "decode-split" if split else "decode"
+    return Variant(DECODE, kind, dtype, head_dim, block_size, group, config)
+
+
+def prefill_variant(
+    dtype: str, head_dim: int, block_size: int, group: int, chunk: int, capability: int
+) -> Variant:
+    """The prefill launch of :func:`enumerated_call` for query chunks of up to ``chunk``."""
+    from pagedkv.kernels import triton_prefill
+
+    config = triton_prefill.prefill_config(
+        enumerated_call(dtype, head_dim, block_size, group, capability),
+        window=CONTEXT,
+        max_query_len=chunk,
+    )
+    return Variant(PREFILL, "prefill", dtype, head_dim, block_size, group, config)
+
+
+def merge_variant(dtype: str, head_dim: int) -> Variant:
+    """The split-K merge of the automatic split at the longest context."""
+    from pagedkv.kernels import triton_decode
+
+    splits = triton_decode.auto_num_splits(NUM_KV_HEADS, CONTEXT, SM_COUNT, 8)
+    config = triton_decode.merge_config(
+        batch=1, num_heads=NUM_KV_HEADS, head_dim=head_dim, dtype=DTYPES[dtype], num_splits=splits
+    )
+    return Variant(DECODE, "merge", dtype, head_dim, 0, 1, config)
 
 
 def _tool(name: str) -> str:

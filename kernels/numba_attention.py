@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from pagedkv.kernels.check_arguments import MAX_SPLITS
 from pagedkv.kernels.numba_runtime import (
     CACHE_LINE_FLOATS,
     FASTMATH,
@@ -45,7 +46,6 @@ from pagedkv.kernels.numba_runtime import (
     prefetch,
     sum_in_order,
 )
-from pagedkv.kernels.validation import MAX_SPLITS
 
 NO_WINDOW = 2**62  # a window no context reaches: it hides nothing
 MIN_TOKENS_PER_SPLIT = 256  # a split shorter than this costs more to merge than it saves

@@ -1,6 +1,6 @@
 """Plain torch versions of every kernel: obviously correct, and the CPU fast path.
 
-Each function takes arguments that ``kernels.validation`` has already accepted; call them through
+Each function takes arguments that the ``kernels.check_*`` modules have accepted; call them through
 the public functions in ``kernels`` to get the checks. The attention here handles a whole batch
 in a few tensor operations: it gathers every sequence's K/V through its block table into one
 padded ``[batch, num_kv_heads, max_context_len, head_dim]`` tensor, then runs textbook softmax
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedkv.kernels.validation import window_starts
+from pagedkv.kernels.check_values import window_starts
 
 
 def slot_mapping(

@@ -14,7 +14,7 @@ They compute exactly what ``reference.store_kv`` and ``reference.paged_prefill_a
 compute (the same slots, the same keys, the same mask, fp32 arithmetic), the attention up to the
 rounding of SDPA's blocked softmax; ``properties/test_kernels_sdpa.py`` checks both against the
 reference. Arguments are trusted: the caller validates the tables, lengths and windows first
-(``PagedKVCache.step`` does, with ``kernels.validation``), and nothing here reads a tensor's
+(``PagedKVCache.step`` does, with ``kernels.check_values``), and nothing here reads a tensor's
 values on the host.
 """
 
@@ -77,7 +77,7 @@ def plan(
     tokens (host ints, ``query_lens[b] <= context_lens[b]``, at least one sequence with a
     query); ``group`` query heads per KV head; ``window`` as ``kernels.paged_prefill_attention``
     takes it. Key columns start where that function's window starts
-    (``validation.window_starts``), so no table entry of a block wholly before a window is read.
+    (``check_values.window_starts``), so no table entry of a block wholly before a window is read.
     """
     device = block_tables.device
     batch = len(query_lens)

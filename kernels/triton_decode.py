@@ -34,6 +34,7 @@ import functools
 
 import torch
 
+from pagedkv.kernels.check_arguments import MAX_SPLITS
 from pagedkv.kernels.launch_config import (
     DEFAULT_CAPABILITY,
     INDEX_TYPES,
@@ -47,7 +48,7 @@ from pagedkv.kernels.launch_config import (
     tiles,
 )
 from pagedkv.kernels.triton_import import tl, triton
-from pagedkv.kernels.validation import INT32_MAX, MAX_SPLITS
+from pagedkv.spec.checks import INT32_MAX
 
 MIN_TOKENS_PER_SPLIT = 512
 
@@ -346,14 +347,7 @@ def launch(
     """
     query = aligned(query.contiguous())
     batch, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
-    paged = block_tables is not None
-    if paged:
-        tables = aligned(block_tables.contiguous())
-        block_size, capacity = k_cache.shape[1], tables.shape[1] * k_cache.shape[1]
-    else:  # a dummy table, never read
-        tables = torch.zeros(1, 1, dtype=torch.int32, device=query.device)
-        block_size, capacity = 1, k_cache.shape[1]
+    tables, block_size, capacity = _table_of(block_tables, k_cache, query.device)
     out = torch.empty_like(query)
     if batch == 0:
         return out
@@ -368,22 +362,49 @@ def launch(
     # int32 (context lengths are validated to fit it).
     max_tokens = max(1, min(longest, capacity, INT32_MAX if window is None else window))
     call = Call(
-        batch, num_heads, num_kv_heads, head_dim, query.dtype, lens.dtype, block_size,
+        batch, num_heads, k_cache.shape[2], head_dim, query.dtype, lens.dtype, block_size,
         tables.stride(0), capability(query.device), interpreted=not cuda,
     )  # fmt: skip
     config = functools.partial(
         decode_config,
         call,
         rows_per_seq=k_cache.shape[1],
-        paged=paged,
+        paged=block_tables is not None,
         max_tokens=max_tokens,
         scale=scale,
     )
     if num_splits is None:  # CUDA: as many splits as fill the SMs with the resident programs
         resident = resident_programs(config(num_splits=MAX_SPLITS), query.device)
         sm_count = torch.cuda.get_device_properties(query.device).multi_processor_count
-        num_splits = auto_num_splits(batch * num_kv_heads, max_tokens, sm_count, resident)
-    decode = config(num_splits=num_splits)
+        num_splits = auto_num_splits(batch * call.num_kv_heads, max_tokens, sm_count, resident)
+    _run_decode(config(num_splits=num_splits), query, k_cache, v_cache, tables, lens, out)
+    return out
+
+
+def _table_of(
+    block_tables: torch.Tensor | None, k_cache: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, int, int]:
+    """``(tables, block_size, capacity)`` for the kernel: the aligned block tables of paged
+    caches, or for contiguous ones (``block_tables`` ``None``) a dummy table that is never read,
+    a block size of 1 and each sequence's ``max_len`` rows."""
+    if block_tables is not None:
+        tables = aligned(block_tables.contiguous())
+        return tables, k_cache.shape[1], tables.shape[1] * k_cache.shape[1]
+    return torch.zeros(1, 1, dtype=torch.int32, device=device), 1, k_cache.shape[1]
+
+
+def _run_decode(
+    decode: LaunchConfig,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Launch the decode kernel of ``decode`` into ``out``: with one split directly, with
+    several into fp32 partial outputs and log-sum-exps that the merge kernel combines."""
+    batch, num_heads, head_dim = query.shape
     num_splits = decode.grid[2]
     split = num_splits > 1
     partial = (
@@ -402,7 +423,6 @@ def launch(
             num_splits=num_splits,
         )
         run(_merge_kernel, merge, partial, lse, out)
-    return out
 
 
 def capability(device: torch.device) -> int:

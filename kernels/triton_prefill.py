@@ -37,7 +37,7 @@ from pagedkv.kernels.launch_config import (
 )
 from pagedkv.kernels.triton_decode import capability, dot_precision, run
 from pagedkv.kernels.triton_import import tl, triton
-from pagedkv.kernels.validation import INT32_MAX
+from pagedkv.spec.checks import INT32_MAX
 
 
 @triton.jit

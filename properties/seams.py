@@ -7,7 +7,7 @@ into another, or into a user callable (the draft source).
 looked through). A call inside one module is no seam. Two kinds of calls are left out, each for
 a reason the fault model states (docs/design.md §10, "Failure semantics"):
 
-* calls *into* the pure input checks, ``pagedkv.spec.checks`` and ``pagedkv.kernels.validation``:
+* calls *into* the pure input checks, ``pagedkv.spec.checks`` and ``pagedkv.kernels.check_*``:
   they change nothing, and the call that makes them is a seam of its own;
 * calls made *from inside* the block-management layer (``pagedkv.impl.blocks``): they run inside
   one store call, which validates its arguments and then runs unchecked array code that cannot
@@ -35,7 +35,12 @@ from typing import Any
 Seam = tuple[str, str]
 """``(caller module, callee)``: the callee as ``module:qualname``, or a user callable's name."""
 
-CHECKS = ("pagedkv.spec.checks", "pagedkv.kernels.validation")
+CHECKS = (
+    "pagedkv.spec.checks",
+    "pagedkv.kernels.check_arguments",
+    "pagedkv.kernels.check_shapes",
+    "pagedkv.kernels.check_values",
+)
 """The pure input checks: calls into them are no seams."""
 
 INSIDE_ONE_STORE_CALL = "pagedkv.impl.blocks"

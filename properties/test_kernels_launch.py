@@ -19,8 +19,9 @@ from pagedkv import kernels
 from pagedkv.impl.serving.model import ModelConfig
 from pagedkv.impl.serving.paged_kv import PagedKVCache
 from pagedkv.kernels import compile_check, trusted
+from pagedkv.kernels.check_arguments import MAX_SPLITS
 from pagedkv.kernels.launch_config import TARGETS, Call, occupancy, programs_per_sm, tiles
-from pagedkv.kernels.validation import INT32_MAX, MAX_SPLITS
+from pagedkv.spec.checks import INT32_MAX
 
 triton_decode = pytest.importorskip("pagedkv.kernels.triton_decode")
 triton_prefill = pytest.importorskip("pagedkv.kernels.triton_prefill")

@@ -54,7 +54,7 @@ from pagedkv.impl.serving.sampling import check_temperature, sample_token
 from pagedkv.impl.serving.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Sequence
 from pagedkv.impl.serving.speculative import DraftSource, accepted_drafts
 from pagedkv.kernels import resolve_backend
-from pagedkv.kernels.validation import check_bool
+from pagedkv.kernels.check_arguments import check_bool
 from pagedkv.spec.block_manager import blocks_needed, check_int
 from pagedkv.spec.checks import check_tokens
 

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from pagedkv.impl.serving.model import CausalLM, ModelConfig
-from pagedkv.kernels.validation import check_float_dtype
+from pagedkv.kernels.check_arguments import check_float_dtype
 from pagedkv.spec.checks import check_window
 
 ACCEPTED_MODEL_TYPES = ("llama", "mistral")

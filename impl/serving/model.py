@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from pagedkv.kernels.validation import (
+from pagedkv.kernels.check_arguments import (
     check_bool,
     check_float_dtype,
     check_int_range,

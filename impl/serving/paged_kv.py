@@ -43,7 +43,7 @@ import torch
 from pagedkv import kernels
 from pagedkv.impl.serving.model import ModelConfig
 from pagedkv.kernels import sdpa, trusted
-from pagedkv.kernels.validation import (
+from pagedkv.kernels.check_values import (
     check_context_values,
     check_cu_seqlens_values,
     check_slot_values,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.kernels.validation import check_number
+from pagedkv.kernels.check_arguments import check_number
 
 
 def check_temperature(temperature: object) -> float:
