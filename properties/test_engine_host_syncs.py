@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from pagedkv.impl.serving import paged_kv
 from pagedkv.impl.serving.dense import dense_generate
 from pagedkv.impl.serving.engine import PagedAttentionEngine
 from pagedkv.impl.serving.model import CausalLM, DecoderLayer
@@ -211,10 +212,11 @@ def test_an_engine_uploads_a_decode_step_s_changed_rows_only() -> None:
     assert engine.kv.tables.num_uploaded_rows < decode_steps * 8 / 2
 
 
-def test_a_step_is_validated_before_anything_changes() -> None:
-    """Bad tables are refused by ``PagedKVCache.step``, naming the argument, before the device
-    buffer changes: tables not on the host, an entry outside the pool, a slot written twice."""
-    cache = PagedKVCache(CONFIG, 4, 2)
+def test_a_checked_step_is_validated_before_anything_changes() -> None:
+    """With ``check_tables`` (the debug mode) bad tables are refused by ``PagedKVCache.step``,
+    naming the argument, before the device buffer changes: tables not on the host, an entry
+    outside the pool, a slot written twice."""
+    cache = PagedKVCache(CONFIG, 4, 2, check_tables=True)
     good = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32)
     cache.step(good, [3, 1], [3, 1])
     uploaded = cache.tables.num_uploaded_rows
@@ -226,3 +228,32 @@ def test_a_step_is_validated_before_anything_changes() -> None:
         cache.step(torch.tensor([[0, 1], [0, -1]], dtype=torch.int32), [1, 1], [1, 1])
     assert cache.tables.num_uploaded_rows == uploaded
     assert torch.equal(cache.tables.update(good), good)
+
+
+def test_a_step_trusts_the_store_s_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default a step checks no value of the tables and lengths the store built (a wrong
+    entry passes), maps every slot once, and an engine's run still equals the oracle's; a
+    cache's ``check_tables`` must be a bool."""
+    for name in VALUE_CHECKS:
+        if hasattr(paged_kv, name):
+            monkeypatch.setattr(paged_kv, name, _refuse)
+    calls: list[str] = []
+    for owner, name in ((paged_kv.kernels, "slot_mapping"), (PagedKVCache, "step")):
+        real = getattr(owner, name)
+
+        def counted(*args: Any, _name: str = name, _real: Any = real, **kwargs: Any) -> Any:
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+    cache = PagedKVCache(CONFIG, 4, 2)
+    step = cache.step(torch.tensor([[0, 1], [0, -1]], dtype=torch.int32), [1, 1], [1, 1])
+    assert step.slot_mapping.tolist() == [0, 0] and calls == ["step", "slot_mapping"]
+    check_against_oracle(PRESSURE, run(PRESSURE))
+    assert calls.count("slot_mapping") == calls.count("step") > 2
+    with pytest.raises(TypeError, match="check_tables must be a bool"):
+        PagedKVCache(CONFIG, 4, 2, check_tables=1)  # type: ignore[arg-type]
+
+
+def _refuse(*args: object) -> None:
+    raise AssertionError("a trusted step checked a value")

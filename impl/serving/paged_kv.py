@@ -18,14 +18,14 @@ fast path ``kernels.sdpa`` (one plan per step; per layer two ``index_copy_``, tw
 one SDPA call).
 
 Everything a step's layers need is made once, in :meth:`PagedKVCache.step`, before the first
-layer runs: the step's tables, lengths, positions and slots are validated there, on the host,
-where they are made (``kernels.validation``), and the layers call the kernels' trusted
-entries, which check nothing (each layer first compares its query, key and value with the
-step's shapes, dtype and device: a few tuple comparisons). The device copy of the tables is a
-persistent buffer (:class:`DeviceBlockTables`) into which only the rows that changed since the
-previous step are uploaded, from pinned host memory when the device is CUDA; the slot mapping
-is computed on the device. So no layer reads a tensor's value on the host: on a GPU, the layer
-loop never waits for the device.
+layer runs: its positions and slots, from tables and lengths it trusts (a ``BlockTableStore``
+made and validated them; the ``check_tables`` debug mode checks them all again), and the
+layers call the kernels' trusted entries, which check nothing (each layer first compares its
+query, key and value with the step's shapes, dtype and device: a few tuple comparisons). The
+device copy of the tables is a persistent buffer (:class:`DeviceBlockTables`) into which only
+the rows that changed since the previous step are uploaded, from pinned host memory when the
+device is CUDA. So no layer reads a tensor's value on the host: on a GPU, the layer loop
+never waits for the device.
 
 Every K/V row a query reads comes out of the cache through the block table; nothing
 is kept on the side. The caches start as NaN, so reading a slot no token was written to poisons
@@ -43,6 +43,7 @@ import torch
 from pagedkv import kernels
 from pagedkv.impl.serving.model import ModelConfig
 from pagedkv.kernels import sdpa, trusted
+from pagedkv.kernels.check_arguments import check_bool
 from pagedkv.kernels.check_values import (
     check_context_values,
     check_cu_seqlens_values,
@@ -98,7 +99,11 @@ class PagedKVCache:
     """K/V caches of every layer, ``[num_blocks, block_size, num_kv_heads, head_dim]`` each.
 
     ``backend`` (``None``: ``PAGEDKV_BACKEND`` or auto) is resolved once, when the cache is made
-    (``kernels.resolve_backend``'s errors): every step and layer runs on that backend."""
+    (``kernels.resolve_backend``'s errors): every step and layer runs on that backend.
+
+    ``check_tables`` (a bool, default False) is a debug mode: every :meth:`step` then checks
+    the tables, lengths and slots it is given before anything changes, instead of trusting
+    them as the tables of a ``BlockTableStore``, which validated them as it built them."""
 
     def __init__(
         self,
@@ -109,7 +114,9 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         backend: str | None = None,
+        check_tables: bool = False,
     ) -> None:
+        self.check_tables = check_bool("check_tables", check_tables)
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         layers = range(config.num_layers)
         self.k = [torch.full(shape, torch.nan, dtype=dtype, device=device) for _ in layers]
@@ -125,8 +132,8 @@ class PagedKVCache:
         self.device = self.k[0].device
         # The backend is resolved once, here: every step and layer runs on it.
         self.backend = kernels.resolve_backend(backend, self.device)
-        # The step's slots are computed on the host first, to be checked there: by the backend
-        # when it runs on the host, else by the reference.
+        # Slots mapped on the host (those of a CPU cache, and checked ones) are mapped by the
+        # backend when it runs on the host, else by the reference.
         on_host = self.backend in ("numba", "reference")
         self.host_backend: kernels.Backend = self.backend if on_host else "reference"
         self.tables = DeviceBlockTables(self.device)
@@ -149,11 +156,12 @@ class PagedKVCache:
         Sequence ``b`` (row ``b`` of ``block_tables``, int32 ``[B, max_blocks]`` on the host)
         contributes ``query_lens[b]`` consecutive tokens to the flat step, in batch order: its
         positions ``context_lens[b] - query_lens[b] .. context_lens[b] - 1``. Its table must
-        already hold ``context_lens[b]`` tokens. Everything is checked here, before any layer
-        runs (``IndexError``/``ValueError`` from ``kernels.validation``, naming the bad entry):
-        the lengths, every table entry the step reads (with the model's window, only those in
-        it) and the slots (``kernels.slot_mapping``: every position inside its table, no slot
-        written twice).
+        already hold ``context_lens[b]`` tokens, with ``0 <= query_lens[b] <= context_lens[b]``
+        and no slot written twice: the tables and lengths are trusted (a ``BlockTableStore``
+        validated them), and only their place is checked (``ValueError`` off the host). The
+        slots are mapped once (``kernels.slot_mapping``): on the host for a CPU cache or with
+        ``check_tables``, else on the device. With ``check_tables`` everything is checked
+        first, before anything changes (:meth:`_checked`, :meth:`_host_slots`).
         """
         if block_tables.device.type != "cpu":
             raise ValueError(f"block_tables must be on the host, got {block_tables.device}")
@@ -163,33 +171,25 @@ class PagedKVCache:
         lens = np.array(context_lens, dtype=np.int64)
         offsets = np.zeros(len(counts) + 1, dtype=np.int64)
         np.cumsum(counts, out=offsets[1:])  # sequence b's flat tokens: offsets[b] .. [b + 1]
-        num_tokens = int(offsets[-1])
         num_queries, contexts, cu_seqlens = map(torch.from_numpy, (counts, lens, offsets))
-        check_cu_seqlens_values(cu_seqlens, contexts, num_tokens)  # 0 <= query_lens[b] <= lens
-        starts = None if self.window is None else window_starts(contexts, num_queries, self.window)
-        check_context_values(contexts, block_tables, self.block_size, self.num_blocks, starts)
+        if self.check_tables:
+            self._checked(block_tables, num_queries, contexts, cu_seqlens)
         owner = np.repeat(np.arange(len(counts)), counts)
         rows = torch.from_numpy(owner)
-        positions = torch.from_numpy(np.arange(num_tokens) - offsets[1:][owner] + lens[owner])
-        # Every position lies in [first query, context), inside the entries just checked: the
-        # slot mapping's own position check would repeat that. Its slots are checked below.
-        host_slots = kernels.slot_mapping(
-            block_tables, positions, self.block_size, rows,
-            num_blocks=self.num_blocks, backend=self.host_backend, validate=False,
-        )  # fmt: skip
-        check_slot_values(host_slots, self.num_blocks * self.block_size)
-
+        positions = torch.from_numpy(np.arange(offsets[-1]) - offsets[1:][owner] + lens[owner])
+        host_slots = None
+        if self.check_tables or self.device.type == "cpu":
+            host_slots = self._host_slots(block_tables, positions, rows)
         tables = self.tables.update(block_tables)
-        if self.device.type == "cpu":
-            slots = host_slots
-        else:
-            positions, rows, cu_seqlens, contexts = (
-                tensor.pin_memory().to(self.device, non_blocking=True)
-                for tensor in (positions, rows, cu_seqlens, contexts)
-            )
+        positions, rows, cu_seqlens, contexts = self._to_device(
+            positions, rows, cu_seqlens, contexts
+        )
+        if host_slots is None:
             slots = kernels.slot_mapping(
                 tables, positions, self.block_size, rows, backend=self.backend, validate=False
             )
+        else:
+            (slots,) = self._to_device(host_slots)
         plan = None
         if self.backend == "reference":
             plan = sdpa.plan(
@@ -200,12 +200,49 @@ class PagedKVCache:
             int(lens.max(initial=0)), bool((counts == 1).all()), plan, self.backend,
         )  # fmt: skip
 
+    def _checked(
+        self,
+        block_tables: torch.Tensor,
+        query_lens: torch.Tensor,
+        context_lens: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+    ) -> None:
+        """``check_tables``: the lengths (``0 <= query_lens[b] <= context_lens[b]``) and every
+        table entry the step reads (with the model's window, only those in it), checked by
+        ``kernels.check_values`` (``IndexError``/``ValueError`` naming the bad entry)."""
+        check_cu_seqlens_values(cu_seqlens, context_lens, int(cu_seqlens[-1]))
+        window = self.window
+        starts = None if window is None else window_starts(context_lens, query_lens, window)
+        check_context_values(context_lens, block_tables, self.block_size, self.num_blocks, starts)
+
+    def _host_slots(
+        self, block_tables: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """The slots of the tokens at ``positions`` of table ``rows``, mapped on the host by
+        ``host_backend``; with ``check_tables``, checked to be distinct and in the pool. Every
+        position lies inside its table's entries (that the step's checks cover), so the
+        mapping's own position check would repeat them."""
+        slots = kernels.slot_mapping(
+            block_tables, positions, self.block_size, rows,
+            num_blocks=self.num_blocks, backend=self.host_backend, validate=False,
+        )  # fmt: skip
+        if self.check_tables:
+            check_slot_values(slots, self.num_blocks * self.block_size)
+        return slots
+
+    def _to_device(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """Host ``tensors`` on the cache's device: themselves on the CPU, else copied from
+        pinned memory in stream order (kernels queued after the copies see them)."""
+        if self.device.type == "cpu":
+            return list(tensors)
+        return [tensor.pin_memory().to(self.device, non_blocking=True) for tensor in tensors]
+
 
 @dataclass(frozen=True)
 class PagedStep:
     """One step's view of a :class:`PagedKVCache`: implements
-    ``pagedkv.impl.serving.model.KVAttention``. Every tensor is on the caches' device and was
-    validated by :meth:`PagedKVCache.step`."""
+    ``pagedkv.impl.serving.model.KVAttention``. Every tensor is on the caches' device, made by
+    :meth:`PagedKVCache.step`."""
 
     cache: PagedKVCache
     positions: torch.Tensor  # int64 [T]: each flat token's position in its sequence
@@ -232,8 +269,9 @@ class PagedStep:
         for that one). ``query`` must be ``[tokens, num_heads, head_dim]`` and ``key`` and
         ``value`` ``[tokens, num_kv_heads, head_dim]``, new tensors (not views of the caches) of
         the caches' dtype on their device (``ValueError`` naming the first that is not). The
-        step's tables, lengths and slots were validated once, so the layer calls the kernels'
-        trusted entries (``kernels.trusted``): nothing here reads a value on the host."""
+        step's tables, lengths and slots were made once, from tables the store validated, so
+        the layer calls the kernels' trusted entries (``kernels.trusted``): nothing here reads
+        a value on the host."""
         cache = self.cache
         if window != cache.window:
             raise ValueError(
