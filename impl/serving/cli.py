@@ -24,6 +24,27 @@ from pagedkv.impl.serving.model import CausalLM, ModelConfig
 def main(argv: abc.Sequence[str] | None = None) -> None:
     """A small generation, printing every step's metrics: a tiny seeded model by default, or with
     ``--model DIR`` a ``transformers`` Llama or Mistral saved in DIR (local files only)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # the model is tiny: more threads only add synchronization
+    if args.model is None:
+        if args.prompt:
+            parser.error("--prompt needs --model")
+        model, tokenizer = CausalLM.from_seed(ModelConfig(), seed=0), None
+        prompts = _demo_prompts(model.config.vocab_size, args.requests)
+    else:
+        try:
+            model, tokenizer = load_hf(args.model), load_tokenizer(args.model)
+            prompts = [_parse_prompt(text, tokenizer, args.token_ids) for text in args.prompt]
+        except ValueError as error:
+            parser.error(str(error))
+        if not prompts:
+            parser.error("--model needs at least one --prompt")
+    _serve(args, model, tokenizer, prompts)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command's arguments."""
     parser = argparse.ArgumentParser(prog="pagedkv", description=main.__doc__)
     parser.add_argument("--blocks", type=int, default=24, help="KV blocks in the pool")
     parser.add_argument("--block-size", type=int, default=4)
@@ -44,22 +65,14 @@ def main(argv: abc.Sequence[str] | None = None) -> None:
         "--token-ids", action="store_true",
         help="each --prompt is token ids separated by commas or spaces, not text",
     )  # fmt: skip
-    args = parser.parse_args(argv)
+    return parser
 
-    torch.set_num_threads(1)  # the model is tiny: more threads only add synchronization
-    if args.model is None:
-        if args.prompt:
-            parser.error("--prompt needs --model")
-        model, tokenizer = CausalLM.from_seed(ModelConfig(), seed=0), None
-        prompts = _demo_prompts(model.config.vocab_size, args.requests)
-    else:
-        try:
-            model, tokenizer = load_hf(args.model), load_tokenizer(args.model)
-            prompts = [_parse_prompt(text, tokenizer, args.token_ids) for text in args.prompt]
-        except ValueError as error:
-            parser.error(str(error))
-        if not prompts:
-            parser.error("--model needs at least one --prompt")
+
+def _serve(
+    args: argparse.Namespace, model: CausalLM, tokenizer: Any | None, prompts: list[list[int]]
+) -> None:
+    """Generate for ``prompts`` on an engine the arguments configure, printing every step's
+    metrics, each request's samples (decoded too with a ``tokenizer``) and a summary."""
     engine = PagedAttentionEngine(
         model, args.blocks, args.block_size,
         max_num_seqs=8, max_num_batched_tokens=64, watermark_blocks=1,
