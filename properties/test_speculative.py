@@ -358,17 +358,17 @@ def check_fault(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
 # Planted bugs in a copy of the engine; each fails one of the checks above.
 ENGINE_BUGS = {
     "every draft is kept": (
-        "PagedAttentionEngine._run",
+        "PagedAttentionEngine._verify",
         "kept = accepted_drafts(guess, greedy, seq.eos_token_id)",
         "kept = len(guess)",
     ),
     "an end-of-sequence draft is kept": (
-        "PagedAttentionEngine._run",
+        "PagedAttentionEngine._verify",
         "kept = accepted_drafts(guess, greedy, seq.eos_token_id)",
         "kept = accepted_drafts(guess, greedy, None)",
     ),
     "the bonus token is the first draft's greedy token": (
-        "PagedAttentionEngine._run",
+        "PagedAttentionEngine._verify",
         "sampled.append(greedy[kept])",
         "sampled.append(greedy[0])",
     ),

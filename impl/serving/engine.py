@@ -1,28 +1,11 @@
 """PagedAttentionEngine: continuous batching over a real paged KV cache.
 
 K/V live only in the paged cache (``pagedkv.impl.serving.paged_kv``) and are read back through block
-tables; there is no ``past_key_values``. One :meth:`PagedAttentionEngine.step`:
-
-1. **schedule**: ``pagedkv.impl.serving.scheduler`` picks each sequence's tokens to compute
-   (decodes and prompt chunks), growing block tables, admitting requests (prefix-cache hits skip
-   their cached tokens) and preempting by recompute when memory runs out;
-2. **copy-on-write**: the copy pairs the growth produced are applied with
-   ``kernels.copy_blocks``, before anything is written;
-3. **block tables -> slot mapping**: the batch's tables go to ``PagedKVCache.step``, which
-   validates them once, on the host, and gives every new token its physical slot
-   (``kernels.slot_mapping``);
-4. **store -> attention**: every layer writes the new K/V at those slots and attends through
-   the tables in one call for the whole mixed step (``pagedkv.impl.serving.paged_kv``), reading
-   no value on the host;
-5. **sample**: the logits of each sequence whose known tokens are now all computed give its next
-   token (greedy or seeded sampling; ``n`` tokens fork a parallel-sampling request);
-6. **free**: finished sequences free their blocks at once; full blocks are registered with the
-   prefix cache. The step's :class:`pagedkv.impl.serving.metrics.StepMetrics` are recorded.
-
-With a sliding-window model (``ModelConfig.sliding_window``) the scheduler also releases, at
-the start of each step and after admitting a prompt with prefix hits, every block outside the
-window of a sequence's next query (``BlockTableStore.release_outside_window``): its table
-entry becomes -1, which the attention kernels never read (they start at the window).
+tables; there is no ``past_key_values``. One :meth:`PagedAttentionEngine.step` schedules
+(``pagedkv.impl.serving.scheduler``), applies the copy-on-write pairs, computes the planned
+tokens through the block tables (``PagedKVCache.step``, then the model), samples (verifying
+drafts when speculative), and lets the scheduler commit; docs/design.md §10 follows the data
+and the calls of one step, and its failure semantics.
 
 The ``pagedkv`` command is ``pagedkv.impl.serving.cli``.
 """
@@ -38,27 +21,29 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from pagedkv.impl.blocks.manager import BlockManager
 from pagedkv.impl.blocks.page_tables import block_tables
-from pagedkv.impl.blocks.prefix_cache import (
-    KVEvent,
-    PrefixCacheStats,
-    PrefixCachingBlockManager,
-)
+from pagedkv.impl.blocks.prefix_cache import KVEvent, PrefixCacheStats
 from pagedkv.impl.blocks.store import BlockTableStore
 from pagedkv.impl.serving import speculative
+from pagedkv.impl.serving.engine_args import (
+    block_manager,
+    check_options,
+    check_prompt,
+    check_speculation,
+)
 from pagedkv.impl.serving.metrics import StepMetrics, step_metrics
 from pagedkv.impl.serving.model import CausalLM
 from pagedkv.impl.serving.paged_kv import PagedKVCache
-from pagedkv.impl.serving.sampling import check_temperature, sample_token
+from pagedkv.impl.serving.sampling import sample_token, seeded_generators
 from pagedkv.impl.serving.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Sequence
 from pagedkv.impl.serving.speculative import DraftSource, accepted_drafts
 from pagedkv.kernels import resolve_backend
 from pagedkv.kernels.check_arguments import check_bool
 from pagedkv.spec.block_manager import blocks_needed, check_int
-from pagedkv.spec.checks import check_tokens
 
 _TOKENS = attrgetter("tokens")
+Drawn = list[tuple[torch.Generator, torch.Tensor]]
+"""Generators, each with its state before a draw: what a failed step puts back."""
 
 
 @dataclass
@@ -132,26 +117,12 @@ class PagedAttentionEngine:
     ) -> None:
         if not isinstance(model, CausalLM):
             raise TypeError(f"model must be a CausalLM, got {type(model).__name__}")
-        check_int("num_speculative_tokens", num_speculative_tokens, 0)
-        if draft_source is not None and not callable(draft_source):
-            raise TypeError(f"draft_source must be callable, got {type(draft_source).__name__}")
-        if (draft_source is None) != (num_speculative_tokens == 0):
-            raise ValueError("draft_source and num_speculative_tokens >= 1 go together")
-        check_bool("enable_prefix_caching", enable_prefix_caching)
-        check_bool("enable_kv_events", enable_kv_events)
-        if enable_kv_events and not enable_prefix_caching:
-            raise ValueError(
-                "enable_kv_events needs enable_prefix_caching: events report cache keys"
-            )
+        check_speculation(draft_source, num_speculative_tokens)
         check_bool("keep_logits", keep_logits)
         check_int("seed", seed, 0)
         check_int("max_model_len", max_model_len, 1)
         resolve_backend(backend, model.device)  # an unknown or unusable backend fails here
-        manager = (
-            PrefixCachingBlockManager(total_blocks, block_size, enable_kv_events=enable_kv_events)
-            if enable_prefix_caching
-            else BlockManager(total_blocks, block_size)
-        )
+        manager = block_manager(total_blocks, block_size, enable_prefix_caching, enable_kv_events)
         self.model = model
         self.store = BlockTableStore(
             manager, max_num_seqs, blocks_needed(max_model_len, block_size)
@@ -203,8 +174,9 @@ class PagedAttentionEngine:
         ``eos_token_id`` outside the vocabulary, and what ``sampling.check_temperature`` raises
         for a temperature outside its rule. All-or-nothing: nothing is queued when it raises.
         """
-        prompt = self._check_prompt(prompt)
-        temperature, seed = self._check_options(temperature, eos_token_id, seed)
+        vocab, k = self.model.config.vocab_size, self.num_speculative_tokens
+        prompt = check_prompt(prompt, vocab)
+        temperature, seed = check_options(temperature, eos_token_id, seed, vocab, k)
         request_id = self._next_request_id
         seq = self.scheduler.add_request(
             request_id, prompt, max_new_tokens, n=n, eos_token_id=eos_token_id,
@@ -212,40 +184,10 @@ class PagedAttentionEngine:
         )  # fmt: skip
         self._next_request_id += 1
         n = seq.num_samples  # the checked values, plain ints
-        base = (self.seed, request_id) if seed is None else (seed,)
-        generators = [
-            torch.Generator().manual_seed(hash((*base, i)) & 0x7FFF_FFFF) for i in range(n)
-        ]
+        generators = seeded_generators((self.seed, request_id) if seed is None else (seed,), n)
         self._requests[request_id] = _Request(prompt, n, temperature, generators, {0: seq})
         self._logits[seq.seq_id] = []
         return request_id
-
-    def _check_prompt(self, prompt: abc.Sequence[int]) -> list[int]:
-        """The engine's own check of a prompt (the scheduler's follow): ints in the vocabulary.
-        Returns it as plain ints."""
-        vocab = self.model.config.vocab_size
-        tokens = check_tokens(prompt)
-        if any(token >= vocab for token in tokens):
-            raise ValueError(f"prompt tokens must lie in [0, {vocab})")
-        return tokens
-
-    def _check_options(
-        self, temperature: object, eos_token_id: object, seed: object
-    ) -> tuple[float, int | None]:
-        """The engine's own checks of a request's options; returns the temperature as a float
-        and the seed as a plain int (or None)."""
-        vocab = self.model.config.vocab_size
-        temperature = check_temperature(temperature)
-        if temperature and self.num_speculative_tokens:
-            raise ValueError(
-                "speculative decoding is greedy only: temperature must be 0 with "
-                f"num_speculative_tokens={self.num_speculative_tokens}, got {temperature}"
-            )
-        if seed is not None:
-            seed = check_int("seed", seed, 0)
-        if eos_token_id is not None and check_int("eos_token_id", eos_token_id, 0) >= vocab:
-            raise ValueError(f"eos_token_id must lie in [0, {vocab}), got {eos_token_id}")
-        return temperature, seed  # type: ignore[return-value]
 
     def has_unfinished_requests(self) -> bool:
         """Whether a request is queued, running, or finished but not yet returned by a step
@@ -288,7 +230,7 @@ class PagedAttentionEngine:
         plan = self.scheduler.schedule()
         drafts: dict[int, list[int]] = {}
         before: speculative.Before = {}
-        drawn: list[tuple[torch.Generator, torch.Tensor]] = []  # generator states before draws
+        drawn: Drawn = []
         if self.draft_source is not None:
             budget = self.scheduler.config.max_num_batched_tokens - plan.num_batched_tokens
             plan, drafts, before = speculative.draft(
@@ -350,12 +292,13 @@ class PagedAttentionEngine:
         check_bool("progress", progress)
         if on_step is not None and not callable(on_step):
             raise TypeError(f"on_step must be callable or None, got {type(on_step).__name__}")
-        self._check_options(temperature, eos_token_id, None)
+        vocab = self.model.config.vocab_size
+        check_options(temperature, eos_token_id, None, vocab, self.num_speculative_tokens)
         check_int("max_new_tokens", max_new_tokens, 1)  # checked even with no prompts
         check_int("n", n, 1)
         scratch = Scheduler(self.store, self.scheduler.config)  # its queue is thrown away
         for index, prompt in enumerate(prompts):
-            self._check_prompt(prompt)
+            check_prompt(prompt, vocab)
             scratch.add_request(
                 self._next_request_id + index, prompt, max_new_tokens, n=n,
                 eos_token_id=eos_token_id,
@@ -385,10 +328,7 @@ class PagedAttentionEngine:
     # ----------------------------------------------------------------- internals
 
     def _run(
-        self,
-        plan: SchedulerOutput,
-        drafts: abc.Mapping[int, list[int]],
-        drawn: list[tuple[torch.Generator, torch.Tensor]],
+        self, plan: SchedulerOutput, drafts: abc.Mapping[int, list[int]], drawn: Drawn
     ) -> tuple[list[int], dict[int, torch.Tensor]]:
         """Compute the planned tokens through the paged cache; sample where a step completes a
         sequence's known tokens. Returns the sampled tokens, flat in ``plan.sampling`` order as
@@ -399,7 +339,27 @@ class PagedAttentionEngine:
         Changes nothing outside the K/V cache, whose slots a retry rewrites, and the samplers'
         generators: each state is appended to ``drawn`` before its draw, for the step to put
         back if anything fails before it commits."""
-        device = self.kv.device
+        logits, lengths = self._compute_logits(plan, self._forward(plan), drafts)
+        # Every row's greedy token at once: what sample_token gives at temperature 0 (numpy's
+        # argmax, like torch's, takes the first of equal maxima and a NaN as the maximum).
+        argmax = logits.numpy().argmax(axis=-1).tolist()
+        sampled: list[int] = []
+        rows: dict[int, torch.Tensor] = {}
+        offset = 0
+        for seq, n in zip(plan.sampling, lengths, strict=True):
+            guess = drafts.get(seq.seq_id) if drafts else None
+            if guess:
+                greedy, own = argmax[offset : offset + n], logits[offset : offset + n]
+                rows[seq.seq_id] = self._verify(seq, guess, greedy, own, sampled)
+            else:
+                self._draw(seq, argmax[offset], logits[offset], sampled, drawn)
+                if self.keep_logits:
+                    rows[seq.seq_id] = logits[offset : offset + n]
+            offset += n
+        return sampled, rows
+
+    def _forward(self, plan: SchedulerOutput) -> torch.Tensor:
+        """The final hidden states of the plan's tokens, flat; their K/V written to the cache."""
         starts, counts, ends = plan.starts, plan.num_tokens, plan.ends
         batch = self.store.batch(plan.seq_ids)
         step = self.kv.step(torch.from_numpy(block_tables(self.store, batch)), counts, ends)
@@ -410,46 +370,52 @@ class PagedAttentionEngine:
                     map(_TOKENS, plan.seqs), starts.tolist(), ends.tolist(), strict=True
                 )
             )),
-            dtype=torch.int64, device=device,
+            dtype=torch.int64, device=self.kv.device,
         )  # fmt: skip
-        hidden = self.model(input_ids, step.positions, step)
+        return self.model(input_ids, step.positions, step)
+
+    def _compute_logits(
+        self, plan: SchedulerOutput, hidden: torch.Tensor, drafts: abc.Mapping[int, list[int]]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Float CPU logits of each sampling sequence's last ``1 + k`` positions (``k`` its
+        drafts), in ``plan.sampling`` order, and each one's count of rows."""
         sampling = plan.sampling
-        last = np.cumsum(counts)[plan.samples]  # one past each sampling row's last flat token
-        # A drafted sequence's logits at its last 1 + k positions; every other one's at its last.
-        lengths = [1 + len(drafts.get(seq.seq_id, ())) for seq in sampling] if drafts else None
-        if lengths is None:
+        last = np.cumsum(plan.num_tokens)[plan.samples]  # one past each row's last flat token
+        if not drafts:
             index = torch.from_numpy(last - 1)
             lengths = [1] * len(sampling)
         else:
+            lengths = [1 + len(drafts.get(seq.seq_id, ())) for seq in sampling]
             spans = zip(last.tolist(), lengths, strict=True)
             index = torch.tensor([p for end, n in spans for p in range(end - n, end)])
-        logits = self.model.compute_logits(hidden[index.to(device)]).float().cpu()
-        # Every row's greedy token at once: what sample_token gives at temperature 0 (numpy's
-        # argmax, like torch's, takes the first of equal maxima and a NaN as the maximum).
-        argmax = logits.numpy().argmax(axis=-1).tolist()
-        sampled: list[int] = []
-        rows: dict[int, torch.Tensor] = {}
-        offset = 0
-        for seq, n in zip(sampling, lengths, strict=True):
-            guess = drafts.get(seq.seq_id) if drafts else None
-            if guess:  # greedy: the drafts greedy decoding agrees with, then its next token
-                greedy = argmax[offset : offset + n]
-                kept = accepted_drafts(guess, greedy, seq.eos_token_id)
-                sampled.append(greedy[kept])
-                rows[seq.seq_id] = logits[offset : offset + kept + 1]
-            else:
-                request = self._requests[seq.request_id]
-                if not request.temperature:
-                    sampled += [argmax[offset]] * seq.num_samples
-                else:
-                    for j in range(seq.num_samples):
-                        generator = request.generators[seq.sample_index + j]
-                        drawn.append((generator, generator.get_state()))
-                        sampled.append(sample_token(logits[offset], request.temperature, generator))
-                if self.keep_logits:
-                    rows[seq.seq_id] = logits[offset : offset + n]
-            offset += n
-        return sampled, rows
+        logits = self.model.compute_logits(hidden[index.to(self.kv.device)]).float().cpu()
+        return logits, lengths
+
+    @staticmethod
+    def _verify(
+        seq: Sequence, guess: list[int], greedy: list[int], logits: torch.Tensor, sampled: list[int]
+    ) -> torch.Tensor:
+        """Keep the drafts ``guess`` greedy decoding agrees with (``greedy``: the argmax of each
+        of ``seq``'s ``logits`` rows), append the token after them to ``sampled``, and return
+        the rows of the kept drafts and of that token."""
+        kept = accepted_drafts(guess, greedy, seq.eos_token_id)
+        sampled.append(greedy[kept])
+        return logits[: kept + 1]
+
+    def _draw(
+        self, seq: Sequence, greedy: int, logits: torch.Tensor, sampled: list[int], drawn: Drawn
+    ) -> None:
+        """Append ``seq``'s samples from its ``logits`` row to ``sampled``: ``greedy`` (its
+        argmax) for each at temperature 0, else a draw from each sample's generator, whose
+        state is appended to ``drawn`` before the draw."""
+        request = self._requests[seq.request_id]
+        if not request.temperature:
+            sampled.extend([greedy] * seq.num_samples)
+            return
+        for j in range(seq.num_samples):
+            generator = request.generators[seq.sample_index + j]
+            drawn.append((generator, generator.get_state()))
+            sampled.append(sample_token(logits, request.temperature, generator))
 
     def _record(self, forked: list[Sequence], finished: list[Sequence]) -> list[RequestOutput]:
         """Track forked samples; return the requests whose every sample has finished. Runs

@@ -47,3 +47,9 @@ def sample_token(
     wide = logits.double()
     probs = torch.softmax((wide - wide.max()) / temperature, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def seeded_generators(base: tuple[int, ...], n: int) -> list[torch.Generator]:
+    """One CPU generator per sample ``i < n``, seeded from ``hash((*base, i))``: a sample's draws
+    depend on ``base`` and ``i`` only, not on how its sequence is batched or preempted."""
+    return [torch.Generator().manual_seed(hash((*base, i)) & 0x7FFF_FFFF) for i in range(n)]
