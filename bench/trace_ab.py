@@ -14,8 +14,10 @@ Variants of this tree, each one path taken out of the store's growth (``docs/des
 keeps a path only if the store step is more than 10% slower without it):
 
 * ``current``: the code as it is;
-* ``no-decode``: no decode shortcut (``growth.grow_decode``): every step reads the growth;
-* ``no-vector-preempt``: no vectorized preemption plan: the planner's loop decides it;
+* ``no-decode``: no decode branch of the plan (``growth.decode_plan``): every step reads the
+  growth;
+* ``no-vector-preempt``: no vectorized preemption plan (``growth.preemption_plan``): the
+  planner's loop decides it;
 * ``no-tail-flag`` (plain store): the decode shortcut reads the reference counts of the written
   last blocks instead of trusting the rows' tail-shared flags (which are still kept, so this
   bounds the flag's worth from above);
@@ -52,45 +54,33 @@ VARIANTS = (
 
 def apply_variant(name: str) -> None:
     """Take one path out of this tree's store, in this process."""
-    import pagedkv.impl.blocks.batches as batches
     import pagedkv.impl.blocks.growth as growth
-    from properties.mutants import load_mutant
+    import pagedkv.impl.blocks.rows as rows
 
     if name == "no-decode":
-        growth.grow_decode = lambda *args: False  # type: ignore[assignment]
+        growth.decode_plan = lambda *args: None  # type: ignore[assignment]
     elif name == "no-vector-preempt":
-        branch = """
-if preempt and not g.shared.any():
-    held_counts = g.lengths - tables.num_released.take(g.rows)
-    stop = plan_preemption(g.growth, held_counts.astype(np.int64), free)
-    victims = tables.tables[g.rows[stop:]]
-    held = victims[victims != PAD].astype(np.intp)
-    if held.size == 0 or pool.refs_of(held).max() == 1:
-        grown = np.arange(n) < stop
-        removed = list(range(n - 1, stop - 1, -1))
-        steps = [(False, removed), (True, list(range(stop)))]
-        return Plan(grown, g.shared & grown, removed, steps)
-"""
-        growth.plan = load_mutant(growth, branch, "", ("CapacityError",), within="plan").plan
+        growth.preemption_plan = lambda *args: None  # type: ignore[assignment]
     elif name == "no-tail-flag":
-        decode = growth.grow_decode
+        decode = growth.decode_plan
 
-        def unflagged(tables: Any, pool: Any, rows: Any, base: Any) -> bool:
-            counts = tables.token_counts.take(rows)
-            partial = counts % tables.block_size != 0
-            last = tables.tables.take(base[partial] + tables.num_blocks.take(rows[partial]) - 1)
+        def unflagged(table_rows: Any, pool: Any, batch_rows: Any, base: Any) -> Any:
+            counts = table_rows.token_counts.take(batch_rows)
+            partial = counts % table_rows.block_size != 0
+            lengths = table_rows.num_blocks.take(batch_rows[partial])
+            last = table_rows.tables.take(base[partial] + lengths - 1)
             if last.size and pool.refs_of(last).max() > 1:  # a shared last block: plan it
-                return False
-            return decode(tables, pool, rows, base)
+                return None
+            return decode(table_rows, pool, batch_rows, base)
 
-        growth.grow_decode = unflagged  # type: ignore[assignment]
+        growth.decode_plan = unflagged  # type: ignore[assignment]
     elif name == "no-live-batch":
-        resolve = batches.SeqIndex.resolve
+        resolve = rows.SeqRows.resolve
 
         def rebuilt(self: Any, seqs: Any) -> Any:
             return self.batch(list(self)) if seqs is None else resolve(self, seqs)
 
-        batches.SeqIndex.resolve = rebuilt  # type: ignore[method-assign]
+        rows.SeqRows.resolve = rebuilt  # type: ignore[method-assign]
     elif name != "current":
         raise ValueError(f"unknown variant {name!r}")
 

@@ -22,8 +22,9 @@ import pagedkv.impl.blocks.growth
 import pagedkv.impl.blocks.manager
 import pagedkv.impl.blocks.page_tables
 import pagedkv.impl.blocks.pool
+import pagedkv.impl.blocks.rows
 import pagedkv.impl.blocks.store
-import pagedkv.impl.blocks.tables
+import pagedkv.impl.blocks.window
 from properties.machines.differential import DifferentialMachine
 from properties.machines.free_queue import FreeQueueMachine
 from properties.machines.store import StoreMachine, WindowStoreMachine
@@ -132,15 +133,15 @@ BUGS: dict[str, tuple[types.ModuleType, str, str, str, str]] = {
         "differential",
     ),
     "a store truncate forgets the tail-shared flag": (
-        pagedkv.impl.blocks.tables,
-        "BlockTables.truncate",
-        "if cut.size:\n    self.flag_tail_shared(rows[cut])",
-        "",
+        pagedkv.impl.blocks.rows,
+        "SeqRows.truncate",
+        "self.tail_shared[rows] = counts % self.block_size != 0",
+        "self.tail_shared[rows] = False",
         "store",
     ),
     "a store truncate releases each row's dropped blocks head first": (
-        pagedkv.impl.blocks.tables,
-        "BlockTables.cut",
+        pagedkv.impl.blocks.rows,
+        "SeqRows.truncate",
         "released = tables[:, ::-1][dropped[:, ::-1]]",
         "released = tables[dropped]",
         "store",
@@ -153,8 +154,8 @@ BUGS: dict[str, tuple[types.ModuleType, str, str, str, str]] = {
         "store",
     ),
     "stale padding: a removed row keeps its block ids": (
-        pagedkv.impl.blocks.tables,
-        "BlockTables.release",
+        pagedkv.impl.blocks.rows,
+        "SeqRows.release",
         "self.tables[rows] = PAD",
         "",
         "store",
@@ -168,44 +169,44 @@ BUGS: dict[str, tuple[types.ModuleType, str, str, str, str]] = {
     ),
     "two writers of one shared block in a batch both copy it": (
         pagedkv.impl.blocks.growth,
-        "plan",
+        "plan_in_order",
         "refs[last[i]] = owners - 1",
         "refs[last[i]] = owners",
         "store",
     ),
     "decode slot_mapping maps the position after the last": (
-        pagedkv.impl.blocks.tables,
-        "BlockTables.slot_mapping",
+        pagedkv.impl.blocks.rows,
+        "SeqRows.slot_mapping",
         "positions = counts - 1",
         "positions = counts - 1 + (counts % self.block_size != 0)",
         "store",
     ),
     "the window's outside count is one block too many at the edge": (
-        pagedkv.impl.blocks.store,
-        "BlockTableStore.release_outside_window",
-        "outside = np.maximum(counts - (window - 1), 0) // self.block_size",
-        "outside = np.maximum(counts - window + 2, 0) // self.block_size",
+        pagedkv.impl.blocks.window,
+        "SlidingWindow.blocks_outside",
+        "np.maximum(counts - (self.window - 1), 0) // self.block_size",
+        "np.maximum(counts - self.window + 2, 0) // self.block_size",
         "window store",
     ),
     "a window releases each row's blocks head first": (
-        pagedkv.impl.blocks.tables,
-        "BlockTables.release_leading",
+        pagedkv.impl.blocks.rows,
+        "SeqRows.release_leading",
         "entries = base[owner] + outside[owner] - 1 - within",
         "entries = base[owner] + before[owner] + within",
         "window store",
     ),
     "a window forgets which entries it released": (
-        pagedkv.impl.blocks.tables,
-        "BlockTables.release_leading",
+        pagedkv.impl.blocks.rows,
+        "SeqRows.release_leading",
         "self.num_released[rows] = np.maximum(before, outside)",
         "",
         "window store",
     ),
     "remove of one sequence releases its released entries (PAD, id -1)": (
-        pagedkv.impl.blocks.tables,
-        "BlockTables.release",
-        "pool.release(self.held(row).astype(np.intp))",
-        "pool.release(self.tables[row, : self.num_blocks[row]].astype(np.intp))",
+        pagedkv.impl.blocks.rows,
+        "SeqRows.release",
+        "pool.release(self.held(int(rows[0])).astype(np.intp))",
+        "pool.release(self.tables[int(rows[0]), : self.num_blocks[int(rows[0])]].astype(np.intp))",
         "window store",
     ),
     "fork shares a released entry (PAD, id -1)": (
@@ -216,8 +217,8 @@ BUGS: dict[str, tuple[types.ModuleType, str, str, str, str]] = {
         "window store",
     ),
     "a truncate below the released entries keeps counting them": (
-        pagedkv.impl.blocks.tables,
-        "BlockTables.cut",
+        pagedkv.impl.blocks.rows,
+        "SeqRows.truncate",
         "self.num_released[rows] = np.minimum(self.num_released.take(rows), kept)",
         "",
         "window store",
@@ -230,15 +231,15 @@ BUGS: dict[str, tuple[types.ModuleType, str, str, str, str]] = {
         "window store",
     ),
     "a window releasing a partly filled last block leaves the decode fast path open": (
-        pagedkv.impl.blocks.tables,
-        "BlockTables.release_leading",
-        "if gone.any():\n    self.flag_tail_shared(rows[gone])",
+        pagedkv.impl.blocks.rows,
+        "SeqRows.release_leading",
+        "if gone.any():\n    self.tail_shared[rows[gone]] = True",
         "",
         "window store",
     ),
     "slot_mapping maps a position in a released entry": (
-        pagedkv.impl.blocks.tables,
-        "BlockTables.slot_mapping",
+        pagedkv.impl.blocks.rows,
+        "SeqRows.slot_mapping",
         "entries.size and entries.min() == PAD",
         "False",
         "window store",
@@ -257,7 +258,8 @@ SHARED = {
     pagedkv.impl.blocks.pool: (),
     pagedkv.impl.blocks.manager: ("BlockTableError", "OutOfBlocksError"),
     pagedkv.impl.blocks.store: ("CapacityError",),
-    pagedkv.impl.blocks.tables: ("CapacityError",),
+    pagedkv.impl.blocks.rows: ("CapacityError",),
+    pagedkv.impl.blocks.window: (),
     pagedkv.impl.blocks.growth: ("CapacityError",),
     pagedkv.impl.blocks.page_tables: (),
 }
@@ -320,8 +322,13 @@ def machine_with(module: types.ModuleType, within: str, old: str, new: str, kind
             "differential",
         ),
         (pagedkv.impl.blocks.store, "BlockTableStore.grow", "atomic and failed", "store"),
-        (pagedkv.impl.blocks.tables, "BlockTables.release", "self.tables[rows] = PAD", "store"),
-        (pagedkv.impl.blocks.growth, "plan", "refs[last[i]] = owners - 1", "window store"),
+        (pagedkv.impl.blocks.rows, "SeqRows.release", "self.tables[rows] = PAD", "store"),
+        (
+            pagedkv.impl.blocks.growth,
+            "plan_in_order",
+            "refs[last[i]] = owners - 1",
+            "window store",
+        ),
         (
             pagedkv.impl.blocks.page_tables,
             "flashinfer_page_table",

@@ -18,11 +18,11 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
 import pagedkv.impl.blocks.admission
-import pagedkv.impl.blocks.block_hashes
 import pagedkv.impl.blocks.growth
 import pagedkv.impl.blocks.prefix_cache
+import pagedkv.impl.blocks.prefix_store
+import pagedkv.impl.blocks.rows
 import pagedkv.impl.blocks.store
-import pagedkv.impl.blocks.tables
 import pagedkv.spec.prefix_cache as spec_prefix_cache
 from properties.machines.prefix import PrefixDifferentialMachine, PrefixStoreMachine
 from properties.mutants import CONTROL_SEARCHES, FIND, load_copy, load_mutant, planted_store
@@ -31,9 +31,9 @@ from properties.test_prefix_cache_planted_bugs import PREFIX_BUGS
 STORE_PARTS = (
     pagedkv.impl.blocks.store,
     pagedkv.impl.blocks.admission,
-    pagedkv.impl.blocks.tables,
+    pagedkv.impl.blocks.rows,
     pagedkv.impl.blocks.growth,
-    pagedkv.impl.blocks.block_hashes,
+    pagedkv.impl.blocks.prefix_store,
 )
 
 # (module, function, code, replacement); spec.prefix_cache mutants reach impl through BlockKey.
@@ -102,10 +102,8 @@ BUGS: dict[str, tuple[types.ModuleType, str, str, str]] = {
     "add_prompt counts only the computed tokens": (
         pagedkv.impl.blocks.admission,
         "Admission._add_planned",
-        "self._place(seq_id, np.concatenate((prompt.hits, fresh)), len(token_ids))",
-        "self._place(\n"
-        "    seq_id, np.concatenate((prompt.hits, fresh)), len(token_ids) - prompt.cached_tokens\n"
-        ")",
+        "self.rows.place(seq_id, blocks, len(token_ids))",
+        "self.rows.place(seq_id, blocks, len(token_ids) - prompt.cached_tokens)",
     ),
     "cache_blocks registers the blocks after the released entries under the wrong keys": (
         pagedkv.impl.blocks.prefix_cache,
@@ -126,21 +124,21 @@ BUGS: dict[str, tuple[types.ModuleType, str, str, str]] = {
         "            pass",
     ),
     "a store truncate keeps the sequence's keys past its kept blocks": (
-        pagedkv.impl.blocks.block_hashes,
-        "BlockHashes.cut",
+        pagedkv.impl.blocks.prefix_store,
+        "PrefixStore.truncate",
         "state.cut(count // self.block_size, self.block_size)",
         "None",
     ),
     "a store truncate keeps the key of a cut cached block": (
-        pagedkv.impl.blocks.tables,
-        "BlockTables.truncate",
-        "prefix.remove_keys([block])",
+        pagedkv.impl.blocks.prefix_store,
+        "PrefixStore.truncate",
+        "self.manager.remove_keys([block])",
         "None",
     ),
     "a store grow writes a cached block in place": (
-        pagedkv.impl.blocks.growth,
-        "_take_in_spec_order",
-        "prefix.remove_keys([int(last[index])])",
+        pagedkv.impl.blocks.prefix_store,
+        "PrefixStore.take_fresh",
+        "manager.remove_keys([int(last[index])])",
         "None",
     ),
 }

@@ -40,11 +40,11 @@ from hypothesis.stateful import (
 )
 
 import pagedkv.impl.blocks.admission
-import pagedkv.impl.blocks.block_hashes
 import pagedkv.impl.blocks.growth
 import pagedkv.impl.blocks.prefix_cache
+import pagedkv.impl.blocks.prefix_store
+import pagedkv.impl.blocks.rows
 import pagedkv.impl.blocks.store
-import pagedkv.impl.blocks.tables
 from pagedkv.impl.blocks import BlockManager, BlockTableStore, PrefixCachingBlockManager
 from pagedkv.spec.block_manager import BlockManager as SpecBlockManager
 from pagedkv.spec.block_manager import OutOfBlocksError
@@ -332,31 +332,31 @@ def test_many_writers_of_one_shared_block(method: str) -> None:
 PLANTED = {
     "victims are taken from the head": (
         pagedkv.impl.blocks.growth,
-        "plan",
+        "preemption_plan",
         "removed = list(range(n - 1, stop - 1, -1))",
         "removed = list(range(n - stop))",
     ),
     "the batched plan forgets that a victim may be the sequence itself": (
         pagedkv.impl.blocks.growth,
-        "plan_preemption",
+        "preemption_stop",
         "cut = np.arange(n) + victims >= n",
         "cut = np.arange(n) + victims > n",
     ),
     "a shared prefix block counts as freed": (
         pagedkv.impl.blocks.growth,
-        "plan",
+        "plan_in_order",
         "left == 0",
         "True",
     ),
     "victims are freed first-block-first": (
-        pagedkv.impl.blocks.tables,
-        "BlockTables.release",
+        pagedkv.impl.blocks.rows,
+        "SeqRows.release",
         "reversed_tables = self.tables[rows, ::-1]",
         "reversed_tables = self.tables[rows]",
     ),
     "incremental registration never retries a block left uncached": (
-        pagedkv.impl.blocks.block_hashes,
-        "BlockHashes.register",
+        pagedkv.impl.blocks.prefix_store,
+        "PrefixStore.register",
         "indices = [i for i in state.retry if i >= released]",
         "indices = []",
     ),
@@ -367,15 +367,15 @@ PLANTED = {
         "parent = None",
     ),
     "a refused prompt's keys are reused for another prompt": (
-        pagedkv.impl.blocks.block_hashes,
-        "BlockHashes.keys_if_refused",
+        pagedkv.impl.blocks.prefix_store,
+        "PrefixStore.keys_if_refused",
         "refused is not None and refused.extra is extra "
         "and isinstance(token_ids, (list, tuple)) and list(token_ids) == refused.tokens",
         "refused is not None and refused.extra is extra and isinstance(token_ids, (list, tuple))",
     ),
     "a refused prompt's keys are reused under another salt": (
-        pagedkv.impl.blocks.block_hashes,
-        "BlockHashes.keys_if_refused",
+        pagedkv.impl.blocks.prefix_store,
+        "PrefixStore.keys_if_refused",
         "refused is not None and refused.extra is extra "
         "and isinstance(token_ids, (list, tuple)) and list(token_ids) == refused.tokens",
         "refused is not None "
@@ -384,13 +384,13 @@ PLANTED = {
     "admit ignores the salt": (
         pagedkv.impl.blocks.admission,
         "Admission.admit",
-        "self.prefix.plan_prompt(token_ids, extra_key, known)",
-        "self.prefix.plan_prompt(token_ids, None, known)",
+        "self.prefix.plan(token_ids, extra_key, retry=True)",
+        "self.prefix.plan(token_ids, None, retry=True)",
     ),
     "the decode fast path ignores a forked last block": (
         pagedkv.impl.blocks.growth,
-        "grow_decode",
-        "tables.tail_shared.take(rows).any()",
+        "decode_plan",
+        "rows.tail_shared.take(batch_rows).any()",
         "False",
     ),
 }
@@ -400,7 +400,7 @@ PLANTED = {
 COPY_SOURCE_PLANTED = {
     "a preemption plan counts a source waiting for its copy as free": (
         pagedkv.impl.blocks.growth,
-        "plan",
+        "plan_in_order",
         "free += left == 0 and block not in sources",
         "free += left == 0",
     ),
@@ -411,15 +411,15 @@ COPY_SOURCE_PLANTED = {
 WINDOW_PLANTED = {
     "a victim's released entries count as freed blocks": (
         pagedkv.impl.blocks.growth,
-        "plan",
-        "held_counts = g.lengths - tables.num_released.take(g.rows)",
+        "preemption_plan",
+        "held_counts = g.lengths - rows.num_released.take(g.rows)",
         "held_counts = g.lengths",
     ),
     "a victim shared with others releases its released entries too": (
         pagedkv.impl.blocks.growth,
-        "plan",
-        "tables.held(int(g.rows[victim]))",
-        "tables.tables[int(g.rows[victim]), : g.lengths[victim]]",
+        "plan_in_order",
+        "rows.held(int(g.rows[victim]))",
+        "rows.tables[int(g.rows[victim]), : g.lengths[victim]]",
     ),
     "cache_blocks registers a released entry": (
         pagedkv.impl.blocks.store,
@@ -456,8 +456,8 @@ def test_control_unmutated_copies_pass(search: settings) -> None:
     """The loading paths are sound: identity 'mutations' of both modules pass."""
     for module, within, snippet in (
         (pagedkv.impl.blocks.store, "BlockTableStore.grow", "atomic and failed"),
-        (pagedkv.impl.blocks.growth, "plan", "left == 0"),
-        (pagedkv.impl.blocks.block_hashes, "BlockHashes.admit", "self.refused = None"),
+        (pagedkv.impl.blocks.growth, "plan_in_order", "left == 0"),
+        (pagedkv.impl.blocks.prefix_store, "PrefixStore.admit", "self.refused = None"),
         (
             pagedkv.impl.blocks.prefix_cache,
             "PrefixCachingBlockManager.extend_block_keys",

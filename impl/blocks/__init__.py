@@ -6,18 +6,18 @@ that drives them a scheduler step at a time. Needs numpy only: no torch, no kern
   unchecked ``pool.BlockPool`` (internal to this package).
 * :class:`PrefixCachingBlockManager` (``prefix_cache``): prefix caching, holding a
   :class:`BlockManager` and its pool.
-* :class:`BlockTableStore` (``store``): the sequence lifecycle, composed of ``tables`` (the padded
-  rows, slot mapping), ``batches`` (:class:`SeqBatch`), ``admission`` (a new sequence's first
-  blocks), ``growth`` (one planner, and carrying its plan out) and ``block_hashes`` (each
-  sequence's block keys); ``page_tables`` lays the tables out for kernels.
+* :class:`BlockTableStore` (``store``): the sequence lifecycle, a facade over ``rows`` (the one
+  owner of each sequence's row, table and counts; :class:`SeqBatch`), ``admission`` (a new
+  sequence's first blocks), ``growth`` (a pure plan, then applying it), ``window`` (the sliding
+  window) and, under prefix caching only, ``prefix_store`` (its hooks and each sequence's block
+  keys); ``page_tables`` lays the tables out for kernels.
 """
 
-from pagedkv.impl.blocks.batches import SeqBatch
 from pagedkv.impl.blocks.free_queue import FreeBlockQueue
 from pagedkv.impl.blocks.manager import BlockManager, BlockTableError, OutOfBlocksError
 from pagedkv.impl.blocks.prefix_cache import BlockKey, PrefixCacheStats, PrefixCachingBlockManager
+from pagedkv.impl.blocks.rows import PAD, CapacityError, SeqBatch
 from pagedkv.impl.blocks.store import BlockTableStore
-from pagedkv.impl.blocks.tables import PAD, CapacityError
 
 __all__ = [
     "PAD",

@@ -1,18 +1,20 @@
-"""Growing a batch of sequences: what each needs, one planner in the spec's order, and applying it.
+"""Growing a batch of sequences: a pure plan of who grows, copies on write or is removed, and
+applying it.
 
 ``BlockTableStore.grow`` is ``append_slot`` called once per sequence, in batch order, with
 ``OutOfBlocksError`` caught; ``grow_or_preempt`` is the same, except that a sequence that cannot
 grow first removes the batch's last remaining sequence, until it fits or was itself removed.
-:func:`growth_of` reads what each sequence needs (changing nothing), :func:`plan` decides, on
-counts alone, who grows, who copies its shared last block on write and who is removed, and
-:func:`carry_out` carries the plan out in the spec's order (:func:`apply_growth` grows).
-:func:`grow_decode` is the decode step when no written block can be shared.
+:func:`plan` decides, reading the rows and the pool and changing nothing, and returns a
+:data:`Plan`; :func:`apply` carries it out in the spec's order. Nothing here knows of prefix
+caching: a store that caches prefixes passes the hook that takes fresh blocks
+(``PrefixStore.take_fresh``).
 
-Two shortcuts decide common cases with a fixed number of numpy calls, each exact, and each kept
-because the trace benchmark's store step was more than 10% slower without it (docs/design.md §9
-gives the figures): the decode step when no row's last block can be shared (:func:`grow_decode`,
-gated by the rows' tail-shared flags), and preemption of sequences that own their blocks alone
-(:func:`plan_preemption`). Everything else is the planner's loop over the batch.
+Two branches of :func:`plan` decide common cases with a fixed number of numpy calls, each exact,
+and each kept because the trace benchmark's store step was more than 10% slower without it
+(docs/design.md §9 gives the figures): the decode step when no row's last block can be shared
+(:class:`DecodePlan`, gated by the rows' tail-shared flags), and preemption of sequences that own
+their blocks alone (:func:`preemption_stop`). Everything else is the planner's loop over the
+batch (:func:`plan_in_order`).
 """
 
 from __future__ import annotations
@@ -24,12 +26,16 @@ import numpy as np
 from numpy.typing import NDArray
 
 from pagedkv.impl.blocks.pool import BlockPool, IdArray
-from pagedkv.impl.blocks.prefix_cache import PrefixCachingBlockManager
-from pagedkv.impl.blocks.tables import PAD, BlockTables, CapacityError, Rows
+from pagedkv.impl.blocks.rows import PAD, CapacityError, Rows, SeqRows
 from pagedkv.spec.checks import BlockTableError
 
 Step = int | NDArray[np.int64]
 """New tokens: one count for every sequence, or one per sequence."""
+
+TakeFresh = Callable[[NDArray[np.int64], NDArray[np.int32], NDArray[np.bool_]], IdArray]
+"""``(num_fresh, last, in_place) -> fresh blocks``: takes each sequence's fresh blocks, where
+the sequences ``in_place`` write their present ``last`` block in place (see
+``PrefixStore.take_fresh``). Without one, :func:`apply` takes them all at once."""
 
 
 class Growth(NamedTuple):
@@ -47,54 +53,92 @@ class Growth(NamedTuple):
     shared: NDArray[np.bool_]  # writes_last and the last block has other owners
 
 
-class Plan(NamedTuple):
+class DecodePlan(NamedTuple):
+    """The decode step with no shared last block: every row of ``rows`` gains one token
+    (``new_counts``); those at a block boundary (``growing``, holding ``lengths``) one fresh
+    block each, at the flat entries ``entries``."""
+
+    rows: Rows
+    new_counts: NDArray[np.int32]
+    growing: Rows
+    lengths: NDArray[np.int32]
+    entries: Rows
+
+
+class GrowthPlan(NamedTuple):
     """Who grows (``grown``) and copies on write (``copies``), who is removed (``victims``,
     batch indices in removal order), and ``steps``: the order to apply them in, as runs of
     ``(grow, batch indices)``."""
 
+    growth: Growth
     grown: NDArray[np.bool_]
     copies: NDArray[np.bool_]
     victims: list[int]
     steps: list[tuple[bool, list[int]]]
 
 
-def decide(
-    tables: BlockTables,
+Plan = DecodePlan | GrowthPlan
+"""What :func:`plan` decides and :func:`apply` carries out."""
+
+
+def plan(
+    rows: SeqRows,
     pool: BlockPool,
     seq_ids: Sequence[int],
-    rows: Rows,
+    batch_rows: Rows,
     base: Rows,
     step: Step,
     preempt: bool,
-) -> tuple[Growth, Plan] | None:
-    """Decide growing the sequences ``seq_ids`` in ``rows`` by ``step``, with ``preempt`` as
-    ``grow_or_preempt``. The decode step is carried out at once when it can be
-    (:func:`grow_decode`); then, and when nothing grows, None. Raises what :func:`growth_of`
-    raises, changing nothing."""
-    if isinstance(step, int) and step == 1 and grow_decode(tables, pool, rows, base):
-        return None
-    g = growth_of(tables, pool, seq_ids, rows, base, step)
+) -> Plan | None:
+    """Decide growing the sequences ``seq_ids`` in ``batch_rows`` by ``step``, with
+    ``preempt`` as ``grow_or_preempt``; None when nothing grows. Changes nothing; raises what
+    :func:`growth_of` raises."""
+    if isinstance(step, int) and step == 1:
+        decode = decode_plan(rows, pool, batch_rows, base)
+        if decode is not None:
+            return decode
+    g = growth_of(rows, pool, seq_ids, batch_rows, base, step)
     if g is None:
         return None
-    return g, plan(g, pool.num_free, preempt, tables, pool)
+    if preempt and not g.shared.any():  # no copy on write: removals free what they hold
+        alone = preemption_plan(g, pool.num_free, rows, pool)
+        if alone is not None:
+            return alone
+    return plan_in_order(g, pool.num_free, preempt, rows, pool)
+
+
+def decode_plan(rows: SeqRows, pool: BlockPool, batch_rows: Rows, base: Rows) -> DecodePlan | None:
+    """The decode step, when no written last block can be shared (no row is flagged
+    ``tail_shared``): only sequences at a block boundary take a block. None when the planner
+    must decide (a flagged row, more sequences at a boundary than free blocks, a table at
+    full width)."""
+    if rows.tail_shared.take(batch_rows).any():
+        return None
+    counts = rows.token_counts.take(batch_rows)
+    boundary = (counts % rows.block_size == 0).nonzero()[0]  # a new block each
+    growing = batch_rows.take(boundary)
+    lengths = rows.num_blocks.take(growing)
+    if boundary.size and (boundary.size > pool.num_free or lengths.max() >= rows.width):
+        return None
+    return DecodePlan(batch_rows, counts + 1, growing, lengths, base.take(boundary) + lengths)
 
 
 def growth_of(
-    tables: BlockTables,
+    rows: SeqRows,
     pool: BlockPool,
     seq_ids: Sequence[int],
-    rows: Rows,
+    batch_rows: Rows,
     base: Rows,
     step: Step,
 ) -> Growth | None:
-    """What growing the sequences ``seq_ids`` in ``rows`` by ``step`` needs, changing nothing;
-    None if nothing grows. ``CapacityError`` if a sequence would outgrow its table,
+    """What growing the sequences ``seq_ids`` in ``batch_rows`` by ``step`` needs, changing
+    nothing; None if nothing grows. ``CapacityError`` if a sequence would outgrow its table,
     ``BlockTableError`` if one would write into a released entry."""
-    if rows.size == 0:
+    if batch_rows.size == 0:
         return None
-    bs, width = tables.block_size, tables.width
-    counts = tables.token_counts.take(rows).astype(np.int64)
-    lengths = tables.num_blocks.take(rows)
+    bs, width = rows.block_size, rows.width
+    counts = rows.token_counts.take(batch_rows).astype(np.int64)
+    lengths = rows.num_blocks.take(batch_rows)
     new_counts = counts + step
     needed = (new_counts + (bs - 1)) // bs
     over = needed > width
@@ -108,7 +152,7 @@ def growth_of(
     writes_last = counts % bs != 0
     if not isinstance(step, int):
         writes_last &= step > 0
-    last = tables.tables.take(base + lengths - 1)  # index -1 only if not writes_last
+    last = rows.tables.take(base + lengths - 1)  # index -1 only if not writes_last
     into_released = writes_last & (last == PAD)  # the spec's rule: never written
     if into_released.any():
         ids = np.array(seq_ids)[into_released].tolist()
@@ -116,12 +160,33 @@ def growth_of(
     last_refs = pool.refs_of(last)
     shared = writes_last & (last_refs > 1)
     return Growth(
-        rows, base, lengths, needed, new_counts, needed - lengths, writes_last, last,
+        batch_rows, base, lengths, needed, new_counts, needed - lengths, writes_last, last,
         last_refs, shared,
     )  # fmt: skip
 
 
-def plan(g: Growth, free: int, preempt: bool, tables: BlockTables, pool: BlockPool) -> Plan:
+def preemption_plan(g: Growth, free: int, rows: SeqRows, pool: BlockPool) -> GrowthPlan | None:
+    """The plan of ``grow_or_preempt`` when no sequence copies on write and every block a
+    victim holds is its alone and read by no pending copy, so removing it frees all it
+    holds; None otherwise."""
+    n = g.rows.size
+    held_counts = g.lengths - rows.num_released.take(g.rows)  # released entries: none
+    stop = preemption_stop(g.growth, held_counts.astype(np.int64), free)
+    victims = rows.tables[g.rows[stop:]]
+    held = victims[victims != PAD].astype(np.intp)
+    if held.size and (
+        pool.refs_of(held).max() != 1 or (pool.copy_pairs and pool.is_source.take(held).any())
+    ):
+        return None
+    grown = np.arange(n) < stop
+    removed = list(range(n - 1, stop - 1, -1))
+    steps = [(False, removed), (True, list(range(stop)))]
+    return GrowthPlan(g, grown, g.shared & grown, removed, steps)
+
+
+def plan_in_order(
+    g: Growth, free: int, preempt: bool, rows: SeqRows, pool: BlockPool
+) -> GrowthPlan:
     """Decide, sequence by sequence as the spec's calls would, with ``free`` blocks free.
 
     Rules: a sequence writing a block that other owners still hold copies it first (one more
@@ -133,20 +198,6 @@ def plan(g: Growth, free: int, preempt: bool, tables: BlockTables, pool: BlockPo
     (copied on write earlier in this plan, or before it) waits for the copy: it is not free.
     """
     n = g.rows.size
-    if preempt and not g.shared.any():  # no copy on write: removals free what they hold
-        held_counts = g.lengths - tables.num_released.take(g.rows)  # released entries: none
-        stop = plan_preemption(g.growth, held_counts.astype(np.int64), free)
-        victims = tables.tables[g.rows[stop:]]
-        held = victims[victims != PAD].astype(np.intp)
-        # Each frees all it holds, and none of it waits for a pending copy.
-        if held.size == 0 or (
-            pool.refs_of(held).max() == 1
-            and not (pool.copy_pairs and pool.is_source.take(held).any())
-        ):
-            grown = np.arange(n) < stop
-            removed = list(range(n - 1, stop - 1, -1))
-            steps = [(False, removed), (True, list(range(stop)))]
-            return Plan(grown, g.shared & grown, removed, steps)
     refs: dict[int, int] = {}  # the blocks whose counts the plan has changed so far
     # Copy-on-write sources: of pairs already pending, then of the plan's own copies.
     sources = set(pool.pending_sources()) if pool.copy_pairs else set()
@@ -168,7 +219,7 @@ def plan(g: Growth, free: int, preempt: bool, tables: BlockTables, pool: BlockPo
             victim, tail = tail, tail - 1
             removed.append(victim)
             _record(steps, False, victim)
-            held = tables.held(int(g.rows[victim])).astype(np.intp)
+            held = rows.held(int(g.rows[victim])).astype(np.intp)
             held_refs = pool.refs_of(held).tolist()
             for index, block in enumerate(held.tolist()):
                 left = refs.get(block, held_refs[index]) - 1
@@ -185,7 +236,7 @@ def plan(g: Growth, free: int, preempt: bool, tables: BlockTables, pool: BlockPo
                 copies[i] = True
                 refs[last[i]] = owners - 1
                 sources.add(last[i])
-    return Plan(grown, copies, removed, steps)
+    return GrowthPlan(g, grown, copies, removed, steps)
 
 
 def _record(steps: list[tuple[bool, list[int]]], grow: bool, index: int) -> None:
@@ -196,7 +247,7 @@ def _record(steps: list[tuple[bool, list[int]]], grow: bool, index: int) -> None
         steps.append((grow, [index]))
 
 
-def plan_preemption(growth: NDArray[np.int64], lengths: NDArray[np.int64], free: int) -> int:
+def preemption_stop(growth: NDArray[np.int64], lengths: NDArray[np.int64], free: int) -> int:
     """Where preemption from the tail stops, for sequences that own all their blocks alone.
 
     Sequence ``i`` needs ``growth[i]`` new blocks and holds ``lengths[i]``; ``free`` are free.
@@ -214,34 +265,40 @@ def plan_preemption(growth: NDArray[np.int64], lengths: NDArray[np.int64], free:
     return int(cut.argmax()) if cut.any() else n
 
 
-def carry_out(
-    tables: BlockTables,
-    pool: BlockPool,
-    prefix: PrefixCachingBlockManager | None,
-    g: Growth,
+def apply(
     decided: Plan,
+    rows: SeqRows,
+    pool: BlockPool,
+    take_fresh: TakeFresh | None,
     remove: Callable[[list[int]], None],
 ) -> None:
-    """Apply a plan in the spec's order; ``remove`` removes the sequences at the given batch
-    indices, in order."""
+    """Carry a plan out in the spec's order; ``remove`` removes the sequences at the given
+    batch indices, in order."""
+    if isinstance(decided, DecodePlan):
+        if decided.growing.size:
+            size = decided.growing.size
+            rows.flat[decided.entries] = pool.take_one() if size == 1 else pool.take(size)
+            rows.num_blocks[decided.growing] = decided.lengths + 1
+        rows.token_counts[decided.rows] = decided.new_counts
+        return
+    g = decided.growth
     if not decided.victims:
-        everyone = bool(decided.grown.all())
-        keep = None if everyone else decided.grown.nonzero()[0]
+        keep = None if decided.grown.all() else decided.grown.nonzero()[0]
         copies = decided.copies if keep is None else decided.copies[keep]
-        apply_growth(tables, pool, prefix, g, keep, copies)
+        grow(rows, pool, take_fresh, g, keep, copies)
         return
     for grows, indices in decided.steps:
         if grows:
             chosen = np.array(indices, dtype=np.intp)
-            apply_growth(tables, pool, prefix, g, chosen, decided.copies[chosen])
+            grow(rows, pool, take_fresh, g, chosen, decided.copies[chosen])
         else:
             remove(indices)
 
 
-def apply_growth(
-    tables: BlockTables,
+def grow(
+    rows: SeqRows,
     pool: BlockPool,
-    prefix: PrefixCachingBlockManager | None,
+    take_fresh: TakeFresh | None,
     g: Growth,
     keep: Rows | None,
     shared: NDArray[np.bool_],
@@ -251,101 +308,53 @@ def apply_growth(
 
     All fresh blocks are taken at once and placed per sequence, in batch order, as the
     spec's calls would take them: its copy-on-write block first (replacing its shared last
-    block), then its growth blocks. After it no written sequence's last block is shared,
-    and none written in place is cached (:func:`_keyed_in_place`).
+    block), then its growth blocks. After it no written sequence's last block is shared.
     """
     if keep is None:
-        rows, base, lengths, growth, last = g.rows, g.base, g.lengths, g.growth, g.last
+        batch_rows, base, lengths, growth, last = g.rows, g.base, g.lengths, g.growth, g.last
         needed, new_counts, writes_last = g.needed, g.new_counts, g.writes_last
     else:
-        rows, base, lengths, growth = g.rows[keep], g.base[keep], g.lengths[keep], g.growth[keep]
-        last, needed, new_counts = g.last[keep], g.needed[keep], g.new_counts[keep]
-        writes_last = g.writes_last[keep]
+        batch_rows, base, lengths = g.rows[keep], g.base[keep], g.lengths[keep]
+        growth, last, needed = g.growth[keep], g.last[keep], g.needed[keep]
+        new_counts, writes_last = g.new_counts[keep], g.writes_last[keep]
     num_fresh = growth + shared
-    total = int(num_fresh.sum())
-    keyed = _keyed_in_place(tables, prefix, rows, last, writes_last & ~shared)
-    if prefix is None or keyed is None:
-        fresh = pool.take(total)
-    else:
-        fresh = _take_in_spec_order(pool, prefix, num_fresh, last, keyed)
-    if total:
-        flat = tables.flat
-        # total counts the copies too, so this is: no copy, and at most one block each.
-        if total == np.count_nonzero(growth):
-            growing = growth.nonzero()[0]
-            flat[base.take(growing) + lengths.take(growing)] = fresh
-        else:
-            first_fresh = np.cumsum(num_fresh) - num_fresh
-            copying = shared.nonzero()[0]
-            if copying.size:
-                dst = fresh[first_fresh[copying]]
-                flat[base[copying] + lengths[copying] - 1] = dst
-                pool.copy_on_write(last[copying].astype(np.intp), dst)
-            owner = np.repeat(np.arange(growth.size), growth)
-            within = np.arange(owner.size) - np.repeat(np.cumsum(growth) - growth, growth)
-            flat[base[owner] + lengths[owner] + within] = fresh[
-                (first_fresh + shared)[owner] + within
-            ]
-    tables.num_blocks[rows] = needed
-    tables.token_counts[rows] = new_counts
+    if take_fresh is None:
+        fresh = pool.take(int(num_fresh.sum()))
+    else:  # only a flagged row's in-place write can reach a block with a key
+        in_place = writes_last & ~shared & rows.tail_shared.take(batch_rows)
+        fresh = take_fresh(num_fresh, last, in_place)
+    if fresh.size:
+        place_fresh(rows, pool, fresh, base, lengths, growth, last, shared)
+    rows.num_blocks[batch_rows] = needed
+    rows.token_counts[batch_rows] = new_counts
     # A write copied or filled the last block, or passed it.
-    tables.clear_tail_shared(rows[writes_last | (growth > 0)])
+    rows.tail_shared[batch_rows[writes_last | (growth > 0)]] = False
 
 
-def _keyed_in_place(
-    tables: BlockTables,
-    prefix: PrefixCachingBlockManager | None,
-    rows: Rows,
-    last: NDArray[np.int32],
-    in_place: NDArray[np.bool_],
-) -> NDArray[np.bool_] | None:
-    """Among the sequences whose write lands in their present last block (``in_place``),
-    those whose block is cached, or None if none is. Only a flagged row's can be: a
-    truncate cut into a cached block that other tables held then."""
-    if prefix is None or not prefix.num_cached_blocks:
-        return None
-    candidates = in_place & tables.tail_shared.take(rows)
-    cached = prefix.cached_among(last[candidates].astype(np.intp))
-    return candidates & np.isin(last, list(cached)) if cached else None
-
-
-def _take_in_spec_order(
+def place_fresh(
+    rows: SeqRows,
     pool: BlockPool,
-    prefix: PrefixCachingBlockManager,
-    num_fresh: NDArray[np.int64],
+    fresh: IdArray,
+    base: Rows,
+    lengths: NDArray[np.int32],
+    growth: NDArray[np.int64],
     last: NDArray[np.int32],
-    keyed: NDArray[np.bool_],
-) -> IdArray:
-    """The sequences' fresh blocks (``num_fresh`` each), in batch order, taken in the spec's
-    order when some written last block is cached (``keyed``, see :func:`_keyed_in_place`):
-    per sequence, its fresh blocks, then its written block's key removal (a cached block is
-    never written in place). The removals happen even when no block is taken."""
-    parts = []
-    for index, count in enumerate(num_fresh.tolist()):
-        parts.append(pool.take(count))
-        if keyed[index]:
-            prefix.remove_keys([int(last[index])])
-    return np.concatenate(parts)
-
-
-def grow_decode(tables: BlockTables, pool: BlockPool, rows: Rows, base: Rows) -> bool:
-    """The decode step: every sequence in ``rows`` gains one token, and no written last block
-    can be shared (no row is flagged ``tail_shared``). Only sequences at a block boundary
-    touch the pool. Returns False, changing nothing, when :func:`plan` must decide (a flagged
-    row, more sequences at a boundary than free blocks, a table at full width)."""
-    if tables.tail_shared.take(rows).any():
-        return False
-    counts = tables.token_counts.take(rows)
-    boundary = (counts % tables.block_size == 0).nonzero()[0]  # a new block each
-    if boundary.size:
-        if boundary.size > pool.num_free:
-            return False
-        growing = rows.take(boundary)
-        lengths = tables.num_blocks.take(growing)
-        if lengths.max() >= tables.width:
-            return False
-        fresh = pool.take_one() if boundary.size == 1 else pool.take(boundary.size)
-        tables.flat[base.take(boundary) + lengths] = fresh
-        tables.num_blocks[growing] = lengths + 1
-    tables.token_counts[rows] = counts + 1
-    return True
+    shared: NDArray[np.bool_],
+) -> None:
+    """Write ``fresh`` into the tables: per sequence, its copy of a ``shared`` last block
+    (recording the copy-on-write pair), then its ``growth`` blocks after its ``lengths``."""
+    flat = rows.flat
+    if fresh.size == np.count_nonzero(growth):  # no copy, and at most one block each
+        growing = growth.nonzero()[0]
+        flat[base.take(growing) + lengths.take(growing)] = fresh
+        return
+    num_fresh = growth + shared
+    first_fresh = np.cumsum(num_fresh) - num_fresh
+    copying = shared.nonzero()[0]
+    if copying.size:
+        dst = fresh[first_fresh[copying]]
+        flat[base[copying] + lengths[copying] - 1] = dst
+        pool.copy_on_write(last[copying].astype(np.intp), dst)
+    owner = np.repeat(np.arange(growth.size), growth)
+    within = np.arange(owner.size) - np.repeat(np.cumsum(growth) - growth, growth)
+    flat[base[owner] + lengths[owner] + within] = fresh[(first_fresh + shared)[owner] + within]

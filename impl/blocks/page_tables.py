@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
-from pagedkv.impl.blocks.batches import SeqBatch, SeqIds
+from pagedkv.impl.blocks.rows import SeqBatch, SeqIds
 from pagedkv.impl.blocks.store import BlockTableStore
 
 Int32Array = NDArray[np.int32]

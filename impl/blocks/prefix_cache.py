@@ -6,21 +6,10 @@ queue, reference counts, cached keys and counters. Keys are the spec's own
 :class:`spec.prefix_cache.BlockKey` objects (structural equality, injectable ``hash_fn``), so
 ``key_of`` and ``cached_block`` are interchangeable between spec and impl.
 
-What differs is cost:
-
-* *Revival* is :meth:`pagedkv.impl.blocks.free_queue.FreeBlockQueue.remove`, O(1) (a tombstone),
-  where the spec's ``deque.remove`` scans the queue.
-* *Lookup* is O(prompt length). ``BlockKey.__eq__`` walks both parent chains until they reach
-  the same object; the spec builds a fresh chain per prompt, so comparing block ``i`` walks ``i``
-  levels and a prompt of ``n`` blocks costs O(n^2) comparisons. Here each computed key takes the
-  cached key object as soon as one is found (:meth:`PrefixCachingBlockManager._chain`), and
-  registered keys chain to cached key objects too, so a hit compares one level.
-* *Registration* (``cache_blocks``, called again whenever decode fills a block) takes a block's
-  own key without hashing when the block already carries it: a tuple comparison per block.
-* *Eviction* is the pool's eviction hook (:meth:`PrefixCachingBlockManager.evict`), which every
-  allocation path meets (``allocate``, ``append_slot``, and ``BlockTableStore``'s
-  ``add``/``add_prompt``/``grow``): per taken block one C-level set membership test, a dict
-  deletion only for cached blocks.
+What differs is cost (docs/design.md §9, "Prefix caching", gives each figure): revival is an
+O(1) free-queue removal, lookup is O(prompt length) because computed keys take the cached key
+objects (:meth:`PrefixCachingBlockManager._chain`), registration skips hashing a block that
+already carries its key, and eviction is the pool's hook (:meth:`PrefixCachingBlockManager.evict`).
 
 State beyond the block manager's arrays: two dicts over cached blocks only (block id -> key,
 key -> block id), and the counters. A manager with nothing cached costs what a plain one does.
@@ -265,9 +254,7 @@ class PrefixCachingBlockManager:
     # ----------------------------------------------------------------- operations
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached key if no block is held; return whether it did (the spec's rule:
-        False and no change while any block is held; otherwise the free queue keeps its order,
-        ``stats.resets`` counts it, and one ``AllBlocksCleared`` event is emitted)."""
+        """The spec's ``reset_prefix_cache``: forget every cached key if no block is held."""
         if self.pool.num_free != self.total_blocks:
             return False
         self._key_of.clear()
@@ -280,13 +267,8 @@ class PrefixCachingBlockManager:
     def allocate_prompt(
         self, token_ids: Sequence[int], extra_key: Hashable = None
     ) -> tuple[list[int], int]:
-        """Build a table for a prompt, reusing its cached prefix; return (table, cached tokens).
-
-        Exactly the spec: hit blocks get one more owner, free ones are revived (they leave the
-        free queue, the rest keeps its order); the remaining blocks come from the head of the
-        queue, evicting their keys. All-or-nothing: ``OutOfBlocksError`` if ``blocks_to_allocate``
-        exceeds the free blocks, and nothing changes (counters included).
-        """
+        """The spec's ``allocate_prompt``: a table for a prompt, reusing its cached prefix;
+        returns (table, cached tokens). All-or-nothing."""
         plan = self.plan_prompt(token_ids, extra_key)
         check_available(plan.needed, self.pool.num_free)
         fresh = self.apply_prompt_plan(plan)
@@ -298,12 +280,8 @@ class PrefixCachingBlockManager:
         token_ids: Sequence[int],
         extra_key: Hashable = None,
     ) -> int:
-        """Register the full blocks of a live table, now holding ``token_ids``; return how many.
-
-        Exactly the spec: a block whose key is cached in another block stays uncached; a block
-        cached under another key raises ``BlockTableError``; more tokens than the table holds
-        raise ``ValueError``; released entries are skipped; nothing changes on error.
-        """
+        """The spec's ``cache_blocks``: register the full blocks of a live table, now holding
+        ``token_ids``; return how many were newly cached."""
         released, ids, _ = self.blocks.read_live_table(block_table)
         tokens = check_tokens(token_ids)
         table = [None] * released + ids.tolist()
@@ -319,9 +297,7 @@ class PrefixCachingBlockManager:
     def append_slot(
         self, block_table: Sequence[int], token_count: int, new_tokens: int = 1
     ) -> list[int]:
-        """Exactly the spec: ``BlockManager.append_slot``, and a written block that is cached
-        and held by this table alone loses its key before the write (reachable only after a
-        ``truncate``); a shared one is copied on write and keeps its key."""
+        """The spec's ``append_slot``: a cached block is never written in place."""
         table = self.blocks.append_slot(block_table, token_count, new_tokens)
         if self._key_of:
             first = (token_count - new_tokens) // self.block_size
@@ -330,9 +306,7 @@ class PrefixCachingBlockManager:
         return table
 
     def truncate(self, block_table: Sequence[int | None], token_count: int) -> list[int | None]:
-        """Exactly the spec: ``BlockManager.truncate`` (dropped cached blocks stay cached, and
-        revivable, in the free queue), and a kept last block that ``token_count`` cuts into
-        loses its key if it is cached and this table alone holds it (not an eviction)."""
+        """The spec's ``truncate``: a cut cached block held by this table alone loses its key."""
         table = self.blocks.truncate(block_table, token_count)
         cut = table[-1] if token_count % self.block_size else None  # the kept block cut into
         if cut is not None and self._key_of and self.pool.refs[cut] == 1:

@@ -561,12 +561,17 @@ class PrefixStoreMachine(StoreMachine):
         """Cut a sequence into one of its cached blocks, then write there. Held alone, the
         block loses its key at the cut. With a fork sharing it, it keeps its key; the fork then
         drops it (removed, or cut shorter in the same batch), and the block must lose its key
-        before the write lands in it."""
+        before the write lands in it. Or cut into its last full block and write that block's
+        tokens again: its content must be registered anew (the sequence's own keys were cut)."""
         parent = data.draw(st.sampled_from(sorted(set(self.tokens) & set(self.seqs))))
         table, count = self.seqs[parent]
         bs, full = self.block_size, count // self.block_size
+        old = list(self.tokens_of(parent))
+        refill = full > 0 and bs > 1 and data.draw(st.booleans(), label="refill the block")
         kept = max(0, count - 1)  # into a full block (a cached one, if the parent cached it)
-        if full and bs > 1:
+        if refill:
+            kept = (full - 1) * bs + data.draw(st.integers(1, bs - 1))
+        elif full and bs > 1:
             kept = data.draw(st.integers(0, full - 1)) * bs + data.draw(st.integers(1, bs - 1))
         child = min(set(range(12)) - set(self.seqs))
         if fork != "none":
@@ -583,10 +588,14 @@ class PrefixStoreMachine(StoreMachine):
         if fork == "removed":
             self.store.remove([child])
             self.spec.free(self.seqs.pop(child)[0])
-        self.check_grow(data, [parent], [1], 1)
+        step = full * bs - kept if refill else 1
+        self.check_grow(data, [parent], [step], step)
         tokens = self.tokens_of(parent)
-        if tokens:
+        if refill and len(tokens) == full * bs:
+            tokens[kept:] = old[kept : full * bs]
+        elif tokens:
             tokens[-1] = token
+        if tokens:
             self.cache_both(parent, tokens, self.salts.get(parent))
 
     @precondition(lambda self: set(self.tokens) & set(self.seqs) and len(self.seqs) < self.max_seqs)
