@@ -161,7 +161,7 @@ class PagedKVCache:
         validated them), and only their place is checked (``ValueError`` off the host). The
         slots are mapped once (``kernels.slot_mapping``): on the host for a CPU cache or with
         ``check_tables``, else on the device. With ``check_tables`` everything is checked
-        first, before anything changes (:meth:`_checked`, :meth:`_host_slots`).
+        first, before anything changes (:meth:`_check_lengths_and_entries`, :meth:`_host_slots`).
         """
         if block_tables.device.type != "cpu":
             raise ValueError(f"block_tables must be on the host, got {block_tables.device}")
@@ -173,7 +173,7 @@ class PagedKVCache:
         np.cumsum(counts, out=offsets[1:])  # sequence b's flat tokens: offsets[b] .. [b + 1]
         num_queries, contexts, cu_seqlens = map(torch.from_numpy, (counts, lens, offsets))
         if self.check_tables:
-            self._checked(block_tables, num_queries, contexts, cu_seqlens)
+            self._check_lengths_and_entries(block_tables, num_queries, contexts, cu_seqlens)
         owner = np.repeat(np.arange(len(counts)), counts)
         rows = torch.from_numpy(owner)
         positions = torch.from_numpy(np.arange(offsets[-1]) - offsets[1:][owner] + lens[owner])
@@ -200,7 +200,7 @@ class PagedKVCache:
             int(lens.max(initial=0)), bool((counts == 1).all()), plan, self.backend,
         )  # fmt: skip
 
-    def _checked(
+    def _check_lengths_and_entries(
         self,
         block_tables: torch.Tensor,
         query_lens: torch.Tensor,
