@@ -18,14 +18,17 @@ import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
-from hypothesis import currently_in_test_context, event, settings
+from hypothesis import assume, currently_in_test_context, event, settings
 from hypothesis import strategies as st
 
 from pagedkv import kernels
+from pagedkv.kernels import sdpa
 from pagedkv.spec.block_manager import BlockManager, OutOfBlocksError, blocks_needed, translate_slot
 from properties.mutants import replace_code
 
@@ -34,6 +37,13 @@ BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 GQA_RATIOS = (1, 2, 4, 8)
 HEAD_DIMS = (64, 80, 128)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_CHUNK = 64  # longest drawn prefill query chunk: the interpreter runs every query tile
+ON_CPU = pytest.mark.skipif(DEVICE.type != "cpu", reason="the numba backend runs on CPU")
+
+
+def backends(*names: str) -> list[object]:
+    """``names`` as pytest parameters; ``numba`` runs on CPU only."""
+    return [pytest.param(name, marks=ON_CPU) if name == "numba" else name for name in names]
 
 
 @dataclass(frozen=True)
@@ -299,21 +309,11 @@ def window_mask(
 def dense_attention(
     query: torch.Tensor, seqs: Sequence[Seq | None], scale: float, window: int | None = None
 ) -> torch.Tensor:
-    """The oracle: fp32 ``scaled_dot_product_attention`` over each sequence's logical K/V, the
-    query at the last position; with ``window`` only the last ``window`` keys are visible."""
+    """The oracle of decode: :func:`dense_prefill` of one query per sequence, at its last
+    position; a padding sequence (``None``, or of length 0) gets zeros."""
+    live = [b for b, seq in enumerate(seqs) if seq is not None and seq.length]
     out = torch.zeros_like(query)
-    for b, seq in enumerate(seqs):
-        if seq is None or seq.length == 0:
-            continue
-        key, value = seq.logical_kv()
-        group = query.shape[1] // key.shape[1]
-        k = key.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, len, dim]
-        v = value.float().repeat_interleave(group, dim=1).transpose(0, 1)
-        q = query[b].float()[:, None, :]  # [heads, 1, dim]
-        last = torch.tensor([seq.length - 1], device=query.device)
-        mask = window_mask(last, seq.length, window, query.device)
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, mask, scale=scale)
-        out[b] = o[:, 0, :].to(query.dtype)
+    out[live] = dense_prefill(query[live], [seqs[b] for b in live], [1] * len(live), scale, window)
     return out
 
 
@@ -362,7 +362,8 @@ def check_attention(
     pad: int = -1,
     window: int | None = None,
 ) -> None:
-    """``attention`` (triton), the torch reference and dense attention agree on every sequence.
+    """``attention`` (a kernel under test), the torch reference and dense attention agree on
+    every sequence.
 
     ``scale`` defaults to ``1 / sqrt(head_dim)``; ``extra_columns``, ``padding_row`` and ``pad``
     shape the batch (see ``KVCache.batch``); ``window`` is passed to ``attention`` (as a
@@ -381,8 +382,243 @@ def check_attention(
     assert isinstance(actual, torch.Tensor)
     assert actual.dtype == query.dtype and actual.shape == query.shape
     assert_close(reference, expected, "reference vs dense")
-    assert_close(actual, expected, "triton vs dense")
-    assert_close(actual, reference, "triton vs reference")
+    assert_close(actual, expected, "kernel vs dense")
+    assert_close(actual, reference, "kernel vs reference")
+
+
+def fill_backend(backend: str) -> str:
+    """The backend whose ``store_kv`` and ``copy_blocks`` fill the caches of a check of
+    ``backend`` (``sdpa`` is no backend of the public functions: the reference fills)."""
+    return backend if backend in ("triton", "numba") else "reference"
+
+
+def draw_cache(
+    data: st.DataObject, backend: str, block_size: int, group: int, head_dim: int, dtype
+) -> KVCache:
+    """A cache filled through ``fill_backend(backend)`` by a drawn scenario, with one or two KV
+    heads."""
+    scenario = data.draw(scenarios(block_size), label="scenario")
+    num_kv_heads = data.draw(st.sampled_from([1, 2]), label="num_kv_heads")
+    shape = Shape(block_size, num_kv_heads, group, head_dim, dtype)
+    return KVCache(scenario, shape, backend=fill_backend(backend))
+
+
+def longest_context(cache: KVCache) -> int:
+    """The longest live sequence's length (1 when the scenario freed every sequence)."""
+    return max((seq.length for seq in cache.run.seqs), default=1)
+
+
+def draw_window(data: st.DataObject, cache: KVCache) -> int | None:
+    """No window, or one from 1 (the query alone) to past the longest context (no effect)."""
+    longest = longest_context(cache)
+    edges = st.sampled_from([1, 2, cache.shape.block_size, longest, longest + 1, 10**6])
+    return data.draw(st.none() | edges | st.integers(1, longest), label="window")
+
+
+def draw_splits(data: st.DataObject) -> int | None:
+    """A split count for decode: automatic (``None``) or 1 to 5."""
+    return data.draw(st.none() | st.integers(1, 5), label="num_splits")
+
+
+def decode_on(backend: str, num_splits: int | None = None) -> Attention:
+    """The public decode function on ``backend``, with ``num_splits`` fixed."""
+
+    def attention(*args: torch.Tensor | float, window: int | None = None) -> torch.Tensor:
+        return kernels.paged_decode_attention(
+            *args, num_splits=num_splits, window=window, backend=backend
+        )
+
+    return attention
+
+
+# prefill(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale) -> output
+Prefill = Callable[..., torch.Tensor]
+
+
+def sdpa_prefill(module: ModuleType = sdpa) -> Prefill:
+    """``paged_prefill_attention``'s signature over ``module``'s plan and attention: the plan is
+    made from the lengths as host ints, as ``PagedKVCache.step`` makes it."""
+
+    def prefill(
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        query_lens = [b - a for a, b in pairwise(cu_seqlens_q.tolist())]
+        group = query.shape[1] // k_cache.shape[2]
+        plan = module.plan(
+            block_tables, query_lens, context_lens.tolist(), k_cache.shape[1], group, window
+        )
+        return module.attention(plan, query, k_cache, v_cache, scale)
+
+    return prefill
+
+
+def prefill_on(backend: str) -> Prefill:
+    """The public prefill function on ``backend``, or ``sdpa``'s plan and attention."""
+    if backend == "sdpa":
+        return sdpa_prefill()
+
+    def prefill(*args: torch.Tensor | float, window: int | None = None) -> torch.Tensor:
+        return kernels.paged_prefill_attention(*args, window=window, backend=backend)
+
+    return prefill
+
+
+def dense_prefill(
+    query: torch.Tensor,
+    seqs: Sequence[Seq | None],
+    query_lens: list[int],
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """The spec: each query token attends, in fp32, its sequence's logical K/V at positions up to
+    its own (``length - q + i`` for the chunk's ``i``-th token), and with ``window`` ``w`` only
+    those above its own minus ``w``."""
+    out = torch.zeros_like(query)
+    start = 0
+    for seq, count in zip(seqs, query_lens, strict=True):
+        if count:
+            assert seq is not None
+            key, value = seq.logical_kv()
+            group = query.shape[1] // key.shape[1]
+            k = key.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, L, dim]
+            v = value.float().repeat_interleave(group, dim=1).transpose(0, 1)
+            q = query[start : start + count].float().transpose(0, 1)  # [heads, count, dim]
+            positions = torch.arange(seq.length - count, seq.length, device=query.device)
+            mask = window_mask(positions, seq.length, window, query.device)
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, mask, scale=scale)
+            out[start : start + count] = o.transpose(0, 1).to(query.dtype)
+        start += count
+    return out
+
+
+def check_prefill(
+    cache: KVCache,
+    query_lens: list[int],
+    prefill: Prefill,
+    extra_columns: int = 0,
+    padding_row: bool = False,
+    pad: int = -1,
+    window: int | None = None,
+    poison: str | None = None,
+) -> None:
+    """``prefill``, the torch reference and the spec agree; ``query_lens`` is one count per
+    sequence of ``cache.batch(...)`` (0 for the padding row). ``window`` goes to all three.
+    With ``poison`` the entries of blocks wholly before each window are poisoned
+    (``poison_outside_window``) for ``prefill`` and the reference, which must then return
+    exactly what they return without it."""
+    seqs, tables, lens = cache.batch(extra_columns, pad, padding_row)
+    shape = cache.shape
+    query = cache.randn(sum(query_lens), shape.num_heads, shape.head_dim)
+    offsets = torch.tensor([0, *query_lens], device=DEVICE).cumsum(0).to(torch.int32)
+    scale = shape.head_dim**-0.5
+    args = (query, cache.k_cache, cache.v_cache, tables, offsets, lens, scale)
+    expected = dense_prefill(query, seqs, query_lens, scale, window)
+    ref = kernels.paged_prefill_attention(*args, window=window, backend="reference")
+    actual = prefill(*args, window=window)
+    if poison is not None:
+        starts = [window_start(int(n), q, window) for n, q in zip(lens, query_lens, strict=True)]
+        k_cache, v_cache, poisoned = poison_outside_window(cache, tables, starts, poison)
+        dirty = (query, k_cache, v_cache, poisoned, offsets, lens, scale)
+        dirty_ref = kernels.paged_prefill_attention(*dirty, window=window, backend="reference")
+        assert torch.equal(dirty_ref, ref), "the reference read a block outside the window"
+        assert torch.equal(prefill(*dirty, window=window), actual), "prefill read outside"
+    assert actual.dtype == query.dtype and actual.shape == query.shape
+    assert_close(ref, expected, "reference vs spec")
+    assert_close(actual, expected, "prefill vs spec")
+    assert_close(actual, ref, "prefill vs reference")
+
+
+def draw_query_lens(
+    data: st.DataObject, seqs: list[Seq | None], block_size: int, at_least_one: bool = False
+) -> list[int]:
+    """A chunk length per sequence: edge lengths (0, 1, a block, the whole sequence) are likely.
+    With ``at_least_one`` some sequence has a query (``sdpa.plan``'s contract): the first,
+    which must then be live."""
+    counts = []
+    for seq in seqs:
+        length = 0 if seq is None else seq.length
+        cap = min(length, MAX_CHUNK)
+        edges = sorted({n for n in (0, 1, block_size, block_size + 1, length) if n <= cap})
+        counts.append(data.draw(st.sampled_from(edges) | st.integers(0, cap), label="query_len"))
+    if at_least_one and not any(counts):
+        assume(seqs and seqs[0] is not None)
+        counts[0] = 1
+    return counts
+
+
+# ----------------------------------------------------------------------- slots, stores, copies
+
+# slot_mapping(block_tables, positions, block_size, seq_ids) -> slots
+SlotMapping = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]
+# store_kv(key, value, k_cache, v_cache, slot_mapping) -> None
+StoreKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# copy_blocks(k_cache, v_cache, pairs) -> None
+CopyBlocks = Callable[[torch.Tensor, torch.Tensor, object], None]
+
+
+def padded_tables(tables: list[list[int]], extra_columns: int) -> torch.Tensor:
+    """int32 ``[len(tables), longest + extra_columns]``, padded with -1."""
+    width = max(len(t) for t in tables) + extra_columns
+    return torch.tensor(
+        [t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE
+    )
+
+
+def check_slot_mapping(
+    tables: list[list[int]],
+    tokens: list[tuple[int, int]],
+    block_size: int,
+    slot_mapping: SlotMapping,
+    extra_columns: int = 0,
+    index_dtype: torch.dtype = torch.int64,
+) -> None:
+    """``slot_mapping`` of ``(sequence, position)`` tokens equals the spec, ``-1`` for padding."""
+    expected = [translate_slot(tables[b], p, block_size) if p >= 0 else -1 for b, p in tokens]
+    seq_ids = torch.tensor([b for b, _ in tokens], dtype=index_dtype, device=DEVICE)
+    positions = torch.tensor([p for _, p in tokens], dtype=index_dtype, device=DEVICE)
+    block_tables = padded_tables(tables, extra_columns)
+    slots = slot_mapping(block_tables, positions, block_size, seq_ids)
+    assert slots.dtype == torch.int64
+    assert slots.tolist() == expected
+
+
+def check_store_kv(
+    cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slots: list[int],
+    store_kv: StoreKV,
+) -> None:
+    """``store_kv`` into copies of ``cache`` (``[2, blocks, block_size, heads, dim]``) changes
+    exactly the rows of the given slots, to the given tokens."""
+    block_size = cache.shape[2]
+    expected_k, expected_v = cache[0].clone(), cache[1].clone()
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            expected_k[slot // block_size, slot % block_size] = key[t]
+            expected_v[slot // block_size, slot % block_size] = value[t]
+    k_cache, v_cache = cache[0].clone(), cache[1].clone()
+    store_kv(key, value, k_cache, v_cache, torch.tensor(slots, dtype=torch.int64, device=DEVICE))
+    assert torch.equal(k_cache, expected_k)
+    assert torch.equal(v_cache, expected_v)
+
+
+def check_copy_blocks(cache: torch.Tensor, pairs: object, copy_blocks: CopyBlocks) -> None:
+    """``copy_blocks`` on copies of ``cache`` (``[2, blocks, ...]``) equals the sequential loop."""
+    expected = copy_in_order(
+        cache, torch.as_tensor(pairs, dtype=torch.int64).reshape(-1, 2).tolist()
+    )
+    k_cache, v_cache = cache[0].clone(), cache[1].clone()
+    copy_blocks(k_cache, v_cache, pairs)
+    assert torch.equal(k_cache, expected[0])
+    assert torch.equal(v_cache, expected[1])
 
 
 # ----------------------------------------------------------------------- planted bugs

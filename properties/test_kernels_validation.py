@@ -1,7 +1,9 @@
 """Properties: invalid arguments raise a clear, typed error and leave the caches untouched.
 
-Every case runs on every backend. A kernel launched on bad block ids would read or write outside
-the caches (in the interpreter that kills the process), so these checks are what keeps it in.
+Every case runs on every backend: each public function's arguments, prefill's and the sliding
+window's included; the entries a window does not reach are not checked. A kernel launched on
+bad block ids would read or write outside the caches (in the interpreter that kills the
+process), so these checks are what keeps it in.
 """
 
 from __future__ import annotations
@@ -16,7 +18,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv import kernels
-from properties.kernel_cases import DEVICE, kernel_examples
+from properties.kernel_cases import (
+    DEVICE,
+    KVCache,
+    Shape,
+    assert_close,
+    fixed_scenario,
+    kernel_examples,
+)
 
 NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 6, 4, 2, 8
 BACKENDS = ("triton", "numba", "reference")
@@ -426,3 +435,118 @@ def test_one_bad_pair_anywhere_means_no_copy_at_all(
         copy(setup, backend, pairs)
     assert torch.equal(setup.k_cache, before[0])
     assert torch.equal(setup.v_cache, before[1])
+
+
+# ----------------------------------------------------------------------- prefill and windows
+
+
+def valid_prefill() -> dict[str, object]:
+    """Arguments of a valid prefill: two sequences of 5 and 3 tokens computing 2 and 3 of them."""
+    generator = torch.Generator().manual_seed(0)
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=generator).to(DEVICE)
+
+    return {
+        "query": randn(5, 4, 8),
+        "k_cache": randn(4, 4, 2, 8),
+        "v_cache": randn(4, 4, 2, 8),
+        "block_tables": ints([[2, 0], [3, -1]]),
+        "cu_seqlens_q": ints([0, 2, 5], torch.int64),
+        "context_lens": ints([5, 3], torch.int64),
+    }
+
+
+PREFILL_CASES = {
+    "cu_seqlens_q float": ("cu_seqlens_q", torch.tensor([0.0, 2.0, 5.0]), TypeError),
+    "cu_seqlens_q not batch + 1": ("cu_seqlens_q", torch.tensor([0, 5]), ValueError),
+    "cu_seqlens_q not from 0": ("cu_seqlens_q", torch.tensor([1, 2, 5]), ValueError),
+    "cu_seqlens_q short of the tokens": ("cu_seqlens_q", torch.tensor([0, 2, 4]), ValueError),
+    "cu_seqlens_q decreasing": ("cu_seqlens_q", torch.tensor([0, 6, 5]), ValueError),
+    "more queries than context": ("cu_seqlens_q", torch.tensor([0, 1, 5]), ValueError),
+    "context_lens wrong length": ("context_lens", torch.tensor([5, 3, 1]), ValueError),
+    "context beyond the table": ("context_lens", torch.tensor([9, 3]), IndexError),
+    "negative context": ("context_lens", torch.tensor([5, -3]), ValueError),
+    "block id outside the cache": ("block_tables", torch.tensor([[2, 4], [3, -1]]), TypeError),
+    "block id outside the cache (int32)": (
+        "block_tables",
+        torch.tensor([[2, 4], [3, -1]], dtype=torch.int32),
+        IndexError,
+    ),
+    "reached padding entry": (
+        "block_tables",
+        torch.tensor([[2, -1], [3, -1]], dtype=torch.int32),
+        IndexError,
+    ),
+    "query 2-d": ("query", torch.zeros(5, 32), ValueError),
+    "query heads not a multiple": ("query", torch.zeros(5, 3, 8), ValueError),
+    "query dtype": ("query", torch.zeros(5, 4, 8, dtype=torch.float16), TypeError),
+    "max_query_len not the longest chunk": ("max_query_len", 2, ValueError),
+    "max_query_len negative": ("max_query_len", -1, ValueError),
+    "max_query_len not an int": ("max_query_len", 3.0, TypeError),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_valid_prefill_passes_with_or_without_max_query_len(backend: str) -> None:
+    """With or without ``max_query_len`` (3, the longest chunk), the reference's output."""
+    call = valid_prefill()
+    expected = kernels.paged_prefill_attention(**call, backend="reference")
+    for extra in ({}, {"max_query_len": 3}):
+        output = kernels.paged_prefill_attention(**call, **extra, backend=backend)
+        assert_close(output, expected, f"{backend} vs reference, {extra}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(PREFILL_CASES), ids=list(PREFILL_CASES))
+def test_invalid_prefill_raises(case: str, backend: str) -> None:
+    name, value, error = PREFILL_CASES[case]
+    call = {**valid_prefill(), name: value.to(DEVICE) if isinstance(value, torch.Tensor) else value}
+    with pytest.raises(error, match=name.split("_")[0] if error is not IndexError else None):
+        kernels.paged_prefill_attention(**call, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_window_is_checked(backend: str) -> None:
+    """``window`` is an int >= 1, and an entry inside the window is still checked."""
+    cache = KVCache(fixed_scenario(4), Shape(4, 2, 2, 64, torch.float32))
+    _, tables, lens = cache.batch()
+    query = cache.randn(tables.shape[0], 4, 64)
+    args = (query, cache.k_cache, cache.v_cache, tables, lens)
+    contiguous = (query, cache.k_cache[: tables.shape[0]], cache.v_cache[: tables.shape[0]])
+    for bad, error in ((0, ValueError), (-3, ValueError), (2.0, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="window"):
+            kernels.paged_decode_attention(*args, window=bad, backend=backend)
+        with pytest.raises(error, match="window"):
+            kernels.contiguous_decode_attention(
+                *contiguous, torch.ones_like(lens), window=bad, backend=backend
+            )
+    last = (int(lens[0]) - 1) // 4  # the first sequence's last block
+    broken = tables.clone()
+    broken[0, last] = -1
+    with pytest.raises(IndexError, match=rf"block_tables\[0, {last}\]"):
+        kernels.paged_decode_attention(*args[:3], broken, lens, window=1, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_window_is_checked(backend: str) -> None:
+    """``window`` is an int >= 1, and only the entries a window reaches are validated."""
+    call = valid_prefill()
+    for bad, error in ((0, ValueError), (-1, ValueError), (3.0, TypeError), (False, TypeError)):
+        with pytest.raises(error, match="window"):
+            kernels.paged_prefill_attention(**call, window=bad, backend=backend)
+    # Sequence 0 has 8 tokens and one query, at 7; sequence 1 has 3 tokens, all queries. Window
+    # 4 reads positions 4 .. 7 of sequence 0, entry 1 alone, so entry 0 may hold anything;
+    # window 5 reaches position 3, so entry 0 is read, and checked.
+    call["context_lens"] = ints([8, 3], torch.int64)
+    call["query"] = torch.randn(4, 4, 8).to(DEVICE)
+    call["cu_seqlens_q"] = ints([0, 1, 4], torch.int64)
+    for window, entry_read in ((4, False), (5, True)):
+        args = {**call, "block_tables": ints([[-1, 0], [3, -1]]), "window": window}
+        if entry_read:
+            with pytest.raises(IndexError, match=r"block_tables\[0, 0\]"):
+                kernels.paged_prefill_attention(**args, backend=backend)
+        else:  # and the output is that of a table whose entry 0 is a real block
+            real = {**args, "block_tables": ints([[2, 0], [3, -1]])}
+            expected = kernels.paged_prefill_attention(**real, backend=backend)
+            assert torch.equal(kernels.paged_prefill_attention(**args, backend=backend), expected)

@@ -1,4 +1,4 @@
-"""The attention kernels' launch configurations, split-K sizing, and the compile gate.
+"""The Triton backend's own properties: launches, the compile gate, GPU rounding, copy waves.
 
 The launchers build every launch with a pure config function (``kernels.launch_config``); the
 compile gate (``python -m pagedkv.kernels.compile_check``) compiles those configs for sm_80,
@@ -6,9 +6,23 @@ sm_90 and sm_100 with no GPU. Here: splits cut over the longest real context so 
 of the longest sequence has work; the launchers launch exactly their config; the occupancy
 arithmetic; the gate's budgets catch what they should; and the gate itself, a sample of it in
 the quick suite (about 30 s here) and the whole documented grid under ``pytest -m long``.
+
+A compiled kernel multiplies the cache-dtype operands natively with fp32 sums, scales the fp32
+scores, and rounds the unnormalized softmax weights to the cache dtype before the PV product
+(docs/kernels.md, Tolerances). The interpreter computes the products exactly, so the torch
+reference has a mode that rounds where the GPU does (``gpu_rounding=True``): it stays within
+``TOLERANCES`` of exact attention and of the dense oracle, for decode and prefill; the kernels
+agree with it; it really rounds; and a planted rounding one step coarser (P in fp8) breaks the
+tolerance. ``copy_blocks`` runs hazard-free waves of pairs in parallel: each wave is safe to run
+at once, and one wave of dependent pairs is caught (the interpreter runs programs in order, so
+only this model can catch it).
 """
 
 from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,10 +32,23 @@ from hypothesis import strategies as st
 from pagedkv import kernels
 from pagedkv.impl.serving.model import ModelConfig
 from pagedkv.impl.serving.paged_kv import PagedKVCache
-from pagedkv.kernels import compile_check, trusted
+from pagedkv.kernels import compile_check, reference, trusted
 from pagedkv.kernels.check_arguments import MAX_SPLITS
 from pagedkv.kernels.launch_config import TARGETS, Call, occupancy, programs_per_sm, tiles
+from pagedkv.kernels.triton_copy_blocks import hazard_free_waves
 from pagedkv.spec.checks import INT32_MAX
+from properties.kernel_cases import (
+    BLOCK_SIZES,
+    GQA_RATIOS,
+    KVCache,
+    Shape,
+    assert_close,
+    dense_attention,
+    fixed_scenario,
+    kernel_examples,
+    load_mutant,
+    scenarios,
+)
 
 triton_decode = pytest.importorskip("pagedkv.kernels.triton_decode")
 triton_prefill = pytest.importorskip("pagedkv.kernels.triton_prefill")
@@ -261,3 +288,124 @@ def test_the_compile_gate_meets_the_budgets_over_the_ci_grid() -> None:
     assert {r["dtype"] for r in rows} == set(compile_check.DTYPES)
     assert {r["head_dim"] for r in rows} == set(compile_check.CI_HEAD_DIMS)
     assert compile_check.budget_failures(rows) == []
+
+
+# ----------------------------------------------------------------------- GPU rounding
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@settings(max_examples=kernel_examples(30), deadline=None)
+@given(data=st.data())
+def test_gpu_rounding_stays_within_the_tolerance(dtype: torch.dtype, data: st.DataObject) -> None:
+    """Decode and prefill with the GPU's rounding vs exact attention and the dense oracle."""
+    block_size = data.draw(st.sampled_from(BLOCK_SIZES), label="block_size")
+    group = data.draw(st.sampled_from(GQA_RATIOS), label="group")
+    head_dim = data.draw(st.sampled_from([64, 128]), label="head_dim")
+    scenario = data.draw(scenarios(block_size), label="scenario")
+    cache = KVCache(scenario, Shape(block_size, 1, group, head_dim, dtype), backend="reference")
+    seqs, tables, lens = cache.batch()
+    scale = data.draw(st.sampled_from([head_dim**-0.5, 1.0]), label="scale")
+    query = cache.randn(len(seqs), cache.shape.num_heads, head_dim)
+    args = (query, cache.k_cache, cache.v_cache, tables, lens, scale)
+    rounded = reference.paged_decode_attention(*args, gpu_rounding=True)
+    assert_close(rounded, reference.paged_decode_attention(*args), "GPU rounding vs exact")
+    assert_close(rounded, dense_attention(query, seqs, scale), "GPU rounding vs dense, decode")
+
+    query_lens = [data.draw(st.integers(0, s.length), label="q_len") for s in seqs]
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
+    flat = cache.randn(int(starts[-1]), cache.shape.num_heads, head_dim)
+    args = (flat, cache.k_cache, cache.v_cache, tables, starts, lens, scale)
+    rounded = reference.paged_prefill_attention(*args, gpu_rounding=True)
+    assert_close(rounded, reference.paged_prefill_attention(*args), "GPU rounding, prefill")
+
+
+def rounding_case(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Decode arguments on the fixed run at block size 16, head dim 128."""
+    cache = KVCache(fixed_scenario(16), Shape(16, 2, 4, 128, dtype), backend="reference")
+    _, tables, lens = cache.batch()
+    query = cache.randn(tables.shape[0], 8, 128)
+    return query, cache.k_cache, cache.v_cache, tables, lens, 128**-0.5
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_the_kernels_agree_with_the_gpu_rounding(dtype: torch.dtype) -> None:
+    """The Triton kernels (which round P too, even interpreted) vs the rounding reference, and
+    the rounding is real: it moves outputs away from the exact result."""
+    args = rounding_case(dtype)
+    rounded = reference.paged_decode_attention(*args, gpu_rounding=True)
+    for splits in (1, 3):
+        triton = kernels.paged_decode_attention(*args, num_splits=splits, backend="triton")
+        assert_close(triton, rounded, f"triton ({splits} splits) vs GPU rounding")
+    assert not torch.equal(rounded, reference.paged_decode_attention(*args))
+
+
+def test_a_coarser_rounding_breaks_the_tolerance(tmp_path: Path) -> None:
+    """P rounded to fp8 (e4m3) instead of the cache dtype, planted in the reference, fails the
+    fp16 tolerance: the property can tell a wrong rounding point."""
+    mutant = load_mutant(
+        reference,
+        "masked_attention",
+        "p.to(key.dtype).float()",
+        "p.to(torch.float8_e4m3fn).float()",
+        tmp_path,
+    )
+    args = rounding_case(torch.float16)
+    exact = reference.paged_decode_attention(*args)
+    assert_close(reference.paged_decode_attention(*args, gpu_rounding=True), exact, "real")
+    with pytest.raises(AssertionError):
+        assert_close(mutant.paged_decode_attention(*args, gpu_rounding=True), exact, "fp8 P")
+
+
+# ----------------------------------------------------------------------- copy waves
+
+Waves = Callable[[list[tuple[int, int]]], list[list[tuple[int, int]]]]
+
+
+def check_waves(pairs: list[tuple[int, int]], order: random.Random, waves_of: Waves) -> None:
+    """Within each wave, reading the wave's starting state (all copies at once, as on a GPU)
+    and any one-at-a-time order agree; wave after wave, that is the sequential result."""
+    waves = waves_of(pairs)
+    assert [pair for wave in waves for pair in wave] == pairs
+    sequential = list(range(5))  # block b holds the value b
+    for src, dst in pairs:
+        sequential[dst] = sequential[src]
+    state = list(range(5))
+    for wave in waves:
+        simultaneous = list(state)
+        for src, dst in wave:
+            simultaneous[dst] = state[src]
+        serial = list(state)
+        for src, dst in order.sample(wave, len(wave)):
+            serial[dst] = serial[src]
+        assert simultaneous == serial, f"wave {wave} is not safe to run in parallel"
+        state = simultaneous
+    assert state == sequential
+
+
+@settings(max_examples=kernel_examples(300))
+@given(
+    pairs=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4)), max_size=8),
+    order=st.randoms(use_true_random=False),
+)
+def test_waves_are_safe_to_run_in_parallel(
+    pairs: list[tuple[int, int]], order: random.Random
+) -> None:
+    check_waves(pairs, order, hazard_free_waves)
+
+
+@pytest.mark.parametrize("pairs", [[(0, 1), (1, 2)], [(1, 2), (0, 1)], [(0, 1), (2, 1)]])
+def test_check_catches_one_wave_for_dependent_pairs(pairs: list[tuple[int, int]]) -> None:
+    """Planted bug: launching read-after-write, write-after-read or write-after-write pairs
+    together."""
+
+    def one_wave(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+        return [list(pairs)]
+
+    class Reversed(random.Random):
+        def sample(self, population, k):  # type: ignore[override]
+            return list(reversed(population))[:k]
+
+    with pytest.raises(AssertionError):
+        check_waves(pairs, Reversed(), one_wave)

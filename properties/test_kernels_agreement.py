@@ -1,0 +1,451 @@
+"""Properties: every backend computes what the spec, the torch reference and dense attention do.
+
+Each check runs over every backend it applies to: the Triton kernels (compiled on a GPU,
+interpreted on CPU), the numba kernels (CPU only; fp16 and bf16 attention there runs the
+reference), the torch reference and, for a whole step's prefill and store, ``kernels.sdpa``.
+Caches are filled by spec runs through the backend under test (``properties.kernel_cases``:
+shuffled ids, forks sharing blocks, copy-on-write, frees and reuse, ragged lengths that include
+1 and exact block multiples).
+
+* ``slot_mapping`` is the spec's ``translate_slot``; ``store_kv`` writes exactly its slots;
+  ``copy_blocks`` equals copying the pairs one after another.
+* Decode attention equals dense attention and the reference: every block size meets every
+  dtype and every GQA ratio meets every head dim, by parametrization, with drawn split counts
+  and sliding windows; split-K equals the single pass; the contiguous variant too.
+* Varlen prefill (chunks over cached prefixes, ``0 <= q <= length`` queries per sequence) equals
+  causal dense attention, every block size, with windows; a step of decodes only equals decode.
+* With a window the table entries of blocks wholly before it are poisoned (a NaN block, or
+  ``-1``): validation accepts them and no output changes, bit for bit.
+
+The planted bugs these checks catch are in ``test_kernels_planted_bugs``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from pagedkv import kernels
+from pagedkv.kernels import sdpa
+from pagedkv.spec.block_manager import translate_slot
+from properties.kernel_cases import (
+    BLOCK_SIZES,
+    DEVICE,
+    DTYPES,
+    GQA_RATIOS,
+    HEAD_DIMS,
+    KVCache,
+    Seq,
+    Shape,
+    assert_close,
+    backends,
+    check_attention,
+    check_copy_blocks,
+    check_prefill,
+    check_slot_mapping,
+    check_store_kv,
+    decode_on,
+    dense_attention,
+    draw_cache,
+    draw_query_lens,
+    draw_splits,
+    draw_window,
+    fill_backend,
+    fixed_scenario,
+    kernel_examples,
+    longest_context,
+    padded_tables,
+    poison_outside_window,
+    prefill_on,
+    scenarios,
+    window_start,
+)
+
+ALL = ("triton", "numba", "reference")
+KERNELS = backends("triton", "numba")  # decode kernels, checked against the reference
+EVERY = backends(*ALL)
+PREFILLS = backends("triton", "numba", "sdpa")
+
+
+def dtype_id(value: object) -> str:
+    return str(value).removeprefix("torch.")
+
+
+# ----------------------------------------------------------------------- slots, stores, copies
+
+
+@settings(max_examples=kernel_examples(100))
+@given(
+    block_size=st.sampled_from(BLOCK_SIZES),
+    extra_columns=st.integers(0, 2),
+    index_dtype=st.sampled_from([torch.int32, torch.int64]),
+    data=st.data(),
+)
+def test_slot_mapping_per_token_matches_spec(
+    block_size: int, extra_columns: int, index_dtype: torch.dtype, data: st.DataObject
+) -> None:
+    run = data.draw(scenarios(block_size), label="scenario").play()
+    assume(run.seqs)
+    tables = [seq.table for seq in run.seqs]
+    # One token: a sequence and a position inside its table, or padding (-1).
+    token = st.integers(0, len(tables) - 1).flatmap(
+        lambda b: st.tuples(st.just(b), st.integers(-1, len(tables[b]) * block_size - 1))
+    )
+    tokens = data.draw(st.lists(token, min_size=1, max_size=64), label="tokens")
+    for backend in ALL:
+
+        def mapping(*args: torch.Tensor | int, backend: str = backend) -> torch.Tensor:
+            return kernels.slot_mapping(*args, num_blocks=run.manager.total_blocks, backend=backend)
+
+        check_slot_mapping(tables, tokens, block_size, mapping, extra_columns, index_dtype)
+
+
+@settings(max_examples=kernel_examples(50))
+@given(block_size=st.sampled_from(BLOCK_SIZES), data=st.data())
+def test_slot_mapping_per_sequence_gives_each_newest_slot(
+    block_size: int, data: st.DataObject
+) -> None:
+    """One position per sequence (decode): the slot of each sequence's newest token."""
+    run = data.draw(scenarios(block_size), label="scenario").play()
+    assume(run.seqs)
+    expected = [translate_slot(seq.table, seq.length - 1, block_size) for seq in run.seqs]
+    positions = torch.tensor([seq.length - 1 for seq in run.seqs], device=DEVICE)
+    block_tables = padded_tables([seq.table for seq in run.seqs], 0)
+    for backend in ALL:
+        slots = kernels.slot_mapping(block_tables, positions, block_size, backend=backend)
+        assert slots.tolist() == expected, backend
+
+
+@settings(max_examples=kernel_examples(60))
+@given(
+    num_blocks=st.integers(1, 6),
+    block_size=st.sampled_from(BLOCK_SIZES),
+    num_kv_heads=st.sampled_from([1, 2, 3]),
+    head_dim=st.sampled_from((*HEAD_DIMS, 8)),
+    dtype=st.sampled_from(DTYPES),
+    strided=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+    data=st.data(),
+)
+def test_store_kv_writes_exactly_the_given_slots(
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    strided: bool,
+    seed: int,
+    data: st.DataObject,
+) -> None:
+    """Every backend, and ``sdpa.store`` on the tokens it is given (it takes no ``-1``)."""
+    num_slots = num_blocks * block_size
+    written = data.draw(
+        st.lists(st.integers(0, num_slots - 1), unique=True, max_size=min(num_slots, 48)),
+        label="written",
+    )
+    skipped = data.draw(st.integers(0, 3), label="skipped")
+    slots = data.draw(st.permutations(written + [-1] * skipped), label="slots")
+    generator = torch.Generator().manual_seed(seed)
+    size = (num_blocks, block_size, num_kv_heads, head_dim)
+    cache = torch.randn(2, *size, generator=generator).to(dtype).to(DEVICE)
+    # Strided token rows, as when K and V are slices of one fused projection.
+    rows = torch.randn(len(slots), num_kv_heads, 2 * head_dim, generator=generator)
+    rows = rows.to(dtype).to(DEVICE)
+    key = rows[..., ::2] if strided else rows[..., :head_dim].contiguous()
+    value = rows[..., 1::2] if strided else rows[..., head_dim:]
+    for backend in ALL:
+        check_store_kv(
+            cache, key, value, slots, lambda *a, b=backend: kernels.store_kv(*a, backend=b)
+        )
+    live = [t for t, slot in enumerate(slots) if slot >= 0]
+    check_store_kv(cache, key[live], value[live], [slots[t] for t in live], sdpa.store)
+
+
+@settings(max_examples=kernel_examples(40))
+@given(
+    num_blocks=st.integers(1, 6),
+    block_size=st.sampled_from(BLOCK_SIZES),
+    num_kv_heads=st.sampled_from([1, 2]),
+    head_dim=st.sampled_from([8, 80]),
+    dtype=st.sampled_from(DTYPES),
+    as_tensor=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+    data=st.data(),
+)
+def test_copy_blocks_matches_sequential_copies(
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    as_tensor: bool,
+    seed: int,
+    data: st.DataObject,
+) -> None:
+    """Up to 8 pairs, chains (a block copied into is copied from later), swaps and self-copies
+    included."""
+    block = st.integers(0, num_blocks - 1)
+    pairs = data.draw(st.lists(st.tuples(block, block), max_size=8), label="pairs")
+    generator = torch.Generator().manual_seed(seed)
+    size = (num_blocks, block_size, num_kv_heads, head_dim)
+    cache = torch.randn(2, *size, generator=generator).to(dtype).to(DEVICE)
+    arg = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2) if as_tensor else pairs
+    for backend in ALL:
+        check_copy_blocks(
+            cache, arg, lambda k, v, p, b=backend: kernels.copy_blocks(k, v, p, backend=b)
+        )
+
+
+# ----------------------------------------------------------------------- decode
+
+
+@pytest.mark.parametrize(
+    ("block_size", "dtype"), list(itertools.product(BLOCK_SIZES, DTYPES)), ids=dtype_id
+)
+@pytest.mark.parametrize("backend", KERNELS)
+@settings(max_examples=kernel_examples(8))
+@given(data=st.data())
+def test_decode_matches_dense_for_every_block_size(
+    backend: str, block_size: int, dtype: torch.dtype, data: st.DataObject
+) -> None:
+    group = data.draw(st.sampled_from(GQA_RATIOS), label="group")
+    head_dim = data.draw(st.sampled_from(HEAD_DIMS), label="head_dim")
+    cache = draw_cache(data, backend, block_size, group, head_dim, dtype)
+    check_attention(
+        cache,
+        decode_on(backend, draw_splits(data)),
+        extra_columns=data.draw(st.integers(0, 2), label="extra_columns"),
+        padding_row=data.draw(st.booleans(), label="padding_row"),
+        window=draw_window(data, cache),
+    )
+
+
+@pytest.mark.parametrize(("group", "head_dim"), list(itertools.product(GQA_RATIOS, HEAD_DIMS)))
+@pytest.mark.parametrize("backend", KERNELS)
+@settings(max_examples=kernel_examples(8))
+@given(data=st.data())
+def test_decode_matches_dense_for_every_gqa_ratio_and_head_dim(
+    backend: str, group: int, head_dim: int, data: st.DataObject
+) -> None:
+    block_size = data.draw(st.sampled_from(BLOCK_SIZES), label="block_size")
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    cache = draw_cache(data, backend, block_size, group, head_dim, dtype)
+    check_attention(cache, decode_on(backend, draw_splits(data)), window=draw_window(data, cache))
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@settings(max_examples=kernel_examples(25))
+@given(data=st.data())
+def test_split_k_matches_single_pass(backend: str, data: st.DataObject) -> None:
+    block_size = data.draw(st.sampled_from(BLOCK_SIZES), label="block_size")
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    group = data.draw(st.sampled_from(GQA_RATIOS), label="group")
+    cache = draw_cache(data, backend, block_size, group, 64, dtype)
+    num_splits = data.draw(st.integers(2, 9), label="num_splits")
+    _, tables, lens = cache.batch(extra_columns=data.draw(st.integers(0, 2)), padding_row=True)
+    query = cache.randn(tables.shape[0], cache.shape.num_heads, cache.shape.head_dim)
+    args = (query, cache.k_cache, cache.v_cache, tables, lens)
+    single = decode_on(backend, num_splits=1)(*args)
+    split = decode_on(backend, num_splits=num_splits)(*args)
+    assert not split.isnan().any()
+    assert_close(split, single, f"{num_splits} splits vs single pass")
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0])
+@pytest.mark.parametrize("backend", KERNELS)
+def test_explicit_scale_is_used(backend: str, scale: float) -> None:
+    cache = KVCache(fixed_scenario(4), Shape(4, 2, 2, 64, torch.float32), backend=backend)
+    check_attention(cache, decode_on(backend, num_splits=2), scale=scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("backend", KERNELS)
+def test_fixed_run_matches_dense(backend: str, block_size: int, dtype: torch.dtype) -> None:
+    """The fixed run the planted-bug tests use passes with the real kernel."""
+    shape = Shape(block_size, 2, 4, 80, dtype)
+    cache = KVCache(fixed_scenario(block_size), shape, backend=backend)
+    check_attention(cache, decode_on(backend), extra_columns=1, padding_row=True)
+
+
+@pytest.mark.parametrize("backend", EVERY)
+@settings(max_examples=kernel_examples(8))
+@given(
+    batch=st.integers(1, 3),
+    max_len=st.integers(1, 80),
+    group=st.sampled_from(GQA_RATIOS),
+    head_dim=st.sampled_from([64, 80]),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**31 - 1),
+    data=st.data(),
+)
+def test_contiguous_decode_matches_dense(
+    backend: str,
+    batch: int,
+    max_len: int,
+    group: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int,
+    data: st.DataObject,
+) -> None:
+    """The contiguous-cache baseline (the same kernel without the table) is right too."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=generator).to(dtype).to(DEVICE)
+
+    key, value = randn(batch, max_len, 2, head_dim), randn(batch, max_len, 2, head_dim)
+    query = randn(batch, 2 * group, head_dim)
+    lens = data.draw(st.lists(st.integers(0, max_len), min_size=batch, max_size=batch))
+    seqs = [Seq([], n, [(key[b, :n], value[b, :n])]) for b, n in enumerate(lens)]
+    window = data.draw(st.none() | st.integers(1, max_len + 2), label="window")
+    actual = kernels.contiguous_decode_attention(
+        query, key, value, torch.tensor(lens, dtype=torch.int32, device=DEVICE), window=window,
+        num_splits=data.draw(st.none() | st.integers(1, 3), label="num_splits"), backend=backend,
+    )  # fmt: skip
+    expected = dense_attention(query, seqs, head_dim**-0.5, window)
+    assert_close(actual, expected, f"contiguous {backend} vs dense")
+
+
+def windowed_decode(
+    cache: KVCache, window: int, backend: str, num_splits: int | None, poison: str | None = None
+) -> torch.Tensor:
+    """Decode attention of a fixed seeded query over the cache's batch (with a padding row),
+    optionally with the entries of blocks wholly before each window poisoned."""
+    seqs, tables, lens = cache.batch(extra_columns=1, padding_row=True)
+    query = torch.randn(
+        len(seqs), cache.shape.num_heads, cache.shape.head_dim,
+        generator=torch.Generator().manual_seed(7),
+    ).to(cache.shape.dtype).to(DEVICE)  # fmt: skip
+    k_cache, v_cache = cache.k_cache, cache.v_cache
+    if poison is not None:
+        starts = [window_start(int(n), 1, window) for n in lens]
+        k_cache, v_cache, tables = poison_outside_window(cache, tables, starts, poison)
+    return decode_on(backend, num_splits)(query, k_cache, v_cache, tables, lens, window=window)
+
+
+@pytest.mark.parametrize("poison", ["nan", "invalid"])
+@pytest.mark.parametrize("backend", EVERY)
+@settings(max_examples=kernel_examples(8))
+@given(data=st.data())
+def test_blocks_outside_the_window_are_never_read(
+    backend: str, poison: str, data: st.DataObject
+) -> None:
+    """Entries of blocks wholly before the window name a NaN block, or ``-1``: validation
+    accepts them and the outputs are unchanged, bit for bit."""
+    block_size = data.draw(st.sampled_from([1, 2, 4, 16]), label="block_size")
+    cache = draw_cache(data, backend, block_size, 2, 64, torch.float32)
+    window = data.draw(st.integers(1, longest_context(cache)), label="window")
+    num_splits = data.draw(st.none() | st.integers(1, 3), label="num_splits")
+    clean = windowed_decode(cache, window, backend, num_splits)
+    poisoned = windowed_decode(cache, window, backend, num_splits, poison)
+    assert bool(torch.isfinite(clean).all())
+    assert torch.equal(poisoned, clean)
+
+
+@pytest.mark.parametrize("backend", EVERY)
+def test_poisoning_reaches_blocks_a_window_excludes(backend: str) -> None:
+    """The poison test is not vacuous: on the fixed run, with a window of one block, entries are
+    poisoned, and without the window the same poisoned call returns NaN."""
+    cache = KVCache(fixed_scenario(4), Shape(4, 2, 2, 64, torch.float32), fill_backend(backend))
+    _, tables, lens = cache.batch()
+    starts = [window_start(int(n), 1, 4) for n in lens]
+    k_cache, v_cache, poisoned = poison_outside_window(cache, tables, starts, "nan")
+    assert int((poisoned != tables).sum()) >= 3
+    query = cache.randn(tables.shape[0], 4, 64)
+    out = kernels.paged_decode_attention(query, k_cache, v_cache, poisoned, lens, backend=backend)
+    assert bool(out.isnan().any())
+
+
+@pytest.mark.parametrize("backend", EVERY)
+def test_a_nan_key_reaches_the_output_at_every_split_count(backend: str) -> None:
+    """A NaN in a K row that a sequence reads makes that sequence's outputs NaN, whatever the
+    split count: a split whose scores are NaN must not pass for an empty one in the merge (the
+    reference, one softmax over every key, is the oracle of which outputs are NaN)."""
+    cache = KVCache(fixed_scenario(4), Shape(4, 2, 2, 64, torch.float32))
+    _, tables, lens = cache.batch()
+    # The shortest sequence: its keys lie in the first split, the others are empty.
+    b = min(range(len(lens)), key=lambda i: int(lens[i]) if int(lens[i]) >= 2 else 10**9)
+    k_cache = cache.k_cache.clone()
+    k_cache[int(tables[b, 0]), 1] = torch.nan  # its position 1, every KV head
+    query = cache.randn(tables.shape[0], 4, 64)
+    args = (query, k_cache, cache.v_cache, tables, lens)
+    expected = kernels.paged_decode_attention(*args, backend="reference").isnan()
+    assert bool(expected[b].all()) and not bool(expected.all())
+    for num_splits in (1, 2, 3, 4):
+        out = kernels.paged_decode_attention(*args, num_splits=num_splits, backend=backend)
+        assert torch.equal(out.isnan(), expected), num_splits
+
+
+# ----------------------------------------------------------------------- prefill
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("backend", PREFILLS)
+@settings(max_examples=kernel_examples(12), deadline=None)
+@given(data=st.data())
+def test_prefill_matches_spec_for_every_block_size(
+    backend: str, block_size: int, data: st.DataObject
+) -> None:
+    """Chunks over cached prefixes (0 to the whole sequence) with or without a window; with
+    one, the entries of blocks wholly before it are poisoned and change nothing."""
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    group = data.draw(st.sampled_from(GQA_RATIOS), label="group")
+    head_dim = data.draw(st.sampled_from(HEAD_DIMS), label="head_dim")
+    cache = draw_cache(data, backend, block_size, group, head_dim, dtype)
+    padding_row = data.draw(st.booleans(), label="padding_row")
+    seqs, _, _ = cache.batch(padding_row=padding_row)
+    query_lens = draw_query_lens(data, seqs, block_size, at_least_one=backend == "sdpa")
+    extra_columns = data.draw(st.integers(0, 2), label="extra_columns")
+    window = draw_window(data, cache)
+    poison = None if window is None else data.draw(st.sampled_from(["nan", "invalid"]))
+    check_prefill(
+        cache, query_lens, prefill_on(backend), extra_columns, padding_row, window=window,
+        poison=poison,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("block_size", "window"), list(itertools.product([1, 4, 16], [None, 1, 6, 1000]))
+)
+@pytest.mark.parametrize("backend", EVERY)
+def test_a_step_of_decodes_equals_decode_attention(
+    backend: str, block_size: int, window: int | None
+) -> None:
+    """Query length 1 everywhere: the prefill function is the decode function."""
+    shape = Shape(block_size, 2, 4, 64, torch.float32)
+    cache = KVCache(fixed_scenario(block_size), shape, fill_backend(backend))
+    seqs, tables, lens = cache.batch(extra_columns=1, padding_row=True)
+    query = cache.randn(len(seqs), cache.shape.num_heads, cache.shape.head_dim)
+    offsets = torch.arange(len(seqs) + 1, device=DEVICE)
+    offsets[-1] -= 1  # the padding row (length 0) has no query
+    args = (cache.k_cache, cache.v_cache, tables)
+    prefill = kernels.paged_prefill_attention(
+        query[:-1], *args, offsets, lens, window=window, backend=backend
+    )
+    decode = kernels.paged_decode_attention(query, *args, lens, window=window, backend=backend)
+    assert_close(prefill, decode[:-1], f"{backend} prefill vs decode")
+
+
+@pytest.mark.parametrize("backend", EVERY)
+def test_empty_batches_give_empty_outputs(backend: str) -> None:
+    cache = KVCache(fixed_scenario(4), Shape(4, 2, 2, 64, torch.float32), fill_backend(backend))
+    query = cache.randn(0, 4, 64)
+    for batch in (0, 2):  # no sequences; sequences with no queries
+        out = kernels.paged_prefill_attention(
+            query, cache.k_cache, cache.v_cache,
+            torch.zeros(batch, 3, dtype=torch.int32, device=DEVICE),
+            torch.zeros(batch + 1, dtype=torch.int32, device=DEVICE),
+            torch.zeros(batch, dtype=torch.int32, device=DEVICE), backend=backend,
+        )  # fmt: skip
+        assert out.shape == (0, 4, 64)
+    empty = kernels.paged_decode_attention(
+        query, cache.k_cache, cache.v_cache, torch.zeros(0, 3, dtype=torch.int32, device=DEVICE),
+        torch.zeros(0, dtype=torch.int32, device=DEVICE), backend=backend,
+    )  # fmt: skip
+    assert empty.shape == (0, 4, 64)

@@ -1,0 +1,405 @@
+"""Planted bugs: the agreement checks are not vacuous; each catches one-line changes to a kernel.
+
+A planted bug is keyed by ``(module, function, code)`` and loaded as a mutant module
+(``kernel_cases.load_mutant``). Each kernel entry point has one check, run on fixed spec runs:
+
+* decode: the fixed run at block size 16 (GQA 4, tables with one extra column holding a real
+  block, so an off-by-one read stays inside the caches), and at block size 4 without and with
+  a window of 5, the entries before each window poisoned with a NaN block; three splits;
+* prefill: chunks over cached prefixes at block size 16, then a window of 4 at block size 4,
+  poisoned likewise;
+* slot mapping, ``store_kv`` and ``copy_blocks``: every token of the fixed run, a store that
+  skips a token and writes slot 0, and two pairs.
+
+The real modules pass every check; each mutant fails its entry point's. A mutant is a module of
+its own, written to ``MUTANT_DIR``, kept between runs, so that numba's cache of a mutant's
+compiled kernels (about 10 s each to compile) stays valid.
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from pagedkv.kernels import (
+    numba_attention,
+    numba_cache,
+    reference,
+    sdpa,
+    triton_copy_blocks,
+    triton_decode,
+    triton_prefill,
+    triton_slot_mapping,
+    triton_store_kv,
+)
+from properties.kernel_cases import (
+    DEVICE,
+    ON_CPU,
+    KVCache,
+    Shape,
+    check_attention,
+    check_copy_blocks,
+    check_prefill,
+    check_slot_mapping,
+    check_store_kv,
+    fixed_scenario,
+    load_mutant,
+    poison_outside_window,
+    sdpa_prefill,
+    window_start,
+)
+
+MUTANT_DIR = Path(tempfile.gettempdir()) / "pagedkv-kernel-mutants"
+MUTANT_QUERY_LENS = [17, 1, 19]  # fixed_scenario(16)'s live sequences hold 50, 51 and 19 tokens
+# fixed_scenario(4)'s live sequences hold 14, 10 and 7 tokens: with window 4, the first two
+# have blocks wholly before their windows (chunks over cached prefixes), the third none.
+WINDOW_QUERY_LENS = [3, 1, 7]
+
+
+@functools.cache
+def fixed_cache(block_size: int, group: int, head_dim: int) -> KVCache:
+    """The fixed run at ``block_size`` in fp32, two KV heads (the checks only read it)."""
+    shape = Shape(block_size, 2, group, head_dim, torch.float32)
+    return KVCache(fixed_scenario(block_size), shape, backend="reference")
+
+
+def check_decode(decode: Callable[..., torch.Tensor]) -> None:
+    """``decode(query, k_cache, v_cache, tables, lens, scale, window=None)`` agrees with dense
+    attention and the reference on both fixed runs, and reads nothing before a window."""
+    check_attention(fixed_cache(16, 4, 80), decode, extra_columns=1, pad=0)
+    cache = fixed_cache(4, 4, 64)
+    check_attention(cache, decode, extra_columns=1, pad=0)
+    check_attention(cache, decode, extra_columns=1, pad=0, window=5)
+    _, tables, lens = cache.batch(extra_columns=1, pad=0)
+    starts = [window_start(int(n), 1, 5) for n in lens]
+    k_cache, v_cache, poisoned = poison_outside_window(cache, tables, starts, "nan")
+    query = cache.randn(tables.shape[0], 8, 64)
+    clean = decode(query, cache.k_cache, cache.v_cache, tables, lens, 0.125, window=5)
+    dirty = decode(query, k_cache, v_cache, poisoned, lens, 0.125, window=5)
+    assert torch.equal(dirty, clean), "poisoned blocks were read"
+
+
+def check_prefill_runs(prefill: Callable[..., torch.Tensor]) -> None:
+    """``prefill`` agrees with the spec and the reference on chunks over cached prefixes, and
+    with a window, poisoned before it."""
+    check_prefill(fixed_cache(16, 4, 80), MUTANT_QUERY_LENS, prefill, extra_columns=1, pad=0)
+    check_prefill(fixed_cache(4, 2, 64), WINDOW_QUERY_LENS, prefill, window=4, poison="nan")
+
+
+def check_slots(slot_mapping: Callable[..., torch.Tensor]) -> None:
+    """Every position of every live sequence of the fixed run at block size 4."""
+    tables = [seq.table for seq in fixed_scenario(4).play().seqs]
+    tokens = [(b, p) for b, table in enumerate(tables) for p in range(len(table) * 4)]
+    check_slot_mapping(tables, tokens, 4, slot_mapping)
+
+
+def check_store(store_kv: Callable[..., None]) -> None:
+    """Four tokens into zeroed caches: one skipped (``-1``), one at slot 0."""
+    key = torch.randn(4, 2, 80, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    check_store_kv(torch.zeros(2, 3, 4, 2, 80, device=DEVICE), key, -key, [5, 0, -1, 11], store_kv)
+
+
+def check_copy(copy_blocks: Callable[..., None]) -> None:
+    cache = torch.randn(2, 4, 16, 2, 80, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    check_copy_blocks(cache, [(0, 1), (2, 3)], copy_blocks)
+
+
+def written_only(store: Callable[..., None]) -> Callable[..., None]:
+    """``sdpa.store`` (which takes no ``-1``) given only the tokens that are written."""
+
+    def store_kv(key, value, k_cache, v_cache, slots) -> None:
+        live = slots >= 0
+        store(key[live], value[live], k_cache, v_cache, slots[live])
+
+    return store_kv
+
+
+# Each entry point: its module, its check, and how to reach it in the module or a mutant of it.
+Reach = Callable[[ModuleType], Callable[..., object]]
+ENTRIES: dict[str, tuple[ModuleType, Callable[[Callable[..., object]], None], Reach]] = {
+    "triton decode": (
+        triton_decode,
+        check_decode,
+        lambda m: lambda q, k, v, t, n, s, window=None: m.launch(q, k, v, t, n, s, 3, window),
+    ),
+    "numba decode": (
+        numba_attention,
+        check_decode,
+        lambda m: lambda q, k, v, t, n, s, window=None: m.decode(q, k, v, t, n, s, 3, window),
+    ),
+    "triton prefill": (triton_prefill, check_prefill_runs, lambda m: m.launch),
+    "numba prefill": (numba_attention, check_prefill_runs, lambda m: m.prefill),
+    "reference prefill": (reference, check_prefill_runs, lambda m: m.paged_prefill_attention),
+    "sdpa prefill": (sdpa, check_prefill_runs, sdpa_prefill),
+    "triton slot mapping": (
+        triton_slot_mapping,
+        check_slots,
+        lambda m: lambda t, p, bs, s: m.launch(t, p.long(), s.long(), bs),
+    ),
+    "numba slot mapping": (
+        numba_cache,
+        check_slots,
+        lambda m: lambda t, p, bs, s: m.slot_mapping(t, p, s, bs),
+    ),
+    "triton store_kv": (triton_store_kv, check_store, lambda m: m.launch),
+    "numba store_kv": (numba_cache, check_store, lambda m: m.store_kv),
+    "sdpa store": (sdpa, check_store, lambda m: written_only(m.store)),
+    "triton copy_blocks": (triton_copy_blocks, check_copy, lambda m: m.launch),
+    "numba copy_blocks": (numba_cache, check_copy, lambda m: m.copy_blocks),
+}
+
+# (entry point, bug): (function, code, planted code)
+PLANTED: dict[tuple[str, str], tuple[str, str, str]] = {
+    ("triton decode", "table read off by one"): (
+        "_decode_kernel",
+        "block_tables_ptr + seq * table_stride + n // BLOCK_SIZE",
+        "block_tables_ptr + seq * table_stride + n // BLOCK_SIZE + 1",
+    ),
+    ("triton decode", "wrong row inside a block"): (
+        "_decode_kernel",
+        "rows = block_id * BLOCK_SIZE + n % BLOCK_SIZE",
+        "rows = block_id * BLOCK_SIZE + (n + 1) % BLOCK_SIZE",
+    ),
+    ("triton decode", "query heads interleaved over KV heads"): (
+        "_decode_kernel",
+        "heads = kv_head * group + g",
+        "heads = kv_head + g * NUM_KV_HEADS",
+    ),
+    ("triton decode", "split-K merge ignores each split's denominator"): (
+        "_decode_kernel",
+        'lse = tl.where(has_tokens, m + tl.log(safe_denom), float("-inf"))',
+        'lse = tl.where(has_tokens, m, float("-inf"))',
+    ),
+    ("triton decode", "window ignored"): (
+        "_decode_kernel",
+        "first_key = tl.maximum(context_len - window, 0)",
+        "first_key = context_len * 0",
+    ),
+    ("triton decode", "window one token too wide"): (
+        "_decode_kernel",
+        "first_key = tl.maximum(context_len - window, 0)",
+        "first_key = tl.maximum(context_len - window - 1, 0)",
+    ),
+    ("triton decode", "splits cut the capacity, not the window"): (
+        "_decode_kernel",
+        "start = tl.minimum(first_key + split * tokens_per_split, context_len)",
+        "start = tl.minimum(split * tokens_per_split, context_len)",
+    ),
+    ("numba decode", "table read off by one"): (
+        "_rows_of",
+        "base = np.int64(tables[b, column]) * block_size",
+        "base = np.int64(tables[b, column + 1]) * block_size",
+    ),
+    ("numba decode", "wrong row inside a block"): (
+        "_rows_of",
+        "rows[n - start + t] = base + row + t",
+        "rows[n - start + t] = base + (row + t + 1) % block_size",
+    ),
+    ("numba decode", "query heads interleaved over KV heads"): (
+        "_decode_program",
+        "q[g, d] = query[b, h0 + g, d] * scale",
+        "q[g, d] = query[b, kv_head + g * num_kv_heads, d] * scale",
+    ),
+    ("numba decode", "split-K merge ignores each split's denominator"): (
+        "_attend",
+        "lse[r] = m + np.log(total) if total != 0 else -np.inf",
+        "lse[r] = m if total != 0 else -np.inf",
+    ),
+    ("numba decode", "keys walked from 0 and masked"): (
+        "_decode_program",
+        "first = max(length - window, 0)",
+        "first = 0",
+    ),
+    ("numba decode", "splits cut the capacity, not the window"): (
+        "_decode_program",
+        "start = min(first + split * split_len, length)",
+        "start = min(split * split_len, length)",
+    ),
+    ("triton prefill", "table read off by one"): (
+        "_prefill_kernel",
+        "block_tables_ptr + seq * table_stride + n // BLOCK_SIZE",
+        "block_tables_ptr + seq * table_stride + n // BLOCK_SIZE + 1",
+    ),
+    ("triton prefill", "wrong row inside a block"): (
+        "_prefill_kernel",
+        "rows = block_id * BLOCK_SIZE + n % BLOCK_SIZE",
+        "rows = block_id * BLOCK_SIZE + (n + 1) % BLOCK_SIZE",
+    ),
+    ("triton prefill", "query heads interleaved over KV heads"): (
+        "_prefill_kernel",
+        "heads = kv_head * group + g",
+        "heads = kv_head + g * NUM_KV_HEADS",
+    ),
+    ("triton prefill", "causal mask lets a query see the next token"): (
+        "_prefill_kernel",
+        "causal = n[None, :] <= positions[:, None]",
+        "causal = n[None, :] <= positions[:, None] + 1",
+    ),
+    ("triton prefill", "chunk positions ignore the cached prefix"): (
+        "_prefill_kernel",
+        "positions = context_len - q_len + i",
+        "positions = i",
+    ),
+    ("triton prefill", "window one token too wide"): (
+        "_prefill_kernel",
+        "in_window = n[None, :] > positions[:, None] - window",
+        "in_window = n[None, :] >= positions[:, None] - window",
+    ),
+    ("triton prefill", "keys walked from 0 and masked"): (
+        "_prefill_kernel",
+        "range(first_key, end, BLOCK_N)",
+        "range(0, end, BLOCK_N)",
+    ),
+    ("triton prefill", "window starts at the tile's last query"): (
+        "_prefill_kernel",
+        "first_key = tl.maximum(tile_position - window + 1, 0)",
+        "first_key = tl.maximum(tile_position + BLOCK_Q - window, 0)",
+    ),
+    ("numba prefill", "window one token too wide"): (
+        "_attend",
+        "lo = max(positions[r] - window + 1, start) - start",
+        "lo = max(positions[r] - window, start) - start",
+    ),
+    ("numba prefill", "causal mask lets a query see the next token"): (
+        "_attend",
+        "hi = min(positions[r] + 1, end) - start",
+        "hi = min(positions[r] + 2, end) - start",
+    ),
+    ("numba prefill", "chunk positions ignore the cached prefix"): (
+        "_prefill_program",
+        "first = lens[b] - (cu_seqlens[b + 1] - cu_seqlens[b])",
+        "first = lens[b] * 0",
+    ),
+    ("numba prefill", "keys walked from 0 and masked"): (
+        "_prefill_program",
+        "start = max(first + lo - window + 1, 0)",
+        "start = 0",
+    ),
+    ("reference prefill", "table read off by one"): (
+        "gather_kv",
+        "tokens // block_size",
+        "tokens // block_size + 1",
+    ),
+    ("reference prefill", "wrong row inside a block"): (
+        "gather_kv",
+        "entries * block_size + tokens % block_size",
+        "entries * block_size + (tokens + 1) % block_size",
+    ),
+    ("reference prefill", "query heads interleaved over KV heads"): (
+        "masked_attention",
+        "q = query.float().view(batch, num_queries, num_kv_heads, group, head_dim)",
+        "q = query.float().view(batch, num_queries, group, num_kv_heads, head_dim).transpose(2, 3)",
+    ),
+    ("reference prefill", "causal mask lets a query see the next token"): (
+        "masked_attention",
+        "hidden = key_positions[:, None, :] > p",
+        "hidden = key_positions[:, None, :] > p + 1",
+    ),
+    ("reference prefill", "chunk positions ignore the cached prefix"): (
+        "paged_prefill_attention",
+        "first = lens - query_lens  # position of each sequence's first query token",
+        "first = lens * 0",
+    ),
+    ("reference prefill", "window one token too wide"): (
+        "masked_attention",
+        "hidden |= key_positions[:, None, :] <= p - window",
+        "hidden |= key_positions[:, None, :] < p - window",
+    ),
+    ("reference prefill", "keys gathered from 0 and masked"): (
+        "paged_prefill_attention",
+        "starts = window_starts(lens, query_lens, window)",
+        "starts = torch.zeros_like(lens)",
+    ),
+    ("sdpa prefill", "causal mask lets a query see the next token"): (
+        "plan",
+        "visible = tokens[:, None, :] <= positions",
+        "visible = tokens[:, None, :] <= positions + 1",
+    ),
+    ("sdpa prefill", "window one key too wide"): (
+        "plan",
+        "visible &= tokens[:, None, :] > positions - window",
+        "visible &= tokens[:, None, :] >= positions - window",
+    ),
+    ("sdpa prefill", "padding columns read unwritten slots"): (
+        "plan",
+        "read = torch.where(inside, tokens, torch.where(has_keys, key_starts[:, None], 0))",
+        "read = tokens.clamp(max=block_tables.shape[1] * block_size - 1)",
+    ),
+    ("sdpa prefill", "wrong row inside a block"): (
+        "plan",
+        "entries * block_size + read % block_size",
+        "entries * block_size + (read + 1) % block_size",
+    ),
+    ("sdpa prefill", "chunk positions ignore the cached prefix"): (
+        "plan",
+        "first = lens - num_queries",
+        "first = lens * 0",
+    ),
+    ("sdpa prefill", "query heads interleaved over KV heads"): (
+        "attention",
+        "q = padded.view(batch, q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)",
+        "q = padded.view(batch, q_len, group, num_kv_heads, head_dim).permute(0, 3, 2, 1, 4)",
+    ),
+    ("triton slot mapping", "slot mapping ignores the table"): (
+        "_slot_mapping_kernel",
+        "slot = tl.where(live, block_id * BLOCK_SIZE + pos % BLOCK_SIZE, -1)",
+        "slot = tl.where(live, pos + 0 * block_id, -1)",
+    ),
+    ("numba slot mapping", "slot mapping ignores the table"): (
+        "_slot_mapping",
+        "out[t] = block_id * block_size + pos % block_size",
+        "out[t] = pos + 0 * block_id",
+    ),
+    ("triton store_kv", "store skips slot 0"): (
+        "_store_kv_kernel",
+        "(row_mask & (slots >= 0))",
+        "(row_mask & (slots >= 1))",
+    ),
+    ("numba store_kv", "store skips slot 0"): ("_store_rows", "edit:0->1:if slot >= 0:", ""),
+    ("sdpa store", "store writes the keys into the value cache"): (
+        "store",
+        "((k_cache, key), (v_cache, value))",
+        "((k_cache, key), (v_cache, key))",
+    ),
+    ("triton copy_blocks", "copy reads dst where it should read src"): (
+        "_copy_blocks_kernel",
+        "tl.load(pairs_ptr + 2 * pair)",
+        "tl.load(pairs_ptr + 2 * pair + 1)",
+    ),
+    ("numba copy_blocks", "copy reads dst where it should read src"): (
+        "_copy_blocks",
+        "src, dst = pairs[i, 0], pairs[i, 1]",
+        "src, dst = pairs[i, 1], pairs[i, 1]",
+    ),
+}
+
+
+def on_device(entry: str) -> list[object]:
+    """The pytest marks of ``entry``: numba runs on CPU only."""
+    return [ON_CPU] if entry.startswith("numba") else []
+
+
+@pytest.mark.parametrize(
+    "entry", [pytest.param(entry, marks=on_device(entry)) for entry in ENTRIES]
+)
+def test_the_real_code_passes_its_check(entry: str) -> None:
+    module, check, reach = ENTRIES[entry]
+    check(reach(module))
+
+
+@pytest.mark.parametrize(
+    ("entry", "bug"),
+    [pytest.param(*key, marks=on_device(key[0]), id=": ".join(key)) for key in PLANTED],
+)
+def test_the_check_catches_the_planted_bug(entry: str, bug: str) -> None:
+    MUTANT_DIR.mkdir(exist_ok=True)
+    module, check, reach = ENTRIES[entry]
+    mutant = load_mutant(module, *PLANTED[entry, bug], MUTANT_DIR)
+    with pytest.raises(AssertionError):
+        check(reach(mutant))
