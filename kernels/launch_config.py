@@ -19,6 +19,7 @@ import torch
 
 SCALAR_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 INDEX_TYPES = {torch.int32: "i32", torch.int64: "i64"}
+ELEMENTS_PER_PROGRAM = 4096  # what one program of the store and copy kernels moves, at most
 MIN_DOT = 16  # the rows, columns and inner size a tile pads a tl.dot operand to, at least
 
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedkv.kernels.launch_config import ELEMENTS_PER_PROGRAM
 from pagedkv.kernels.triton_import import tl, triton
-
-ELEMENTS_PER_PROGRAM = 4096
 
 
 @triton.jit
