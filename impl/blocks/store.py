@@ -40,7 +40,7 @@ from pagedkv.impl.blocks.prefix_cache import (
 from pagedkv.impl.blocks.prefix_store import PrefixStore
 from pagedkv.impl.blocks.rows import CapacityError, SeqBatch, SeqIds, SeqRows, check_counts
 from pagedkv.impl.blocks.window import SlidingWindow
-from pagedkv.spec.checks import INT32_MAX, check_int, check_tokens, int32_window
+from pagedkv.spec.checks import INT32_MAX, check_int, check_tokens, check_window, int32_window
 
 __all__ = ["BlockTableStore", "SeqBatch"]
 
@@ -296,7 +296,7 @@ class BlockTableStore:
         step = (
             None if token_counts is None else check_counts("token_counts", token_counts, rows.size)
         )
-        width = int32_window(window)  # None: wider than any count the store holds
+        width = int32_window(check_window(window))  # None: wider than the store's counts
         lengths = self._rows.num_blocks.take(rows)
         if step is None:
             counts = self._rows.token_counts.take(rows).astype(np.int64)
