@@ -154,23 +154,31 @@ ENTRIES: dict[str, tuple[ModuleType, Callable[[Callable[..., object]], None], Re
     "numba copy_blocks": (numba_cache, check_copy, lambda m: m.copy_blocks),
 }
 
-# (entry point, bug): (function, code, planted code)
-PLANTED: dict[tuple[str, str], tuple[str, str, str]] = {
-    ("triton decode", "table read off by one"): (
-        "_decode_kernel",
+# The same lines in both Triton attention kernels: (code, planted code).
+TRITON_ATTENTION_BUGS = {
+    "table read off by one": (
         "block_tables_ptr + seq * table_stride + n // BLOCK_SIZE",
         "block_tables_ptr + seq * table_stride + n // BLOCK_SIZE + 1",
     ),
-    ("triton decode", "wrong row inside a block"): (
-        "_decode_kernel",
+    "wrong row inside a block": (
         "rows = block_id * BLOCK_SIZE + n % BLOCK_SIZE",
         "rows = block_id * BLOCK_SIZE + (n + 1) % BLOCK_SIZE",
     ),
-    ("triton decode", "query heads interleaved over KV heads"): (
-        "_decode_kernel",
+    "query heads interleaved over KV heads": (
         "heads = kv_head * group + g",
         "heads = kv_head + g * NUM_KV_HEADS",
     ),
+}
+# (entry point, bug): (function, code, planted code)
+PLANTED: dict[tuple[str, str], tuple[str, str, str]] = {
+    **{
+        (entry, bug): (kernel, *codes)
+        for entry, kernel in (
+            ("triton decode", "_decode_kernel"),
+            ("triton prefill", "_prefill_kernel"),
+        )
+        for bug, codes in TRITON_ATTENTION_BUGS.items()
+    },
     ("triton decode", "split-K merge ignores each split's denominator"): (
         "_decode_kernel",
         'lse = tl.where(has_tokens, m + tl.log(safe_denom), float("-inf"))',
@@ -220,21 +228,6 @@ PLANTED: dict[tuple[str, str], tuple[str, str, str]] = {
         "_decode_program",
         "start = min(first + split * split_len, length)",
         "start = min(split * split_len, length)",
-    ),
-    ("triton prefill", "table read off by one"): (
-        "_prefill_kernel",
-        "block_tables_ptr + seq * table_stride + n // BLOCK_SIZE",
-        "block_tables_ptr + seq * table_stride + n // BLOCK_SIZE + 1",
-    ),
-    ("triton prefill", "wrong row inside a block"): (
-        "_prefill_kernel",
-        "rows = block_id * BLOCK_SIZE + n % BLOCK_SIZE",
-        "rows = block_id * BLOCK_SIZE + (n + 1) % BLOCK_SIZE",
-    ),
-    ("triton prefill", "query heads interleaved over KV heads"): (
-        "_prefill_kernel",
-        "heads = kv_head * group + g",
-        "heads = kv_head + g * NUM_KV_HEADS",
     ),
     ("triton prefill", "causal mask lets a query see the next token"): (
         "_prefill_kernel",
