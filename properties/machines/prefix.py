@@ -562,14 +562,16 @@ class PrefixStoreMachine(StoreMachine):
         block loses its key at the cut. With a fork sharing it, it keeps its key; the fork then
         drops it (removed, or cut shorter in the same batch), and the block must lose its key
         before the write lands in it. Or cut into its last full block and write that block's
-        tokens again: its content must be registered anew (the sequence's own keys were cut)."""
+        tokens again, or other ones from the cut on: it must be registered anew, under its
+        content's key (the sequence's own keys were cut)."""
         parent = data.draw(st.sampled_from(sorted(set(self.tokens) & set(self.seqs))))
         table, count = self.seqs[parent]
         bs, full = self.block_size, count // self.block_size
         old = list(self.tokens_of(parent))
         refill = full > 0 and bs > 1 and data.draw(st.booleans(), label="refill the block")
         kept = max(0, count - 1)  # into a full block (a cached one, if the parent cached it)
-        if refill:
+        if refill:  # its full blocks cached first, the last one then cut into
+            self.cache_both(parent, old, self.salts.get(parent))
             kept = (full - 1) * bs + data.draw(st.integers(1, bs - 1))
         elif full and bs > 1:
             kept = data.draw(st.integers(0, full - 1)) * bs + data.draw(st.integers(1, bs - 1))
@@ -593,6 +595,8 @@ class PrefixStoreMachine(StoreMachine):
         tokens = self.tokens_of(parent)
         if refill and len(tokens) == full * bs:
             tokens[kept:] = old[kept : full * bs]
+            if data.draw(st.booleans(), label="other content"):
+                tokens[kept] = token  # the block's content may change: its key must too
         elif tokens:
             tokens[-1] = token
         if tokens:
