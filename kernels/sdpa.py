@@ -13,9 +13,9 @@ call is a plain multi-head attention over ``num_kv_heads`` heads.
 They compute exactly what ``reference.store_kv`` and ``reference.paged_prefill_attention``
 compute (the same slots, the same keys, the same mask, fp32 arithmetic), the attention up to the
 rounding of SDPA's blocked softmax; ``properties/test_kernels_agreement.py`` checks both against the
-reference. Arguments are trusted: the caller validates the tables, lengths and windows first
-(``PagedKVCache.step`` does, with ``kernels.check_values``), and nothing here reads a tensor's
-values on the host.
+reference. Arguments are trusted: the tables, lengths and windows come valid (from the store,
+through ``PagedKVCache.step``; ``kernels.check_values`` checks them), and nothing here reads a
+tensor's values on the host.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ caller passes exactly what the public function would after its checks (normalize
 device), or the kernels read and write outside the caches without an error.
 
 They exist for a caller that checks a whole step once and then makes the same calls layer
-after layer: ``PagedKVCache.step`` (``pagedkv.impl.serving.paged_kv``) validates a step's
-tables, lengths and slots, and each layer's ``PagedStep.attend`` compares its query, key and
+after layer: ``PagedKVCache.step`` (``pagedkv.impl.serving.paged_kv``) takes a step's
+tables from the store, which built them valid (its ``check_tables`` debug mode checks them),
+and each layer's ``PagedStep.attend`` compares its query, key and
 value with the shapes, dtype and device the step was checked for, going through the public
 functions whenever they differ. The public functions' metadata checks cost tens of microseconds
 a call, several calls a layer.

@@ -3,7 +3,7 @@
 ``PagedKVCache.step`` validates everything before the first layer runs, and the layers call the
 kernels with ``validate=False``. On the CPU that is checked by instrumentation: while any
 decoder layer runs, ``Tensor.tolist``, ``Tensor.item``, ``bool``/``int``/``float`` of a tensor
-and every value check of ``kernels.validation`` raise :class:`HostRead`. A real engine run
+and every value check of ``kernels.check_values`` raise :class:`HostRead`. A real engine run
 (mixed prefill chunks and decodes, prefix-cache hits, forks, preemption; with and without a
 sliding window; the reference backend's fast path and the triton kernels) must then still
 finish with the dense oracle's tokens. A planted ``.tolist()``

@@ -1,7 +1,7 @@
 """The store hashes each full block once while a sequence's tokens keep extending.
 
 ``BlockTableStore.cache_blocks`` registers a sequence's full blocks incrementally
-(:mod:`pagedkv.impl.blocks.block_hashes`): the keys made when the prompt was admitted, and
+(:mod:`pagedkv.impl.blocks.prefix_store`): the keys made when the prompt was admitted, and
 those of every later call whose tokens extend the previous call's, are kept, so only the
 blocks filled since are hashed. A forked child starts with its parent's keys. The hash
 function is the user's (``hash_fn``), so how often it runs is part of the contract: counted
