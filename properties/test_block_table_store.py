@@ -530,3 +530,26 @@ def test_the_undo_calls_do_what_remove_and_truncate_do(prefix: bool) -> None:
     checked.truncate([1, 0], [9, 10])
     assert state(undone) == state(checked)
     assert undone.token_counts_of([0, 1]) == [10, 9]
+
+
+def test_a_batched_truncate_into_cached_blocks_removes_the_keys_the_spec_removes() -> None:
+    """One truncate of three sequences: one cuts into a cached block it holds alone (the block
+    loses its key), one into a cached block a fork shares (it keeps it), one to a block
+    boundary (no block cut). The keys left equal the spec's per-sequence calls."""
+    spec = spec_pc.PrefixCachingBlockManager(16, 4)
+    store = BlockTableStore(PrefixCachingBlockManager(16, 4), 4, 4)
+    prompts = {0: list(range(8)), 1: list(range(10, 18)), 3: list(range(20, 28))}
+    tables = {}
+    for seq_id, tokens in prompts.items():
+        store.add_prompt(seq_id, tokens)
+        tables[seq_id], _ = spec.allocate_prompt(tokens)
+        assert store.cache_blocks(seq_id, tokens) == spec.cache_blocks(tables[seq_id], tokens)
+    store.fork(1, 2)
+    tables[2] = spec.fork(tables[1])
+    counts = {0: 5, 1: 6, 3: 4}
+    store.truncate(list(counts), list(counts.values()))
+    for seq_id, count in counts.items():
+        tables[seq_id] = spec.truncate(tables[seq_id], count)
+    manager = store.manager
+    assert [manager.key_of(b) for b in range(16)] == [spec.key_of(b) for b in range(16)]
+    assert [store.table(seq_id) for seq_id in sorted(tables)] == [tables[s] for s in sorted(tables)]
