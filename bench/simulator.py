@@ -129,6 +129,8 @@ class ContiguousStore:
         self._reservation_of = reservation_of
         self.reserved: dict[int, int] = {}
         self.counts: dict[int, int] = {}
+        self.rows: dict[int, int] = {}  # seq id -> row, in the order added
+        self._free_rows = list(range(max_seqs - 1, -1, -1))
 
     def blocks_to_allocate(self, token_ids: Sequence[int]) -> int:
         return self._reservation_of(token_ids)
@@ -145,6 +147,7 @@ class ContiguousStore:
         self.num_free_blocks -= reserved
         self.reserved[seq_id] = reserved
         self.counts[seq_id] = len(token_ids)
+        self.rows[seq_id] = self._free_rows.pop()
         return 0
 
     def admit(
@@ -162,6 +165,12 @@ class ContiguousStore:
 
     def token_count(self, seq_id: int) -> int:
         return self.counts[seq_id]
+
+    def row(self, seq_id: int) -> int:
+        return self.rows[seq_id]
+
+    def resolve(self, seqs: None) -> LiveRows:
+        return LiveRows(np.fromiter(self.rows.values(), dtype=np.intp, count=len(self.rows)))
 
     def token_counts_of(self, seq_ids: Sequence[int] | None) -> list[int]:
         counts = self.counts
@@ -189,6 +198,7 @@ class ContiguousStore:
         for seq_id in seq_ids:
             self.num_free_blocks += self.reserved.pop(seq_id)
             del self.counts[seq_id]
+            self._free_rows.append(self.rows.pop(seq_id))
 
     def pop_copy_pairs(self) -> NDArray[np.int32]:
         """No copy-on-write pair: nothing is shared."""
@@ -214,6 +224,13 @@ class ContiguousStore:
         token_counts: int | Sequence[int] | None = None,
     ) -> None:
         """A contiguous region is given back only whole, at ``remove``: releases nothing."""
+
+
+@dataclass(frozen=True)
+class LiveRows:
+    """The rows of a :class:`ContiguousStore`'s live sequences, in the order added."""
+
+    rows: NDArray[np.intp]
 
 
 Store = BlockTableStore | ContiguousStore

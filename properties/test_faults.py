@@ -191,7 +191,7 @@ class FaultyStore:
 STORE_CALLS = (
     "token_counts_of", "grow_or_preempt", "admit", "fork", "remove", "cache_blocks",
     "pending_copy_pairs", "pop_copy_pairs", "batch", "slot_mapping", "release_outside_window",
-    "grow", "truncate", "resolve",
+    "grow", "truncate", "resolve", "row",
 )  # fmt: skip
 """Every store call the scheduler, the engine and its speculation make (the undo calls,
 ``undo_fork`` and ``undo_growth``, cannot fail: they check nothing and take no block)."""
@@ -820,13 +820,13 @@ PLANTED = {
     ),
     "a failed admission loses its request": (
         pagedkv.impl.serving.scheduler,
-        "Scheduler.schedule",
-        "            seq = self.waiting[0]\n            cached = self._admit(seq)",
-        "            seq = self.waiting.popleft()\n            cached = self._admit(seq)",
+        "Scheduler._admit_waiting",
+        "            seq = self.waiting[0]\n            cached = self._admit(seq, seats, held)",
+        "            seq = self.waiting.popleft()\n            cached = self._admit(seq, seats, held)",
     ),
     "a failed update leaks the blocks of its forks": (
         pagedkv.impl.serving.scheduler,
-        "Scheduler.update",
+        "Scheduler._fork_and_finish",
         "            if forks:\n                self.store.undo_fork(forks)",
         "            if False:\n                self.store.undo_fork(forks)",
     ),
@@ -834,15 +834,15 @@ PLANTED = {
 UNDO_PLANTED = {
     "the undo of a failed update's forks can fail (the old undo)": (
         pagedkv.impl.serving.scheduler,
-        "Scheduler.update",
+        "Scheduler._fork_and_finish",
         "self.store.undo_fork(forks)",
         "self.store.remove(forks)",
     ),
     "the undo of a failed speculative step can fail (the old undo)": (
         pagedkv.impl.serving.speculative,
         "undraft",
-        "store.undo_growth(list(before), [end for _, end in before.values()])",
-        "store.truncate(list(before), [end for _, end in before.values()])",
+        "scheduler.undo_drafts(plan, before)",
+        "scheduler.keep_drafts(plan, before)",
     ),
 }
 """The undo paths as they were (checked store calls, which a second fault can fail): only
@@ -948,7 +948,11 @@ def test_control_unmutated_copies_pass() -> None:
             "PagedAttentionEngine.step",
             "pairs = self.store.pending_copy_pairs()",
         ),
-        (pagedkv.impl.serving.scheduler, "Scheduler.update", "self.store.undo_fork(forks)"),
+        (
+            pagedkv.impl.serving.scheduler,
+            "Scheduler._fork_and_finish",
+            "self.store.undo_fork(forks)",
+        ),
     ):
         machine, search = planted_machine(module, within, snippet, snippet)
         if issubclass(machine, EngineFaultMachine):

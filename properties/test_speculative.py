@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pagedkv.impl.serving.engine as engine_module
+import pagedkv.impl.serving.scheduler as scheduler_module
 import pagedkv.impl.serving.speculative as speculative_module
 import properties.engine_cases as engine_cases
 from pagedkv.impl.serving.dense import dense_generate
@@ -373,22 +374,26 @@ ENGINE_BUGS = {
         "sampled.append(greedy[0])",
     ),
 }
-# Planted bugs in a copy of pagedkv.impl.serving.speculative, which the engine then calls.
+# Planted bugs in a copy of pagedkv.impl.serving.speculative or of the scheduler (the draft
+# calls it makes for speculation), which the engine then calls.
 SPECULATIVE_BUGS = {
     "speculation silently off": (
+        speculative_module,
         "draft",
         "if guess:\n    drafts[seq.seq_id] = guess\n    budget -= len(guess)",
         "pass",
     ),
     "the rejected drafts keep their slots": (
-        "roll_back",
-        "    store.truncate(list(kept), [end for _, end in kept.values()])",
-        "    pass",
+        scheduler_module,
+        "Scheduler.keep_drafts",
+        "cast(DraftStore, self.store).truncate(list(kept), [end for _, end in kept.values()])",
+        "pass",
     ),
     "a failed step keeps its drafts' slots": (
-        "undraft",
-        "    store.undo_growth(list(before), [end for _, end in before.values()])",
-        "    pass",
+        scheduler_module,
+        "Scheduler.undo_drafts",
+        "cast(DraftStore, self.store).undo_growth(list(before), [e for _, e in before.values()])",
+        "pass",
     ),
 }
 
@@ -401,9 +406,12 @@ def test_planted_engine_bug_is_caught(bug: str) -> None:
             shared = ("RequestOutput", "StepOutput")
             mutant = load_mutant(engine_module, *ENGINE_BUGS[bug], shared)
             monkeypatch.setattr(engine_cases, "PagedAttentionEngine", mutant.PagedAttentionEngine)
-        else:
-            mutant = load_mutant(speculative_module, *SPECULATIVE_BUGS[bug])
+        elif SPECULATIVE_BUGS[bug][0] is speculative_module:
+            mutant = load_mutant(*SPECULATIVE_BUGS[bug])
             monkeypatch.setattr(engine_module, "speculative", mutant)
+        else:
+            mutant = load_mutant(*SPECULATIVE_BUGS[bug], ("RequestTooLargeError",))
+            monkeypatch.setattr(engine_module, "Scheduler", mutant.Scheduler)
         with pytest.raises(Exception):  # noqa: B017 - either kind of failure is a catch
             for source in SOURCES:
                 check_source(source, 4, True, 3)

@@ -2,6 +2,8 @@
 
 * ``scheduler``: the continuous-batching policy over a :class:`BlockStore` (no torch).
 * ``block_store``: the :class:`BlockStore` protocol, all the scheduler needs from a store.
+* ``sequence``: a sequence's facts, each with one owner, and the scheduler's step columns;
+  ``plan``: one step's plan (:class:`SchedulerOutput`) and its limits.
 * ``model``, ``paged_kv``, ``sampling``: the model, the paged KV tensors and one step's attention
   through block tables, and token choice.
 * ``engine``: :class:`PagedAttentionEngine` and the ``pagedkv`` command line.
@@ -25,10 +27,10 @@ _EXPORTS = {
     "PagedAttentionEngine": "engine",
     "PagedKVCache": "paged_kv",
     "RequestOutput": "engine",
-    "RequestTooLargeError": "scheduler",
+    "RequestTooLargeError": "sequence",
     "Scheduler": "scheduler",
-    "SchedulerConfig": "scheduler",
-    "SchedulerOutput": "scheduler",
+    "SchedulerConfig": "plan",
+    "SchedulerOutput": "plan",
     "StepMetrics": "metrics",
 }
 

@@ -11,6 +11,16 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Protocol, runtime_checkable
 
+import numpy as np
+from numpy.typing import NDArray
+
+
+class LiveRows(Protocol):
+    """The rows of a store's live sequences, in the order added."""
+
+    @property
+    def rows(self) -> NDArray[np.intp]: ...
+
 
 @runtime_checkable
 class BlockStore(Protocol):
@@ -51,6 +61,15 @@ class BlockStore(Protocol):
     def prefix_caching(self) -> bool:
         """Whether ``cache_blocks`` registers anything: without a prefix cache the scheduler
         skips it."""
+        ...
+
+    def row(self, seq_id: int) -> int:
+        """The row that holds the live sequence ``seq_id`` (``KeyError`` for another), kept
+        until it is removed: the index of the scheduler's step columns."""
+        ...
+
+    def resolve(self, seqs: None) -> LiveRows:
+        """``None``: the rows of every live sequence, in the order added."""
         ...
 
     def token_counts_of(self, seqs: Sequence[int] | None) -> Sequence[int]:
@@ -111,4 +130,24 @@ class BlockStore(Protocol):
         the table keeps its length; a later write into one of them raises. Releasing again at
         the same positions changes nothing. ``None`` is every live sequence in the order
         added."""
+        ...
+
+
+@runtime_checkable
+class DraftStore(BlockStore, Protocol):
+    """A :class:`BlockStore` that speculative decoding can draft into: tables grow by drafts
+    and are cut back to the tokens kept (``BlockTableStore`` implements it)."""
+
+    def grow(self, seqs: Sequence[int], new_tokens: Sequence[int]) -> list[int]:
+        """Grow each sequence by its count, or leave it unchanged if the pool cannot; return
+        the ids left unchanged."""
+        ...
+
+    def truncate(self, seqs: Sequence[int], token_counts: Sequence[int]) -> None:
+        """Cut each sequence back to its count of tokens (never more than it holds)."""
+        ...
+
+    def undo_growth(self, seq_ids: Sequence[int], token_counts: Sequence[int]) -> None:
+        """Undo this step's ``grow`` calls, as ``truncate`` would; it cannot fail (no check, no
+        block taken): the undo of a failed speculative step."""
         ...

@@ -234,7 +234,7 @@ class PagedAttentionEngine:
         if self.draft_source is not None:
             budget = self.scheduler.config.max_num_batched_tokens - plan.num_batched_tokens
             plan, drafts, before = speculative.draft(
-                plan, self.store, self.draft_source, self.num_speculative_tokens, budget,
+                plan, self.scheduler, self.draft_source, self.num_speculative_tokens, budget,
                 self.model.config.vocab_size,
             )  # fmt: skip
         try:
@@ -246,13 +246,13 @@ class PagedAttentionEngine:
             # retries").
             self.store.pop_copy_pairs()
             sampled, rows = self._run(plan, drafts, drawn) if plan.seqs else ([], {})
-            verified = speculative.roll_back(plan, drafts, rows, self.store) if drafts else plan
+            verified = speculative.roll_back(plan, drafts, rows, self.scheduler) if drafts else plan
             forked, finished = self.scheduler.update(verified, sampled)
         except BaseException:
             for generator, state in reversed(drawn):  # no sample draws twice
                 generator.set_state(state)
             if drafts:
-                speculative.undraft(plan, before, self.store)
+                speculative.undraft(plan, before, self.scheduler)
             raise
         if self.keep_logits:
             for seq_id, row in rows.items():

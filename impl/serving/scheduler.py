@@ -49,215 +49,35 @@ partly filled last block copies it (copy-on-write; the pairs wait in ``store.pop
 It is admitted only if all ``n`` samples fit under ``max_num_seqs``.
 
 Arrays, not objects: a step's plan (:class:`SchedulerOutput`) is numpy arrays, one row per
-scheduled sequence (ids, starts, token counts, prefix hits, whether it samples), and
-:meth:`Scheduler.update` takes the sampled tokens as one flat list or array. The scheduler keeps
-what a step needs of each running sequence (id, token count, ``num_computed``, length limit,
-EOS token, samples to fork) in one int64 array, a row per running sequence in running order, so
-a step reads no per-sequence object; only the :class:`Sequence` objects' ``num_computed`` and
-``tokens`` are written, in C-level loops, to keep them the public view of each sequence.
+scheduled sequence; ``update`` takes the sampled tokens flat. Each fact of a sequence has one
+owner (:mod:`pagedkv.impl.serving.sequence`); a step reads the step columns at the store's rows
+of the running list (its live order, ``store.resolve(None)``), and no per-sequence object.
+Speculation changes a sequence only through :meth:`Scheduler.add_drafts`, ``keep_drafts`` and
+``undo_drafts``: tokens and table at once.
 """
 
 from __future__ import annotations
 
-import enum
 from collections import abc, deque
-from dataclasses import dataclass, field
-from itertools import compress, repeat
-from operator import attrgetter
+from dataclasses import dataclass, field, replace
+from itertools import compress
+from typing import cast
 
 import numpy as np
 from numpy.typing import NDArray
 
-from pagedkv.impl.serving.block_store import BlockStore
-from pagedkv.spec.block_manager import blocks_needed, check_int
-from pagedkv.spec.checks import INT64_MAX, check_str, check_tokens
+from pagedkv.impl.serving import plan as plans
+from pagedkv.impl.serving import sequence
+from pagedkv.impl.serving.block_store import BlockStore, DraftStore
+from pagedkv.impl.serving.plan import Drafted, SchedulerConfig, SchedulerOutput
+from pagedkv.impl.serving.sequence import RequestTooLargeError, SeqStatus, Sequence
+from pagedkv.spec.block_manager import blocks_needed
 
-
-class RequestTooLargeError(ValueError):
-    """A request that no amount of waiting could ever run (see :meth:`Scheduler.add_request`)."""
-
-
-def check_cache_salt(cache_salt: object) -> str | None:
-    """Rule: a cache salt is a str or None (``TypeError`` otherwise). Returns it as a plain str
-    (a subclass such as ``numpy.str_`` is taken as the str it equals, :func:`check_str`), so
-    the salt the store hashes is one the default block hash takes."""
-    if cache_salt is None:
-        return None
-    return check_str("cache_salt", cache_salt)
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Limits: sequences running at once (each sample counts), tokens computed per step, and
-    the free blocks an admission must leave for running sequences to grow into; and the model's
-    sliding window (``None``: full attention), whose blocks outside it are released."""
-
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 512
-    watermark_blocks: int = 0
-    sliding_window: int | None = None
-    max_model_len: int | None = None  # the longest prompt plus output served; None: no limit
-
-    def __post_init__(self) -> None:
-        check_int("max_num_seqs", self.max_num_seqs, 1)
-        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        check_int("watermark_blocks", self.watermark_blocks, 0)
-        if self.sliding_window is not None:
-            check_int("sliding_window", self.sliding_window, 1)
-        if self.max_model_len is not None:
-            check_int("max_model_len", self.max_model_len, 1)
-
-
-class SeqStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One sample of one request: its tokens and how many of them the cache holds."""
-
-    seq_id: int
-    request_id: int
-    tokens: list[int]  # prompt, then output
-    prompt_len: int
-    max_new_tokens: int
-    eos_token_id: int | None = None
-    num_samples: int = 1  # > 1 until the prompt is computed: then it forks into that many
-    sample_index: int = 0
-    num_computed: int = 0  # leading tokens whose K/V are in the cache
-    status: SeqStatus = SeqStatus.WAITING
-    cache_salt: str | None = None  # prefix-cache hits only among requests with the same salt
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def output(self) -> list[int]:
-        return self.tokens[self.prompt_len :]
-
-    @property
-    def num_pending(self) -> int:
-        """Tokens whose K/V are not computed yet (at least 1 for an unfinished sequence)."""
-        return len(self.tokens) - self.num_computed
-
-    @property
-    def done(self) -> bool:
-        """Whether the output is complete: ``max_new_tokens`` tokens, or the last one is EOS."""
-        output = len(self.tokens) - self.prompt_len
-        return output >= self.max_new_tokens or (
-            output > 0 and self.tokens[-1] == self.eos_token_id
-        )
+__all__ = ["Drafted", "RequestTooLargeError", "Scheduler", "SchedulerConfig", "SchedulerOutput",
+           "SeqStatus", "Sequence"]  # fmt: skip  # the callers' names, defined with the sequence
 
 
 _consume = deque(maxlen=0).extend  # runs an iterator to its end, keeping nothing
-_TOKENS = attrgetter("tokens")
-
-# The columns of ``Scheduler._rows``: one int64 row per running sequence, in running order.
-_ID, _LENGTH, _COMPUTED, _MAX_LEN, _EOS, _SAMPLES = range(6)
-_NO_EOS = -1  # the _EOS column of a sequence without an EOS token: no token equals it
-
-
-def _row(seq: Sequence) -> list[int]:
-    """``seq``'s row of ``Scheduler._rows``."""
-    eos = _NO_EOS if seq.eos_token_id is None else seq.eos_token_id
-    return [
-        seq.seq_id, len(seq.tokens), seq.num_computed, seq.prompt_len + seq.max_new_tokens, eos,
-        seq.num_samples,
-    ]  # fmt: skip
-
-
-def _check_sampled(sampled: object, expected: int) -> tuple[abc.Sequence[int], NDArray[np.int64]]:
-    """Rule: a step's sampled tokens are a list or tuple of non-negative ints, or a 1-D integer
-    array of them, ``expected`` long, each at most int64's largest (``TypeError``/``ValueError``
-    otherwise). Returns them as a list or tuple of ints and as an int64 array."""
-    if isinstance(sampled, np.ndarray):
-        if sampled.ndim != 1 or sampled.dtype.kind not in "iu":
-            raise TypeError(f"sampled tokens must be a 1-D integer array, got {sampled.dtype}")
-        if sampled.size and sampled.min() < 0:
-            check_tokens(sampled.tolist())  # the ValueError naming the token
-        tokens = sampled.tolist()
-    else:
-        tokens = check_tokens(sampled)
-    if tokens and max(tokens) > INT64_MAX:
-        raise ValueError(f"sampled token {max(tokens)} exceeds int64's largest, {INT64_MAX}")
-    array = np.array(tokens, dtype=np.int64)
-    if len(tokens) != expected:
-        raise ValueError(f"the step samples {expected} tokens, got {len(tokens)}")
-    return tokens, array
-
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    """``num_tokens`` tokens of ``seq`` to compute this step, from position ``start``: one row
-    of a :class:`SchedulerOutput`, as an object (:meth:`SchedulerOutput.items`)."""
-
-    seq: Sequence
-    start: int
-    num_tokens: int
-    cached_tokens: int = 0  # prefix-cache hits when admitted this step
-    samples: bool = True  # the step computes the sequence's last known token: it samples
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    """One step's plan as arrays, one row per scheduled sequence, in batch order (running
-    sequences first, then new admissions): row ``b`` computes ``num_tokens[b]`` tokens of
-    ``seqs[b]`` from position ``starts[b]``, of which ``cached_tokens[b]`` leading ones were
-    prefix-cache hits when it was admitted this step; ``samples[b]`` says whether the row
-    computes the sequence's last known token, so its logits give the next one (false for a
-    prompt chunk short of the end). Also the sequences preempted while making it (already back
-    in the waiting queue, in the order they were preempted), and those admitted (the batch's
-    last ``len(admitted)`` rows). The arrays are int64 (``samples`` bool) and read-only."""
-
-    seqs: list[Sequence]
-    seq_ids: NDArray[np.int64]
-    starts: NDArray[np.int64]
-    num_tokens: NDArray[np.int64]
-    cached_tokens: NDArray[np.int64]
-    samples: NDArray[np.bool_]
-    preempted: list[Sequence]
-    admitted: list[Sequence]
-
-    def __post_init__(self) -> None:
-        for array in (self.seq_ids, self.starts, self.num_tokens, self.cached_tokens):
-            array.flags.writeable = False
-        self.samples.flags.writeable = False
-
-    @property
-    def ends(self) -> NDArray[np.int64]:
-        """One past each row's last computed position."""
-        return self.starts + self.num_tokens
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return int(self.num_tokens.sum())
-
-    @property
-    def prefix_hit_tokens(self) -> int:
-        return int(self.cached_tokens.sum())
-
-    @property
-    def sampling(self) -> list[Sequence]:
-        """The sequences of the rows that sample, in batch order: ``update`` takes their
-        sampled tokens in this order."""
-        return [self.seqs[i] for i in np.flatnonzero(self.samples).tolist()]
-
-    def items(self) -> list[ScheduledSeq]:
-        """The rows as objects, in batch order (for readers, not the step's hot path)."""
-        return [
-            ScheduledSeq(seq, start, count, cached, samples)
-            for seq, start, count, cached, samples in zip(
-                self.seqs, self.starts.tolist(), self.num_tokens.tolist(),
-                self.cached_tokens.tolist(), self.samples.tolist(), strict=True,
-            )
-        ]  # fmt: skip
 
 
 @dataclass
@@ -267,11 +87,9 @@ class Scheduler:
     store: BlockStore
     config: SchedulerConfig = field(default_factory=SchedulerConfig)
     waiting: deque[Sequence] = field(default_factory=deque, init=False)
-    running: list[Sequence] = field(default_factory=list, init=False)
+    running: list[Sequence] = field(default_factory=list, init=False)  # the store's live order
     _next_seq_id: int = field(default=0, init=False)
-    # What each running sequence's step needs, as arrays (the _ID.._SAMPLES columns): the
-    # step reads no per-sequence object.
-    _rows: NDArray[np.int64] = field(default_factory=lambda: np.zeros((0, 6), np.int64), init=False)
+    _columns: sequence.StepColumns = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.store.max_seqs < self.config.max_num_seqs:
@@ -279,11 +97,13 @@ class Scheduler:
                 f"the store has {self.store.max_seqs} rows for max_num_seqs="
                 f"{self.config.max_num_seqs}"
             )
+        self._columns = sequence.StepColumns(self.store)
 
     @property
     def num_running_seqs(self) -> int:
         """Running sequences, counting every sample an unforked request will fork into."""
-        return int(self._rows[:, _SAMPLES].sum())
+        rows = self.store.resolve(None).rows
+        return int(self._columns.samples(rows, self._lengths(rows)[1]).sum())
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -304,46 +124,20 @@ class Scheduler:
         salt and it hits only blocks cached under an equal one, so tenants with different salts
         never share a block (None is a salt of its own, shared by every unsalted request).
 
-        Raises ``TypeError``/``ValueError`` for a prompt that is not a non-empty list or tuple of
-        non-negative ints, a count below 1, a bad ``eos_token_id`` or a ``cache_salt`` that is
-        not a str or None, and
-        :class:`RequestTooLargeError` for a request that can never run: one sequence of it holds
-        up to ``len(prompt) + max_new_tokens - 1`` tokens (the last token is never computed),
-        which must fit the pool and a table, and its ``n`` samples must fit ``max_num_seqs``.
+        Raises ``TypeError``/``ValueError`` for facts that break the rules of
+        :func:`~pagedkv.impl.serving.sequence.check_request`, and :class:`RequestTooLargeError`
+        for a request that can never run (:func:`~pagedkv.impl.serving.sequence.check_fits`).
         """
-        max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)  # plain ints: the
-        n = check_int("n", n, 1)  # values, whatever an int subclass's arithmetic does
-        if eos_token_id is not None:
-            eos_token_id = check_int("eos_token_id", eos_token_id, 0)
-            if eos_token_id > INT64_MAX:
-                raise ValueError(f"eos_token_id={eos_token_id} exceeds int64's largest")
-        cache_salt = check_cache_salt(cache_salt)
-        prompt = check_tokens(prompt)  # plain ints: an int subclass is taken as its value
-        if not prompt:
-            raise ValueError("the prompt must hold at least one token")
-        max_model_len = self.config.max_model_len
-        if max_model_len is not None and len(prompt) + max_new_tokens > max_model_len:
-            raise RequestTooLargeError(
-                f"request {request_id}: its prompt of {len(prompt)} tokens plus "
-                f"max_new_tokens={max_new_tokens} exceeds max_model_len={max_model_len}"
-            )
-        max_len = len(prompt) + max_new_tokens - 1
-        needed = blocks_needed(max_len, self.store.block_size)
-        capacity = min(self.store.total_blocks, self.store.max_blocks_per_seq)
-        if needed > capacity:
-            raise RequestTooLargeError(
-                f"request {request_id} can never fit: its prompt of {len(prompt)} tokens plus "
-                f"max_new_tokens={max_new_tokens} new tokens needs up to {needed} blocks of "
-                f"{self.store.block_size} tokens, but a sequence can hold at most {capacity}"
-            )
-        if n > self.config.max_num_seqs:
-            raise RequestTooLargeError(
-                f"request {request_id} asks for n={n} samples but at most "
-                f"max_num_seqs={self.config.max_num_seqs} sequences run at once"
-            )
+        prompt, max_new_tokens, n, eos_token_id, cache_salt = sequence.check_request(
+            prompt, max_new_tokens, n, eos_token_id, cache_salt
+        )
+        sequence.check_fits(
+            request_id, len(prompt), max_new_tokens, n, self.store,
+            max_num_seqs=self.config.max_num_seqs, max_model_len=self.config.max_model_len,
+        )  # fmt: skip
         seq = Sequence(
-            self._new_seq_id(), request_id, list(prompt), len(prompt), max_new_tokens,
-            eos_token_id, num_samples=n, cache_salt=cache_salt,
+            self._new_seq_id(), request_id, prompt, len(prompt), max_new_tokens,
+            eos_token_id, n, cache_salt=cache_salt, columns=self._columns,
         )  # fmt: skip
         self.waiting.append(seq)
         return seq
@@ -356,45 +150,23 @@ class Scheduler:
         most ``max_num_batched_tokens`` tokens are scheduled, and at most ``max_num_seqs``
         sequences run. The running rows are computed as arrays, with no per-sequence object.
         """
-        budget = self.config.max_num_batched_tokens
+        rows = self.store.resolve(None).rows  # the running sequences' rows, in running order
         window = self.config.sliding_window
         if window is not None and self.running:  # before growing: the freed blocks can serve it
-            positions = self._rows[:, _COMPUTED]  # in the store's live order
-            self.store.release_outside_window(None, window, positions)
-        preempted, starts, counts, samples = self._grow_or_preempt(budget)
-        seqs = self.running[: len(starts)]  # the visited sequences that were not preempted
-        budget -= int(counts.sum())
-        hit_counts = np.zeros(len(starts), np.int64)
-        rows = []  # each admission's (start, count, cached, samples)
+            self.store.release_outside_window(None, window, self._columns.computed[rows])
+        held, lengths = self._lengths(rows)
+        preempted, starts, counts, samples = self._grow_or_preempt(rows, held, lengths)
+        budget = self.config.max_num_batched_tokens - int(counts.sum())
         admitted: list[Sequence] = []
+        planned: list[tuple[int, int, bool]] = []
         # A step that preempted admits nothing: its victims would otherwise be readmitted at
         # once (prefix-cache hits on their own freed blocks make them cheap to admit).
-        while not preempted and budget > 0 and self.waiting:
-            seq = self.waiting[0]
-            cached = self._admit(seq)
-            if cached is None:
-                break
-            self.waiting.popleft()  # only once its blocks are held: a failed admit loses nothing
-            seq.status, seq.num_computed = SeqStatus.RUNNING, cached
-            self.running.append(seq)
-            self._rows = np.append(self._rows, [_row(seq)], axis=0)
-            if window is not None and cached:  # hits before the first computed token's window
-                self.store.release_outside_window([seq.seq_id], window, cached)
-            admitted.append(seq)
-            count = min(seq.num_pending, budget)
-            budget -= count
-            rows.append((cached, count, cached, count == seq.num_pending))
-        if admitted:
-            seqs = seqs + admitted
-            new_starts, new_counts, new_cached, new_samples = map(list, zip(*rows, strict=True))
-            starts = np.append(starts, new_starts)
-            counts = np.append(counts, new_counts)
-            hit_counts = np.append(hit_counts, new_cached)
-            samples = np.append(samples, new_samples)
-        return SchedulerOutput(
-            seqs, self._rows[: len(seqs), _ID].copy(), starts, counts, hit_counts, samples,
-            preempted, admitted,
-        )  # fmt: skip
+        if not preempted and budget > 0 and self.waiting:
+            seats = self.config.max_num_seqs - int(self._columns.samples(rows, lengths).sum())
+            admitted, planned = self._admit_waiting(budget, seats, rows)
+        visited = self.running[: len(starts)]  # the visited sequences that were not preempted
+        ids = self._columns.seq_id[rows[: len(visited)]]
+        return plans.step_plan(visited, ids, starts, counts, samples, preempted, admitted, planned)
 
     def update(
         self, output: SchedulerOutput, sampled: abc.Sequence[int] | NDArray[np.integer]
@@ -411,89 +183,61 @@ class Scheduler:
 
         Transactional: if a store call raises, the forks made are undone and the scheduler is
         as it was (only idempotent prefix-cache registrations of written K/V remain), so the
-        same ``update`` can be retried.
+        same ``update`` can be retried. Steps: :meth:`_sampled_tokens`,
+        :meth:`_cache_filled_blocks`, :meth:`_fork_and_finish`, :meth:`_commit`.
         """
-        size = len(output.seqs)
-        if size > len(self.running) or (size and output.seqs[-1] is not self.running[size - 1]):
-            raise ValueError("update takes the output of the latest schedule()")
-        rows = np.flatnonzero(output.samples)  # the sampling rows: running's first ones
-        state = self._rows[rows]
-        per_seq = state[:, _SAMPLES]
-        tokens, token_array = _check_sampled(sampled, int(per_seq.sum()))  # before any change
-        forking = per_seq > 1
-        any_fork = bool(forking.any())
-        firsts = range(len(tokens))  # each sequence's first token
-        first_tokens = tokens
-        if any_fork:
-            firsts = (np.cumsum(per_seq) - per_seq).tolist()
-            first_tokens = [tokens[i] for i in firsts]
-            token_array = token_array[firsts]
-        sampling = output.seqs if len(rows) == size else output.sampling
-        starts, ends = output.starts, output.ends
-        bs = self.store.block_size
-        if self.store.prefix_caching:  # idempotent: a retried update registers nothing twice
-            for i in np.flatnonzero(ends // bs > starts // bs).tolist():  # filled a block
-                seq, end = output.seqs[i], int(ends[i])
-                self.store.cache_blocks(
-                    seq.seq_id,
-                    seq.tokens if end == len(seq.tokens) else seq.tokens[:end],
-                    seq.cache_salt,
-                )
-        # Output complete once the sampled token is appended: the length limit, or EOS.
-        done = (ends[rows] + 1 >= state[:, _MAX_LEN]) | (token_array == state[:, _EOS])
-        # The store calls that can fail come first, each atomic, and are undone on failure by
-        # a store call that cannot fail (``undo_fork``: no check, no block taken), so a second
-        # fault cannot leave a child in the store; the scheduler's own state changes only
-        # after all of them succeeded.
-        first_id = self._next_seq_id
-        children: list[Sequence] = []
-        finishing: list[int] = []  # running positions
-        finished: list[Sequence] = []  # in batch order: children born done, then the parent
+        rows, sample_rows, per_seq, tokens = self._sampled_tokens(output, sampled)
+        self._cache_filled_blocks(output, all_ends := output.ends)
+        ends = all_ends[sample_rows]  # the sampling sequences'
+        done = self._columns.done(rows[sample_rows], ends, tokens.first_tokens)
+        sampling = output.seqs if len(sample_rows) == len(output.seqs) else output.sampling
+        outcome = self._fork_and_finish(sampling, sample_rows, ends, per_seq, tokens, done)
+        self._commit(rows, all_ends, sampling, tokens.first_tokens.tolist(), outcome)
+        return outcome.children, outcome.finished
+
+    # ----------------------------------------------------------------- speculative decoding
+
+    def add_drafts(
+        self, plan: SchedulerOutput, drafts: abc.Mapping[int, list[int]]
+    ) -> tuple[SchedulerOutput, Drafted]:
+        """Append ``drafts[seq_id]`` to the tokens of each sequence of ``plan`` it names (one
+        whose row samples) and grow its table by them (``store.grow``); one the pool cannot
+        grow now gets none. Returns the plan that also computes the drafts, and each drafted
+        sequence's row and end before them, by id (:meth:`undo_drafts`). All-or-nothing."""
+        ends = plan.ends
+        rows = {seq_id: row for row, seq_id in enumerate(plan.seq_ids.tolist()) if seq_id in drafts}
+        failed = set(
+            cast(DraftStore, self.store).grow(list(drafts), list(map(len, drafts.values())))
+        )
+        before = {s: (row, int(ends[row])) for s, row in rows.items() if s not in failed}
+        extra = np.zeros(len(plan.seqs), np.int64)
+        for seq_id, (row, _) in before.items():
+            extra[row] = len(drafts[seq_id])
         try:
-            for j in np.flatnonzero(done | forking if any_fork else done).tolist():
-                seq, first = sampling[j], firsts[j]
-                for index in range(1, int(per_seq[j])):
-                    child = self._child(seq, int(ends[rows[j]]), index, tokens[first + index])
-                    if child.done:  # a child that is already done holds no blocks
-                        finished.append(child)
-                    else:
-                        self.store.fork(seq.seq_id, child.seq_id)
-                    children.append(child)
-                if done[j]:
-                    finishing.append(int(rows[j]))
-                    finished.append(seq)
-            if finishing:
-                self.store.remove([self.running[i].seq_id for i in finishing])
+            drafted = replace(plan, num_tokens=plan.num_tokens + extra)
         except BaseException:
-            forks = [child.seq_id for child in children if not child.done]
-            if forks:
-                self.store.undo_fork(forks)
-            self._next_seq_id = first_id
+            self.undo_drafts(plan, before)  # the tokens hold no draft yet
             raise
-        # Per sequence, in C (a map consumed by an empty deque): the hot loops of a step.
-        _consume(map(setattr, output.seqs, repeat("num_computed"), ends.tolist()))
-        _consume(map(list.append, map(_TOKENS, sampling), first_tokens))
-        table = self._rows  # changed in place: nothing below can fail
-        table[:size, _COMPUTED] = ends
-        table[rows, _LENGTH] = ends[rows] + 1
-        if any_fork:
-            for j in np.flatnonzero(forking).tolist():
-                sampling[j].num_samples = 1
-            table[rows[forking], _SAMPLES] = 1
-        for child in children:
-            child.status = SeqStatus.FINISHED if child.done else SeqStatus.RUNNING
-            if not child.done:
-                self.running.append(child)
-                table = np.append(table, [_row(child)], axis=0)
-        if finishing:
-            for i in finishing:
-                self.running[i].status = SeqStatus.FINISHED
-            keep = np.ones(len(self.running), dtype=bool)
-            keep[finishing] = False
-            self.running = list(compress(self.running, keep.tolist()))
-            table = table[keep]
-        self._rows = table
-        return children, finished
+        for seq_id, (row, _) in before.items():  # nothing after this can fail
+            plan.seqs[row].tokens.extend(drafts[seq_id])
+        return drafted, before
+
+    def keep_drafts(self, plan: SchedulerOutput, kept: Drafted) -> SchedulerOutput:
+        """Cut each sequence ``kept`` names (by id: its row in ``plan``, the end to keep) to that
+        end, tokens and table (``store.truncate``); return the plan computing up to there."""
+        ends = plan.ends
+        cast(DraftStore, self.store).truncate(list(kept), [end for _, end in kept.values()])
+        for row, end in kept.values():
+            del plan.seqs[row].tokens[end:]
+            ends[row] = end
+        return replace(plan, num_tokens=ends - plan.starts)
+
+    def undo_drafts(self, plan: SchedulerOutput, before: Drafted) -> None:
+        """Give back every draft :meth:`add_drafts` gave (``before``), tokens and slots. Cannot
+        fail: ``store.undo_growth`` checks nothing and takes no block; nothing else is called."""
+        cast(DraftStore, self.store).undo_growth(list(before), [e for _, e in before.values()])
+        for row, end in before.values():
+            del plan.seqs[row].tokens[end:]
 
     # ----------------------------------------------------------------- internals
 
@@ -501,28 +245,33 @@ class Scheduler:
         self._next_seq_id += 1
         return self._next_seq_id - 1
 
+    def _lengths(self, rows: NDArray[np.intp]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        """Each running sequence's (store ``rows``) tokens in its table and its token count:
+        the table holds them up to the last one scheduled; only one sampled since is beyond."""
+        held = np.asarray(self.store.token_counts_of(None), dtype=np.int64)
+        return held, np.maximum(held, self._columns.computed[rows] + 1)
+
     def _grow_or_preempt(
-        self, budget: int
+        self, rows: NDArray[np.intp], held: NDArray[np.int64], lengths: NDArray[np.int64]
     ) -> tuple[list[Sequence], NDArray[np.int64], NDArray[np.int64], NDArray[np.bool_]]:
-        """Grow every running sequence the step visits to hold all its tokens, preempting the
-        most recently admitted running sequences while one does not fit; return the victims,
-        and for the visited survivors the first position to compute, the tokens to compute and
-        whether those are all its pending tokens (so it samples).
+        """Grow every running sequence (store ``rows``; ``lengths`` tokens, ``held`` in its
+        table) the step visits to hold its tokens, preempting from the most recently admitted
+        while one does not fit; return the victims, and for the visited survivors the first
+        position to compute, the tokens to compute and whether those are all its pending tokens
+        (so it samples).
 
         The visited sequences are the longest prefix of ``running`` whose pending tokens start
-        within the budget (what :meth:`schedule` then schedules: each its pending tokens, cut to
-        the budget left). One ``store.grow_or_preempt`` over the whole running list (the store's
-        live sequences, in the order added) decides exactly what growing them one at a time,
-        preempting from the tail, would: a victim frees its blocks and goes back to the front
-        of the waiting queue, its K/V forgotten.
-        """
-        size = len(self.running)
-        lengths, starts = self._rows[:, _LENGTH], self._rows[:, _COMPUTED]
+        within the budget (each its pending tokens, cut to the budget left). One
+        ``store.grow_or_preempt`` over the store's live sequences decides exactly what growing
+        them one at a time, preempting from the tail, would: a victim frees its blocks and goes
+        back to the front of the waiting queue, its K/V forgotten."""
+        budget, size = self.config.max_num_batched_tokens, len(self.running)
+        starts = self._columns.computed[rows]
         pending = lengths - starts
         before = np.cumsum(pending) - pending  # tokens scheduled ahead of each, uncut
         visited = int(np.searchsorted(before, budget))  # before is strictly increasing
         counts = np.minimum(pending[:visited], budget - before[:visited])
-        missing = lengths[:visited] - np.asarray(self.store.token_counts_of(None))[:visited]
+        missing = lengths[:visited] - held[:visited]
         samples = counts == pending[:visited]
         if not missing.any():
             return [], starts[:visited], counts, samples
@@ -530,25 +279,54 @@ class Scheduler:
             new_tokens: int | list[int] = int(missing[0])  # a step of decodes: one count
         else:
             new_tokens = [*missing.tolist(), *[0] * (size - visited)]
-        preempted: list[Sequence] = []
-        for victim_id in self.store.grow_or_preempt(None, new_tokens):
-            victim = self.running.pop()
-            assert victim.seq_id == victim_id  # running is the store's live order
-            victim.status, victim.num_computed = SeqStatus.WAITING, 0
+        survivors = size - len(self.store.grow_or_preempt(None, new_tokens))
+        preempted = self.running[survivors:][::-1]  # the store removes from the tail
+        del self.running[survivors:]
+        for victim in preempted:
+            victim.status = SeqStatus.WAITING  # its K/V forgotten: num_computed is 0
             self.waiting.appendleft(victim)
-            preempted.append(victim)
-        self._rows = self._rows[: len(self.running)]
-        kept = min(visited, len(self.running))  # victims come from the tail
+        kept = min(visited, survivors)
         return preempted, starts[:kept], counts[:kept], samples[:kept]
 
-    def _admit(self, seq: Sequence) -> int | None:
-        """Give ``seq`` its prompt's blocks if its samples fit ``max_num_seqs`` and the blocks
+    def _admit_waiting(
+        self, budget: int, seats: int, held: NDArray[np.intp]
+    ) -> tuple[list[Sequence], list[tuple[int, int, bool]]]:
+        """Admit waiting sequences in order while the ``budget`` of tokens, the ``seats`` left
+        under ``max_num_seqs`` and the memory allow; ``held``: the store rows of the running
+        sequences. Returns the admitted ones and for each its first position to compute (its
+        prefix-cache hits), tokens to compute and whether it samples. A sequence's columns are
+        written into every free row before the store admits it (it takes one) and it runs
+        before any later store call, so a fault anywhere after an admission loses nothing."""
+        window = self.config.sliding_window
+        admitted: list[Sequence] = []
+        planned: list[tuple[int, int, bool]] = []
+        while budget > 0 and self.waiting:
+            seq = self.waiting[0]
+            cached = self._admit(seq, seats, held)
+            if cached is None:
+                break
+            self.waiting.popleft()  # only once its blocks are held: a failed admit loses nothing
+            self._columns.computed[self._free_rows(held)] = cached
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            if window is not None and cached:  # hits before the first computed token's window
+                self.store.release_outside_window([seq.seq_id], window, cached)
+            admitted.append(seq)
+            seats -= seq.num_samples
+            count = min(len(seq.tokens) - cached, budget)
+            budget -= count
+            planned.append((cached, count, count == len(seq.tokens) - cached))
+            held = np.append(held, self.store.row(seq.seq_id))
+        return admitted, planned
+
+    def _admit(self, seq: Sequence, seats: int, held: NDArray[np.intp]) -> int | None:
+        """Give ``seq`` its prompt's blocks if its samples fit the ``seats`` left and the blocks
         leave the watermark free (waived with nothing running); return its cached tokens, or
-        None (nothing changed). The store plans the prompt once; without a prefix cache the
-        prompt takes exactly ``blocks_needed(len(tokens))`` blocks, so a prompt that cannot
-        leave the headroom is refused here without asking the store (a waiting request is
-        retried every step)."""
-        if self.num_running_seqs + seq.num_samples > self.config.max_num_seqs:
+        None (the store unchanged). Its request is first written into the columns of the rows
+        not ``held``, which no step reads. Without a prefix cache a prompt takes exactly
+        ``blocks_needed(len(tokens))`` blocks, so one that cannot leave the headroom is refused
+        without asking the store, which plans the prompt once."""
+        if seq.num_samples > seats:
             return None
         store = self.store
         headroom = self.config.watermark_blocks if self.running else 0
@@ -556,13 +334,117 @@ class Scheduler:
             blocks_needed(len(seq.tokens), store.block_size) > store.num_free_blocks - headroom
         ):
             return None
+        self._columns.place(self._free_rows(held), seq)
         return self.store.admit(seq.seq_id, seq.tokens, headroom, seq.cache_salt)
 
-    def _child(self, parent: Sequence, computed: int, index: int, token: int) -> Sequence:
-        """Sample ``index`` of ``parent``'s request: ``parent``'s tokens plus ``token``, with
-        the K/V of ``parent``'s first ``computed`` tokens (shared blocks)."""
+    def _free_rows(self, held: NDArray[np.intp]) -> NDArray[np.bool_]:
+        """Which rows of the step columns are not in ``held``."""
+        free = np.ones(self._columns.computed.size, dtype=np.bool_)
+        free[held] = False
+        return free
+
+    def _sampled_tokens(
+        self, output: SchedulerOutput, sampled: object
+    ) -> tuple[NDArray[np.intp], NDArray[np.intp], NDArray[np.int64], plans.Sampled]:
+        """Check that ``output`` is the latest plan and ``sampled`` its tokens (``ValueError``
+        or ``TypeError``, changing nothing). Returns the store rows of its sequences, its
+        sampling rows, each sampling sequence's samples, and the tokens."""
+        size = len(output.seqs)
+        if size > len(self.running) or (size and output.seqs[-1] is not self.running[size - 1]):
+            raise ValueError("update takes the output of the latest schedule()")
+        rows = self.store.resolve(None).rows[:size]  # the plan's sequences lead the running
+        sample_rows = np.flatnonzero(output.samples)
+        per_seq = self._columns.samples(rows[sample_rows], output.ends[sample_rows])
+        return rows, sample_rows, per_seq, plans.check_sampled(sampled, per_seq)
+
+    def _cache_filled_blocks(self, output: SchedulerOutput, ends: NDArray[np.int64]) -> None:
+        """Register with the prefix cache every block ``output`` (whose rows end at ``ends``)
+        filled. Idempotent: a retried update registers nothing twice."""
+        if not self.store.prefix_caching:
+            return
+        starts, bs = output.starts, self.store.block_size
+        for i in np.flatnonzero(ends // bs > starts // bs).tolist():  # filled a block
+            seq, end = output.seqs[i], int(ends[i])
+            self.store.cache_blocks(
+                seq.seq_id,
+                seq.tokens if end == len(seq.tokens) else seq.tokens[:end],
+                seq.cache_salt,
+            )
+
+    def _fork_and_finish(
+        self,
+        sampling: list[Sequence],
+        sample_rows: NDArray[np.intp],
+        ends: NDArray[np.int64],
+        per_seq: NDArray[np.int64],
+        sampled: plans.Sampled,
+        done: NDArray[np.bool_],
+    ) -> plans.UpdateOutcome:
+        """The store calls of an update: fork each unforked sampling sequence's children (one
+        per sample after its first, with its token of ``sampled``; a child born
+        done holds no blocks) and remove the sequences that are ``done``. Each store call is
+        atomic, and on failure the forks are undone by one that cannot fail (``undo_fork``: no
+        check, no block taken), so a second fault cannot leave a child in the store."""
+        first_id = self._next_seq_id
+        outcome = plans.UpdateOutcome()
+        forks: list[int] = []
+        finishing: list[int] = []  # running positions
+        try:
+            for j in np.flatnonzero(done | (per_seq > 1)).tolist():
+                seq, first, end = sampling[j], sampled.firsts[j], int(ends[j])
+                for index in range(1, int(per_seq[j])):
+                    child = self._child(seq, index, sampled.tokens[first + index])
+                    outcome.children.append(child)
+                    if child.done:  # a discarded object if the update fails
+                        child.status = SeqStatus.FINISHED
+                        outcome.finished.append(child)
+                        continue
+                    self.store.fork(seq.seq_id, child.seq_id)
+                    forks.append(child.seq_id)
+                    row = self.store.row(child.seq_id)
+                    self._columns.place(row, child)  # a row a failed update frees again
+                    outcome.placed.append((child, row, end))
+                if done[j]:
+                    finishing.append(int(sample_rows[j]))
+                    outcome.finished.append(seq)
+            if finishing:
+                self.store.remove([self.running[i].seq_id for i in finishing])
+        except BaseException:
+            if forks:
+                self.store.undo_fork(forks)
+            self._next_seq_id = first_id
+            raise
+        outcome.finishing = finishing
+        return outcome
+
+    def _commit(
+        self,
+        rows: NDArray[np.intp],
+        ends: NDArray[np.int64],
+        sampling: list[Sequence],
+        first_tokens: abc.Sequence[int],
+        outcome: plans.UpdateOutcome,
+    ) -> None:
+        """The scheduler's own changes of an update, once every store call succeeded: each
+        sampling sequence gets its first token, every row its computed tokens, the children
+        run and the finished sequences leave. Calls no other module, so it cannot fail."""
+        _consume(map(list.append, map(sequence.TOKENS, sampling), first_tokens))
+        self._columns.computed[rows] = ends
+        for child, row, computed in outcome.placed:
+            self._columns.computed[row] = computed
+            child.status = SeqStatus.RUNNING
+            self.running.append(child)
+        if outcome.finishing:
+            for i in outcome.finishing:
+                self.running[i].status = SeqStatus.FINISHED
+            keep = np.ones(len(self.running), dtype=bool)
+            keep[outcome.finishing] = False
+            self.running = list(compress(self.running, keep.tolist()))
+
+    def _child(self, parent: Sequence, index: int, token: int) -> Sequence:
+        """Sample ``index`` of ``parent``'s request: ``parent``'s tokens plus ``token``."""
         return Sequence(
             self._new_seq_id(), parent.request_id, [*parent.tokens, token], parent.prompt_len,
-            parent.max_new_tokens, parent.eos_token_id, sample_index=index,
-            num_computed=computed, cache_salt=parent.cache_salt,
+            parent.max_new_tokens, parent.eos_token_id, parent.n, index,
+            cache_salt=parent.cache_salt, columns=self._columns,
         )  # fmt: skip

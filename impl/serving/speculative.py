@@ -15,20 +15,19 @@ of the tokens that follow ``tokens`` (a sequence's prompt and output so far, as 
 small model, an n-gram lookup, or, in the tests, the dense oracle or a fixed guess.
 
 The engine's step calls three functions here: :func:`draft` before the pass (every draft source
-call, then the tables grown by the drafts), :func:`roll_back` after it (the rejected drafts'
-slots given back), and :func:`undraft` when the step fails (every draft given back).
+call, then the drafts added), :func:`roll_back` after it (the rejected drafts cut), and
+:func:`undraft` when the step fails (every draft given back). The scheduler makes every change
+(``Scheduler.add_drafts``, ``keep_drafts`` and ``undo_drafts``): each drafted sequence's tokens
+and table change together, in one call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 
-import numpy as np
 import torch
 
-from pagedkv.impl.blocks.store import BlockTableStore
-from pagedkv.impl.serving.scheduler import SchedulerOutput
+from pagedkv.impl.serving.scheduler import Drafted, Scheduler, SchedulerOutput
 from pagedkv.spec.block_manager import check_int
 
 DraftSource = Callable[[list[int], int], Sequence[int]]
@@ -65,25 +64,25 @@ def accepted_drafts(drafts: Sequence[int], greedy: Sequence[int], eos_token_id: 
     return kept
 
 
-Before = dict[int, tuple[int, int]]
+Before = Drafted
 """Each drafted sequence's row in the plan and its end before its drafts, by sequence id: what
 :func:`undraft` gives back to."""
 
 
 def draft(
     plan: SchedulerOutput,
-    store: BlockTableStore,
+    scheduler: Scheduler,
     draft_source: DraftSource,
     num_speculative_tokens: int,
     budget: int,
     vocab_size: int,
 ) -> tuple[SchedulerOutput, dict[int, list[int]], Before]:
     """Give each sequence whose step samples (one sample) up to ``num_speculative_tokens``
-    drafts, within ``budget`` more tokens in the step and the room left in its output, and grow
-    its table by them. Returns the plan that also computes the drafts, the drafts by sequence
-    id, and what :func:`undraft` needs. All-or-nothing: every draft source call is made and
-    checked before anything changes, and a failure after the growth gives it back; a sequence
-    the pool cannot grow now is not speculated this step."""
+    drafts, within ``budget`` more tokens in the step and the room left in its output
+    (``scheduler.add_drafts``). Returns the plan that also computes the drafts, the drafts by
+    sequence id, and what :func:`undraft` needs. All-or-nothing: every draft source call is
+    made and checked before anything changes; a sequence the pool cannot grow now is not
+    speculated this step."""
     drafts: dict[int, list[int]] = {}
     for seq in plan.sampling:
         room = seq.max_new_tokens - len(seq.tokens) + seq.prompt_len - 1  # beyond its sample
@@ -96,51 +95,31 @@ def draft(
             budget -= len(guess)
     if not drafts:
         return plan, drafts, {}
-    ends = plan.ends
-    rows = {seq_id: row for row, seq_id in enumerate(plan.seq_ids.tolist()) if seq_id in drafts}
-    for seq_id in store.grow(list(drafts), [len(d) for d in drafts.values()]):
-        del drafts[seq_id]  # no free block for its drafts now
-    before = {seq_id: (rows[seq_id], int(ends[rows[seq_id]])) for seq_id in drafts}
-    extra = np.zeros(len(plan.seqs), np.int64)
-    for seq_id, (row, _) in before.items():
-        extra[row] = len(drafts[seq_id])
-    try:
-        drafted = replace(plan, num_tokens=plan.num_tokens + extra)
-    except BaseException:
-        undraft(plan, before, store)  # the tokens hold no draft yet
-        raise
-    for seq_id, (row, _) in before.items():  # nothing after this can fail
-        plan.seqs[row].tokens.extend(drafts[seq_id])
-    return drafted, drafts, before
+    drafted, before = scheduler.add_drafts(plan, drafts)
+    return drafted, {seq_id: drafts[seq_id] for seq_id in before}, before
 
 
 def roll_back(
     plan: SchedulerOutput,
     drafts: Mapping[int, list[int]],
     rows: Mapping[int, torch.Tensor],
-    store: BlockTableStore,
+    scheduler: Scheduler,
 ) -> SchedulerOutput:
-    """Keep each drafted sequence's accepted drafts (``len(rows[seq_id]) - 1`` of them): its
-    table is truncated after them (``store.truncate``) and the rest leave its tokens. Returns
-    the plan as verified: each drafted item computes up to its last kept draft."""
+    """Keep each drafted sequence's accepted drafts (``len(rows[seq_id]) - 1`` of them): the
+    rest leave its tokens and table (``scheduler.keep_drafts``). Returns the plan as verified:
+    each drafted item computes up to its last kept draft."""
     ends = plan.ends
     kept = {}  # seq id -> (row, end)
     for row, seq_id in enumerate(plan.seq_ids.tolist()):
         if seq_id in drafts:
             kept[seq_id] = row, int(ends[row]) - len(drafts[seq_id]) + len(rows[seq_id]) - 1
-    store.truncate(list(kept), [end for _, end in kept.values()])
-    for row, end in kept.values():
-        del plan.seqs[row].tokens[end:]
-        ends[row] = end
-    return replace(plan, num_tokens=ends - plan.starts)
+    return scheduler.keep_drafts(plan, kept)
 
 
-def undraft(plan: SchedulerOutput, before: Before, store: BlockTableStore) -> None:
-    """A speculative step failed: each drafted sequence's table and tokens go back to what they
+def undraft(plan: SchedulerOutput, before: Before, scheduler: Scheduler) -> None:
+    """A speculative step failed: each drafted sequence's tokens and table go back to what they
     were before its drafts (``before``, from :func:`draft`), so the next step schedules the
-    same work again. Cannot fail: ``store.undo_growth`` checks nothing and takes no block, and
-    nothing else here calls another module, so a fault in :func:`roll_back` followed by another
-    anywhere leaves no unverified draft behind."""
-    store.undo_growth(list(before), [end for _, end in before.values()])
-    for row, end in before.values():
-        del plan.seqs[row].tokens[end:]
+    same work again. Cannot fail: ``scheduler.undo_drafts`` cannot, and nothing else here calls
+    another module, so a fault in :func:`roll_back` followed by another anywhere leaves no
+    unverified draft behind."""
+    scheduler.undo_drafts(plan, before)
