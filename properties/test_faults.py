@@ -856,7 +856,7 @@ WITHOUT_THE_RETRY_RULE = {
         "waits = np.zeros(freed.size, dtype=np.bool_)",
     ),
     pagedkv.impl.blocks.growth: (
-        "plan",
+        "plan_in_order",
         "left == 0 and block not in sources",
         "left == 0",
     ),
