@@ -821,8 +821,8 @@ PLANTED = {
     "a failed admission loses its request": (
         pagedkv.impl.serving.scheduler,
         "Scheduler._admit_waiting",
-        "            seq = self.waiting[0]\n            cached = self._admit(seq, seats, held)",
-        "            seq = self.waiting.popleft()\n            cached = self._admit(seq, seats, held)",
+        "seq = self.waiting[0]\ncached = self._admit(seq, seats, held)",
+        "seq = self.waiting.popleft()\ncached = self._admit(seq, seats, held)",
     ),
     "a failed update leaks the blocks of its forks": (
         pagedkv.impl.serving.scheduler,
