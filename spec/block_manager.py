@@ -250,8 +250,8 @@ class BlockManager:
         growth = max(0, needed - len(table))
         check_available(len(shared) + growth, len(self.free_queue))
         fresh = self._take_from_head(len(shared) + growth)
-        for index, fresh_id in zip(shared, fresh[: len(shared)], strict=True):
-            old_id = table[index]
+        for copy, index in enumerate(shared):  # the first fresh blocks replace shared ones
+            old_id, fresh_id = table[index], fresh[copy]
             self.blocks[old_id].ref_count -= 1  # Rule: the shared block loses one owner.
             self._copy_pairs.append((old_id, fresh_id))  # Rule: the caller copies old -> fresh.
             table[index] = fresh_id

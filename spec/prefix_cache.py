@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import operator
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pagedkv.spec.block_manager import BlockManager, blocks_needed
 from pagedkv.spec.checks import (
@@ -107,18 +107,19 @@ def _same(a: Hashable, b: Hashable) -> bool:
     return a is b or a == b
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class BlockKey:
     """The content of a full block and of everything before it, chained through ``parent``.
 
     Equality is structural: two keys are equal exactly when their token prefixes and extra keys
-    are equal, whatever their hashes.
+    are equal, whatever their hashes (the class's own ``__eq__`` and ``__hash__``, which
+    ``dataclass`` keeps).
     """
 
     parent: BlockKey | None
     tokens: tuple[int, ...]
     extra: Hashable
-    hash_value: int = field(compare=False)
+    hash_value: int
 
     def __hash__(self) -> int:
         return self.hash_value

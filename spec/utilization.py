@@ -60,9 +60,7 @@ def paged_usage(token_counts: Sequence[int], block_size: int) -> Usage:
     """
     counts = _check_counts(token_counts)
     check_int("block_size", block_size, 1)
-    allocated = [blocks_needed(count, block_size) * block_size for count in counts]
+    waste = tuple(blocks_needed(count, block_size) * block_size - count for count in counts)
     return Usage(
-        reserved_slots=sum(allocated),
-        used_slots=sum(counts),
-        waste_per_request=tuple(a - c for a, c in zip(allocated, counts, strict=True)),
+        reserved_slots=sum(counts) + sum(waste), used_slots=sum(counts), waste_per_request=waste
     )
