@@ -1,0 +1,85 @@
+"""A ``BlockTableStore`` and the spec run in lockstep, for directed examples.
+
+Each store call is paired with the spec's per-sequence calls (``add`` is ``allocate``,
+``prompt`` is ``allocate_prompt``, ``grow`` is ``append_slot`` with ``OutOfBlocksError`` caught,
+and so on); :meth:`Both.check` compares every table, the free queue, reference counts, pending
+copy pairs and (with prefix caching) every block's key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import pagedkv.spec.block_manager as spec_bm
+import pagedkv.spec.prefix_cache as spec_pc
+from pagedkv.impl.blocks import BlockManager, BlockTableStore, PrefixCachingBlockManager
+
+
+class Both:
+    """A store over an impl manager and the spec manager of the same pool, one table per id."""
+
+    def __init__(
+        self, total: int, block_size: int, max_seqs: int, max_blocks: int, prefix: bool = True
+    ) -> None:
+        impl_cls = PrefixCachingBlockManager if prefix else BlockManager
+        self.manager: Any = impl_cls(total, block_size)
+        self.store = BlockTableStore(self.manager, max_seqs, max_blocks)
+        spec_cls = spec_pc.PrefixCachingBlockManager if prefix else spec_bm.BlockManager
+        self.spec: Any = spec_cls(total, block_size)
+        self.prefix, self.block_size = prefix, block_size
+        self.tables: dict[int, list[int | None]] = {}
+
+    def add(self, seq_id: int, prompt_len: int) -> None:
+        self.store.add(seq_id, prompt_len)
+        self.tables[seq_id] = self.spec.allocate(-(-prompt_len // self.block_size))
+
+    def prompt(self, seq_id: int, tokens: list[int], extra: Hashable = None) -> int:
+        """``add_prompt`` and ``allocate_prompt``: the same cached tokens, returned."""
+        cached = self.store.add_prompt(seq_id, tokens, extra)
+        self.tables[seq_id], spec_cached = self.spec.allocate_prompt(tokens, extra)
+        assert cached == spec_cached
+        return cached
+
+    def cache(self, seq_id: int, tokens: list[int], extra: Hashable = None) -> int:
+        """``cache_blocks`` on both: the same count, returned."""
+        newly = self.store.cache_blocks(seq_id, tokens, extra)
+        assert newly == self.spec.cache_blocks(self.tables[seq_id], tokens, extra)
+        return newly
+
+    def fork(self, parent: int, child: int) -> None:
+        self.store.fork(parent, child)
+        self.tables[child] = self.spec.fork(self.tables[parent])
+
+    def remove(self, seq_id: int) -> None:
+        self.store.remove([seq_id])
+        self.spec.free(self.tables.pop(seq_id))
+
+    def truncate(self, counts: dict[int, int]) -> None:
+        self.store.truncate(list(counts), list(counts.values()))
+        for seq_id, count in counts.items():
+            self.tables[seq_id] = self.spec.truncate(self.tables[seq_id], count)
+
+    def grow(self, steps: dict[int, int], method: str = "grow") -> list[int]:
+        """The store's ``method`` (``grow`` or ``grow_or_preempt`` with no victim expected)
+        and each id's ``append_slot`` in turn; the ids that could not grow, as both report."""
+        result = getattr(self.store, method)(list(steps), list(steps.values()))
+        failed = []
+        for seq_id, step in steps.items():
+            count = self.store.token_count(seq_id) - (0 if seq_id in result else step)
+            try:
+                self.tables[seq_id] = self.spec.append_slot(self.tables[seq_id], count + step, step)
+            except spec_bm.OutOfBlocksError:
+                failed.append(seq_id)
+        assert result == failed
+        return result
+
+    def check(self) -> None:
+        assert {s: self.store.table(s) for s in self.tables} == self.tables
+        assert self.manager.free_block_ids() == self.spec.free_block_ids()
+        assert self.manager.ref_counts().tolist() == [b.ref_count for b in self.spec.blocks]
+        pairs = [list(pair) for pair in self.spec.pending_copy_pairs()]
+        assert self.store.pending_copy_pairs().tolist() == pairs
+        if self.prefix:
+            for block in range(self.manager.total_blocks):
+                assert self.manager.key_of(block) == self.spec.key_of(block)
