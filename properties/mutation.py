@@ -1,27 +1,23 @@
 """Mutation testing: every small edit of ``spec/`` and ``impl/blocks/`` must fail a property.
 
-``python -m properties.mutation [PATH ...] [--sample N] [--json FILE] [--markdown]``
+``python -m properties.mutation [PATH ...] [--sample N] [--only ID ...] [--list] [--json FILE]
+[--markdown]``
 
-A *mutant* is one source file with one small edit, made on its syntax tree (:func:`sites`): a
-comparison's boundary (``<`` to ``<=``), ``==`` to ``!=``, ``is`` to ``is not``, ``in`` to
-``not in``, ``+`` to ``-`` and other arithmetic swaps, ``and`` to ``or``, a dropped ``not`` or
-unary minus, an int constant plus one, ``True`` to ``False``, ``min`` to ``max``, a negated
-``if``/``while`` test, ``break`` to ``continue``, and a deleted call statement, augmented
-assignment, ``raise`` or ``del``. Docstrings, annotations and f-strings (error messages) are
-never edited: no property reads them.
+A *mutant* is one source file with one small edit of its syntax tree (:func:`sites`): a
+comparison's boundary (``<`` to ``<=``), ``==``/``!=``, ``is``/``is not``, ``in``/``not in``,
+an arithmetic swap (``+`` to ``-`` ...), ``and``/``or``, a dropped ``not`` or unary minus, an
+int constant plus one, ``True``/``False``, ``min``/``max``, a negated ``if``/``while`` test,
+``break`` to ``continue``, a deleted call statement, augmented assignment, ``raise`` or ``del``.
+Docstrings, annotations and f-strings (error messages) are never edited.
 
-Each mutant runs in a forked child of this process. The child puts an import hook in front of
-every other (:class:`MutantFinder`), so the mutated module is what ``import`` returns, then runs
-``pytest`` in-process on the block-management files of ``properties/``
-(:data:`PYTEST_ARGS`): stop at the first failure, Hypothesis profile ``mutation``
-(derandomized, no example database, no shrinking). No file is written, so the tree may change
-under a run. A mutant is *killed* when pytest reports a failure (exit status 1, or 2 for an
-error while collecting, which is the mutant failing at import) or runs past the timeout; it
-*survives* when every test passes.
-Before the mutants, the unmutated code must pass the same run (the baseline), and its time sets
-the timeout. A surviving mutant is either a missing property or equivalent to the original; the
-equivalent ones are listed in :data:`EQUIVALENT` with the reason, and docs/results.md explains
-them. Linux only (``os.fork``).
+Each mutant runs in a forked child whose import hook (:class:`MutantFinder`) serves the mutated
+module, running ``pytest`` in-process on the block-management tests (:data:`PYTEST_ARGS`: stop
+at the first failure, profile ``mutation``). Nothing is written, so the tree may change under a
+run. A mutant is *killed* when pytest fails (exit 1, or 2 for a collection error: the mutant
+failing at import) or runs past the timeout (three times the unmutated baseline's, which must
+pass first, plus 10 s); it *survives* when every test passes. A survivor is a missing property
+or equivalent to the original: :data:`EQUIVALENT` lists the equivalent ones with the reason
+(docs/results.md explains them). Linux only (``os.fork``).
 """
 
 from __future__ import annotations
@@ -80,17 +76,13 @@ BLOCK_MANAGEMENT_TESTS = (
     "properties/test_trusted_api.py",
     "properties/test_utilization_and_demo.py",
 )
-"""The property files a mutant run uses: those that check block management. Left out are the
-other layers' tests (engine, kernels, scheduler, layers), the planted-bug tests (they check the
-tests), and the exhaustive check (a minute per mutant; its own planted bugs show its teeth)."""
+"""The property files a mutant run uses: those that check block management. Left out: the other
+layers' tests, the planted-bug tests (they check the tests) and the exhaustive check (a minute
+per mutant; its own planted bugs show its teeth)."""
 
 PYTEST_ARGS = (
     *BLOCK_MANAGEMENT_TESTS,
-    "-x",
-    "-q",
-    "-p",
-    "no:cacheprovider",
-    "--hypothesis-profile=mutation",
+    *("-x", "-q", "-p", "no:cacheprovider", "--hypothesis-profile=mutation"),
 )
 
 EQUIVALENT_FILE = ROOT / "properties" / "equivalent_mutants.json"
@@ -101,9 +93,8 @@ as :attr:`Mutant.ident` does (``occurrence`` 1 unless equal edits repeat in one 
 
 def load_equivalents(path: Path = EQUIVALENT_FILE) -> dict[str, str]:
     """The recorded equivalent mutants, by ident, with their reasons."""
-    entries = json.loads(path.read_text())
     equivalent = {}
-    for entry in entries:
+    for entry in json.loads(path.read_text()):
         key = f"{entry['file']}::{entry['scope']}::{entry['operator']}::{entry['code']}"
         occurrence = entry.get("occurrence", 1)
         equivalent[key if occurrence == 1 else f"{key}#{occurrence}"] = entry["reason"]
@@ -111,36 +102,22 @@ def load_equivalents(path: Path = EQUIVALENT_FILE) -> dict[str, str]:
 
 
 EQUIVALENT: dict[str, str] = load_equivalents()
-"""Surviving mutants that behave exactly as the original, by id, with the reason."""
 
 # ----------------------------------------------------------------- the edits
 
-COMPARE_SWAPS: dict[type[ast.cmpop], type[ast.cmpop]] = {
-    ast.Lt: ast.LtE,
-    ast.LtE: ast.Lt,
-    ast.Gt: ast.GtE,
-    ast.GtE: ast.Gt,
-    ast.Eq: ast.NotEq,
-    ast.NotEq: ast.Eq,
-    ast.Is: ast.IsNot,
-    ast.IsNot: ast.Is,
-    ast.In: ast.NotIn,
-    ast.NotIn: ast.In,
-}
-ARITHMETIC_SWAPS: dict[type[ast.operator], type[ast.operator]] = {
-    ast.Add: ast.Sub,
-    ast.Sub: ast.Add,
-    ast.Mult: ast.FloorDiv,
-    ast.FloorDiv: ast.Mult,
-    ast.Div: ast.Mult,
-    ast.Mod: ast.FloorDiv,
-    ast.Pow: ast.Mult,
-    ast.BitAnd: ast.BitOr,
-    ast.BitOr: ast.BitAnd,
-    ast.BitXor: ast.BitOr,
-    ast.LShift: ast.RShift,
-    ast.RShift: ast.LShift,
-}
+
+def _swaps(pairs: str) -> dict[type, type]:
+    """``"Lt->LtE ..."`` as ``{ast.Lt: ast.LtE, ...}``."""
+    return {getattr(ast, a): getattr(ast, b) for a, b in (p.split("->") for p in pairs.split())}
+
+
+COMPARE_SWAPS = _swaps(
+    "Lt->LtE LtE->Lt Gt->GtE GtE->Gt Eq->NotEq NotEq->Eq Is->IsNot IsNot->Is In->NotIn NotIn->In"
+)
+ARITHMETIC_SWAPS = _swaps(
+    "Add->Sub Sub->Add Mult->FloorDiv FloorDiv->Mult Div->Mult Mod->FloorDiv Pow->Mult "
+    "BitAnd->BitOr BitOr->BitAnd BitXor->BitOr LShift->RShift RShift->LShift"
+)
 DELETABLE = (ast.Expr, ast.AugAssign, ast.Raise, ast.Delete)
 
 
@@ -167,10 +144,9 @@ def _edits(node: ast.AST) -> Iterator[tuple[ast.AST, str]]:
     if isinstance(node, ast.Compare):
         for i, op in enumerate(node.ops):
             if type(op) in COMPARE_SWAPS:
-                swapped = COMPARE_SWAPS[type(op)]()
                 new = copy.copy(node)
-                new.ops = [*node.ops[:i], swapped, *node.ops[i + 1 :]]
-                yield new, f"{_name(op)}->{_name(swapped)}"
+                new.ops = [*node.ops[:i], COMPARE_SWAPS[type(op)](), *node.ops[i + 1 :]]
+                yield new, f"{_name(op)}->{_name(new.ops[i])}"
     elif isinstance(node, (ast.BinOp, ast.AugAssign)) and type(node.op) in ARITHMETIC_SWAPS:
         new = copy.copy(node)
         new.op = ARITHMETIC_SWAPS[type(node.op)]()
@@ -180,20 +156,14 @@ def _edits(node: ast.AST) -> Iterator[tuple[ast.AST, str]]:
         yield ast.BoolOp(swapped, node.values), f"{_name(node.op)}->{_name(swapped)}"
     elif isinstance(node, ast.UnaryOp) and not isinstance(node.op, ast.UAdd):
         yield node.operand, f"drop-{_name(node.op)}"
-    elif isinstance(node, ast.Constant) and isinstance(node.value, bool):
-        yield ast.Constant(not node.value), f"{node.value}->{not node.value}"
-    elif isinstance(node, ast.Constant) and type(node.value) is int:
-        yield ast.Constant(node.value + 1), f"{node.value}->{node.value + 1}"
-    elif (
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Name)
-        and node.func.id in ("min", "max")
-    ):
-        other = "max" if node.func.id == "min" else "min"
-        yield (
-            ast.Call(ast.Name(other, ast.Load()), node.args, node.keywords),
-            f"{node.func.id}->{other}",
-        )
+    elif isinstance(node, ast.Constant) and type(node.value) in (bool, int):
+        new_value = not node.value if type(node.value) is bool else node.value + 1
+        yield ast.Constant(new_value), f"{node.value}->{new_value}"
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        other = {"min": "max", "max": "min"}.get(node.func.id)
+        if other:
+            call = ast.Call(ast.Name(other, ast.Load()), node.args, node.keywords)
+            yield call, f"{node.func.id}->{other}"
     elif isinstance(node, ast.Break):
         yield ast.Continue(), "break->continue"
     if isinstance(node, (ast.If, ast.While)) and not isinstance(
@@ -207,22 +177,15 @@ def _edits(node: ast.AST) -> Iterator[tuple[ast.AST, str]]:
 
 
 def _is_docstring(node: ast.AST) -> bool:
-    return (
-        isinstance(node, ast.Expr)
-        and isinstance(node.value, ast.Constant)
-        and isinstance(node.value.value, str)
-    )
+    value = node.value if isinstance(node, ast.Expr) else None
+    return isinstance(value, ast.Constant) and isinstance(value.value, str)
 
 
 def _skipped_fields(node: ast.AST) -> set[str]:
     """Fields of ``node`` that are never edited: annotations (no runtime effect here)."""
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return {"returns"}
-    if isinstance(node, ast.arg):
-        return {"annotation"}
-    if isinstance(node, ast.AnnAssign):
-        return {"annotation"}
-    return set()
+    return {"annotation"} if isinstance(node, (ast.arg, ast.AnnAssign)) else set()
 
 
 def sites(tree: ast.Module) -> list[Site]:
@@ -237,14 +200,13 @@ def sites(tree: ast.Module) -> list[Site]:
         for field, value in ast.iter_fields(node):
             if field in _skipped_fields(node):
                 continue
-            children = value if isinstance(value, list) else [value]
-            for index, child in enumerate(children):
+            for index, child in enumerate(value if isinstance(value, list) else [value]):
                 if not isinstance(child, ast.AST) or _is_docstring(child):
                     continue
                 here = _first_line(child) if isinstance(child, ast.stmt) else code
+                position = index if isinstance(value, list) else None
+                line = getattr(child, "lineno", getattr(node, "lineno", 0))
                 for new, operator in _edits(child):
-                    position = index if isinstance(value, list) else None
-                    line = getattr(child, "lineno", getattr(node, "lineno", 0))
                     found.append(Site(node, field, position, new, operator, line, scope, here))
                 visit(child, scope, here)
 
@@ -292,10 +254,9 @@ def mutants_of(path: str) -> list[Mutant]:
 
 def mutants_in(source: str, path: str) -> list[Mutant]:
     """Every mutant of ``source``, read as the file ``path``, in site order."""
-    tree = ast.parse(source, path)
     seen: Counter[str] = Counter()
     result = []
-    for index, site in enumerate(sites(tree)):
+    for index, site in enumerate(sites(ast.parse(source, path))):
         key = f"{path}::{site.scope}::{site.operator}::{site.code}"
         seen[key] += 1
         ident = key if seen[key] == 1 else f"{key}#{seen[key]}"
@@ -377,8 +338,8 @@ def run_pytest(code: tuple[str, types.CodeType] | None, timeout: float) -> tuple
         done, status = os.waitpid(pid, os.WNOHANG)
         elapsed = time.monotonic() - start
         if done:
-            code_ = os.waitstatus_to_exitcode(status)
-            verdict = {0: "passed", 1: "failed", 2: "failed"}.get(code_, f"error: {code_}")
+            exit_code = os.waitstatus_to_exitcode(status)
+            verdict = {0: "passed", 1: "failed", 2: "failed"}.get(exit_code, f"error: {exit_code}")
             return verdict, elapsed
         if elapsed > timeout:
             os.killpg(pid, signal.SIGKILL)
@@ -447,9 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample", type=int, help="run only this many mutants, spread evenly")
     parser.add_argument("--only", nargs="+", default=[], help="run only these mutant ids")
     parser.add_argument("--list", action="store_true", help="list the mutants, run nothing")
-    parser.add_argument(
-        "--json", type=Path, help="write every result to this file (rewritten after each)"
-    )
+    parser.add_argument("--json", type=Path, help="write every result here (after each)")
     parser.add_argument("--markdown", action="store_true", help="print the score table")
     args = parser.parse_args(argv)
     mutants = [m for path in args.paths for m in mutants_of(path)]
@@ -472,7 +431,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     timeout = 3 * seconds + 10
     print(f"baseline passed in {seconds:.1f} s; {len(mutants)} mutants, timeout {timeout:.0f} s")
-
     done: list[Result] = []
 
     def progress(result: Result) -> None:

@@ -1,15 +1,11 @@
 """vLLM's v1 block manager checked against the spec, from the long command, never skipped.
 
-:func:`test_vllm_conforms_to_the_spec_under_the_named_divergences` builds ``.venv-vllm`` (or
-reuses it when complete; ``properties/vllm_env.py``) and runs the conformance machine,
-``properties/machines/vllm.py``, there under the ``ci`` profile; the next test replays
-bench_trace's vLLM systems there (identical steps asserted). If the environment cannot be built
-the tests FAIL with the reason: a missing vLLM is a failure, not a skip. The first build
-downloads about 3.5 GB and takes about 2 minutes; a reused one costs seconds. Both are marked
-``long``: the quick command (plain ``pytest``) builds no vLLM; ``pytest -m long`` runs them.
-
-The other tests need no vLLM: the divergence table in docs/design.md lists exactly the
-divergences the adapter names, and the environment builder picks the right steps.
+The ``long`` tests build ``.venv-vllm`` (or reuse it; ``properties/vllm_env.py``: about 3.5 GB
+and 2 minutes the first time, seconds after), then run the conformance machine
+(``properties/machines/vllm.py``, ``ci`` profile) and replay bench_trace's vLLM systems there.
+An environment that cannot be built FAILS them: a missing vLLM is a failure, not a skip. The
+other tests need no vLLM: the design table names exactly the divergences, the rules with none
+on are the spec, and the builder runs the right steps.
 """
 
 from __future__ import annotations
@@ -17,47 +13,47 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from subprocess import CompletedProcess
 
 import pytest
 
+from pagedkv.spec.prefix_cache import PrefixCachingBlockManager
 from properties import vllm_env
 from properties.vllm_rules import BEHAVIOUR_RULES, DIVERGENCES, VllmRules
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def passed_in_vllm_env(done: subprocess.CompletedProcess[str], allow_deselected: bool) -> None:
-    """The run in ``.venv-vllm`` passed, ran tests, and skipped none."""
+def passed_in_vllm_env(run: Callable[[], CompletedProcess[str]], deselected: bool = False) -> str:
+    """Build or reuse ``.venv-vllm`` (a failure if it cannot be built), then ``run()`` there: it
+    must pass, run tests and skip none. Its output."""
+    try:
+        vllm_env.ensure()
+    except vllm_env.VllmEnvError as error:
+        pytest.fail(f"vLLM cannot be checked: .venv-vllm could not be built.\n{error}")
+    done = run()
     output = done.stdout + done.stderr
     assert done.returncode == 0, f"the run in .venv-vllm failed:\n{output}"
     summary = output.strip().splitlines()[-1]
     assert re.search(r"\b\d+ passed\b", summary), output
     assert not re.search(r"skipped|xfail|error", summary), output
-    assert allow_deselected or "deselected" not in summary, output
-
-
-def ensure_vllm_env() -> None:
-    try:
-        vllm_env.ensure()
-    except vllm_env.VllmEnvError as error:
-        pytest.fail(f"vLLM cannot be checked: .venv-vllm could not be built.\n{error}")
+    assert deselected or "deselected" not in summary, output
+    return done.stdout
 
 
 @pytest.mark.long
 def test_vllm_conforms_to_the_spec_under_the_named_divergences() -> None:
-    ensure_vllm_env()
-    passed_in_vllm_env(vllm_env.run_machine(), allow_deselected=False)
+    passed_in_vllm_env(vllm_env.run_machine)
 
 
 @pytest.mark.long
 def test_vllm_takes_the_trace_s_identical_steps() -> None:
     """bench_trace's vLLM systems (plain and prefix, roomy and tight) replay the trace with the
     floor's steps, in .venv-vllm; four tests, none skipped."""
-    ensure_vllm_env()
-    done = vllm_env.run_bench_check()
-    passed_in_vllm_env(done, allow_deselected=True)
-    assert re.search(r"\b4 passed\b", done.stdout), done.stdout
+    output = passed_in_vllm_env(vllm_env.run_bench_check, deselected=True)
+    assert re.search(r"\b4 passed\b", output), output
 
 
 def design_table_names() -> list[str]:
@@ -78,6 +74,19 @@ def test_the_behavioural_rules_are_the_rows_of_kind_rule() -> None:
     assert BEHAVIOUR_RULES  # the machine has rules to switch off
     with pytest.raises(ValueError):
         VllmRules(4, 2, rules=frozenset({"NULL_BLOCK"}))  # a mapping is not a rule
+
+
+def test_with_every_rule_off_the_rules_are_the_spec() -> None:
+    """``VllmRules`` with no rule answers as ``PrefixCachingBlockManager`` does, call for call."""
+    plain, spec = VllmRules(6, 2, rules=frozenset()), PrefixCachingBlockManager(6, 2)
+    for manager in (plain, spec):
+        a, _ = manager.allocate_prompt([1, 2, 3, 4, 5])
+        manager.cache_blocks(a, [1, 2, 3, 4, 5])
+        manager.free(a)
+        b, _ = manager.allocate_prompt([1, 2, 3, 4, 9])
+        manager.cache_blocks(b, [1, 2, 3, 4, 9])
+    assert plain.free_block_ids() == spec.free_block_ids() == [4, 5, 2]
+    assert [plain.key_of(i) for i in range(6)] == [spec.key_of(i) for i in range(6)]
 
 
 COMPLETE = {

@@ -1,21 +1,11 @@
 """vLLM's v1 ``KVCacheManager`` driven through the spec's operations, answering in spec terms.
 
-Importable only where vLLM is installed: the ``.venv-vllm`` environment that
-``python -m properties.vllm_env`` builds. :class:`VllmKVCache` wraps one
-``vllm.v1.core.kv_cache_manager.KVCacheManager`` (one full-attention group, its ``BlockPool``)
-and offers what the spec has: admit a prompt (look up its cached prefix, allocate the rest),
-grow a request by one decoded token, free a request, look a prompt up without allocating. It
-applies the mapping divergences of :data:`properties.vllm_rules.DIVERGENCES` and nothing else:
-
-* ``NULL_BLOCK``: the pool has ``total_blocks + 1`` blocks and every id it reports is
-  :func:`to_spec_id` of vLLM's (vLLM's id less one);
-* ``NONE_ON_EXHAUSTION``: ``allocate_slots`` answering ``None`` raises ``OutOfBlocksError``;
-* ``HASH_GRANULARITY``: hashes every ``block_size`` tokens;
-* ``TOKEN_COUNTERS`` and ``EVICTIONS_AS_EVENTS``: the counters are read from vLLM's
-  ``PrefixCacheStats`` and its KV events.
-
-Everything it reports about vLLM's state (tables, the free queue in order, reference counts,
-which block holds which content) is read without changing that state.
+Importable only where vLLM is installed (``.venv-vllm``; ``python -m properties.vllm_env``).
+:class:`VllmKVCache` wraps one manager (one full-attention group and its ``BlockPool``): admit a
+prompt, decode one token, free, look up. It applies only the mappings of
+:data:`properties.vllm_rules.DIVERGENCES` (``NULL_BLOCK``, ``NONE_ON_EXHAUSTION``,
+``HASH_GRANULARITY``, ``TOKEN_COUNTERS``, ``EVICTIONS_AS_EVENTS``) and reads vLLM's state
+(tables, free queue, reference counts, cached contents) without changing it.
 """
 
 from __future__ import annotations
@@ -34,13 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _import_vllm() -> None:
-    """Import vLLM's KV-cache manager with the repository root off ``sys.path``.
-
-    vLLM imports ``transformers``, which probes for Hugging Face's top-level ``kernels``
-    package by importing it; with the repository root on the path that name finds this
-    repository's ``kernels/`` folder, which refuses its short name. The probe's answer is
-    cached, so once vLLM is imported the path can hold the root again.
-    """
+    """Import vLLM's KV-cache manager with the repository root off ``sys.path``: transformers
+    probes for Hugging Face's ``kernels`` package, which the root's ``kernels/`` folder would
+    shadow. The probe's answer is cached, so the root may return to the path afterwards."""
     saved = list(sys.path)
     sys.path[:] = [entry for entry in saved if Path(entry or ".").resolve() != ROOT]
     try:
@@ -69,8 +55,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
-MAX_MODEL_LEN = 1 << 20
-"""vLLM caps every request at ``max_model_len`` tokens; far beyond anything driven here."""
+MAX_MODEL_LEN = 1 << 20  # vLLM's cap on a request's tokens, far beyond anything driven here
+HashFn = Callable[[Any], bytes]
 
 
 def to_spec_id(vllm_id: int) -> int:
@@ -78,15 +64,12 @@ def to_spec_id(vllm_id: int) -> int:
     return vllm_id - 1
 
 
-HashFn = Callable[[Any], bytes]
-
-
 def make_manager(
     total_blocks: int, block_size: int, caching: bool, observed: bool = False
 ) -> KVCacheManager:
     """A ``KVCacheManager`` with ``total_blocks`` usable blocks (``NULL_BLOCK``: one more in
-    all) of ``block_size`` tokens, one full-attention group, hashes every ``block_size`` tokens
-    (``HASH_GRANULARITY``). ``observed`` turns on its prefix-cache counters and KV events."""
+    all), one full-attention group, hashing every ``block_size`` tokens (``HASH_GRANULARITY``);
+    ``observed`` turns on its prefix-cache counters and KV events."""
     attention = FullAttentionSpec(
         block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
     )
@@ -109,11 +92,8 @@ def make_manager(
 def request_factory(
     block_size: int, caching: bool, hash_fn: HashFn = sha256
 ) -> Callable[[str, list[int], str | None], Request]:
-    """``make(request_id, prompt, salt)``: a vLLM ``Request`` whose blocks are hashed every
-    ``block_size`` tokens with ``hash_fn`` when ``caching`` (no hashing otherwise).
-
-    It seeds vLLM's first-block hash from ``hash_fn`` (``init_none_hash``, process-wide).
-    """
+    """``make(request_id, prompt, salt)``: a vLLM ``Request`` hashed every ``block_size`` tokens
+    with ``hash_fn`` when ``caching``. Seeds vLLM's first-block hash (process-wide)."""
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(block_size, hash_fn) if caching else None
     sampling = SamplingParams(max_tokens=MAX_MODEL_LEN)
@@ -126,7 +106,7 @@ def request_factory(
 
 @dataclass
 class VllmRequest:
-    """One request the adapter drives: vLLM's ``Request`` and the tokens it holds K/V for."""
+    """One request the adapter drives: its id, vLLM's ``Request`` and its salt."""
 
     request_id: str
     request: Request
@@ -144,10 +124,8 @@ class EventLog:
 class VllmKVCache:
     """One vLLM ``KVCacheManager`` behind the spec's operations, in spec block ids.
 
-    ``total_blocks`` and ``block_size`` are the spec's; ``caching`` turns vLLM's prefix caching
-    on. ``hash_fn`` is vLLM's block hash (sha256 by default, deterministic across runs);
-    ``to_spec`` maps vLLM's ids to the spec's (a planted bug may pass another).
-    """
+    ``hash_fn`` is vLLM's block hash (sha256: deterministic across runs); ``to_spec`` maps
+    vLLM's ids to the spec's (a planted bug may pass another)."""
 
     def __init__(
         self,
@@ -159,17 +137,13 @@ class VllmKVCache:
     ) -> None:
         self.make_request = request_factory(block_size, caching, hash_fn)
         self.block_size = block_size
-        self.caching = caching
         self.to_spec = to_spec
         self.manager = make_manager(total_blocks, block_size, caching, observed=True)
         self.pool = self.manager.block_pool
         self.content_of_hash: dict[bytes, Content] = {}
         self.content_of_external: dict[object, Content] = {}
         self.log = EventLog()
-        self.prompt_tokens = 0  # TOKEN_COUNTERS: the admitted prompts' tokens
         self._serial = 0
-
-    # ------------------------------------------------------------ requests
 
     def _request(self, tokens: Sequence[int], salt: str | None) -> Request:
         """A vLLM request for ``tokens``; its block hashes are remembered by content."""
@@ -182,8 +156,8 @@ class VllmKVCache:
         tokens = list(request.all_token_ids)
         for index, block_hash in enumerate(request.block_hashes):
             content = (salt, tuple(tokens[: (index + 1) * self.block_size]))
-            # Under a collision the first content seen keeps the hash: what vLLM then hands
-            # out for the second is checked against the first's tokens.
+            # Under a collision the first content keeps the hash, so what vLLM hands out for
+            # the second is checked against the first's tokens.
             self.content_of_hash.setdefault(block_hash, content)
             self.content_of_external.setdefault(maybe_convert_block_hash(block_hash), content)
 
@@ -191,30 +165,27 @@ class VllmKVCache:
         return [self.to_spec(block.block_id) for block in blocks]
 
     def lookup(self, tokens: Sequence[int], salt: str | None) -> list[int]:
-        """The blocks vLLM would reuse for this prompt (``get_computed_blocks``), changing
-        nothing."""
+        """The blocks ``get_computed_blocks`` would reuse for this prompt, changing nothing."""
         blocks, _, _ = self.manager.get_computed_blocks(self._request(tokens, salt))
         return self.ids(blocks.blocks[0]) if blocks.blocks else []
 
     def admit(self, tokens: Sequence[int], salt: str | None) -> tuple[VllmRequest, int]:
-        """Look the prompt up, allocate it, register its full blocks; return it and its cached
-        tokens. ``OutOfBlocksError`` (``NONE_ON_EXHAUSTION``) if the blocks do not fit."""
+        """Look up, allocate and register a prompt; its handle and cached tokens.
+        ``OutOfBlocksError`` (``NONE_ON_EXHAUSTION``) if the blocks do not fit."""
         request = self._request(tokens, salt)
         computed, hit_tokens, _ = self.manager.get_computed_blocks(request)
         new = self.manager.allocate_slots(request, len(tokens) - hit_tokens, hit_tokens, computed)
         if new is None:
             raise OutOfBlocksError(f"vLLM cannot allocate a prompt of {len(tokens)} tokens")
         self.manager.record_prefix_cache_stats(request, hit_tokens)
-        self.prompt_tokens += len(tokens)
         request.num_computed_tokens = len(tokens)
         request.status = RequestStatus.RUNNING
         return VllmRequest(request.request_id, request, salt), hit_tokens
 
     def decode(self, handle: VllmRequest, token: int) -> None:
-        """Append one sampled token and give it a slot (``allocate_slots(request, 1)``), which
-        registers a block it fills. ``OutOfBlocksError`` if no block is free; then the adapter
-        takes the token back (vLLM's scheduler would keep it for a retry), and vLLM's manager
-        is unchanged."""
+        """Append one sampled token and give it a slot (``allocate_slots(request, 1)``, which
+        registers a block it fills). ``OutOfBlocksError`` if no block is free: the token is
+        taken back (vLLM's scheduler would keep it for a retry); the manager is unchanged."""
         request = handle.request
         computed = request.num_computed_tokens
         request.append_output_token_ids(token)
@@ -232,13 +203,13 @@ class VllmKVCache:
 
     # ------------------------------------------------------------ observation (read-only)
 
-    def table(self, handle: VllmRequest) -> list[int]:
-        """The request's blocks, in spec ids."""
-        return self.ids(self.manager.coordinator.get_blocks(handle.request_id)[0])
-
     def raw_table(self, handle: VllmRequest) -> list[int]:
         """The request's blocks, in vLLM's own ids."""
         return [b.block_id for b in self.manager.coordinator.get_blocks(handle.request_id)[0]]
+
+    def table(self, handle: VllmRequest) -> list[int]:
+        """The request's blocks, in spec ids."""
+        return [self.to_spec(block_id) for block_id in self.raw_table(handle)]
 
     def free_block_ids(self) -> list[int]:
         """vLLM's free queue, head first, in spec ids."""
@@ -254,17 +225,14 @@ class VllmKVCache:
 
     def content_of(self, block_hash: Any) -> Content | None:
         """The content a block-hash key names (None for None)."""
-        if block_hash is None:
-            return None
-        return self.content_of_hash[get_block_hash(block_hash)]
+        return None if block_hash is None else self.content_of_hash[get_block_hash(block_hash)]
 
     def cached_contents(self) -> dict[Content, list[int]]:
         """vLLM's hash -> block map, as content -> blocks in lookup order (spec ids)."""
-        contents: dict[Content, list[int]] = {}
-        for key, blocks in self.pool.cached_block_hash_to_block._cache.items():
-            held = [blocks] if not isinstance(blocks, dict) else list(blocks.values())
-            contents[self.content_of(key)] = self.ids(held)  # type: ignore[index]
-        return contents
+        return {
+            self.content_of(key): self.ids(list(b.values()) if isinstance(b, dict) else [b])
+            for key, b in self.pool.cached_block_hash_to_block._cache.items()
+        }
 
     def block_contents(self) -> list[Content | None]:
         """Each usable block's own hash, as content, in spec id order."""
@@ -272,32 +240,22 @@ class VllmKVCache:
 
     def snapshot(self) -> tuple[object, ...]:
         """Everything observable about vLLM's manager, for "a refused call changed nothing"."""
-        return (
-            self.free_block_ids(),
-            self.ref_counts(),
-            self.block_contents(),
-            self.cached_contents(),
-            {rid: list(blocks) for rid, blocks in self._req_to_blocks().items()},
-        )
-
-    def _req_to_blocks(self) -> dict[str, list[int]]:
         manager = self.manager.coordinator.single_type_managers[0]
-        return {rid: self.ids(blocks) for rid, blocks in manager.req_to_blocks.items()}
+        tables = {rid: self.ids(blocks) for rid, blocks in manager.req_to_blocks.items()}
+        state = self.free_block_ids(), self.ref_counts(), self.block_contents()
+        return (*state, self.cached_contents(), tables)
 
     # ------------------------------------------------------------ events and counters
 
     def take_events(self) -> None:
         """Drain vLLM's KV events into the router's view (``EVICTIONS_AS_EVENTS``)."""
         for event in self.manager.take_events():
-            if isinstance(event, BlockStored):
-                for block_hash in event.block_hashes:
-                    self.log.contents[self.content_of_external[block_hash]] += 1
-            elif isinstance(event, BlockRemoved):
-                for block_hash in event.block_hashes:
-                    self.log.contents[self.content_of_external[block_hash]] -= 1
-                    self.log.removed += 1
-            else:
+            if not isinstance(event, (BlockStored, BlockRemoved)):
                 raise AssertionError(f"unexpected KV event {event!r}")
+            step = 1 if isinstance(event, BlockStored) else -1
+            for block_hash in event.block_hashes:
+                self.log.contents[self.content_of_external[block_hash]] += step
+                self.log.removed += step < 0
 
     def take_counters(self) -> tuple[int, int]:
         """vLLM's prefix-cache ``(queries, hits)`` in tokens since the last call."""

