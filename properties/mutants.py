@@ -54,6 +54,24 @@ command (``-m long``). A control is an unmutated copy, so it passes either way u
 loading path itself is broken."""
 
 
+def bug_table(text: str) -> dict[str, tuple[str, ...]]:
+    """Planted bugs written as a table: ``name | field ...`` (more fields on lines starting
+    ``|``), then the code it replaces on ``-`` lines and its replacement on ``+`` lines, as in
+    a diff. Returns each name's ``(*fields, old, new)``."""
+    rows: list[tuple[str, list[str], list[str], list[str]]] = []
+    for line in textwrap.dedent(text).strip().splitlines():
+        if line[:1] in ("-", "+"):
+            rows[-1][2 if line[0] == "-" else 3].append(line[2:])
+        elif line.startswith("|"):
+            rows[-1][1].extend(line[1:].split())
+        else:
+            name, _, fields = line.partition(" | ")
+            rows.append((name, fields.split(), [], []))
+    table = {name: (*fields, "\n".join(old), "\n".join(new)) for name, fields, old, new in rows}
+    assert len(table) == len(rows), "a planted bug is named twice"
+    return table
+
+
 def _shape(node: ast.AST) -> str:
     """A node's code without positions: equal for equal code however it is laid out."""
     return ast.dump(node, annotate_fields=False, include_attributes=False)
