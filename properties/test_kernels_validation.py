@@ -1,16 +1,14 @@
 """Properties: invalid arguments raise a clear, typed error and leave the caches untouched.
 
-Every case runs on every backend: each public function's arguments, prefill's and the sliding
-window's included; the entries a window does not reach are not checked. A kernel launched on
-bad block ids would read or write outside the caches (in the interpreter that kills the
-process), so these checks are what keeps it in.
+Every case runs on every backend; the entries a window does not reach are not checked. A kernel
+launched on bad block ids would read or write outside the caches (in the interpreter that kills
+the process), so these checks are what keeps it in.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -18,383 +16,267 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv import kernels
-from properties.kernel_cases import (
-    DEVICE,
-    KVCache,
-    Shape,
-    assert_close,
-    fixed_scenario,
-    kernel_examples,
-)
+from properties.kernel_cases import DEVICE, assert_close, kernel_examples
 
 NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 6, 4, 2, 8
 BACKENDS = ("triton", "numba", "reference")
-
-
-@dataclass
-class Setup:
-    """A valid call's arguments; each case breaks one thing."""
-
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    query: torch.Tensor  # [2, 4, HEAD_DIM]: two sequences, GQA ratio 2
-    block_tables: torch.Tensor  # [[3, 0, -1], [5, -1, -1]]
-    context_lens: torch.Tensor  # [6, 2]
-    key: torch.Tensor  # [3, KV_HEADS, HEAD_DIM]
-    value: torch.Tensor
-    slots: torch.Tensor  # [0, 7, -1]
-
-
-def make_setup() -> Setup:
-    generator = torch.Generator().manual_seed(0)
-
-    def randn(*size: int) -> torch.Tensor:
-        return torch.randn(*size, generator=generator).to(DEVICE)
-
-    return Setup(
-        k_cache=randn(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM),
-        v_cache=randn(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM),
-        query=randn(2, 2 * KV_HEADS, HEAD_DIM),
-        block_tables=torch.tensor([[3, 0, -1], [5, -1, -1]], dtype=torch.int32, device=DEVICE),
-        context_lens=torch.tensor([6, 2], dtype=torch.int32, device=DEVICE),
-        key=randn(3, KV_HEADS, HEAD_DIM),
-        value=randn(3, KV_HEADS, HEAD_DIM),
-        slots=torch.tensor([0, 7, -1], dtype=torch.int64, device=DEVICE),
-    )
+FUNCTIONS: dict[str, Callable[..., object]] = {
+    "decode": kernels.paged_decode_attention,
+    "contiguous": kernels.contiguous_decode_attention,
+    "prefill": kernels.paged_prefill_attention,
+    "store": kernels.store_kv,
+    "slots": kernels.slot_mapping,
+    "copy": kernels.copy_blocks,
+}
+Args = dict[str, object]
 
 
 def ints(values: list[int] | list[list[int]], dtype: torch.dtype = torch.int32) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, device=DEVICE)
 
 
-def attention(s: Setup, backend: str, **changes: object) -> object:
-    args = {
-        "query": s.query,
-        "k_cache": s.k_cache,
-        "v_cache": s.v_cache,
-        "block_tables": s.block_tables,
-        "context_lens": s.context_lens,
+def valid_args() -> dict[str, Args]:
+    """A valid call of each function (decode: two sequences of 6 and 2 tokens, GQA ratio 2;
+    prefill: two of 5 and 3 computing 2 and 3); each case breaks one thing."""
+    generator = torch.Generator().manual_seed(0)
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=generator).to(DEVICE)
+
+    cache_size = (NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    k_cache, v_cache = randn(*cache_size), randn(*cache_size)
+    query = randn(2, 2 * KV_HEADS, HEAD_DIM)
+    key, value = randn(3, KV_HEADS, HEAD_DIM), randn(3, KV_HEADS, HEAD_DIM)
+    tables, caches = ints([[3, 0, -1], [5, -1, -1]]), {"k_cache": k_cache, "v_cache": v_cache}
+    prefill = {"query": randn(5, 4, 8), "k_cache": randn(4, 4, 2, 8), "v_cache": randn(4, 4, 2, 8)}
+    prefill.update(block_tables=ints([[2, 0], [3, -1]]), cu_seqlens_q=ints([0, 2, 5], torch.int64))
+    slot_mapping = ints([0, 7, -1], torch.int64)
+    return {
+        "decode": {"query": query, **caches, "block_tables": tables, "context_lens": ints([6, 2])},
+        "contiguous": {
+            "query": query,
+            "key": k_cache[:2],
+            "value": v_cache[:2],
+            "context_lens": ints([4, 2]),
+        },
+        "store": {"key": key, "value": value, **caches, "slot_mapping": slot_mapping},
+        "slots": {"block_tables": tables, "positions": ints([5, 1]), "block_size": BLOCK_SIZE},
+        "copy": {**caches, "pairs": [(0, 1)]},
+        "prefill": {**prefill, "context_lens": ints([5, 3], torch.int64)},
     }
-    return kernels.paged_decode_attention(**{**args, **changes}, backend=backend)
 
 
-def store(s: Setup, backend: str, **changes: object) -> object:
-    args = {
-        "key": s.key,
-        "value": s.value,
-        "k_cache": s.k_cache,
-        "v_cache": s.v_cache,
-        "slot_mapping": s.slots,
-    }
-    return kernels.store_kv(**{**args, **changes}, backend=backend)
+Edit = Callable[[Args], Args]  # a valid call's arguments -> the case's
+Case = tuple[str, Edit]  # (function, edit)
 
 
-def slots(s: Setup, backend: str, **changes: object) -> object:
-    args = {
-        "block_tables": s.block_tables,
-        "positions": ints([5, 1]),
-        "block_size": BLOCK_SIZE,
-    }
-    return kernels.slot_mapping(**{**args, **changes}, backend=backend)
+def changing(function: str) -> Callable[..., Case]:
+    """Cases of ``function`` that replace arguments: a callable is applied to the valid value; a
+    list becomes an int tensor of the replaced tensor's dtype (int32 for a new argument)."""
+
+    def case(**changes: object) -> Case:
+        def edit(args: Args) -> Args:
+            out = dict(args)
+            for name, change in changes.items():
+                old = args.get(name)
+                if callable(change):
+                    out[name] = change(old)
+                elif isinstance(change, list) and not isinstance(old, list):
+                    dtype = old.dtype if isinstance(old, torch.Tensor) else torch.int32
+                    out[name] = ints(change, dtype)
+                else:
+                    out[name] = change
+            return out
+
+        return function, edit
+
+    return case
 
 
-def copy(s: Setup, backend: str, pairs: object) -> object:
-    return kernels.copy_blocks(s.k_cache, s.v_cache, pairs, backend=backend)
+decode, contiguous, prefill = changing("decode"), changing("contiguous"), changing("prefill")
+store, slots, copy = changing("store"), changing("slots"), changing("copy")
 
 
-Call = Callable[[Setup, str], object]
-# (id, call, error type, words the message must contain)
-CASES: list[tuple[str, Call, type[Exception], str]] = [
-    # --- meta tensors hold no values: no kernel can run on them (every tensor on meta; one alone
-    # is a tensor on another device, below)
-    (
-        "attention on meta tensors",
-        lambda s, b: attention(
-            s,
-            b,
-            **{
-                name: getattr(s, name).to("meta")
-                for name in ("query", "k_cache", "v_cache", "block_tables", "context_lens")
-            },
-        ),
-        ValueError,
-        "k_cache is a meta tensor",
-    ),
-    (
-        "slot mapping on meta tensors",
-        lambda s, b: slots(
-            s, b, block_tables=s.block_tables.to("meta"), positions=ints([5, 1]).to("meta")
-        ),
-        ValueError,
-        "block_tables is a meta tensor",
-    ),
-    (
-        "store on meta tensors",
-        lambda s, b: kernels.store_kv(
-            *(t.to("meta") for t in (s.key, s.value, s.k_cache, s.v_cache, s.slots)), backend=b
-        ),
-        ValueError,
-        "k_cache is a meta tensor",
-    ),
-    # --- paged_decode_attention
-    (
-        "block id too large",
-        lambda s, b: attention(s, b, block_tables=ints([[3, 6], [5, 0]])),
-        IndexError,
-        "block_tables[0, 1] = 6",
-    ),
-    (
-        "block id -1 inside the context",
-        lambda s, b: attention(s, b, block_tables=ints([[3, -1], [5, 0]])),
-        IndexError,
-        "block_tables[0, 1] = -1",
-    ),
-    (
-        "context beyond the table",
-        lambda s, b: attention(s, b, context_lens=ints([13, 2])),
-        IndexError,
-        "context_lens[0] = 13",
-    ),
-    (
-        "negative context",
-        lambda s, b: attention(s, b, context_lens=ints([6, -1])),
-        ValueError,
-        "context_lens[1]",
-    ),
-    (
-        "context_lens float",
-        lambda s, b: attention(s, b, context_lens=s.context_lens.float()),
-        TypeError,
-        "context_lens",
-    ),
-    (
-        "context_lens wrong length",
-        lambda s, b: attention(s, b, context_lens=ints([6])),
-        ValueError,
-        "context_lens",
-    ),
-    (
-        "block_tables int64",
-        lambda s, b: attention(s, b, block_tables=s.block_tables.long()),
-        TypeError,
-        "block_tables",
-    ),
-    (
-        "block_tables rows",
-        lambda s, b: attention(s, b, block_tables=s.block_tables[:1]),
-        ValueError,
-        "block_tables",
-    ),
-    (
-        "heads not a multiple",
-        lambda s, b: attention(s, b, query=s.query[:, :3]),
-        ValueError,
-        "num_heads",
-    ),
-    (
-        "head_dim mismatch",
-        lambda s, b: attention(s, b, query=s.query[..., :4]),
-        ValueError,
-        "head_dim",
-    ),
-    ("query dtype", lambda s, b: attention(s, b, query=s.query.half()), TypeError, "query"),
-    ("query not a tensor", lambda s, b: attention(s, b, query=[1.0]), TypeError, "query"),
-    ("v_cache shape", lambda s, b: attention(s, b, v_cache=s.v_cache[:5]), ValueError, "v_cache"),
-    (
-        "v_cache dtype",
-        lambda s, b: attention(s, b, v_cache=s.v_cache.double()),
-        TypeError,
-        "v_cache",
-    ),
-    (
-        "cache not contiguous",
-        lambda s, b: attention(
-            s, b, k_cache=s.k_cache.transpose(1, 2).contiguous().transpose(1, 2)
-        ),
-        ValueError,
-        "contiguous",
-    ),
-    ("scale negative", lambda s, b: attention(s, b, scale=-1.0), ValueError, "scale"),
-    ("num_splits zero", lambda s, b: attention(s, b, num_splits=0), ValueError, "num_splits"),
-    ("num_splits huge", lambda s, b: attention(s, b, num_splits=65), ValueError, "num_splits"),
-    (
-        "tables on another device",
-        lambda s, b: attention(s, b, block_tables=s.block_tables.to("meta")),
-        ValueError,
-        "block_tables is on meta",
-    ),
-    # --- store_kv
-    (
-        "slot beyond the cache",
-        lambda s, b: store(s, b, slot_mapping=ints([0, 24, -1], torch.int64)),
-        IndexError,
-        "slot_mapping[1] = 24",
-    ),
-    (
-        "slot below -1",
-        lambda s, b: store(s, b, slot_mapping=ints([0, -2, 1], torch.int64)),
-        IndexError,
-        "slot_mapping[1] = -2",
-    ),
-    (
-        "slot written twice",
-        lambda s, b: store(s, b, slot_mapping=ints([3, 3, -1], torch.int64)),
-        ValueError,
-        "twice",
-    ),
-    (
-        "slot_mapping length",
-        lambda s, b: store(s, b, slot_mapping=ints([0, 1], torch.int64)),
-        ValueError,
-        "slot_mapping",
-    ),
-    ("key dtype", lambda s, b: store(s, b, key=s.key.half()), TypeError, "key"),
-    ("key heads", lambda s, b: store(s, b, key=s.key[:, :1]), ValueError, "key"),
-    ("value tokens", lambda s, b: store(s, b, value=s.value[:2]), ValueError, "value"),
-    ("integer cache", lambda s, b: store(s, b, k_cache=s.k_cache.int()), TypeError, "k_cache"),
-    # --- slot_mapping
-    (
-        "position beyond capacity",
-        lambda s, b: slots(s, b, positions=ints([12, 0])),
-        IndexError,
-        "positions[0] = 12",
-    ),
-    (
-        "position reaches padding",
-        lambda s, b: slots(s, b, positions=ints([5, 4])),
-        IndexError,
-        "block_tables[1, 1] = -1",
-    ),
-    (
-        "position below -1",
-        lambda s, b: slots(s, b, positions=ints([-2, 0])),
-        ValueError,
-        "positions[0]",
-    ),
-    (
-        "entry beyond num_blocks",
-        lambda s, b: slots(s, b, num_blocks=5),
-        IndexError,
-        "block_tables[1, 0] = 5",
-    ),
-    (
-        "seq id out of range",
-        lambda s, b: slots(s, b, positions=ints([1, 1]), seq_ids=ints([0, 2])),
-        IndexError,
-        "seq_ids[1] = 2",
-    ),
-    (
-        "positions per sequence",
-        lambda s, b: slots(s, b, positions=ints([1, 1, 1])),
-        ValueError,
-        "positions",
-    ),
-    ("block_size zero", lambda s, b: slots(s, b, block_size=0), ValueError, "block_size"),
-    ("block_size bool", lambda s, b: slots(s, b, block_size=True), TypeError, "block_size"),
-    # --- copy_blocks
-    (
-        "copy dst too large",
-        lambda s, b: copy(s, b, [(0, 1), (2, 6)]),
-        IndexError,
-        "pairs[1] dst = 6",
-    ),
-    ("copy src negative", lambda s, b: copy(s, b, [(-1, 1)]), IndexError, "pairs[0] src = -1"),
-    ("copy not a pair", lambda s, b: copy(s, b, [(0, 1, 2)]), ValueError, "pairs[0]"),
-    ("copy float id", lambda s, b: copy(s, b, [(0.0, 1)]), TypeError, "pairs[0] src"),
-    ("copy tensor shape", lambda s, b: copy(s, b, ints([[0, 1, 2]])), ValueError, "pairs"),
-    # --- backend
-    ("unknown backend", lambda s, b: attention(s, "gpu"), ValueError, "backend"),
-    ("backend not a str", lambda s, b: attention(s, 1), TypeError, "backend must be a str"),
-    # --- integer ranges, numeric edges, flags and aliasing
-    (
-        "block_size wraps int64",
-        lambda s, b: slots(s, b, block_size=2**61),
-        ValueError,
-        "<= 4294967296",
-    ),
-    (
-        "block_size beyond int64",
-        lambda s, b: slots(s, b, block_size=2**63),
-        ValueError,
-        "block_size",
-    ),
-    (
-        "num_blocks beyond int32",
-        lambda s, b: slots(s, b, num_blocks=2**31 + 1),
-        ValueError,
-        "num_blocks",
-    ),
-    ("scale is inf in fp32", lambda s, b: attention(s, b, scale=1e39), ValueError, "in fp32"),
-    ("scale is 0 in fp32", lambda s, b: attention(s, b, scale=1e-50), ValueError, "in fp32"),
-    ("validate not a bool", lambda s, b: store(s, b, validate=1), TypeError, "validate"),
-    (
-        "caches overlap",
-        lambda s, b: attention(s, b, **overlapping(s)),
-        ValueError,
-        "k_cache and v_cache must not share memory",
-    ),
-    (
-        "key is a view of the cache",
-        lambda s, b: store(s, b, key=s.k_cache.view(-1)[: s.key.numel()].view(s.key.shape)),
-        ValueError,
-        "key and k_cache must not share memory",
-    ),
-    (
-        "context beyond int32",
-        lambda s, b: long_context_attention(b, 2**31),
-        ValueError,
-        "context_lens[0] = 2147483648 exceeds 2147483647",
-    ),
-]
+def meta(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to("meta")
 
 
-def overlapping(s: Setup) -> dict[str, torch.Tensor]:
+def all_meta(args: Args) -> Args:
+    return {name: meta(value) for name, value in args.items()}  # type: ignore[arg-type]
+
+
+def strided(cache: torch.Tensor) -> torch.Tensor:
+    """``cache``'s values with its block and head dimensions swapped in memory."""
+    return cache.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def overlapping(args: Args) -> Args:
     """Caches that are two views of one buffer overlapping by half: what a caller slicing one
     allocation into K and V wrongly would pass."""
-    numel, shape = s.k_cache.numel(), s.k_cache.shape
-    buffer = torch.cat([s.k_cache.view(-1), s.v_cache.view(-1)])
-    start = numel // 2
+    k, v = args["k_cache"], args["v_cache"]
+    assert isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    buffer, start = torch.cat([k.view(-1), v.view(-1)]), k.numel() // 2
+    size = k.numel()
     return {
-        "k_cache": buffer[:numel].view(shape),
-        "v_cache": buffer[start : start + numel].view(shape),
+        **args,
+        "k_cache": buffer[:size].view(k.shape),
+        "v_cache": buffer[start:][:size].view(k.shape),
     }
 
 
-def long_context_attention(backend: str, context_len: int) -> object:
-    """Attention over a table whose capacity (2**32 tokens) exceeds int32, cheaply: one block of
-    2**20 tokens, read 4096 times."""
+def key_in_cache(args: Args) -> Args:
+    k, key = args["k_cache"], args["key"]
+    assert isinstance(k, torch.Tensor) and isinstance(key, torch.Tensor)
+    return {**args, "key": k.view(-1)[: key.numel()].view(key.shape)}
+
+
+def long_context(args: Args) -> Args:
+    """A table whose capacity (2**32 tokens) exceeds int32, cheaply: one block of 2**20 tokens,
+    read 4096 times, and a context of 2**31."""
     cache = torch.zeros(1, 2**20, 1, 2, device=DEVICE)
-    tables = torch.zeros(1, 4096, dtype=torch.int32, device=DEVICE)
-    lens = torch.tensor([context_len], dtype=torch.int64, device=DEVICE)
-    query = torch.zeros(1, 1, 2, device=DEVICE)
-    return kernels.paged_decode_attention(
-        query, cache, cache.clone(), tables, lens, backend=backend
-    )
+    return {
+        "query": torch.zeros(1, 1, 2, device=DEVICE),
+        "k_cache": cache,
+        "v_cache": cache.clone(),
+        "block_tables": torch.zeros(1, 4096, dtype=torch.int32, device=DEVICE),
+        "context_lens": ints([2**31], torch.int64),
+    }
+
+
+# Each table: case id -> (words the message must contain, case). Meta tensors hold no values,
+# so no kernel can run on them (every tensor on meta; one alone is on another device).
+INDEX_ERRORS: dict[str, tuple[str, Case]] = {
+    "block id too large": ("block_tables[0, 1] = 6", decode(block_tables=[[3, 6], [5, 0]])),
+    "block id -1": ("block_tables[0, 1] = -1", decode(block_tables=[[3, -1], [5, 0]])),
+    "block id -1 in a window": (
+        "block_tables[0, 1] = -1",
+        decode(block_tables=[[3, -1], [5, 0]], window=1),
+    ),
+    "context beyond the table": ("context_lens[0] = 13", decode(context_lens=[13, 2])),
+    "slot beyond the cache": ("slot_mapping[1] = 24", store(slot_mapping=[0, 24, -1])),
+    "slot below -1": ("slot_mapping[1] = -2", store(slot_mapping=[0, -2, 1])),
+    "position beyond capacity": ("positions[0] = 12", slots(positions=[12, 0])),
+    "position reaches padding": ("block_tables[1, 1] = -1", slots(positions=[5, 4])),
+    "entry beyond num_blocks": ("block_tables[1, 0] = 5", slots(num_blocks=5)),
+    "seq id out of range": ("seq_ids[1] = 2", slots(positions=[1, 1], seq_ids=[0, 2])),
+    "copy dst too large": ("pairs[1] dst = 6", copy(pairs=[(0, 1), (2, 6)])),
+    "copy src negative": ("pairs[0] src = -1", copy(pairs=[(-1, 1)])),
+    "prefill context beyond the table": ("context_lens[0] = 9", prefill(context_lens=[9, 3])),
+    "prefill block id 4": ("block_tables[0, 1] = 4", prefill(block_tables=[[2, 4], [3, 0]])),
+    "prefill reached padding": ("block_tables[0, 1] = -1", prefill(block_tables=[[2, -1], [3, 0]])),
+}
+VALUE_ERRORS: dict[str, tuple[str, Case]] = {
+    "attention on meta": ("k_cache is a meta tensor", ("decode", all_meta)),
+    "slots on meta": ("block_tables is a meta tensor", slots(block_tables=meta, positions=meta)),
+    "store on meta": ("k_cache is a meta tensor", ("store", all_meta)),
+    "tables on another device": ("block_tables is on meta", decode(block_tables=meta)),
+    "negative context": ("context_lens[1]", decode(context_lens=[6, -1])),
+    "context_lens wrong length": ("context_lens", decode(context_lens=[6])),
+    "block_tables rows": ("block_tables", decode(block_tables=lambda t: t[:1])),
+    "heads not a multiple": ("num_heads", decode(query=lambda q: q[:, :3])),
+    "head_dim mismatch": ("head_dim", decode(query=lambda q: q[..., :4])),
+    "v_cache shape": ("v_cache", decode(v_cache=lambda v: v[:5])),
+    "cache not contiguous": ("contiguous", decode(k_cache=strided)),
+    "scale negative": ("scale", decode(scale=-1.0)),
+    "scale is inf in fp32": ("in fp32", decode(scale=1e39)),
+    "scale is 0 in fp32": ("in fp32", decode(scale=1e-50)),
+    "num_splits zero": ("num_splits", decode(num_splits=0)),
+    "num_splits huge": ("num_splits", decode(num_splits=65)),
+    "window zero": ("window", decode(window=0)),
+    "window negative": ("window", decode(window=-3)),
+    "contiguous window zero": ("window", contiguous(window=0)),
+    "contiguous window negative": ("window", contiguous(window=-3)),
+    "caches overlap": ("k_cache and v_cache must not share memory", ("decode", overlapping)),
+    "context beyond int32": (
+        "context_lens[0] = 2147483648 exceeds 2147483647",
+        ("decode", long_context),
+    ),
+    "slot written twice": ("twice", store(slot_mapping=[3, 3, -1])),
+    "slot_mapping length": ("slot_mapping", store(slot_mapping=[0, 1])),
+    "key heads": ("key", store(key=lambda k: k[:, :1])),
+    "value tokens": ("value", store(value=lambda v: v[:2])),
+    "key in the cache": ("key and k_cache must not share memory", ("store", key_in_cache)),
+    "position below -1": ("positions[0]", slots(positions=[-2, 0])),
+    "positions per sequence": ("positions", slots(positions=[1, 1, 1])),
+    "block_size zero": ("block_size", slots(block_size=0)),
+    "block_size wraps int64": ("<= 4294967296", slots(block_size=2**61)),
+    "block_size beyond int64": ("block_size", slots(block_size=2**63)),
+    "num_blocks beyond int32": ("num_blocks", slots(num_blocks=2**31 + 1)),
+    "copy not a pair": ("pairs[0]", copy(pairs=[(0, 1, 2)])),
+    "copy tensor shape": ("pairs", copy(pairs=lambda _: ints([[0, 1, 2]]))),
+    "unknown backend": ("backend", decode(backend="gpu")),
+    "cu_seqlens_q not batch + 1": ("cu_seqlens_q", prefill(cu_seqlens_q=[0, 5])),
+    "cu_seqlens_q not from 0": ("cu_seqlens_q", prefill(cu_seqlens_q=[1, 2, 5])),
+    "cu_seqlens_q short of the tokens": ("cu_seqlens_q", prefill(cu_seqlens_q=[0, 2, 4])),
+    "cu_seqlens_q decreasing": ("cu_seqlens_q", prefill(cu_seqlens_q=[0, 6, 5])),
+    "more queries than context": ("cu_seqlens_q", prefill(cu_seqlens_q=[0, 1, 5])),
+    "prefill context_lens wrong length": ("context_lens", prefill(context_lens=[5, 3, 1])),
+    "prefill negative context": ("context_lens", prefill(context_lens=[5, -3])),
+    "prefill query 2-d": ("query", prefill(query=lambda q: q.reshape(5, 32))),
+    "prefill heads not a multiple": ("query", prefill(query=lambda q: q[:, :3])),
+    "max_query_len not the longest chunk": ("max_query_len", prefill(max_query_len=2)),
+    "max_query_len negative": ("max_query_len", prefill(max_query_len=-1)),
+    "prefill window zero": ("window", prefill(window=0)),
+    "prefill window negative": ("window", prefill(window=-1)),
+}
+TYPES: dict[str, tuple[str, Case]] = {
+    "context_lens float": ("context_lens", decode(context_lens=lambda t: t.float())),
+    "block_tables int64": ("block_tables", decode(block_tables=lambda t: t.long())),
+    "query dtype": ("query", decode(query=lambda q: q.half())),
+    "query not a tensor": ("query", decode(query=lambda _: [1.0])),
+    "v_cache dtype": ("v_cache", decode(v_cache=lambda v: v.double())),
+    "window float": ("window", decode(window=2.0)),
+    "window bool": ("window", decode(window=True)),
+    "contiguous window float": ("window", contiguous(window=2.0)),
+    "contiguous window bool": ("window", contiguous(window=True)),
+    "key dtype": ("key", store(key=lambda k: k.half())),
+    "integer cache": ("k_cache", store(k_cache=lambda k: k.int())),
+    "validate not a bool": ("validate", store(validate=1)),
+    "block_size bool": ("block_size", slots(block_size=True)),
+    "copy float id": ("pairs[0] src", copy(pairs=[(0.0, 1)])),
+    "backend not a str": ("backend must be a str", decode(backend=1)),
+    "cu_seqlens_q float": ("cu_seqlens_q", prefill(cu_seqlens_q=lambda t: t.float())),
+    "prefill block_tables int64": ("block_tables", prefill(block_tables=lambda t: t.long())),
+    "prefill query dtype": ("query", prefill(query=lambda q: q.half())),
+    "max_query_len not an int": ("max_query_len", prefill(max_query_len=3.0)),
+    "prefill window float": ("window", prefill(window=3.0)),
+    "prefill window bool": ("window", prefill(window=False)),
+}
+CASES = {
+    name: (error, words, case)
+    for error, table in ((IndexError, INDEX_ERRORS), (ValueError, VALUE_ERRORS), (TypeError, TYPES))
+    for name, (words, case) in table.items()
+}
+
+
+def caches_of(args: Args) -> list[torch.Tensor]:
+    """Copies of the call's tensors (the caches among them), to show that none was written."""
+    return [value.clone() for value in args.values() if isinstance(value, torch.Tensor)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize(
-    ("call", "error", "words"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
-)
-def test_invalid_call_raises_and_changes_nothing(
-    call: Call, error: type[Exception], words: str, backend: str
-) -> None:
-    setup = make_setup()
-    before = (setup.k_cache.clone(), setup.v_cache.clone())
+@pytest.mark.parametrize("name", list(CASES))
+def test_invalid_call_raises_and_changes_nothing(name: str, backend: str) -> None:
+    error, words, (function, edit) = CASES[name]
+    args = valid_args()[function]
+    before = caches_of(args)
     with pytest.raises(error, match=re.escape(words)):
-        call(setup, backend)
-    assert torch.equal(setup.k_cache, before[0])
-    assert torch.equal(setup.v_cache, before[1])
+        FUNCTIONS[function](**{"backend": backend, **edit(args)})
+    assert all(map(torch.equal, caches_of(args), before))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_the_valid_setup_is_valid(backend: str) -> None:
-    """The base of every case above runs: each case fails for the one thing it breaks."""
-    setup = make_setup()
-    attention(setup, backend)
-    store(setup, backend)
-    assert slots(setup, backend).tolist() == [0 * BLOCK_SIZE + 1, 5 * BLOCK_SIZE + 1]
-    copy(setup, backend, [(0, 1)])
+def test_the_valid_calls_are_valid(backend: str) -> None:
+    """The base of every case runs, so each case fails for the one thing it breaks; prefill
+    with or without ``max_query_len`` (3, the longest chunk) gives the reference's output."""
+    calls = valid_args()
+    for function in ("decode", "contiguous", "store", "copy"):
+        FUNCTIONS[function](**calls[function], backend=backend)
+    assert kernels.slot_mapping(**calls["slots"], backend=backend).tolist() == [1, 21]
+    expected = kernels.paged_prefill_attention(**calls["prefill"], backend="reference")
+    for extra in ({}, {"max_query_len": 3}):
+        output = kernels.paged_prefill_attention(**calls["prefill"], **extra, backend=backend)
+        assert_close(output, expected, f"{backend} vs reference, {extra}")
 
 
 @settings(max_examples=kernel_examples(30))
@@ -407,15 +289,16 @@ def test_the_valid_setup_is_valid(backend: str) -> None:
 def test_one_bad_slot_anywhere_means_no_write_at_all(
     tokens: int, bad_at: int, bad_slot: int, backend: str
 ) -> None:
-    setup = make_setup()
-    before = (setup.k_cache.clone(), setup.v_cache.clone())
+    args = valid_args()["store"]
+    before = caches_of(args)
     slot_list = list(range(tokens))
     slot_list[bad_at % tokens] = bad_slot
     key = torch.ones(tokens, KV_HEADS, HEAD_DIM, device=DEVICE)
     with pytest.raises(IndexError, match="slot_mapping"):
-        kernels.store_kv(key, key, setup.k_cache, setup.v_cache, ints(slot_list), backend=backend)
-    assert torch.equal(setup.k_cache, before[0])
-    assert torch.equal(setup.v_cache, before[1])
+        kernels.store_kv(
+            **{**args, "key": key, "value": key, "slot_mapping": ints(slot_list)}, backend=backend
+        )
+    assert all(map(torch.equal, caches_of(args), before))
 
 
 @settings(max_examples=kernel_examples(30))
@@ -428,125 +311,24 @@ def test_one_bad_slot_anywhere_means_no_write_at_all(
 def test_one_bad_pair_anywhere_means_no_copy_at_all(
     pairs: list[tuple[int, int]], bad: tuple[int, int], at: int, backend: str
 ) -> None:
-    setup = make_setup()
-    before = (setup.k_cache.clone(), setup.v_cache.clone())
+    args = valid_args()["copy"]
+    before = caches_of(args)
     pairs.insert(at % (len(pairs) + 1), bad)
     with pytest.raises(IndexError, match="pairs"):
-        copy(setup, backend, pairs)
-    assert torch.equal(setup.k_cache, before[0])
-    assert torch.equal(setup.v_cache, before[1])
-
-
-# ----------------------------------------------------------------------- prefill and windows
-
-
-def valid_prefill() -> dict[str, object]:
-    """Arguments of a valid prefill: two sequences of 5 and 3 tokens computing 2 and 3 of them."""
-    generator = torch.Generator().manual_seed(0)
-
-    def randn(*size: int) -> torch.Tensor:
-        return torch.randn(*size, generator=generator).to(DEVICE)
-
-    return {
-        "query": randn(5, 4, 8),
-        "k_cache": randn(4, 4, 2, 8),
-        "v_cache": randn(4, 4, 2, 8),
-        "block_tables": ints([[2, 0], [3, -1]]),
-        "cu_seqlens_q": ints([0, 2, 5], torch.int64),
-        "context_lens": ints([5, 3], torch.int64),
-    }
-
-
-PREFILL_CASES = {
-    "cu_seqlens_q float": ("cu_seqlens_q", torch.tensor([0.0, 2.0, 5.0]), TypeError),
-    "cu_seqlens_q not batch + 1": ("cu_seqlens_q", torch.tensor([0, 5]), ValueError),
-    "cu_seqlens_q not from 0": ("cu_seqlens_q", torch.tensor([1, 2, 5]), ValueError),
-    "cu_seqlens_q short of the tokens": ("cu_seqlens_q", torch.tensor([0, 2, 4]), ValueError),
-    "cu_seqlens_q decreasing": ("cu_seqlens_q", torch.tensor([0, 6, 5]), ValueError),
-    "more queries than context": ("cu_seqlens_q", torch.tensor([0, 1, 5]), ValueError),
-    "context_lens wrong length": ("context_lens", torch.tensor([5, 3, 1]), ValueError),
-    "context beyond the table": ("context_lens", torch.tensor([9, 3]), IndexError),
-    "negative context": ("context_lens", torch.tensor([5, -3]), ValueError),
-    "block id outside the cache": ("block_tables", torch.tensor([[2, 4], [3, -1]]), TypeError),
-    "block id outside the cache (int32)": (
-        "block_tables",
-        torch.tensor([[2, 4], [3, -1]], dtype=torch.int32),
-        IndexError,
-    ),
-    "reached padding entry": (
-        "block_tables",
-        torch.tensor([[2, -1], [3, -1]], dtype=torch.int32),
-        IndexError,
-    ),
-    "query 2-d": ("query", torch.zeros(5, 32), ValueError),
-    "query heads not a multiple": ("query", torch.zeros(5, 3, 8), ValueError),
-    "query dtype": ("query", torch.zeros(5, 4, 8, dtype=torch.float16), TypeError),
-    "max_query_len not the longest chunk": ("max_query_len", 2, ValueError),
-    "max_query_len negative": ("max_query_len", -1, ValueError),
-    "max_query_len not an int": ("max_query_len", 3.0, TypeError),
-}
+        kernels.copy_blocks(**{**args, "pairs": pairs}, backend=backend)
+    assert all(map(torch.equal, caches_of(args), before))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_the_valid_prefill_passes_with_or_without_max_query_len(backend: str) -> None:
-    """With or without ``max_query_len`` (3, the longest chunk), the reference's output."""
-    call = valid_prefill()
-    expected = kernels.paged_prefill_attention(**call, backend="reference")
-    for extra in ({}, {"max_query_len": 3}):
-        output = kernels.paged_prefill_attention(**call, **extra, backend=backend)
-        assert_close(output, expected, f"{backend} vs reference, {extra}")
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", list(PREFILL_CASES), ids=list(PREFILL_CASES))
-def test_invalid_prefill_raises(case: str, backend: str) -> None:
-    name, value, error = PREFILL_CASES[case]
-    call = {**valid_prefill(), name: value.to(DEVICE) if isinstance(value, torch.Tensor) else value}
-    with pytest.raises(error, match=name.split("_")[0] if error is not IndexError else None):
-        kernels.paged_prefill_attention(**call, backend=backend)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_decode_window_is_checked(backend: str) -> None:
-    """``window`` is an int >= 1, and an entry inside the window is still checked."""
-    cache = KVCache(fixed_scenario(4), Shape(4, 2, 2, 64, torch.float32))
-    _, tables, lens = cache.batch()
-    query = cache.randn(tables.shape[0], 4, 64)
-    args = (query, cache.k_cache, cache.v_cache, tables, lens)
-    contiguous = (query, cache.k_cache[: tables.shape[0]], cache.v_cache[: tables.shape[0]])
-    for bad, error in ((0, ValueError), (-3, ValueError), (2.0, TypeError), (True, TypeError)):
-        with pytest.raises(error, match="window"):
-            kernels.paged_decode_attention(*args, window=bad, backend=backend)
-        with pytest.raises(error, match="window"):
-            kernels.contiguous_decode_attention(
-                *contiguous, torch.ones_like(lens), window=bad, backend=backend
-            )
-    last = (int(lens[0]) - 1) // 4  # the first sequence's last block
-    broken = tables.clone()
-    broken[0, last] = -1
-    with pytest.raises(IndexError, match=rf"block_tables\[0, {last}\]"):
-        kernels.paged_decode_attention(*args[:3], broken, lens, window=1, backend=backend)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_prefill_window_is_checked(backend: str) -> None:
-    """``window`` is an int >= 1, and only the entries a window reaches are validated."""
-    call = valid_prefill()
-    for bad, error in ((0, ValueError), (-1, ValueError), (3.0, TypeError), (False, TypeError)):
-        with pytest.raises(error, match="window"):
-            kernels.paged_prefill_attention(**call, window=bad, backend=backend)
-    # Sequence 0 has 8 tokens and one query, at 7; sequence 1 has 3 tokens, all queries. Window
-    # 4 reads positions 4 .. 7 of sequence 0, entry 1 alone, so entry 0 may hold anything;
-    # window 5 reaches position 3, so entry 0 is read, and checked.
-    call["context_lens"] = ints([8, 3], torch.int64)
+def test_prefill_validates_only_the_entries_a_window_reaches(backend: str) -> None:
+    """Sequence 0 has 8 tokens and one query, at 7; sequence 1 has 3 tokens, all queries. Window
+    4 reads positions 4 .. 7 of sequence 0, entry 1 alone, so entry 0 may hold anything (the
+    output is that of a real block there); window 5 reaches position 3, so entry 0 is checked."""
+    call = valid_args()["prefill"]
+    call.update(context_lens=ints([8, 3], torch.int64), cu_seqlens_q=ints([0, 1, 4], torch.int64))
     call["query"] = torch.randn(4, 4, 8).to(DEVICE)
-    call["cu_seqlens_q"] = ints([0, 1, 4], torch.int64)
-    for window, entry_read in ((4, False), (5, True)):
-        args = {**call, "block_tables": ints([[-1, 0], [3, -1]]), "window": window}
-        if entry_read:
-            with pytest.raises(IndexError, match=r"block_tables\[0, 0\]"):
-                kernels.paged_prefill_attention(**args, backend=backend)
-        else:  # and the output is that of a table whose entry 0 is a real block
-            real = {**args, "block_tables": ints([[2, 0], [3, -1]])}
-            expected = kernels.paged_prefill_attention(**real, backend=backend)
-            assert torch.equal(kernels.paged_prefill_attention(**args, backend=backend), expected)
+    real = kernels.paged_prefill_attention(**call, window=4, backend=backend)  # entry 0 is 2
+    call["block_tables"] = ints([[-1, 0], [3, -1]])
+    assert torch.equal(kernels.paged_prefill_attention(**call, window=4, backend=backend), real)
+    with pytest.raises(IndexError, match=re.escape("block_tables[0, 0]")):
+        kernels.paged_prefill_attention(**call, window=5, backend=backend)
