@@ -18,6 +18,10 @@ from pagedkv.spec import (
     translate_slot,
 )
 
+SPEC_AND_IMPL = pytest.mark.parametrize(
+    "manager_cls", [BlockManager, impl_manager.BlockManager], ids=["spec", "impl"]
+)
+
 
 def test_chapter_translation_example() -> None:
     """block_size 4, block_table [7, 3]: positions 0..5 land in slots 28..31, 12, 13."""
@@ -141,9 +145,7 @@ def test_reserving_slots_writes_nothing_and_copies_nothing() -> None:
         (lambda m: m.append_slot([None, 1], 2), BlockTableError, "released"),
     ],
 )
-@pytest.mark.parametrize(
-    "manager_cls", [BlockManager, impl_manager.BlockManager], ids=["spec", "impl"]
-)
+@SPEC_AND_IMPL
 def test_bad_input_raises_typed_error_and_changes_nothing(
     call, error, message, manager_cls: type
 ) -> None:
@@ -166,12 +168,19 @@ def test_constructor_rejects_bad_sizes(args, error) -> None:
 
 
 @pytest.mark.parametrize(
-    ("table", "error"),
-    [({0: 5}, TypeError), ([True], TypeError), ([1.5], TypeError), ([-4], ValueError)],
-)
-def test_module_translate_slot_rejects_bad_tables(table, error) -> None:
-    with pytest.raises(error):
-        translate_slot(table, 0, 4)
+    ("table", "token_pos", "block_size", "error"),
+    [({0: 5}, 0, 4, TypeError), ([True], 0, 4, TypeError), ([1.5], 0, 4, TypeError),
+     ([-4], 0, 4, ValueError), ([0], 0, 0, ValueError), ([0], 0, True, TypeError),
+     ([3, 4], -1, 2, ValueError), ([3, 4], 1.0, 2, TypeError), ([3, 4], True, 2, TypeError)],
+)  # fmt: skip
+def test_module_translate_slot_rejects_bad_input(
+    table: object, token_pos: object, block_size: object, error: type
+) -> None:
+    """Tables, positions (a negative one would read from the end) and block sizes are checked
+    like every count: ints, a bool is not one."""
+    match = "token_pos" if token_pos != 0 else "block_size" if block_size != 4 else ""
+    with pytest.raises(error, match=match):
+        translate_slot(table, token_pos, block_size)  # type: ignore[arg-type]
 
 
 def test_error_classes() -> None:
@@ -195,13 +204,6 @@ def test_translate_slot_is_a_bijection_onto_the_tables_blocks(table, block_size,
     assert blocks_needed(pos + 1, block_size) == pos // block_size + 1
 
 
-@pytest.mark.parametrize(("block_size", "error"), [(0, ValueError), (True, TypeError)])
-def test_module_translate_slot_rejects_a_bad_block_size(block_size: object, error: type) -> None:
-    """The block size is checked like every count: an int >= 1 (a bool is not an int here)."""
-    with pytest.raises(error, match="block_size"):
-        translate_slot([0], 0, block_size)  # type: ignore[arg-type]
-
-
 def test_the_default_block_size_is_16() -> None:
     """``block_size`` defaults to 16 tokens, in the spec and in impl, with or without caching."""
     for manager_cls in (
@@ -213,9 +215,7 @@ def test_the_default_block_size_is_16() -> None:
         assert manager_cls(4).block_size == 16, manager_cls
 
 
-@pytest.mark.parametrize(
-    "manager_cls", [BlockManager, impl_manager.BlockManager], ids=["spec", "impl"]
-)
+@SPEC_AND_IMPL
 def test_sliding_window_worked_example(manager_cls: type) -> None:
     """docs/design.md, "Sliding window": block size 2, window 3, one token a step."""
     manager = manager_cls(8, 2)
@@ -249,18 +249,7 @@ def test_blocks_outside_window_is_the_rule() -> None:
                 assert blocks_outside_window(token_count, window, bs) == expected
 
 
-@pytest.mark.parametrize(
-    ("token_pos", "error"), [(-1, ValueError), (1.0, TypeError), (True, TypeError)]
-)
-def test_module_translate_slot_rejects_a_bad_position(token_pos: object, error: type) -> None:
-    """A negative position would otherwise read the table from its end."""
-    with pytest.raises(error, match="token_pos"):
-        translate_slot([3, 4], token_pos, 2)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize(
-    "manager_cls", [BlockManager, impl_manager.BlockManager], ids=["spec", "impl"]
-)
+@SPEC_AND_IMPL
 def test_a_write_after_released_entries_copies_only_what_it_writes(manager_cls: type) -> None:
     """Released entries shift the table's indices, not the written range: with blocks 2 and 3
     reserved ahead and shared with a fork, a write into block 1 copies block 1 alone."""
