@@ -1,26 +1,13 @@
 """A bounded exhaustive check: every sequence of operations up to a depth, on tiny pools.
 
 ``python -m properties.exhaustive`` prints, for each pool, how many distinct states it visited.
-
-A small explicit-state model checker, the complement of Hypothesis' random search: from the
-empty pool it applies every operation to every state, breadth first, up to ``depth``
-operations, on three systems in lockstep: the spec, impl, and the independent model of
-``properties.block_model`` (block manager) or ``properties.prefix_model`` (prefix caching).
-Every call's result or exception class must agree among the three; after every operation the
-whole observable state must agree (free queue in order, reference counts, pending copy-on-write
-pairs and the sources waiting for them, and for prefix caching every block's key and the
-counters), every reference count must equal the live tables holding the block, and every
-position of every live table must translate alike. States are deduplicated by what they
-observably are (the states above, plus the driver's live tables and token counts, counters left
-out), so each distinct state is expanded once, at the smallest depth that reaches it.
-
-:class:`BlockSystem` covers the block manager: prompts of every length that fits the pool and
-one past it, decode steps, multi-block chunks, lookahead reservations, forks, frees, taking the
-copy pairs, and a double free. :class:`PrefixSystem` covers prefix caching over the two-token
-vocabulary ``{0, 1}``, under a hash where most keys collide: every prompt up to
-``block_size + 1`` tokens (and two under a second salt), each prefilled and registered, decode
-steps of either token (registered as blocks fill), forks and frees; in every state every
-prompt's lookup and ``blocks_to_allocate`` must agree.
+Breadth first from the empty pool, spec, impl and the independent model
+(``properties.block_model`` or ``properties.prefix_model``) run in lockstep: every call's result
+or exception class agrees; after every operation the observable state agrees (queue order,
+reference counts, pending copy pairs and waiting sources, and for prefix caching every key and
+the counters), reference counts equal the live tables' holds, and every position translates
+alike. States are deduplicated by what they observably are (counters left out), so each is
+expanded once. :class:`BlockSystem` and :class:`PrefixSystem` list their operations.
 """
 
 from __future__ import annotations
@@ -48,7 +35,7 @@ Operation = tuple[Any, ...]
 
 @dataclass
 class Live:
-    """A table the driver holds: its blocks, the tokens written (or just how many), its salt."""
+    """A table the driver holds: its blocks, the tokens written, its salt."""
 
     table: list[int]
     tokens: list[int]
@@ -100,8 +87,7 @@ class System:
         raise NotImplementedError
 
     def observe(self, manager: Any) -> tuple[object, ...]:
-        """What a manager shows: queue, reference counts, pending copy pairs, and the copy
-        sources waiting for them."""
+        """Queue, reference counts, pending copy pairs and the sources waiting for them."""
         refs = [manager.ref_count(b) for b in range(self.total_blocks)]
         pairs = manager.pending_copy_pairs()
         return manager.free_block_ids(), refs, pairs, list(manager.waiting_for_copy)
@@ -122,7 +108,6 @@ class System:
         return frozen((self.key_part(seen), tables, world.freed))
 
     def key_part(self, seen: tuple[object, ...]) -> tuple[object, ...]:
-        """What of the observables tells states apart: all of them."""
         return seen
 
     def same(self, world: World, name: str, *args: Any) -> Outcome:
@@ -153,8 +138,8 @@ class System:
         return True
 
     def double_free(self, world: World) -> None:
-        """Free the table freed last again: refused, unless its blocks all have owners again
-        (then it reads as live and freeing it would free theirs, so it is only read)."""
+        """Free the table freed last again: refused, unless its blocks have owners again
+        (then it is only read)."""
         read = self.same(world, "translate_slot", world.freed, 0)
         if read.error is BlockTableError:
             self.same(world, "free", world.freed)
@@ -164,7 +149,8 @@ class System:
 
 
 class BlockSystem(System):
-    """The block manager: spec, impl and ``BlockModel``."""
+    """The block manager: prompts of every length that fits and one past, decode steps,
+    multi-block chunks, lookahead reservations, forks, frees, the copy pairs, a double free."""
 
     spec_cls = spec_manager.BlockManager
     impl_cls = impl_manager.BlockManager
@@ -203,7 +189,9 @@ class BlockSystem(System):
 
 
 class PrefixSystem(System):
-    """Prefix caching over the vocabulary ``{0, 1}``: spec, impl and ``PrefixCacheModel``."""
+    """Prefix caching over tokens ``{0, 1}`` under a colliding hash: every prompt up to
+    ``block_size + 1`` tokens (two salted), prefilled and registered, decode steps of either
+    token, forks and frees; every prompt's lookup and ``blocks_to_allocate`` in every state."""
 
     spec_cls = spec_prefix.PrefixCachingBlockManager
     impl_cls = impl_prefix.PrefixCachingBlockManager
@@ -220,8 +208,6 @@ class PrefixSystem(System):
         self.prompts += [([0] * block_size + [1], "salt"), ([1] * (block_size + 1), "salt")]
 
     def initial(self) -> World:
-        """Under a hash where most keys collide: only the keys' structural equality tells
-        contents apart."""
         args = (self.total_blocks, self.block_size)
         return World(
             self.spec_cls(*args, hash_fn=colliding_hash),
@@ -241,7 +227,6 @@ class PrefixSystem(System):
         return *super().model_view(model), keys, len(model.content_of), counters
 
     def check(self, world: World) -> Hashable:
-        """The base checks, and every prompt's lookup and ``blocks_to_allocate``."""
         key = super().check(world)
         for tokens, salt in self.prompts:
             self.same(world, "lookup", tokens, salt)
@@ -282,8 +267,7 @@ class PrefixSystem(System):
 
 
 def explore(system: System, depth: int) -> int:
-    """Check every state reachable in at most ``depth`` operations; return how many distinct
-    states there are. ``Mismatch`` names the operations that lead to a disagreement."""
+    """Check every state reachable in ``depth`` operations; the number of distinct states."""
     start = system.initial()
     seen = {system.check(start)}
     frontier: list[tuple[World, tuple[Operation, ...]]] = [(start, ())]
@@ -308,16 +292,8 @@ def explore(system: System, depth: int) -> int:
 BLOCK_POOLS = [(total, size, 6 if total <= 2 else 5) for total in (1, 2, 3, 4) for size in (1, 2)]
 """``(total_blocks, block_size, depth)`` for the block manager: as deep as a minute allows."""
 
-PREFIX_DEPTHS = {
-    (1, 1): 5,
-    (1, 2): 5,
-    (2, 1): 5,
-    (2, 2): 4,
-    (3, 1): 4,
-    (3, 2): 3,
-    (4, 1): 3,
-    (4, 2): 3,
-}
+PREFIX_DEPTHS = {(1, 1): 5, (1, 2): 5, (2, 1): 5, (2, 2): 4, (3, 1): 4, (3, 2): 3, (4, 1): 3,
+                 (4, 2): 3}  # fmt: skip
 PREFIX_POOLS = [(total, size, depth) for (total, size), depth in PREFIX_DEPTHS.items()]
 """The same for prefix caching, whose states branch more (every prompt is an operation)."""
 

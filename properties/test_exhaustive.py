@@ -1,11 +1,6 @@
-"""The bounded exhaustive check runs, and has teeth.
-
-Every pool of ``properties.exhaustive`` is explored to its depth with spec, impl and the
-independent model in lockstep, and the number of distinct states is pinned, so a change that
-silently explores less fails. The planted bugs of the spec's machines (``SPEC_BUGS``,
-``PREFIX_BUGS``) are caught by the exhaustive check too, on small pools; the controls load an
-unmodified copy the same way and pass.
-"""
+"""The bounded exhaustive check runs every pool to its depth with its distinct states pinned (so
+exploring less fails), and catches the spec machines' planted bugs on small pools; controls
+pass."""
 
 from __future__ import annotations
 
@@ -44,9 +39,10 @@ STATES = {
     ("PrefixSystem", 4, 1, 3): 807,
     ("PrefixSystem", 4, 2, 3): 3918,
 }
-"""Distinct states per ``(system, total_blocks, block_size, depth)``, as docs/results.md
-reports them."""
+"""Distinct states per ``(system, total_blocks, block_size, depth)`` (docs/results.md)."""
 
+# The planted bugs left to the machines: the exhaustive check enumerates no rollbacks, window
+# releases, KV events, resets or stats reads.
 ROLLBACK_BUGS = {
     "truncate releases the dropped blocks head first",
     "truncate frees the dropped blocks outright, shared ones too",
@@ -56,9 +52,6 @@ ROLLBACK_BUGS = {
     "a cut cached block loses its key while other tables hold it",
     "a cached block is written in place",
 }
-"""Planted bugs in ``truncate`` and in a write after one: the exhaustive check does not
-enumerate rollbacks, so only the machines are asked to catch them."""
-
 WINDOW_BUGS = {
     "the window releases one block it still reads",
     "the window releases its blocks head first",
@@ -67,9 +60,6 @@ WINDOW_BUGS = {
     "a write into a released entry is not refused",
     "the window past the table's capacity",
 }
-"""Planted bugs in the sliding-window release: the exhaustive check does not enumerate
-``release_outside_window`` either, so only the machines are asked."""
-
 OBSERVER_BUGS = {
     "a stored block emits no event",
     "an eviction emits no event",
@@ -79,12 +69,10 @@ OBSERVER_BUGS = {
     "a reset reorders the free queue",
     "reading the stats does not reset them",
 }
-"""Planted bugs in KV events, ``reset_prefix_cache`` and ``take_stats``: the exhaustive check
-enumerates the operations that change tables, not these, so only the machines are asked."""
+
 
 QUICK_STATES = 1000
-"""Pools with fewer distinct states than this are explored by the quick command; the larger
-ones (up to a few minutes of one core each on the 2-core VM) by the long command."""
+"""Smaller pools run in the quick command, larger ones (minutes each) are marked ``long``."""
 
 POOLS = [
     pytest.param(
@@ -126,15 +114,13 @@ def test_the_bugs_left_to_the_machines_are_planted_bugs() -> None:
 
 
 def test_controls_pass() -> None:
-    """The loading path is sound: unmodified copies agree everywhere."""
     explore(planted(BlockSystem, load_copy(spec_block_manager, SHARED_NAMES).BlockManager, 2), 4)
     prefix = load_copy(spec_prefix_cache, EVENT_CLASSES).PrefixCachingBlockManager
     explore(planted(PrefixSystem, prefix, 1), 4)
 
 
 FIVE_OPERATIONS = {"the blocks waiting for a copy stay out of the queue after it"}
-"""Planted bugs only five operations reach (allocate, fork, a copy on write, freeing the
-source's last holder, taking the pairs): searched to depth 5, the others to depth 4."""
+"""Planted bugs that need five operations (depth 5; the others depth 4)."""
 
 
 @pytest.mark.parametrize("bug", sorted(set(SPEC_BUGS) - ROLLBACK_BUGS - WINDOW_BUGS))

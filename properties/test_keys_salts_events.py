@@ -1,15 +1,7 @@
-"""Stable block keys, per-request cache salts and KV events, end to end.
-
-* The default block hash is the same in every process: two interpreters with different
-  ``PYTHONHASHSEED`` compute the same hashes for the same salted prompt, and the same as a value
-  written here (so a change of the hash is a visible, deliberate change). Python's own ``hash``
-  of the salt differs between those processes, so the check would fail with it.
-* A cache salt travels from ``add_request`` through the scheduler to the store: requests with
-  equal salts share their prompt's cached blocks, requests with different salts (or one salted,
-  one not) share none. A scheduler that drops the salt is caught.
-* With KV events on, the events an engine reports rebuild its prefix cache's key map exactly,
-  and ``reset_prefix_cache`` is refused while requests run and clears the map after.
-"""
+"""Stable block keys, per-request cache salts and KV events, end to end: the default hash is
+the same in processes whose ``PYTHONHASHSEED`` (and so ``hash`` of the salt) differ; a salt
+travels from ``add_request`` to the store, isolating tenants (a scheduler that drops it is
+caught); the events an engine reports rebuild its key map, and a reset waits for idle."""
 
 from __future__ import annotations
 
@@ -31,9 +23,10 @@ from pagedkv.spec.prefix_cache import AllBlocksCleared, BlockRemoved, BlockStore
 from pagedkv.spec.prefix_cache import PrefixCachingBlockManager as SpecPrefixManager
 from properties.engine_cases import MODEL, one_thread
 from properties.mutants import load_mutant
+from properties.test_prefix_cache_spec import GOLDEN_SALTED
+from properties.test_prefix_cache_spec import KEY_PROMPT as PROMPT
 
 ROOT = Path(__file__).resolve().parent.parent
-PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]
 KEYED = (PROMPT, "tenant-a", ("lora", 7))  # tokens, salt, a tuple extra key
 
 HASHES_SCRIPT = """
@@ -47,9 +40,6 @@ print(json.dumps({
     "python hash of the salt": hash(salt),
 }))
 """
-
-GOLDEN_SALTED = [4134609230749097507, 2022915652591636899, -5562750073687475860]
-"""``block_keys(PROMPT, "tenant-a")``'s hashes with block size 4: BLAKE2b-64 of the key's repr."""
 
 
 def hashes_in_a_new_process(seed: str, tmp_path: Path) -> dict[str, object]:
@@ -72,16 +62,14 @@ def test_block_hashes_are_the_same_in_every_process(tmp_path: Path) -> None:
     for result in (first, second):
         assert result["salted"] == [k.hash_value for k in here.block_keys(PROMPT, "tenant-a")]
         assert result["tuple extra"] == [k.hash_value for k in here.block_keys(PROMPT, ("lora", 7))]
-    assert first["salted"] == GOLDEN_SALTED
-    impl = PrefixCachingBlockManager(8, 4)
-    assert [k.hash_value for k in impl.block_keys(PROMPT, "tenant-a")] == GOLDEN_SALTED
+    assert first["salted"] == GOLDEN_SALTED  # impl's: test_prefix_cache_spec on impl
 
 
 # ----------------------------------------------------------------- salts through the scheduler
 
 
 def run_prompt(scheduler: Scheduler, request_id: int, salt: str | None) -> int:
-    """Admit ``PROMPT`` under ``salt``, compute it, finish it; return its cached tokens."""
+    """Admit, compute and finish ``PROMPT`` under ``salt``; its cached tokens."""
     seq = scheduler.add_request(request_id, PROMPT, max_new_tokens=1, cache_salt=salt)
     out = scheduler.schedule()
     (item,) = [item for item in out.items() if item.seq is seq]
@@ -129,9 +117,8 @@ def test_a_salt_that_is_not_a_str_is_refused(salt: object) -> None:
 
 
 def test_a_str_subclass_salt_is_the_str_it_equals() -> None:
-    """A ``numpy.str_`` salt is taken as the plain str at the door: its request runs (it used to
-    pass the scheduler and wedge every step in the default hash) and shares its blocks with the
-    same salt given as a str, and with no other."""
+    """A ``numpy.str_`` salt is the plain str (it used to wedge every step in the default
+    hash): it runs and shares blocks with that str only."""
     scheduler = salt_scheduler()
     full = (len(PROMPT) - 1) // 4 * 4
     seq = scheduler.add_request(0, PROMPT, 1, cache_salt=np.str_("tenant-a"))
@@ -205,9 +192,8 @@ def test_kv_events_need_prefix_caching() -> None:
 
 
 def test_a_store_admit_under_an_unstable_extra_key_changes_nothing() -> None:
-    """``admit`` builds every key before it changes anything: an extra key without a stable
-    encoding raises ``TypeError`` and leaves the pool, the rows and the cache as they were, and
-    the same prompt is then admitted as if the refused call never happened."""
+    """``admit`` builds every key first: an unstable extra key is a TypeError that changes
+    nothing, the same prompt is then admitted as if it never happened."""
     store = BlockTableStore(PrefixCachingBlockManager(16, 4, enable_kv_events=True), 4, 8)
     store.admit(0, PROMPT, 0, "tenant-a")
     store.cache_blocks(0, PROMPT, "tenant-a")

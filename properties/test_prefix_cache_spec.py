@@ -1,7 +1,5 @@
-"""Prefix caching rules of the spec: the state machine, and worked scenarios.
-
-The scenarios follow the ideas of vLLM's prefix-caching tests, expressed in pagedkv's API.
-"""
+"""Prefix caching rules of the spec: the state machine, and worked scenarios (after vLLM's
+prefix-caching tests; ``test_impl_prefix_cache`` reruns each on impl)."""
 
 from __future__ import annotations
 
@@ -21,7 +19,7 @@ SYSTEM = list(range(100, 108))  # two full blocks of 4
 
 
 def prefill(manager: PrefixCachingBlockManager, tokens: list[int], salt=None) -> list[int]:
-    """Allocate a prompt and register its full blocks, as an engine does after the forward pass."""
+    """Allocate a prompt and register its full blocks, as an engine does after prefill."""
     table, _ = manager.allocate_prompt(tokens, salt)
     manager.cache_blocks(table, tokens, salt)
     return table
@@ -123,9 +121,8 @@ def test_caching_other_tokens_into_a_cached_block_is_refused() -> None:
 
 
 def test_other_tokens_before_a_cached_block_are_refused() -> None:
-    """A key covers its block's whole prefix. Here a table's first block is an uncached
-    duplicate and its second is cached; registering it again with other tokens in the first
-    block names another key for the second: ``BlockTableError``, and nothing changes."""
+    """A key covers its whole prefix: other tokens in an uncached duplicate first block name
+    another key for the cached second: BlockTableError, nothing changed."""
     manager = PrefixCachingBlockManager(8, 2)
     a, _ = manager.allocate_prompt([1, 2, 3, 4, 0])
     b, _ = manager.allocate_prompt([1, 2, 5, 6, 0])  # computed concurrently: no hit yet
@@ -147,7 +144,6 @@ def test_duplicate_content_keeps_one_cached_copy() -> None:
 
 
 def test_keys_are_immutable() -> None:
-    """A key is a dictionary key of the cache: none of its parts can be reassigned."""
     (key,) = PrefixCachingBlockManager(4, 4).block_keys([1, 2, 3, 4])
     for name, value in [("tokens", (9, 9, 9, 9)), ("extra", "salt"), ("parent", None)]:
         with pytest.raises(FrozenInstanceError):
@@ -161,8 +157,7 @@ def test_enable_kv_events_must_be_a_bool() -> None:
 
 
 def test_kv_events_are_off_by_default() -> None:
-    """Without ``enable_kv_events`` a manager records nothing, however much it caches, evicts
-    and clears."""
+    """Without ``enable_kv_events`` nothing is recorded."""
     manager = PrefixCachingBlockManager(1, 2)
     table, _ = manager.allocate_prompt([1, 2])
     manager.cache_blocks(table, [1, 2])
@@ -172,7 +167,6 @@ def test_kv_events_are_off_by_default() -> None:
 
 
 def test_kv_events_are_immutable() -> None:
-    """An event handed to a router is a value: none of its fields can be reassigned."""
     manager = PrefixCachingBlockManager(1, 2, enable_kv_events=True)
     table, _ = manager.allocate_prompt([1, 2])
     manager.cache_blocks(table, [1, 2])
@@ -187,8 +181,7 @@ def test_kv_events_are_immutable() -> None:
 
 
 def test_a_reset_forgets_both_directions_of_the_key_map() -> None:
-    """After a reset no block carries a key and no content hits; the blocks it forgot are not
-    evicted again when reused, and the free queue keeps its order."""
+    """After a reset no block has a key or hits, reuse evicts nothing, the queue keeps order."""
     manager = PrefixCachingBlockManager(2, 2, enable_kv_events=True)
     table, _ = manager.allocate_prompt([1, 2, 3, 4])
     manager.cache_blocks(table, [1, 2, 3, 4])
@@ -206,8 +199,8 @@ def test_a_reset_forgets_both_directions_of_the_key_map() -> None:
 
 
 def test_lookup_stops_at_the_first_miss_though_a_later_block_is_cached() -> None:
-    """A block is found only through its whole prefix. Here the parent's content is evicted
-    while a child stays cached (its table held an uncached duplicate of the parent): no hit."""
+    """A block is found only through its whole prefix: a cached child of an evicted parent
+    is no hit."""
     manager = PrefixCachingBlockManager(6, 2)
     first, _ = manager.allocate_prompt([1, 1, 2, 2, 0])  # blocks 0 1 2, prefill still running
     second = prefill(manager, [1, 1, 3, 3, 0])  # blocks 3 4 5: caches [1, 1] in 3
@@ -220,7 +213,7 @@ def test_lookup_stops_at_the_first_miss_though_a_later_block_is_cached() -> None
 
 
 def test_a_hash_that_is_not_an_int_is_refused() -> None:
-    """``hash_fn`` must return an int, as ``__hash__`` must: ``TypeError``, nothing cached."""
+    """``hash_fn`` must return an int: TypeError, nothing cached."""
     manager = PrefixCachingBlockManager(4, 2, hash_fn=lambda parent, tokens, extra: "1")
     with pytest.raises(TypeError):
         manager.block_keys([1, 2])
@@ -230,12 +223,11 @@ def test_a_hash_that_is_not_an_int_is_refused() -> None:
 
 
 # ----------------------------------------------------------------- stable keys
-# (plain functions: test_impl_prefix_cache reruns each on impl's class)
 
 KEY_PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]
 GOLDEN_SALTED = [4134609230749097507, 2022915652591636899, -5562750073687475860]
-"""``block_keys(KEY_PROMPT, "tenant-a")``'s hashes with block size 4 (BLAKE2b-64 of each key's
-repr); ``properties/test_keys_salts_events.py`` checks them in two other processes too."""
+"""``block_keys(KEY_PROMPT, "tenant-a")``'s hashes, block size 4 (also checked in two other
+processes by ``test_keys_salts_events``)."""
 
 
 def test_block_hashes_are_the_written_down_values() -> None:
@@ -252,10 +244,8 @@ def test_salts_change_every_block_hash() -> None:
 
 
 def test_an_unstable_extra_key_is_refused_by_the_first_call_that_receives_it() -> None:
-    """Even a prompt that fills no block (no key is hashed) is refused with its unstable key,
-    at ``allocate_prompt`` (it used to pass, and fail later at ``cache_blocks``), and by every
-    other call that takes an extra key; nothing changes. Runs on impl too (its
-    ``test_spec_scenario_on_impl``)."""
+    """Even with no full block (no key hashed): every call taking an extra key refuses it,
+    ``allocate_prompt`` included (it used to fail only at ``cache_blocks``); nothing changes."""
     manager = PrefixCachingBlockManager(8, 4)
     for call in (
         lambda: manager.allocate_prompt([1, 2], frozenset()),
@@ -292,10 +282,8 @@ EQUAL_EXTRA_KEYS: list[tuple[object, list[object]]] = [
 
 
 def test_equal_extra_keys_hash_equal_and_hit() -> None:
-    """Extra keys that are equal are the same key (``BlockKey`` compares them with ``==``), so
-    they hash equal and a lookup under one hits the blocks cached under the other, under the
-    default hash as under a colliding one (``1``/``True`` used to miss under the default
-    hash). Keys that differ still miss."""
+    """Equal extra keys hash equal and hit each other's blocks under both hashes (``1``/``True``
+    used to miss); different ones miss."""
     cases = [(h, stored, equal) for h in (default_block_hash, colliding_hash)
              for stored, equal in EQUAL_EXTRA_KEYS]  # fmt: skip
     for hash_fn, stored, equal in cases:
@@ -311,10 +299,9 @@ def test_equal_extra_keys_hash_equal_and_hit() -> None:
 
 
 def test_the_default_hash_is_the_documented_recipe() -> None:
-    """design.md §8's recipe, computed here from its words, not from the code: BLAKE2b with an
-    8-byte digest over the UTF-8 bytes of the repr of (parent's hash or None, the block's tokens,
-    the canonical extra key), read as a little-endian signed int. The extra key ``("t", True,
-    -0.0, 2.5)`` is canonically ``('t', 1, 0, 2.5)``."""
+    """design.md §8's recipe from its words: BLAKE2b-8 of the UTF-8 repr of (parent hash or
+    None, tokens, canonical extra key), little-endian signed; ``("t", True, -0.0, 2.5)`` is
+    canonically ``('t', 1, 0, 2.5)``."""
 
     def recipe(text: str) -> int:
         digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()

@@ -1,23 +1,11 @@
 """``BlockTableStore.grow_or_preempt`` against the spec driven one call at a time.
 
-The model is a ``pagedkv.spec`` block manager (plain, or prefix caching) plus each sequence's
-table and token count. ``grow_or_preempt(batch, k)`` must equal, for each sequence in batch
-order: ``append_slot`` until it succeeds, each ``OutOfBlocksError`` answered by freeing the
-batch's last remaining sequence, stopping when the sequence itself was freed. Victims, tables,
-token counts, the free queue (order included), every reference count, the pending copy-on-write
-pairs and, with prefix caching, every cached key must agree after every step. The decode fast
-path (every sequence one token, no shared last block) and the batched plans (all blocks owned
-alone, or shared prefix blocks) are all reached; forks make shared last blocks, which take the
-in-order path.
-
-:class:`WindowPreemptionMachine` adds a sliding window: between steps, as the scheduler does,
-the live sequences release their leading blocks (``release_outside_window`` at each one's token
-count, or at an earlier next-query position). Victims then free only the blocks they still
-hold; with prefix caching the released cached blocks stay cached in the free queue, where
-prompts hit and revive them, and later full blocks still register under keys chained over the
-whole prefix. (A subclass, so the searches that find the planted bugs above stay as they were.)
-
-``STORE`` is a class attribute so that planted bugs can swap in broken copies.
+For each sequence in batch order: ``append_slot`` until it succeeds, each ``OutOfBlocksError``
+answered by freeing the batch's last remaining sequence, stopping when the sequence itself was
+freed. Victims, tables, counts, the free queue, reference counts, pending copy pairs and (with
+prefix caching) keys agree after every step. Subclasses add a copy-source preemption and
+sliding-window releases (subclasses, so the planted-bug searches of the base stay as they
+were). ``STORE`` is a class attribute so that planted bugs can swap in broken copies.
 """
 
 from __future__ import annotations
@@ -49,6 +37,7 @@ from pagedkv.impl.blocks import BlockManager, BlockTableStore, PrefixCachingBloc
 from pagedkv.spec.block_manager import BlockManager as SpecBlockManager
 from pagedkv.spec.block_manager import OutOfBlocksError
 from pagedkv.spec.prefix_cache import PrefixCachingBlockManager as SpecPrefixManager
+from properties.block_lockstep import Both
 from properties.mutants import CONTROL_SEARCHES, FIND, load_copy, load_mutant, planted_store
 from properties.outcomes import outcome
 
@@ -82,7 +71,6 @@ class PreemptionMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.model) < 8)
     @rule(target=seqs, tokens=st.lists(VOCAB, min_size=1, max_size=12))
     def add(self, tokens: list[int]) -> Any:
-        """A prompt, with prefix caching through its cached prefix."""
         seq_id = self.next_id
         try:
             if self.prefix:
@@ -109,10 +97,8 @@ class PreemptionMachine(RuleBasedStateMachine):
         retry=st.sampled_from(["same", "other tokens", "other salt"]),
     )
     def admit(self, tokens: list[int], headroom: int, salt: str | None, retry: str) -> Any:
-        """``admit`` under a cache salt: ``add_prompt`` if ``headroom`` blocks stay free; tried
-        twice on refusal, after a drawn change of the cache, the second time with no headroom
-        (as a scheduler with nothing running): the same prompt (its plan reuses the first's
-        keys), or, under the same id, other tokens or another salt (it must not)."""
+        """``admit`` under a salt; on refusal retried with no headroom after a cache change:
+        the same prompt (reusing its keys), or other tokens or salt (which must not)."""
         seq_id = self.next_id
         for attempt in range(2):
             headroom = 0 if attempt else headroom
@@ -149,7 +135,6 @@ class PreemptionMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.model) < 8)
     @rule(target=seqs, parent=seqs)
     def fork(self, parent: int) -> Any:
-        """A parallel sample: shares the parent's blocks, partly filled last one included."""
         if parent not in self.model:
             return multiple()
         table, tokens = self.model[parent]
@@ -168,7 +153,6 @@ class PreemptionMachine(RuleBasedStateMachine):
 
     @rule(seq=seqs)
     def register(self, seq: int) -> None:
-        """Full blocks enter the prefix cache (a no-op without prefix caching)."""
         if seq in self.model and self.prefix:
             table, tokens = self.model[seq]
             salt = self.salt_of.get(seq)
@@ -178,14 +162,12 @@ class PreemptionMachine(RuleBasedStateMachine):
 
     @rule()
     def pop_copy_pairs(self) -> None:
-        """The copy-on-write pairs the growths made, in order."""
         assert self.store.pop_copy_pairs().tolist() == [list(p) for p in self.spec.pop_copy_pairs()]
 
     @precondition(lambda self: self.model)
     @rule(data=st.data(), decode=st.booleans())
     def grow_or_preempt(self, data: st.DataObject, decode: bool) -> None:
-        """Every live sequence in the order added (as a scheduler's running list), each by one
-        token (decode) or by drawn counts."""
+        """Every live sequence in the order added, by one token (decode) or drawn counts."""
         ids = list(self.model)
         steps = [1] * len(ids) if decode else [data.draw(st.integers(0, 5)) for _ in ids]
         victims = self.store.grow_or_preempt(ids, 1 if decode else steps)
@@ -237,15 +219,13 @@ TestPreemption = PreemptionMachine.TestCase
 
 
 class CopySourcePreemptionMachine(PreemptionMachine):
-    """:class:`PreemptionMachine` with a step that preempts the last holder of a block copied on
-    write in the same growth (a subclass, so the searches above stay as they were)."""
+    """Adds a step preempting the last holder of a block copied on write in the same growth."""
 
     @precondition(lambda self: 0 < len(self.model) < 8)
     @rule(data=st.data())
     def fork_then_preempt_the_child(self, data: st.DataObject) -> None:
-        """A sample forked from a partly filled block, then one growth in which the parent
-        copies that block on write and a later sequence's growth preempts the child, the
-        source's last holder: the source waits for its copy (docs/design.md §5)."""
+        """Fork, then one growth where the parent copies and the child (the source's last
+        holder) is preempted: the source waits for its copy (docs/design.md §5)."""
         parent = data.draw(st.sampled_from(list(self.model)), label="parent")
         self.fork(parent)
         ids = list(self.model)  # the child is the last: the first victim
@@ -263,8 +243,7 @@ class WindowPreemptionMachine(PreemptionMachine):
     @precondition(lambda self: self.model)
     @rule(data=st.data(), window=st.integers(1, 9))
     def release_outside_window(self, data: st.DataObject, window: int) -> None:
-        """Every live sequence (the scheduler's running list) releases what its next query no
-        longer reads: at its token count, or at an earlier position (a prompt still computing)."""
+        """Every live sequence releases at its token count or an earlier position."""
         ids = list(self.model)
         counts = [len(self.model[s][1]) for s in ids]
         if data.draw(st.booleans(), label="earlier positions"):
@@ -282,8 +261,7 @@ class WindowPreemptionMachine(PreemptionMachine):
     @precondition(lambda self: self.model)
     @rule(window=st.integers(1, 4), decode=st.booleans(), data=st.data())
     def window_step(self, window: int, decode: bool, data: st.DataObject) -> None:
-        """The scheduler's step under a window: release at every token count, then grow every
-        sequence (preempting from the tail when the pool runs short)."""
+        """The scheduler's step under a window: release, then grow (preempting)."""
         ids = list(self.model)
         self.store.release_outside_window(ids, window)
         self.release_in_model(ids, [len(self.model[s][1]) for s in ids], window)
@@ -293,40 +271,26 @@ class WindowPreemptionMachine(PreemptionMachine):
 TestWindowPreemption = WindowPreemptionMachine.TestCase
 
 
-@pytest.mark.parametrize("method", ["grow", "grow_or_preempt"])
-def test_two_writers_of_one_block_beside_a_lone_writer_of_another(method: str) -> None:
-    """Sequence 0 writes block 0, which its fork (not in the batch) shares; sequences 2 and 3
-    both write block 1: only the first of those copies it, as the spec's calls decide."""
-    spec, store = SpecBlockManager(12, 4), BlockTableStore(BlockManager(12, 4), 8, 8)
-    tables = {0: spec.allocate(1), 2: spec.allocate(1)}
-    tables[1], tables[3] = spec.fork(tables[0]), spec.fork(tables[2])
-    store.add(0, 2)
-    store.add(2, 2)
-    store.fork(0, 1)
-    store.fork(2, 3)
-    for seq in (0, 2, 3):
-        tables[seq] = spec.append_slot(tables[seq], 3)
-    assert getattr(store, method)([0, 2, 3], 1) == []
-    assert {seq: store.table(seq) for seq in tables} == tables
-    assert store.pop_copy_pairs().tolist() == [list(pair) for pair in spec.pop_copy_pairs()]
-    assert store.manager.free_block_ids() == spec.free_block_ids()
+WRITERS = {  # sequences added, forks (parent, child), and the writers of one batch
+    "two blocks, one written twice": ([0, 2], [(0, 1), (2, 3)], [0, 2, 3]),
+    "one block written by four": ([0], [(0, 1), (0, 2), (0, 3)], [0, 1, 2, 3]),
+}
 
 
 @pytest.mark.parametrize("method", ["grow", "grow_or_preempt"])
-def test_many_writers_of_one_shared_block(method: str) -> None:
-    """Four forks share a partly filled last block and all write it in one batch: the first
-    three copy it, in batch order, and the last writes in place, as the spec's calls do."""
-    spec, store = SpecBlockManager(12, 4), BlockTableStore(BlockManager(12, 4), 8, 8)
-    tables = [spec.allocate(1)]
-    store.add(0, 2)
-    for child in (1, 2, 3):
-        tables.append(spec.fork(tables[0]))
-        store.fork(0, child)
-    tables = [spec.append_slot(table, 3) for table in tables]
-    assert getattr(store, method)([0, 1, 2, 3], 1) == []
-    assert [store.table(seq) for seq in range(4)] == tables
-    assert store.pop_copy_pairs().tolist() == [list(pair) for pair in spec.pop_copy_pairs()]
-    assert store.manager.free_block_ids() == spec.free_block_ids()
+@pytest.mark.parametrize("case", sorted(WRITERS))
+def test_writers_of_a_shared_block_copy_it_in_batch_order(method: str, case: str) -> None:
+    """Every writer of a shared partly filled block but the last copies it, in batch order,
+    as the spec's calls decide."""
+    added, forks, writers = WRITERS[case]
+    both = Both(12, 4, 8, 8, prefix=False)
+    for seq_id in added:
+        both.add(seq_id, 2)
+    for parent, child in forks:
+        both.fork(parent, child)
+    assert both.grow(dict.fromkeys(writers, 1), method) == []
+    both.check()
+    assert both.store.pop_copy_pairs().tolist() == [list(p) for p in both.spec.pop_copy_pairs()]
 
 
 PLANTED = {
@@ -451,46 +415,41 @@ def planted_machine(
     return type("PlantedPreemption", (base,), {"STORE": store})
 
 
+BASES: dict[str, type[PreemptionMachine]] = {
+    **dict.fromkeys(PLANTED, PreemptionMachine),
+    **dict.fromkeys(COPY_SOURCE_PLANTED, CopySourcePreemptionMachine),
+    **dict.fromkeys(WINDOW_PLANTED, WindowPreemptionMachine),
+}
+CONTROLS = [  # identity "mutations": the loading paths are sound
+    (pagedkv.impl.blocks.store, "BlockTableStore.grow", "atomic and failed", PreemptionMachine),
+    (pagedkv.impl.blocks.growth, "plan_in_order", "left == 0", PreemptionMachine),
+    (
+        pagedkv.impl.blocks.prefix_store,
+        "PrefixStore.admit",
+        "self.refused = None",
+        PreemptionMachine,
+    ),
+    (*PLANTED["extended keys restart the chain"][:3], PreemptionMachine),
+    (
+        pagedkv.impl.blocks.store,
+        "BlockTableStore.grow",
+        "atomic and failed",
+        WindowPreemptionMachine,
+    ),
+]
+
+
 @pytest.mark.parametrize("search", CONTROL_SEARCHES)
 def test_control_unmutated_copies_pass(search: settings) -> None:
-    """The loading paths are sound: identity 'mutations' of both modules pass."""
-    for module, within, snippet in (
-        (pagedkv.impl.blocks.store, "BlockTableStore.grow", "atomic and failed"),
-        (pagedkv.impl.blocks.growth, "plan_in_order", "left == 0"),
-        (pagedkv.impl.blocks.prefix_store, "PrefixStore.admit", "self.refused = None"),
-        (
-            pagedkv.impl.blocks.prefix_cache,
-            "PrefixCachingBlockManager.extend_block_keys",
-            "parent = keys[-1] if keys else None",
-        ),
-    ):
-        machine = planted_machine(module, within, snippet, snippet)
-        run_state_machine_as_test(machine, settings=search)
+    for module, within, snippet, base in CONTROLS:
+        run_state_machine_as_test(
+            planted_machine(module, within, snippet, snippet, base), settings=search
+        )
 
 
-@pytest.mark.parametrize("bug", sorted(PLANTED))
+@pytest.mark.parametrize("bug", sorted(BASES))
 def test_planted_preemption_bug_is_caught(bug: str) -> None:
-    machine = planted_machine(*PLANTED[bug])  # loading errors are not catches
-    with pytest.raises(Exception):  # noqa: B017 - an assertion or a crash inside a rule
-        run_state_machine_as_test(machine, settings=FIND)
-
-
-@pytest.mark.parametrize("search", CONTROL_SEARCHES)
-def test_control_unmutated_copy_passes_the_window_machine(search: settings) -> None:
-    store, within, snippet = pagedkv.impl.blocks.store, "BlockTableStore.grow", "atomic and failed"
-    machine = planted_machine(store, within, snippet, snippet, WindowPreemptionMachine)
-    run_state_machine_as_test(machine, settings=search)
-
-
-@pytest.mark.parametrize("bug", sorted(WINDOW_PLANTED))
-def test_planted_window_bug_is_caught(bug: str) -> None:
-    machine = planted_machine(*WINDOW_PLANTED[bug], WindowPreemptionMachine)
-    with pytest.raises(Exception):  # noqa: B017 - an assertion or a crash inside a rule
-        run_state_machine_as_test(machine, settings=FIND)
-
-
-@pytest.mark.parametrize("bug", sorted(COPY_SOURCE_PLANTED))
-def test_planted_copy_source_bug_is_caught(bug: str) -> None:
-    machine = planted_machine(*COPY_SOURCE_PLANTED[bug], CopySourcePreemptionMachine)
+    every = {**PLANTED, **COPY_SOURCE_PLANTED, **WINDOW_PLANTED}
+    machine = planted_machine(*every[bug], BASES[bug])  # loading errors are not catches
     with pytest.raises(Exception):  # noqa: B017 - an assertion or a crash inside a rule
         run_state_machine_as_test(machine, settings=FIND)
