@@ -1,12 +1,9 @@
-"""A Hypothesis state machine that drives a block manager and checks it against ``BlockModel``.
+"""A block manager against ``BlockModel``, in lockstep: ``block_manager_machine(manager_cls)``
+builds the machine for any class with the spec's API (the spec, its planted-bug mutants, impl).
 
-``block_manager_machine(manager_cls)`` builds the machine for any class with the spec's API, so the
-same rules check ``spec``, planted-bug mutants of it, and anything else that claims its semantics.
-
-Besides the block bookkeeping, the machine simulates the KV data: every written token stores a
-unique value at its physical slot, copy-on-write pairs copy whole blocks, and after every step each
-live sequence must read back exactly its own tokens through its block table. That is the
-user-visible meaning of "no two sequences ever write the same physical slot".
+It also simulates the KV data: every written token stores a unique value at its physical slot,
+copy-on-write pairs copy whole blocks, and after every step each live sequence must read back
+exactly its own tokens through its table ("no two sequences ever write the same slot").
 """
 
 from __future__ import annotations
@@ -27,7 +24,8 @@ from hypothesis.stateful import (
 )
 
 from pagedkv.spec import BlockTableError
-from properties.block_model import BlockModel, Outcome, observe
+from properties.block_model import BlockModel, observe
+from properties.machines.lockstep import Lockstep
 
 BLOCK_SIZES = [1, 2, 3, 4, 8, 16]
 BAD_COUNTS = st.one_of(
@@ -57,7 +55,7 @@ class Sequence:
 def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
     """Return a state machine class checking ``manager_cls`` against the model."""
 
-    class BlockManagerMachine(RuleBasedStateMachine):
+    class BlockManagerMachine(Lockstep, RuleBasedStateMachine):
         seqs = Bundle("seqs")  # live sequences
         freed = Bundle("freed")  # sequences already freed: their tables are stale
 
@@ -70,7 +68,7 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
 
         @initialize(total_blocks=st.integers(1, 32), block_size=st.sampled_from(BLOCK_SIZES))
         def make_manager(self, total_blocks: int, block_size: int) -> None:
-            self.manager = manager_cls(total_blocks, block_size)
+            self.impl = manager_cls(total_blocks, block_size)
             self.model = BlockModel(total_blocks, block_size)
             self.size = block_size
 
@@ -78,26 +76,18 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
 
         def snapshot(self) -> tuple[object, ...]:
             """Every observable, pending copy pairs included (read from a copy)."""
-            refs = tuple(self.manager.ref_count(b) for b in range(self.model.total_blocks))
-            pending = self.manager.pending_copy_pairs()
-            waiting = list(self.manager.waiting_for_copy)
-            return (self.manager.free_block_ids(), refs, self.manager.num_free_blocks, pending,
+            refs = tuple(self.impl.ref_count(b) for b in range(self.model.total_blocks))
+            pending = self.impl.pending_copy_pairs()
+            waiting = list(self.impl.waiting_for_copy)
+            return (self.impl.free_block_ids(), refs, self.impl.num_free_blocks, pending,
                     waiting)  # fmt: skip
 
-        def check_same(self, actual: Outcome, expected: Outcome, before: tuple) -> None:
-            """The call did what the model says; if it raised, it changed nothing."""
-            event(f"outcome: {expected.error.__name__ if expected.error else 'ok'}")
-            assert actual.error == expected.error, (actual, expected)
-            assert actual.value == expected.value, (actual, expected)
-            if expected.error is not None:
-                assert self.snapshot() == before, "a failed call changed the manager"
+        def expect(self, name: str, *args: object) -> tuple[str, object]:
+            expected = getattr(self.model, name)(*args)
+            return ("raised", expected.error) if expected.error else ("ok", expected.value)
 
-        def on_table(self, call, table: list[int], *args: int) -> Outcome:
-            """Observe ``call(table, *args)``; it must leave its table argument as it was."""
-            argument = list(table)
-            outcome = observe(call, table, *args)
-            assert table == argument, f"{call.__name__} mutated its block_table argument"
-            return outcome
+        def after(self, name: str, args: tuple, expected: tuple[str, object]) -> None:
+            event(f"outcome: {expected[1].__name__ if expected[0] == 'raised' else 'ok'}")
 
         def write(self, seq: Sequence, first: int, values: list[int]) -> None:
             for offset, value in enumerate(values):
@@ -114,13 +104,9 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
 
         @rule(target=seqs, prompt_len=st.integers(0, 40))
         def new_sequence(self, prompt_len: int) -> object:
-            blocks = -(-prompt_len // self.size)
-            before = self.snapshot()
-            expected = self.model.allocate(blocks)
-            actual = observe(self.manager.allocate, blocks)
-            self.check_same(actual, expected, before)
-            if expected.error is None:
-                seq = Sequence(table=actual.value)
+            kind, table = self.both("allocate", -(-prompt_len // self.size))
+            if kind == "ok":
+                seq = Sequence(table)
                 seq.tokens = [next(self.values) for _ in range(prompt_len)]
                 self.write(seq, 0, seq.tokens)
                 self.live.append(seq)
@@ -139,25 +125,21 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
         def write_tokens(self, seq: Sequence, new_tokens: int, lookahead: int) -> bool:
             """``append``'s calls and writes; returns whether the tokens were written."""
             count = len(seq.tokens)
-            before = self.snapshot()
             # Reserve lookahead slots without writing, then write the new tokens.
             for target, written in ((count + lookahead, 0), (count + new_tokens, new_tokens)):
-                expected = self.model.append_slot(seq.table, target, written)
-                actual = self.on_table(self.manager.append_slot, seq.table, target, written)
-                self.check_same(actual, expected, before)
-                if expected.error is not None:
+                kind, table = self.both("append_slot", seq.table, target, written)
+                if kind == "raised":
                     return False
-                before = self.snapshot()
                 made = self.model.copy_pairs[len(self.pending_pairs) :]
                 if made:
                     event("copy-on-write")
                 for src, dst in made:  # the caller copies before writing
                     self.copy_block(src, dst)
                 self.pending_pairs += made
-                seq.table = actual.value
+                seq.table = table
             for pos in range(count, count + new_tokens):
                 block = seq.table[pos // self.size]
-                assert self.manager.ref_count(block) == 1, f"write into shared block {block}"
+                assert self.impl.ref_count(block) == 1, f"write into shared block {block}"
             values = [next(self.values) for _ in range(new_tokens)]
             self.write(seq, count, values)
             seq.tokens += values
@@ -180,13 +162,10 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
                 self.roll_back(seq, count + 1 + data.draw(st.integers(0, drafts), label="j"))
 
         def roll_back(self, seq: Sequence, count: int) -> None:
-            before = self.snapshot()
-            expected = self.model.truncate(seq.table, count)
-            actual = self.on_table(self.manager.truncate, seq.table, count)
-            self.check_same(actual, expected, before)
-            if expected.error is None:
-                event("truncate: dropped blocks" if expected.value != seq.table else "truncate")
-                seq.table = expected.value
+            kind, table = self.both("truncate", seq.table, count)
+            if kind == "ok":
+                event("truncate: dropped blocks" if table != seq.table else "truncate")
+                seq.table = table
                 del seq.tokens[count:]
 
         @rule(seq=seqs, window=st.integers(1, 20), data=st.data())
@@ -208,16 +187,11 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             self.write_tokens(seq, back, 0)
 
         def release_at(self, seq: Sequence, count: int, window: int) -> None:
-            before = self.snapshot()
-            expected = self.model.release_outside_window(seq.table, count, window)
-            actual = self.on_table(self.manager.release_outside_window, seq.table, count, window)
-            self.check_same(actual, expected, before)
-            if expected.error is None:
-                released = [b for b in seq.table if b is not None] != [
-                    b for b in actual.value if b is not None
-                ]
+            kind, table = self.both("release_outside_window", seq.table, count, window)
+            if kind == "ok":
+                released = table.count(None) > seq.table.count(None)
                 event("window: released blocks" if released else "window: nothing to release")
-                seq.table = actual.value
+                seq.table = table
                 held = sum(b is not None for b in seq.table)
                 if len(seq.table) == -(-count // self.size):  # memory bounded by the window
                     assert held <= -(-(window - 1) // self.size) + 1, (held, window)
@@ -227,38 +201,26 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             """Pairs stay pending, failed calls included, until the caller takes them, once."""
             if self.model.parked:
                 event("a copy source waited for its copy")
-            assert self.manager.pop_copy_pairs() == self.pending_pairs
-            assert self.manager.pop_copy_pairs() == []
+            assert self.impl.pop_copy_pairs() == self.pending_pairs
+            assert self.impl.pop_copy_pairs() == []
             self.model.pop_copy_pairs()
             self.pending_pairs = []
 
         @rule(target=seqs, parent=seqs)
         def fork(self, parent: Sequence) -> Sequence:
-            before = self.snapshot()
-            expected = self.model.fork(parent.table)
-            actual = self.on_table(self.manager.fork, parent.table)
-            self.check_same(actual, expected, before)
-            child = Sequence(table=actual.value, tokens=list(parent.tokens))
+            child = Sequence(self.both("fork", parent.table)[1], list(parent.tokens))
             self.live.append(child)
             return child
 
         @rule(target=freed, seq=consumes(seqs))
         def free(self, seq: Sequence) -> Sequence:
-            before = self.snapshot()
-            self.check_same(
-                self.on_table(self.manager.free, seq.table),
-                self.model.free(seq.table),
-                before,
-            )
+            self.both("free", seq.table)
             self.live.remove(seq)
             return seq
 
         @rule(seq=seqs, pos=st.integers(-2, 60))
         def translate(self, seq: Sequence, pos: int) -> None:
-            before = self.snapshot()
-            expected = self.model.translate_slot(seq.table, pos)
-            actual = self.on_table(self.manager.translate_slot, seq.table, pos)
-            self.check_same(actual, expected, before)
+            self.both("translate_slot", seq.table, pos)
 
         # ------------------------------------------------------------ bad input
 
@@ -267,14 +229,10 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             """Freeing a table again is refused, and so is reading through it, unless all its
             blocks were handed out again: then it reads as live, and freeing it would free
             another owner's blocks, so only the read is made."""
-            table = seq.table
-            before = self.snapshot()
-            expected = self.model.translate_slot(table, pos)
-            self.check_same(observe(self.manager.translate_slot, table, pos), expected, before)
-            if self.model.table_error(table) is BlockTableError:  # stale, not just released
-                self.check_same(observe(self.manager.free, table), self.model.free(table), before)
-                expected = self.model.truncate(table, 0)
-                self.check_same(observe(self.manager.truncate, table, 0), expected, before)
+            self.both("translate_slot", seq.table, pos)
+            if self.model.table_error(seq.table) is BlockTableError:  # stale, not just released
+                self.both("free", seq.table)
+                self.both("truncate", seq.table, 0)
 
         @rule(
             seq=seqs,
@@ -288,79 +246,59 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             table = [*seq.table, seq.table[0] if seq.table else 0]
             if bad != "repeated" or not seq.table:
                 table[-1] = bad_ids.get(bad, -1)
-            before = self.snapshot()
-            calls = {
-                "free": (self.manager.free, self.model.free, ()),
-                "fork": (self.manager.fork, self.model.fork, ()),
-                "append": (self.manager.append_slot, self.model.append_slot, (1, 1)),
-                "translate": (self.manager.translate_slot, self.model.translate_slot, (0,)),
-                "truncate": (self.manager.truncate, self.model.truncate, (0,)),
-            }
-            call, model_call, extra = calls[operation]
-            self.check_same(self.on_table(call, table, *extra), model_call(table, *extra), before)
+            calls = {"append": ("append_slot", 1, 1), "translate": ("translate_slot", 0)}
+            name, *extra = {**calls, "truncate": ("truncate", 0)}.get(operation, (operation,))
+            self.both(name, table, *extra)
 
         @rule(offset=st.integers(-2, 1))
         def can_allocate(self, offset: int) -> None:
             """``can_allocate(n)`` is ``n <= num_free_blocks``: at the boundary, and for 0."""
             free = len(self.model.queue)
             for count in (0, max(0, free + offset)):
-                assert self.manager.can_allocate(count) == (count <= free), count
+                assert self.impl.can_allocate(count) == (count <= free), count
 
         @rule(extra=st.integers(1, 3))
         def allocate_too_many(self, extra: int) -> None:
             """More blocks than are free: refused, and the pending copy pairs stay pending."""
-            count = len(self.model.queue) + extra
-            before = self.snapshot()
-            self.check_same(
-                observe(self.manager.allocate, count), self.model.allocate(count), before
-            )
+            self.both("allocate", len(self.model.queue) + extra)
 
         @rule(count=st.integers(-5, -1))
         def negative_allocate(self, count: int) -> None:
-            before = self.snapshot()
-            self.check_same(
-                observe(self.manager.allocate, count), self.model.allocate(count), before
-            )
+            self.both("allocate", count)
 
         @rule(seq=seqs, counts=BAD_COUNTS)
         def append_bad_counts(self, seq: Sequence, counts: tuple[int, int]) -> None:
             """Negative counts, or more new tokens than tokens, are refused."""
-            token_count, new_tokens = counts
-            before = self.snapshot()
-            self.check_same(
-                self.on_table(self.manager.append_slot, seq.table, token_count, new_tokens),
-                self.model.append_slot(seq.table, token_count, new_tokens),
-                before,
-            )
+            self.both("append_slot", seq.table, *counts)
 
         @rule(value=st.sampled_from([1.0, "2", None, True]))
         def wrong_types(self, value: object) -> None:
             before = self.snapshot()
-            for call in (self.manager.allocate, self.manager.can_allocate, self.manager.free):
+            for call in (self.impl.allocate, self.impl.can_allocate, self.impl.free):
                 assert observe(call, value).error is TypeError, call
             if value is not None:  # [None] is a table whose one block was released
-                assert observe(self.manager.free, [value]).error is TypeError
-            assert observe(self.manager.free, [0, value]).error is TypeError
-            assert observe(self.manager.append_slot, [], value).error is TypeError
-            assert observe(self.manager.truncate, [], value).error is TypeError
-            assert observe(self.manager.truncate, value, 0).error is TypeError
+                assert observe(self.impl.free, [value]).error is TypeError
+            assert observe(self.impl.free, [0, value]).error is TypeError
+            assert observe(self.impl.append_slot, [], value).error is TypeError
+            assert observe(self.impl.truncate, [], value).error is TypeError
+            assert observe(self.impl.truncate, value, 0).error is TypeError
             assert self.snapshot() == before
 
         # ------------------------------------------------------------ invariants
 
         @invariant()
         def queue_matches_model(self) -> None:
-            assert self.manager.free_block_ids() == self.model.queue
-            assert self.manager.num_free_blocks == len(self.manager.free_block_ids())
+            assert self.impl.free_block_ids() == self.model.queue
+            assert self.impl.num_free_blocks == len(self.impl.free_block_ids())
             held = self.model.total_blocks - len(self.model.queue)
-            assert self.manager.usage == held / self.model.total_blocks
+            assert self.impl.usage == held / self.model.total_blocks
 
         @invariant()
         def pending_pairs_match(self) -> None:
             """Pairs made and not yet taken, and the sources waiting for them; no pending pair
             writes a block that it or an earlier one reads (so copying again is exact)."""
-            assert self.manager.pending_copy_pairs() == self.pending_pairs
-            assert list(self.manager.waiting_for_copy) == self.model.parked
+            assert self.impl.pending_copy_pairs() == self.pending_pairs
+            assert list(self.impl.waiting_for_copy) == self.model.parked
             read: set[int] = set()
             for src, dst in self.pending_pairs:
                 read.add(src)
@@ -370,9 +308,9 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
         def ref_counts_equal_live_references(self) -> None:
             held = [b for seq in self.live for b in seq.table if b is not None]
             for block_id in range(self.model.total_blocks):
-                ref = self.manager.ref_count(block_id)
+                ref = self.impl.ref_count(block_id)
                 assert ref == self.model.refs[block_id] == held.count(block_id)
-                in_queue = block_id in self.manager.free_block_ids()
+                in_queue = block_id in self.impl.free_block_ids()
                 waiting = block_id in self.model.parked
                 assert in_queue == (ref == 0 and not waiting), f"block {block_id}: not one state"
 

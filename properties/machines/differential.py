@@ -1,14 +1,11 @@
 """The differential machine: ``impl.BlockManager`` against ``spec.BlockManager``, in lockstep.
 
-Every rule makes the same call on both managers and asserts the same outcome: an equal result of
-the same types (lists of plain ints, not numpy ints), or an exception of the same class. After
-every step the free queues (in order), the free counts and every block's reference count agree.
-Pools are small (1..32 blocks) so exhaustion is common; rules also feed bad input (wrong types,
-unknown, repeated, stale and free ids, negative counts) and ``impl``'s array API.
-
-``IMPL`` is a class attribute so that ``test_impl_planted_bugs`` can run this machine against
-deliberately broken copies of ``impl``; ``properties/test_impl_differential.py`` runs it. Also
-the strategies and checks the other differential machines share.
+Every rule makes the same call on both (:class:`~properties.machines.lockstep.Lockstep`: the
+same result, of the same types, or the same exception class); after every step the whole state
+agrees. Pools are small (1..32 blocks) so exhaustion is common; rules also feed bad input (wrong
+types, unknown, repeated, stale and free ids, negative counts) and ``impl``'s array API.
+``IMPL`` is a class attribute for the planted-bug tests. Also the strategies the other
+differential machines share.
 """
 
 from __future__ import annotations
@@ -30,6 +27,7 @@ from hypothesis.stateful import (
 
 import pagedkv.spec.block_manager as spec_bm
 from pagedkv.impl.blocks.manager import BlockManager as ImplBlockManager
+from properties.machines.lockstep import Lockstep
 from properties.outcomes import outcome
 
 BLOCK_SIZES = st.sampled_from([1, 2, 3, 4, 5, 8, 16])
@@ -71,15 +69,6 @@ def assert_same_construction(spec_cls: type, impl_cls: type, *args: object) -> N
         assert expected[1] is actual[1]
 
 
-def same_types(expected: Any, actual: Any) -> bool:
-    """Equal and of the same types, element by element (so no numpy ints slip through)."""
-    if type(expected) is not type(actual):
-        return False
-    if isinstance(expected, (list, tuple)):
-        return len(expected) == len(actual) and all(map(same_types, expected, actual))
-    return bool(expected == actual)
-
-
 @dataclass(eq=False)
 class Table:
     """A table both managers hand out: its current ids, and every table it has been, in order
@@ -99,12 +88,11 @@ def made(kind: str, blocks: Any) -> Any:
     return multiple(Table(blocks, [blocks])) if kind == "ok" else multiple()
 
 
-class DifferentialMachine(RuleBasedStateMachine):
+class DifferentialMachine(Lockstep, RuleBasedStateMachine):
     """spec and impl block managers, driven by the same calls.
 
-    ``tables`` holds the tables both managers hold; ``every_table`` also keeps the freed and
-    replaced ones, whose blocks may be free or owned by others now. Nothing is expected of a
-    table beyond "spec and impl agree", so a stale table that happens to be live again is fine.
+    ``tables`` holds the tables both hold; ``every_table`` also the freed and replaced ones,
+    whose blocks may be free or owned by others now (only "spec and impl agree" is expected).
     """
 
     IMPL: ClassVar[type] = ImplBlockManager
@@ -113,28 +101,11 @@ class DifferentialMachine(RuleBasedStateMachine):
 
     @initialize(total_blocks=st.integers(1, 32), block_size=BLOCK_SIZES)
     def start(self, total_blocks: int, block_size: int) -> None:
-        self.spec = spec_bm.BlockManager(total_blocks, block_size)
+        self.model = spec_bm.BlockManager(total_blocks, block_size)
         self.impl = self.IMPL(total_blocks, block_size)
         self.total_blocks, self.block_size = total_blocks, block_size
 
     # ----------------------------------------------------------------- helpers
-
-    def both(self, name: str, *args: Any, impl_name: str | None = None) -> tuple[str, Any]:
-        """Call ``name`` on both managers (``impl_name`` on impl), assert the same outcome."""
-        spec_args = [list(a) if isinstance(a, list) else a for a in args]
-        expected = outcome(getattr(self.spec, name), *spec_args)
-        actual = outcome(getattr(self.impl, impl_name or name), *args)
-        if impl_name and actual[0] == "ok" and isinstance(actual[1], np.ndarray):
-            actual = ("ok", actual[1].tolist())
-        assert expected[0] == actual[0], f"{name}{args}: spec {expected}, impl {actual}"
-        if expected[0] == "raised":
-            assert expected[1] is actual[1], f"{name}{args}: spec {expected}, impl {actual}"
-        else:
-            assert same_types(expected[1], actual[1]), f"{name}{args}: {expected} vs {actual}"
-        for arg, spec_arg in zip(args, spec_args, strict=True):
-            if isinstance(arg, list):
-                assert arg == spec_arg, f"{name} mutated its argument"
-        return expected
 
     def grow(self, table: Table, *args: Any) -> None:
         """``append_slot(table.blocks, *args)`` on both; on success the table is replaced."""
@@ -148,7 +119,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         if None in table:
             self.both("free", table)
             return
-        expected = outcome(self.spec.free, list(table))
+        expected = outcome(self.model.free, list(table))
         actual = outcome(self.impl.free_array, np.array(table, dtype=np.int64))
         assert expected == actual, f"free {table}: spec {expected}, impl free_array {actual}"
 
@@ -382,11 +353,11 @@ class DifferentialMachine(RuleBasedStateMachine):
         """Queue order, free count, every reference count and the pending copy pairs agree.
 
         The pending pairs are read from copies of the managers, so this changes nothing."""
-        assert self.spec.free_block_ids() == self.impl.free_block_ids()
-        assert self.spec.num_free_blocks == self.impl.num_free_blocks
-        assert self.spec.usage == self.impl.usage
-        assert [block.ref_count for block in self.spec.blocks] == self.impl.ref_counts().tolist()
+        assert self.model.free_block_ids() == self.impl.free_block_ids()
+        assert self.model.num_free_blocks == self.impl.num_free_blocks
+        assert self.model.usage == self.impl.usage
+        assert [block.ref_count for block in self.model.blocks] == self.impl.ref_counts().tolist()
         for block_id in range(self.total_blocks):
-            assert self.spec.ref_count(block_id) == self.impl.ref_count(block_id)
-        assert self.impl.pending_copy_pairs() == self.spec.pending_copy_pairs()
-        assert self.impl.waiting_for_copy == self.spec.waiting_for_copy
+            assert self.model.ref_count(block_id) == self.impl.ref_count(block_id)
+        assert self.impl.pending_copy_pairs() == self.model.pending_copy_pairs()
+        assert self.impl.waiting_for_copy == self.model.waiting_for_copy

@@ -32,6 +32,7 @@ from pagedkv.impl.blocks.prefix_cache import (
 )
 from pagedkv.spec import OutOfBlocksError, blocks_needed
 from properties.machines.differential import IntSubclass, assert_same_construction
+from properties.machines.lockstep import Lockstep
 from properties.machines.prefix_cache import (
     ALPHABET,
     SALTS,
@@ -73,17 +74,6 @@ def describe_event(item: Any) -> tuple[str, Any, Any]:
     )
 
 
-def same(expected: Any, actual: Any) -> bool:
-    """Equal, of the same types element by element; keys compared by content."""
-    if hasattr(expected, "hash_value"):
-        return describe(expected) == describe(actual)
-    if type(expected) is not type(actual):
-        return False
-    if isinstance(expected, (list, tuple)):
-        return len(expected) == len(actual) and all(map(same, expected, actual))
-    return bool(expected == actual)
-
-
 def prompts() -> st.SearchStrategy[list[int]]:
     """A shared system prompt followed by a few tokens from a tiny alphabet."""
     return st.builds(
@@ -103,7 +93,7 @@ class Seq:
     salt: object
 
 
-class PrefixDifferentialMachine(RuleBasedStateMachine):
+class PrefixDifferentialMachine(Lockstep, RuleBasedStateMachine):
     """spec and impl prefix-caching managers, driven by the same calls."""
 
     IMPL: ClassVar[type] = PrefixCachingBlockManager
@@ -122,28 +112,23 @@ class PrefixDifferentialMachine(RuleBasedStateMachine):
     def start(self, total_blocks: int, block_size: int, collide: bool, events_on: bool) -> None:
         kwargs: dict[str, Any] = {"hash_fn": colliding_hash} if collide else {}
         kwargs["enable_kv_events"] = events_on
-        self.spec = spec_pc.PrefixCachingBlockManager(total_blocks, block_size, **kwargs)
+        self.model = spec_pc.PrefixCachingBlockManager(total_blocks, block_size, **kwargs)
         self.impl = self.IMPL(total_blocks, block_size, **kwargs)
         self.total_blocks, self.block_size = total_blocks, block_size
 
     # ----------------------------------------------------------------- helpers
 
-    def both(self, name: str, *args: Any) -> tuple[str, Any]:
-        """Call ``name`` on both managers; assert the same result or exception class, and the
-        same KV events from the call, in order."""
-        expected = outcome(getattr(self.spec, name), *args)
-        actual = outcome(getattr(self.impl, name), *args)
-        assert expected[0] == actual[0], f"{name}{args}: spec {expected}, impl {actual}"
-        if expected[0] == "raised":
-            assert expected[1] is actual[1], f"{name}{args}: spec {expected}, impl {actual}"
-        else:
-            assert same(expected[1], actual[1]), f"{name}{args}: spec {expected}, impl {actual}"
-        spec_events = list(map(describe_event, self.spec.take_events()))
+    def view(self, value: Any) -> Any:
+        """Keys are compared by content."""
+        return ("key", describe(value)) if hasattr(value, "hash_value") else value
+
+    def after(self, name: str, args: tuple[Any, ...], expected: tuple[str, Any]) -> None:
+        """The call's KV events are the same, in order."""
+        spec_events = list(map(describe_event, self.model.take_events()))
         impl_events = list(map(describe_event, self.impl.take_events()))
         assert impl_events == spec_events, f"{name}{args}: events {impl_events} != {spec_events}"
         if spec_events:
             event("kv events")
-        return expected
 
     def cache(self, seq: Seq, num_tokens: int | None = None) -> None:
         """Register the blocks of a sequence whose first ``num_tokens`` tokens are computed."""
@@ -160,7 +145,7 @@ class PrefixDifferentialMachine(RuleBasedStateMachine):
         if kind == "ok":  # each side looks its own keys up
             impl_keys = self.impl.block_keys(tokens, salt)
             for spec_key, impl_key in zip(spec_keys, impl_keys, strict=True):
-                assert self.spec.cached_block(spec_key) == self.impl.cached_block(impl_key)
+                assert self.model.cached_block(spec_key) == self.impl.cached_block(impl_key)
 
     # ----------------------------------------------------------------- prompts
 
@@ -186,8 +171,8 @@ class PrefixDifferentialMachine(RuleBasedStateMachine):
     def submit(self, tokens: list[int], salt: object, data: st.DataObject, as_tuple: bool) -> None:
         """Query, allocate, then cache what was computed: all of it, a prefix, or nothing."""
         self.queries(tokens, salt)
-        kind, hits = outcome(self.spec.lookup, tokens, salt)
-        revivable = kind == "ok" and any(self.spec.ref_count(b) == 0 for b in hits)
+        kind, hits = outcome(self.model.lookup, tokens, salt)
+        revivable = kind == "ok" and any(self.model.ref_count(b) == 0 for b in hits)
         kind, result = self.both("allocate_prompt", tuple(tokens) if as_tuple else tokens, salt)
         event(f"prompt: {'out of blocks' if kind == 'raised' else 'ok'}")
         if kind == "ok":
@@ -386,7 +371,7 @@ class PrefixDifferentialMachine(RuleBasedStateMachine):
     def same_state(self) -> None:
         """Queue, reference counts, keys, counters and pending copy pairs agree (the pairs are
         read from copies, so the invariant changes nothing)."""
-        spec, impl = self.spec, self.impl
+        spec, impl = self.model, self.impl
         if spec.stats.evictions:
             event("evicted")
         queue = impl.free_block_ids()
@@ -459,7 +444,7 @@ class PrefixStoreMachine(StoreMachine):
         else:
             expected = outcome(self.spec.cache_blocks, table, tokens, salt)
         if expected[0] == "raised":
-            self.expect_error(expected[1], self.store.cache_blocks, seq_id, tokens, salt)
+            self.refuses(expected[1], self.store.cache_blocks, seq_id, tokens, salt)
         else:
             actual = outcome(self.store.cache_blocks, seq_id, tokens, salt)
             assert actual == expected, f"cache_blocks: store {actual}, spec {expected}"
@@ -477,11 +462,11 @@ class PrefixStoreMachine(StoreMachine):
             tokens, salt
         )
         if seq_id in self.seqs:
-            self.expect_error(ValueError, self.store.add_prompt, seq_id, tokens, salt)
+            self.refuses(ValueError, self.store.add_prompt, seq_id, tokens, salt)
         elif needed > self.max_blocks or len(self.seqs) == self.max_seqs:
-            self.expect_error(CapacityError, self.store.add_prompt, seq_id, tokens, salt)
+            self.refuses(CapacityError, self.store.add_prompt, seq_id, tokens, salt)
         elif self.spec.blocks_to_allocate(tokens, salt) > self.spec.num_free_blocks:
-            self.expect_error(OutOfBlocksError, self.store.add_prompt, seq_id, tokens, salt)
+            self.refuses(OutOfBlocksError, self.store.add_prompt, seq_id, tokens, salt)
         else:
             table, cached = self.spec.allocate_prompt(tokens, salt)
             assert self.store.add_prompt(seq_id, tokens, salt) == cached
@@ -636,15 +621,15 @@ class PrefixStoreMachine(StoreMachine):
         seq_id = data.draw(st.sampled_from([True, 1.0, None, "3"]) | st.integers(0, 11))
         refused = self.spec_refuses(tokens)
         if type(seq_id) is not int:
-            self.expect_error(TypeError, self.store.add_prompt, seq_id, tokens)
+            self.refuses(TypeError, self.store.add_prompt, seq_id, tokens)
         elif seq_id in self.seqs:
-            self.expect_error(ValueError, self.store.add_prompt, seq_id, tokens)
+            self.refuses(ValueError, self.store.add_prompt, seq_id, tokens)
         else:
-            self.expect_error(KeyError, self.store.cache_blocks, seq_id, [])
+            self.refuses(KeyError, self.store.cache_blocks, seq_id, [])
             if refused is not None:
-                self.expect_error(refused, self.store.add_prompt, seq_id, tokens)
+                self.refuses(refused, self.store.add_prompt, seq_id, tokens)
         if refused is not None:
-            self.expect_error(refused, self.store.blocks_to_allocate, tokens)
+            self.refuses(refused, self.store.blocks_to_allocate, tokens)
 
     @invariant()
     def same_cache(self) -> None:

@@ -1,22 +1,12 @@
-"""A Hypothesis state machine for prefix caching, over any class with the spec's API.
+"""Prefix caching against :class:`~properties.prefix_model.PrefixCacheModel` (an independent
+model: its own key map, queue order and counters), in lockstep, over any class with the spec's
+API. After every step the whole observable state is the model's; simulated KV data checks that
+cached keys name exactly the tokens their blocks hold and every request reads its own tokens.
 
-Every expectation comes from :class:`~properties.prefix_model.PrefixCacheModel`, an independent
-model with its own key -> block map, free-queue order and counters; nothing expected is read
-from the class under test. Each call's result or exception class is compared with the model's,
-and after every step the whole observable state is: the free queue in order, every reference
-count, every block's key (by the content it names), ``num_cached_blocks``, the counters and the
-pending copy-on-write pairs. The machine also simulates the KV data, so it checks that cached
-keys describe exactly the tokens their blocks hold and that every request reads back its own
-tokens: a hit can never hand out a block with other tokens.
-
-Prompts are drawn from a tiny alphabet after one of a few shared "system prompts", with two
-salts and sometimes a hash under which most keys collide, so hits, revivals, evictions and
-exhaustion are all frequent. Requests live in a bundle; ``free`` consumes them.
-
-With KV events on (drawn per run), every call's events are taken right after it and compared
-with the model's, in order; a mirror rebuilt from them alone, as a router would keep it, must
-equal the model's key map after every step. ``reset_prefix_cache`` and ``take_stats`` are rules
-of their own; the pool's ``usage`` is part of the observed state.
+Prompts are a few shared "system prompts" plus a tiny alphabet, with two salts and sometimes a
+hash under which most keys collide, so hits, revivals, evictions and exhaustion are frequent.
+With KV events on (drawn per run), each call's events are the model's, in order, and a mirror
+rebuilt from them alone (as a router keeps it) equals the model's key map after every step.
 """
 
 from __future__ import annotations
@@ -39,7 +29,7 @@ from hypothesis.stateful import (
 
 from pagedkv.spec import BlockTableError
 from pagedkv.spec.prefix_cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from properties.block_model import Outcome, observe
+from properties.machines.lockstep import Lockstep
 from properties.prefix_model import Content, Event, PrefixCacheModel
 
 SYSTEM_PROMPTS = [[], [7, 7, 8, 9, 7, 8], [7, 7, 8, 9, 1, 2, 3, 4, 5], [5, 5, 5, 5, 5, 5, 5, 5]]
@@ -92,7 +82,7 @@ class Request:
 def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
     """Return a state machine class checking ``manager_cls`` against the prefix-cache model."""
 
-    class PrefixCacheMachine(RuleBasedStateMachine):
+    class PrefixCacheMachine(Lockstep, RuleBasedStateMachine):
         requests = Bundle("requests")
 
         def __init__(self) -> None:
@@ -112,9 +102,7 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             self, total_blocks: int, block_size: int, collide: bool, events_on: bool
         ) -> None:
             kwargs: dict[str, Any] = {"hash_fn": colliding_hash} if collide else {}
-            self.manager = manager_cls(
-                total_blocks, block_size, enable_kv_events=events_on, **kwargs
-            )
+            self.impl = manager_cls(total_blocks, block_size, enable_kv_events=events_on, **kwargs)
             self.model = PrefixCacheModel(total_blocks, block_size)
             self.size = block_size
             self.events_on = events_on
@@ -126,7 +114,7 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             return table[pos // self.size] * self.size + pos % self.size
 
         def snapshot(self) -> tuple[object, ...]:
-            manager = self.manager
+            manager = self.impl
             blocks = range(self.model.total_blocks)
             stats = manager.stats
             return (
@@ -153,21 +141,17 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
                 (model.total_blocks - len(model.queue)) / model.total_blocks,
             )
 
-        def check(self, call: Any, args: tuple[object, ...], expected: Outcome) -> None:
-            """``call(*args)`` does what the model says; if it raises, it changes nothing; its
-            KV events are the model's, in order."""
-            before = self.snapshot()
-            actual = observe(call, *args)
-            assert (actual.error, actual.value) == (expected.error, expected.value), (
-                f"{call.__name__}{args}: got {actual}, the rules say {expected}"
-            )
-            if expected.error is not None:
-                assert self.snapshot() == before, f"a refused {call.__name__} changed the cache"
-            self.check_events(call.__name__)
+        def expect(self, name: str, *args: object) -> tuple[str, object]:
+            if name == "append_slot" and len(args) == 2:
+                args = (*args, 1)  # impl's default new_tokens
+            expected = getattr(self.model, "reset" if name == "reset_prefix_cache" else name)(*args)
+            if name in ("lookup", "blocks_to_allocate"):  # the model's answer itself
+                return "ok", expected
+            return ("raised", expected.error) if expected.error else ("ok", expected.value)
 
-        def check_events(self, name: str) -> None:
+        def after(self, name: str, args: tuple, expected: tuple[str, object]) -> None:
             """Take the call's KV events, compare them with the model's, replay them."""
-            taken = [event_of(item) for item in self.manager.take_events()]
+            taken = [event_of(item) for item in self.impl.take_events()]
             expected = self.model.events if self.events_on else []
             assert taken == expected, f"{name}: events {taken}, the rules say {expected}"
             self.model.events = []
@@ -179,14 +163,15 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
                 else:
                     self.mirror.clear()
 
-        def take_stats(self) -> tuple[int, int, int, int]:
-            stats = self.manager.take_stats()
-            return stats.queried_blocks, stats.hit_blocks, stats.evictions, stats.resets
+        def view(self, value: Any) -> Any:
+            """The counters are compared as the model's tuple."""
+            if hasattr(value, "queried_blocks"):
+                return value.queried_blocks, value.hit_blocks, value.evictions, value.resets
+            return value
 
         def register(self, request: Request) -> None:
             """Cache the blocks just written; then claims of other content are refused."""
-            args = (request.table, request.tokens, request.salt)
-            self.check(self.manager.cache_blocks, args, self.model.cache_blocks(*args))
+            self.both("cache_blocks", request.table, request.tokens, request.salt)
             cached = [i for i, b in enumerate(request.table) if b in self.model.content_of]
             if cached:
                 wrong = list(request.tokens)
@@ -195,9 +180,7 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
                     (request.table, wrong, request.salt),
                     (request.table, request.tokens, OTHER_SALT),
                 ):
-                    expected = self.model.cache_blocks(*claim)
-                    assert expected.error is BlockTableError
-                    self.check(self.manager.cache_blocks, claim, expected)
+                    assert self.both("cache_blocks", *claim) == ("raised", BlockTableError)
 
         # ------------------------------------------------------------ rules
 
@@ -210,17 +193,14 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
         def new_request(self, system: list[int], suffix: list[int], salt: Hashable) -> object:
             """Look up, allocate, compute the rest of the prompt, register its full blocks."""
             tokens = system + suffix
-            model = self.model
-            self.check(self.manager.lookup, (tokens, salt), Outcome(model.lookup(tokens, salt)))
-            needed = Outcome(model.blocks_to_allocate(tokens, salt))
-            self.check(self.manager.blocks_to_allocate, (tokens, salt), needed)
-            revived = [b for b in model.lookup(tokens, salt) if model.refs[b] == 0]
-            expected = model.allocate_prompt(tokens, salt)
-            self.check(self.manager.allocate_prompt, (tokens, salt), expected)
-            if expected.error is not None:
+            _, hits = self.both("lookup", tokens, salt)
+            self.both("blocks_to_allocate", tokens, salt)
+            revived = [b for b in hits if self.model.refs[b] == 0]
+            kind, result = self.both("allocate_prompt", tokens, salt)
+            if kind == "raised":
                 event("prefix: out of blocks")
                 return multiple()
-            table, cached_tokens = expected.value
+            table, cached_tokens = result
             if cached_tokens:
                 event("prefix: hit" + (" with revival" if revived else ""))
             for pos in range(cached_tokens, len(tokens)):  # compute the rest of the prompt
@@ -234,12 +214,10 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
         def decode(self, request: Request, token: int) -> None:
             """One token: the table grows or copies on write, the caller copies, then caches."""
             tokens = [*request.tokens, token]
-            expected = self.model.append_slot(request.table, len(tokens), 1)
-            self.check(self.manager.append_slot, (request.table, len(tokens)), expected)
-            if expected.error is not None:
+            kind, table = self.both("append_slot", request.table, len(tokens))
+            if kind == "raised":
                 event("decode: out of blocks")
                 return
-            table = expected.value
             self.take_pairs()
             self.kv[self.slot(table, len(tokens) - 1)] = (request.salt, token)
             request.table, request.tokens = table, tokens
@@ -258,10 +236,10 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             """Fork, cut the original into a block the fork shares (it keeps its key), free the
             fork, then write there: the block is the original's alone now and must lose its key
             before the write lands in it."""
-            self.check(self.manager.fork, (request.table,), self.model.fork(request.table))
+            self.both("fork", request.table)
             fork = list(request.table)
             self.truncate(request, max(0, len(request.tokens) - cut))
-            self.check(self.manager.free, (fork,), self.model.free(fork))
+            self.both("free", fork)
             self.decode(request, token)
 
         @rule(
@@ -272,14 +250,13 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
         def speculate(self, request: Request, guesses: list[int], data: st.DataObject) -> None:
             """Write the next token and drafts in one step, keep ``1 + j`` of them, register."""
             count = len(request.tokens) + len(guesses)
-            expected = self.model.append_slot(request.table, count, len(guesses))
-            self.check(self.manager.append_slot, (request.table, count, len(guesses)), expected)
-            if expected.error is not None:
+            kind, table = self.both("append_slot", request.table, count, len(guesses))
+            if kind == "raised":
                 return
             self.take_pairs()
             for pos, token in enumerate(guesses, start=len(request.tokens)):
-                self.kv[self.slot(expected.value, pos)] = (request.salt, token)
-            request.table = expected.value
+                self.kv[self.slot(table, pos)] = (request.salt, token)
+            request.table = table
             kept = 1 + data.draw(st.integers(0, len(guesses) - 1), label="j")
             request.tokens = request.tokens + guesses
             self.truncate(request, len(request.tokens) - len(guesses) + kept)
@@ -287,18 +264,17 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
 
         def truncate(self, request: Request, count: int) -> None:
             cached = [b for b in request.table if b in self.model.content_of]
-            expected = self.model.truncate(request.table, count)
-            self.check(self.manager.truncate, (request.table, count), expected)
-            if expected.error is None:
+            kind, table = self.both("truncate", request.table, count)
+            if kind == "ok":
                 if [b for b in cached if b not in self.model.content_of]:
                     event("truncate: a cut block lost its key")
-                request.table = expected.value
+                request.table = table
                 del request.tokens[count:]
 
         def take_pairs(self) -> None:
             """The caller takes the copy-on-write pairs and copies the simulated K/V."""
             pairs = list(self.model.copy_pairs)
-            self.check(self.manager.pop_copy_pairs, (), self.model.pop_copy_pairs())
+            self.both("pop_copy_pairs")
             for src, dst in pairs:
                 for offset in range(self.size):
                     if src * self.size + offset in self.kv:
@@ -320,17 +296,17 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
         def slide(self, request: Request, window: int) -> None:
             """Sliding window: the blocks no later query reads are released like a freed
             table's; cached ones stay cached in the queue, to be hit (revived) or evicted."""
-            args = (request.table, len(request.tokens), window)
-            expected = self.model.release_outside_window(*args)
-            self.check(self.manager.release_outside_window, args, expected)
-            if expected.value != request.table:
+            _, table = self.both(
+                "release_outside_window", request.table, len(request.tokens), window
+            )
+            if table != request.table:
                 event("window: released blocks")
-            request.table = expected.value
+            request.table = table
 
         @rule(target=requests, parent=requests)
         def fork(self, parent: Request) -> Request:
             """A parallel sample shares every block of its parent."""
-            self.check(self.manager.fork, (parent.table,), self.model.fork(parent.table))
+            self.both("fork", parent.table)
             child = Request(list(parent.table), list(parent.tokens), parent.salt)
             self.live.append(child)
             return child
@@ -338,20 +314,19 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
         @rule(request=consumes(requests))
         def free(self, request: Request) -> None:
             """The request ends: its blocks join the queue's tail (last block first), keys kept."""
-            self.check(self.manager.free, (request.table,), self.model.free(request.table))
+            self.both("free", request.table)
             self.live.remove(request)
 
         @rule()
         def reset_prefix_cache(self) -> None:
             """Every key is forgotten, but only while no block is held."""
-            expected = self.model.reset()
-            self.check(self.manager.reset_prefix_cache, (), expected)
-            event(f"reset: {'done' if expected.value else 'refused'}")
+            _, done = self.both("reset_prefix_cache")
+            event(f"reset: {'done' if done else 'refused'}")
 
         @rule()
         def read_stats(self) -> None:
             """The counters so far; reading them starts them again at zero."""
-            self.check(self.take_stats, (), self.model.take_stats())
+            self.both("take_stats")
 
         # ------------------------------------------------------------ invariants
 
@@ -369,8 +344,8 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
         @invariant()
         def key_map_is_a_bijection_over_cached_blocks(self) -> None:
             for block_id in self.model.content_of:
-                key = self.manager.key_of(block_id)
-                assert self.manager.cached_block(key) == block_id
+                key = self.impl.key_of(block_id)
+                assert self.impl.cached_block(key) == block_id
 
         @invariant()
         def ref_counts_equal_live_references(self) -> None:

@@ -30,6 +30,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import pagedkv.spec.block_manager as spec_bm
 from pagedkv.impl.blocks import PAD, BlockTableStore, CapacityError, SeqBatch, page_tables
 from pagedkv.impl.blocks.manager import BlockManager
+from properties.machines.lockstep import Lockstep
 
 MAX_SEQ_ID = 11
 SEQ_IDS = st.integers(0, MAX_SEQ_ID)
@@ -40,7 +41,7 @@ def padded_table(table: list[int | None]) -> list[int]:
     return [PAD if block is None else block for block in table]
 
 
-class StoreMachine(RuleBasedStateMachine):
+class StoreMachine(Lockstep, RuleBasedStateMachine):
     """A BlockTableStore on an impl manager, and the spec driven sequence by sequence."""
 
     STORE: ClassVar[type] = BlockTableStore
@@ -61,16 +62,6 @@ class StoreMachine(RuleBasedStateMachine):
         self.batches: list[SeqBatch] = []
 
     # ----------------------------------------------------------------- helpers
-
-    def expect_error(self, error: type[Exception], call: Any, *args: Any) -> str:
-        """``call(*args)`` raises ``error`` and changes nothing; returns its message."""
-        before = self.snapshot()
-        try:
-            call(*args)
-        except error as raised:
-            assert self.snapshot() == before, f"{call.__name__} raised but changed the store"
-            return str(raised)
-        raise AssertionError(f"{call.__name__}{args} did not raise {error.__name__}")
 
     def snapshot(self) -> tuple[Any, ...]:
         store = self.store
@@ -117,11 +108,11 @@ class StoreMachine(RuleBasedStateMachine):
         prompt_len = data.draw(st.integers(0, (self.max_blocks + 1) * self.block_size))
         needed = spec_bm.blocks_needed(prompt_len, self.block_size)
         if seq_id in self.seqs:
-            self.expect_error(ValueError, self.store.add, seq_id, prompt_len)
+            self.refuses(ValueError, self.store.add, seq_id, prompt_len)
         elif needed > self.max_blocks or len(self.seqs) == self.max_seqs:
-            self.expect_error(CapacityError, self.store.add, seq_id, prompt_len)
+            self.refuses(CapacityError, self.store.add, seq_id, prompt_len)
         elif needed > self.spec.num_free_blocks:
-            self.expect_error(spec_bm.OutOfBlocksError, self.store.add, seq_id, prompt_len)
+            self.refuses(spec_bm.OutOfBlocksError, self.store.add, seq_id, prompt_len)
         else:
             self.store.add(seq_id, prompt_len)
             self.seqs[seq_id] = (self.spec.allocate(needed), prompt_len)
@@ -131,9 +122,9 @@ class StoreMachine(RuleBasedStateMachine):
     def fork(self, data: st.DataObject, child: int) -> None:
         parent = data.draw(st.sampled_from(sorted(self.seqs)))
         if child in self.seqs:
-            self.expect_error(ValueError, self.store.fork, parent, child)
+            self.refuses(ValueError, self.store.fork, parent, child)
         elif len(self.seqs) == self.max_seqs:
-            self.expect_error(CapacityError, self.store.fork, parent, child)
+            self.refuses(CapacityError, self.store.fork, parent, child)
         else:
             self.store.fork(parent, child)
             table, count = self.seqs[parent]
@@ -197,7 +188,7 @@ class StoreMachine(RuleBasedStateMachine):
             for s, k in zip(ids, steps, strict=True)
         )
         if not fits:
-            self.expect_error(CapacityError, self.store.grow, batch, argument)
+            self.refuses(CapacityError, self.store.grow, batch, argument)
             return
         trial, seqs = copy.deepcopy(self.spec), dict(self.seqs)
         failed = []
@@ -209,7 +200,7 @@ class StoreMachine(RuleBasedStateMachine):
                 failed.append(seq_id)
             except spec_bm.BlockTableError:  # a write into a released entry: the whole batch
                 event("grow: a write into a released entry refused")
-                self.expect_error(spec_bm.BlockTableError, self.store.grow, batch, argument)
+                self.refuses(spec_bm.BlockTableError, self.store.grow, batch, argument)
                 return
         atomic = data.draw(st.booleans(), label="atomic")
         assert self.store.grow(batch, argument, atomic=atomic) == failed
@@ -230,9 +221,9 @@ class StoreMachine(RuleBasedStateMachine):
             index = data.draw(st.integers(0, len(ids) - 1), label="which")
             bad = data.draw(st.sampled_from([-1, self.seqs[ids[index]][1] + 1, 1.0, None]))
             error = TypeError if isinstance(bad, float) or bad is None else ValueError
-            self.expect_error(error, self.store.truncate, self.as_batch(data, ids), bad)
+            self.refuses(error, self.store.truncate, self.as_batch(data, ids), bad)
             counts[index] = bad
-            self.expect_error(error, self.store.truncate, self.as_batch(data, ids), counts)
+            self.refuses(error, self.store.truncate, self.as_batch(data, ids), counts)
             return
         self.check_truncate(data, ids, counts)
 
@@ -319,7 +310,7 @@ class StoreMachine(RuleBasedStateMachine):
         except spec_bm.BlockTableError:  # a position in a released entry
             event("slot_mapping: a released position refused")
             batch = self.as_batch(data, ids)
-            self.expect_error(spec_bm.BlockTableError, self.store.slot_mapping, batch, counts)
+            self.refuses(spec_bm.BlockTableError, self.store.slot_mapping, batch, counts)
             return
         assert self.store.slot_mapping(self.as_batch(data, ids), counts).tolist() == expected
 
@@ -393,36 +384,36 @@ class StoreMachine(RuleBasedStateMachine):
         )
         if case == "unknown" and unknown:
             ids = data.draw(st.permutations([*live, data.draw(st.sampled_from(unknown))]))
-            self.expect_error(KeyError, call, ids)
+            self.refuses(KeyError, call, ids)
         elif case == "repeated" and live:
             twice = data.draw(st.sampled_from(live))
             ids = data.draw(st.permutations([*live, twice]))
-            message = self.expect_error(ValueError, call, ids)
+            message = self.refuses(ValueError, call, ids)
             assert message.endswith(f"repeated within one batch: [{twice}]"), message
         elif case == "type":
             bad = data.draw(st.sampled_from([True, 1.0, "1", None, np.int64(1)]))
-            self.expect_error(TypeError, call, data.draw(st.permutations([*live, bad])))
-            self.expect_error(TypeError, call, {1, 2})
-            self.expect_error(TypeError, call, np.array([1.0]))
+            self.refuses(TypeError, call, data.draw(st.permutations([*live, bad])))
+            self.refuses(TypeError, call, {1, 2})
+            self.refuses(TypeError, call, np.array([1.0]))
         elif case == "count" and live and call in (store.grow, store.slot_mapping, truncate):
             value = data.draw(st.sampled_from([-1, 1.5, True, None]))
             error = ValueError if value == -1 else TypeError
             per_seq = data.draw(st.booleans())
             argument = [1] * (len(live) - 1) + [value] if per_seq else value
-            self.expect_error(error, call, live, argument)
-            self.expect_error(ValueError, call, live, [1] * (len(live) + 1))  # wrong length
+            self.refuses(error, call, live, argument)
+            self.refuses(ValueError, call, live, [1] * (len(live) + 1))  # wrong length
         elif case == "too many" and live:
             seq_id = data.draw(st.sampled_from(live))
             count = self.seqs[seq_id][1]
-            self.expect_error(ValueError, store.slot_mapping, [seq_id], count + 1)
+            self.refuses(ValueError, store.slot_mapping, [seq_id], count + 1)
             if count:
-                self.expect_error(ValueError, store.slot_mapping, [seq_id], count, count - 1)
+                self.refuses(ValueError, store.slot_mapping, [seq_id], count, count - 1)
         elif case == "seq id":
             seq_id = data.draw(st.sampled_from([True, 1.0, None, "3"]))
-            self.expect_error(TypeError, store.add, seq_id, 1)
+            self.refuses(TypeError, store.add, seq_id, 1)
             if live:
-                self.expect_error(TypeError, store.fork, live[0], seq_id)
-            self.expect_error(KeyError, store.remove, [-(2**70)])
+                self.refuses(TypeError, store.fork, live[0], seq_id)
+            self.refuses(KeyError, store.remove, [-(2**70)])
 
     # ----------------------------------------------------------------- invariants
 
@@ -489,17 +480,17 @@ class WindowStoreMachine(StoreMachine):
             bad = data.draw(st.sampled_from(["window 0", "window 1.0", "count -1", "over", "1.0"]))
             batch, count = self.as_batch(data, ids), self.seqs[ids[0]][1]
             if bad.startswith("window"):
-                self.expect_error(
+                self.refuses(
                     ValueError if bad == "window 0" else TypeError,
                     self.store.release_outside_window, batch, 0 if bad == "window 0" else 1.0,
                 )  # fmt: skip
             elif bad == "count -1":
-                self.expect_error(ValueError, self.store.release_outside_window, batch, 1, -1)
+                self.refuses(ValueError, self.store.release_outside_window, batch, 1, -1)
             elif bad == "over":
                 over = [count] * (len(ids) - 1) + [capacity[ids[-1]] + 1]
-                self.expect_error(ValueError, self.store.release_outside_window, batch, 1, over)
+                self.refuses(ValueError, self.store.release_outside_window, batch, 1, over)
             else:
-                self.expect_error(
+                self.refuses(
                     TypeError, self.store.release_outside_window, batch, 1, [1.0] * len(ids)
                 )
             return
