@@ -3,21 +3,12 @@
 ``python -m properties.mutation [PATH ...] [--sample N] [--only ID ...] [--list] [--json FILE]
 [--markdown]``
 
-A *mutant* is one source file with one small edit of its syntax tree (:func:`sites`): a
-comparison's boundary (``<`` to ``<=``), ``==``/``!=``, ``is``/``is not``, ``in``/``not in``,
-an arithmetic swap (``+`` to ``-`` ...), ``and``/``or``, a dropped ``not`` or unary minus, an
-int constant plus one, ``True``/``False``, ``min``/``max``, a negated ``if``/``while`` test,
-``break`` to ``continue``, a deleted call statement, augmented assignment, ``raise`` or ``del``.
-Docstrings, annotations and f-strings (error messages) are never edited.
-
-Each mutant runs in a forked child whose import hook (:class:`MutantFinder`) serves the mutated
-module, running ``pytest`` in-process on the block-management tests (:data:`PYTEST_ARGS`: stop
-at the first failure, profile ``mutation``). Nothing is written, so the tree may change under a
-run. A mutant is *killed* when pytest fails (exit 1, or 2 for a collection error: the mutant
-failing at import) or runs past the timeout (three times the unmutated baseline's, which must
-pass first, plus 10 s); it *survives* when every test passes. A survivor is a missing property
-or equivalent to the original: :data:`EQUIVALENT` lists the equivalent ones with the reason
-(docs/results.md explains them). Linux only (``os.fork``).
+A mutant is one edit of a file's syntax tree (:func:`_edits`; never a docstring, annotation or
+f-string). Each runs in a forked child whose import hook (:class:`MutantFinder`) serves the
+mutated module to an in-process ``pytest`` of :data:`PYTEST_ARGS`; nothing is written. It is
+killed when pytest fails (exit 1, or 2: it fails at import) or passes the timeout (three times
+the unmutated baseline's, which must pass first, plus 10 s), and survives when all pass: a
+missing property, or an equivalent mutant (:data:`EQUIVALENT`, with the reason). Linux only.
 """
 
 from __future__ import annotations
@@ -34,7 +25,7 @@ import sys
 import time
 import types
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -44,38 +35,22 @@ FOLDER_PACKAGES = {"spec": "pagedkv.spec", "impl": "pagedkv.impl"}
 """Top-level folders and the import names ``pyproject.toml`` gives them."""
 
 DEFAULT_PATHS = (
-    "spec/block_manager.py",
-    "spec/prefix_cache.py",
-    "spec/utilization.py",
-    "spec/checks.py",
-    "impl/blocks/free_queue.py",
-    "impl/blocks/pool.py",
-    "impl/blocks/manager.py",
-    "impl/blocks/prefix_cache.py",
-    "impl/blocks/rows.py",
-    "impl/blocks/growth.py",
-    "impl/blocks/window.py",
-    "impl/blocks/prefix_store.py",
-    "impl/blocks/admission.py",
-    "impl/blocks/store.py",
-    "impl/blocks/page_tables.py",
-)
+    "spec/block_manager.py", "spec/prefix_cache.py", "spec/utilization.py", "spec/checks.py",
+    "impl/blocks/free_queue.py", "impl/blocks/pool.py", "impl/blocks/manager.py",
+    "impl/blocks/prefix_cache.py", "impl/blocks/rows.py", "impl/blocks/growth.py",
+    "impl/blocks/window.py", "impl/blocks/prefix_store.py", "impl/blocks/admission.py",
+    "impl/blocks/store.py", "impl/blocks/page_tables.py",
+)  # fmt: skip
 """The files a full run mutates: the spec and the block-management modules of impl."""
 
 BLOCK_MANAGEMENT_TESTS = (
-    "properties/test_block_table_store.py",
-    "properties/test_impl_differential.py",
-    "properties/test_impl_edges.py",
-    "properties/test_impl_free_queue.py",
-    "properties/test_impl_prefix_cache.py",
-    "properties/test_prefix_cache_spec.py",
-    "properties/test_spec_examples.py",
-    "properties/test_spec_machine.py",
-    "properties/test_store_hash_work.py",
-    "properties/test_store_preemption.py",
-    "properties/test_trusted_api.py",
-    "properties/test_utilization_and_demo.py",
-)
+    "properties/test_block_table_store.py", "properties/test_impl_differential.py",
+    "properties/test_impl_edges.py", "properties/test_impl_free_queue.py",
+    "properties/test_impl_prefix_cache.py", "properties/test_prefix_cache_spec.py",
+    "properties/test_spec_examples.py", "properties/test_spec_machine.py",
+    "properties/test_store_hash_work.py", "properties/test_store_preemption.py",
+    "properties/test_trusted_api.py", "properties/test_utilization_and_demo.py",
+)  # fmt: skip
 """The property files a mutant run uses: those that check block management. Left out: the other
 layers' tests, the planted-bug tests (they check the tests) and the exhaustive check (a minute
 per mutant; its own planted bugs show its teeth)."""
@@ -360,20 +335,6 @@ class Result:
     seconds: float
 
 
-def run(mutants: list[Mutant], timeout: float, progress: Callable[[Result], None]) -> list[Result]:
-    """Run each mutant; ``progress`` sees each result as it comes."""
-    results = []
-    for mutant in mutants:
-        verdict, seconds = run_pytest((module_name(mutant.path), mutated_code(mutant)), timeout)
-        if verdict.startswith("error"):
-            raise RuntimeError(f"{mutant.ident}: pytest ended with {verdict}")
-        outcome = {"failed": "killed", "passed": "survived"}.get(verdict, verdict)
-        result = Result(mutant.ident, mutant.path, mutant.line, mutant.operator, outcome, seconds)
-        progress(result)
-        results.append(result)
-    return results
-
-
 def score_table(results: list[Result]) -> str:
     """Markdown: per file, mutants, killed, survivors (equivalent or not) and the score."""
     lines = [
@@ -431,17 +392,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     timeout = 3 * seconds + 10
     print(f"baseline passed in {seconds:.1f} s; {len(mutants)} mutants, timeout {timeout:.0f} s")
-    done: list[Result] = []
-
-    def progress(result: Result) -> None:
-        done.append(result)
+    results: list[Result] = []
+    for mutant in mutants:
+        verdict, seconds = run_pytest((module_name(mutant.path), mutated_code(mutant)), timeout)
+        if verdict.startswith("error"):
+            raise RuntimeError(f"{mutant.ident}: pytest ended with {verdict}")
+        outcome = {"failed": "killed", "passed": "survived"}.get(verdict, verdict)
+        results.append(
+            Result(mutant.ident, mutant.path, mutant.line, mutant.operator, outcome, seconds)
+        )
         if args.json:  # after every mutant, so a run cut short keeps what it did
-            args.json.write_text(json.dumps([asdict(r) for r in done], indent=1))
-        if result.verdict == "survived":
-            note = EQUIVALENT.get(result.ident, "NOT EQUIVALENT: a property is missing")
-            print(f"survived  {result.ident} (line {result.line}): {note}", flush=True)
-
-    results = run(mutants, timeout, progress)
+            args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
+        if outcome == "survived":
+            note = EQUIVALENT.get(mutant.ident, "NOT EQUIVALENT: a property is missing")
+            print(f"survived  {mutant.ident} (line {mutant.line}): {note}", flush=True)
     print(score_table(results) if args.markdown else f"{len(results)} mutants run")
     missing = [r for r in results if r.verdict == "survived" and r.ident not in EQUIVALENT]
     return 1 if missing else 0

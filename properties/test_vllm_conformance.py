@@ -63,13 +63,10 @@ def design_table_names() -> list[str]:
     return re.findall(r"^\| `([A-Z][A-Z_]+)` \|", section, flags=re.M)
 
 
-def test_every_divergence_is_a_row_of_the_design_table() -> None:
+def test_the_design_table_lists_every_divergence_and_the_rules_are_its_rows_of_kind_rule() -> None:
     names = design_table_names()
     assert sorted(names) == sorted(DIVERGENCES), "docs/design.md's table and DIVERGENCES differ"
     assert len(names) == len(set(names))
-
-
-def test_the_behavioural_rules_are_the_rows_of_kind_rule() -> None:
     assert {n for n, d in DIVERGENCES.items() if d.kind == "rule"} == BEHAVIOUR_RULES
     assert BEHAVIOUR_RULES  # the machine has rules to switch off
     with pytest.raises(ValueError):
@@ -131,11 +128,9 @@ from properties import vllm_env
 log = Path(sys.argv[1])
 vllm_env.LOCK = log.with_suffix(".lock")
 def build():
-    with log.open("a") as out:
-        out.write("enter\\n")
+    with log.open("a") as out: out.write("enter\\n")
     time.sleep(0.5)
-    with log.open("a") as out:
-        out.write("exit\\n")
+    with log.open("a") as out: out.write("exit\\n")
 vllm_env._build = build
 vllm_env.ensure()
 """

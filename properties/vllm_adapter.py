@@ -13,7 +13,6 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -104,23 +103,6 @@ def request_factory(
     return make
 
 
-@dataclass
-class VllmRequest:
-    """One request the adapter drives: its id, vLLM's ``Request`` and its salt."""
-
-    request_id: str
-    request: Request
-    salt: str | None
-
-
-@dataclass
-class EventLog:
-    """What a router learns from the KV events: stored minus removed, per content."""
-
-    contents: Counter[Content] = field(default_factory=Counter)
-    removed: int = 0  # hashes in BlockRemoved events
-
-
 class VllmKVCache:
     """One vLLM ``KVCacheManager`` behind the spec's operations, in spec block ids.
 
@@ -142,7 +124,8 @@ class VllmKVCache:
         self.pool = self.manager.block_pool
         self.content_of_hash: dict[bytes, Content] = {}
         self.content_of_external: dict[object, Content] = {}
-        self.log = EventLog()
+        self.router: Counter[Content] = Counter()  # KV events: stored minus removed, per content
+        self.removed = 0  # hashes in BlockRemoved events
         self._serial = 0
 
     def _request(self, tokens: Sequence[int], salt: str | None) -> Request:
@@ -169,7 +152,7 @@ class VllmKVCache:
         blocks, _, _ = self.manager.get_computed_blocks(self._request(tokens, salt))
         return self.ids(blocks.blocks[0]) if blocks.blocks else []
 
-    def admit(self, tokens: Sequence[int], salt: str | None) -> tuple[VllmRequest, int]:
+    def admit(self, tokens: Sequence[int], salt: str | None) -> tuple[Request, int]:
         """Look up, allocate and register a prompt; its handle and cached tokens.
         ``OutOfBlocksError`` (``NONE_ON_EXHAUSTION``) if the blocks do not fit."""
         request = self._request(tokens, salt)
@@ -180,16 +163,15 @@ class VllmKVCache:
         self.manager.record_prefix_cache_stats(request, hit_tokens)
         request.num_computed_tokens = len(tokens)
         request.status = RequestStatus.RUNNING
-        return VllmRequest(request.request_id, request, salt), hit_tokens
+        return request, hit_tokens
 
-    def decode(self, handle: VllmRequest, token: int) -> None:
+    def decode(self, request: Request, token: int) -> None:
         """Append one sampled token and give it a slot (``allocate_slots(request, 1)``, which
         registers a block it fills). ``OutOfBlocksError`` if no block is free: the token is
         taken back (vLLM's scheduler would keep it for a retry); the manager is unchanged."""
-        request = handle.request
         computed = request.num_computed_tokens
         request.append_output_token_ids(token)
-        self._learn_hashes(request, handle.salt)
+        self._learn_hashes(request, request.cache_salt)
         if self.manager.allocate_slots(request, 1) is None:
             request._all_token_ids.pop()
             request._output_token_ids.pop()
@@ -197,19 +179,19 @@ class VllmKVCache:
             raise OutOfBlocksError("vLLM cannot allocate a decode slot")
         request.num_computed_tokens = computed + 1
 
-    def free(self, handle: VllmRequest) -> None:
+    def free(self, request: Request) -> None:
         """``KVCacheManager.free``: release the request's blocks (again: a no-op)."""
-        self.manager.free(handle.request)
+        self.manager.free(request)
 
     # ------------------------------------------------------------ observation (read-only)
 
-    def raw_table(self, handle: VllmRequest) -> list[int]:
+    def raw_table(self, request: Request) -> list[int]:
         """The request's blocks, in vLLM's own ids."""
-        return [b.block_id for b in self.manager.coordinator.get_blocks(handle.request_id)[0]]
+        return [b.block_id for b in self.manager.coordinator.get_blocks(request.request_id)[0]]
 
-    def table(self, handle: VllmRequest) -> list[int]:
+    def table(self, request: Request) -> list[int]:
         """The request's blocks, in spec ids."""
-        return [self.to_spec(block_id) for block_id in self.raw_table(handle)]
+        return [self.to_spec(block_id) for block_id in self.raw_table(request)]
 
     def free_block_ids(self) -> list[int]:
         """vLLM's free queue, head first, in spec ids."""
@@ -254,8 +236,8 @@ class VllmKVCache:
                 raise AssertionError(f"unexpected KV event {event!r}")
             step = 1 if isinstance(event, BlockStored) else -1
             for block_hash in event.block_hashes:
-                self.log.contents[self.content_of_external[block_hash]] += step
-                self.log.removed += step < 0
+                self.router[self.content_of_external[block_hash]] += step
+                self.removed += step < 0
 
     def take_counters(self) -> tuple[int, int]:
         """vLLM's prefix-cache ``(queries, hits)`` in tokens since the last call."""

@@ -114,19 +114,16 @@ def _build() -> None:
         if VENV.exists():
             shutil.rmtree(VENV)
         _run([sys.executable, "-m", "venv", str(VENV)], "creating .venv-vllm")
-    pip = [str(PYTHON), "-m", "pip"]
+    install = [str(PYTHON), "-m", "pip", "install", "-q"]
     commands = {
-        "torch": ([*pip, "install", "-q", TORCH], f"installing {TORCH}"),
-        "vllm": ([*pip, "install", "-q", VLLM], f"installing {VLLM}"),
-        "uninstall": (
-            [*pip, "uninstall", "-y", "-q", *CONFLICTING],
-            "uninstalling " + ", ".join(CONFLICTING),
-        ),
-        "pagedkv": ([*pip, "install", "-q", "--no-deps", "-e", str(ROOT)], "installing pagedkv"),
-        "tools": ([*pip, "install", "-q", *TEST_TOOLS], "installing " + ", ".join(TEST_TOOLS)),
+        "torch": [*install, TORCH],
+        "vllm": [*install, VLLM],
+        "uninstall": [str(PYTHON), "-m", "pip", "uninstall", "-y", "-q", *CONFLICTING],
+        "pagedkv": [*install, "--no-deps", "-e", str(ROOT)],
+        "tools": [*install, *TEST_TOOLS],
     }
     for step in missing(probe()):
-        _run(*commands[step])
+        _run(commands[step], f"{step}: pip {' '.join(commands[step][3:])}")
     if still := missing(found := probe()):
         raise VllmEnvError(f".venv-vllm is still incomplete ({', '.join(still)}): {found}")
 

@@ -39,7 +39,7 @@ from pagedkv.spec.prefix_cache import PrefixCachingBlockManager
 from properties.block_model import observe
 from properties.machines.prefix_cache import ALPHABET, SALTS, SYSTEM_PROMPTS
 from properties.mutants import FIND
-from properties.vllm_adapter import VllmKVCache, VllmRequest
+from properties.vllm_adapter import Request, VllmKVCache
 from properties.vllm_rules import BEHAVIOUR_RULES, VllmRules
 
 
@@ -47,7 +47,7 @@ from properties.vllm_rules import BEHAVIOUR_RULES, VllmRules
 class Live:
     """A request both sides hold: vLLM's handle, the spec's table, its tokens and salt."""
 
-    handle: VllmRequest
+    handle: Request
     table: list[int]
     tokens: list[int]
     salt: str | None
@@ -97,6 +97,22 @@ def conformance_machine(
             assert self.vllm.snapshot() == before, f"{what} changed vLLM"
             return outcome
 
+        def lockstep(
+            self, spec_call: Callable[[], Any], vllm_call: Callable[[], Any], what: str
+        ) -> tuple[Any, Any] | None:
+            """Both sides refuse with OutOfBlocksError, vLLM unchanged (None), or both grant
+            (their answers)."""
+            expected = observe(spec_call)
+            if expected.error is not None:
+                assert expected.error is OutOfBlocksError
+                actual = self.unchanged(vllm_call, f"a refused {what}")
+                assert actual.error is OutOfBlocksError, f"{what}: vLLM {actual}"
+                event(f"{what}: out of blocks")
+                return None
+            actual = observe(vllm_call)
+            assert actual.error is None, f"{what}: vLLM {actual}, the rules {expected}"
+            return expected.value, actual.value
+
         def registered(self, live: Live, evictions: int, computed: int) -> None:
             """After a grant: same table, register on both sides, label, write the K/V."""
             assert self.vllm.table(live.handle) == live.table, "tables differ"
@@ -125,16 +141,14 @@ def conformance_machine(
             hits = self.spec.lookup(tokens, salt)
             assert self.vllm.lookup(tokens, salt) == hits, "prefix hits differ"
             hit_blocks, evictions = self.spec.stats.hit_blocks, self.spec.evictions
-            expected = observe(self.spec.allocate_prompt, tokens, salt)
-            if expected.error is not None:
-                assert expected.error is OutOfBlocksError
-                actual = self.unchanged(lambda: self.vllm.admit(tokens, salt), "a refused admit")
-                assert actual.error is OutOfBlocksError, f"admit {tokens}: vLLM {actual}"
-                event("admit: out of blocks")
+            both = self.lockstep(
+                lambda: self.spec.allocate_prompt(tokens, salt),
+                lambda: self.vllm.admit(tokens, salt),
+                "admit",
+            )
+            if both is None:
                 return multiple()
-            actual = observe(self.vllm.admit, tokens, salt)
-            assert actual.error is None, f"admit {tokens}: vLLM {actual}, the rules {expected}"
-            (table, cached), (handle, hit_tokens) = expected.value, actual.value
+            (table, cached), (handle, hit_tokens) = both
             assert hit_tokens == cached, f"cached tokens: vLLM {hit_tokens}, spec {cached}"
             if cached:
                 event("admit: prefix hit")
@@ -150,17 +164,15 @@ def conformance_machine(
         def decode(self, request: Live, token: int) -> None:
             """One sampled token: grow, register a filled block."""
             tokens, evictions = [*request.tokens, token], self.spec.evictions
-            expected = observe(self.spec.append_slot, request.table, len(tokens))
-            if expected.error is not None:
-                assert expected.error is OutOfBlocksError
-                actual = self.unchanged(lambda: self.vllm.decode(request.handle, token), "decode")
-                assert actual.error is OutOfBlocksError, f"decode: vLLM {actual}"
-                event("decode: out of blocks")
+            both = self.lockstep(
+                lambda: self.spec.append_slot(request.table, len(tokens)),
+                lambda: self.vllm.decode(request.handle, token),
+                "decode",
+            )
+            if both is None:
                 return
-            actual = observe(self.vllm.decode, request.handle, token)
-            assert actual.error is None, f"decode: vLLM {actual}, the rules {expected}"
             assert self.spec.pop_copy_pairs() == []  # NO_FORK: nothing is ever shared-written
-            request.table, request.tokens = expected.value, tokens
+            request.table, request.tokens = both[0], tokens
             self.registered(request, evictions, len(tokens) - 1)
 
         @rule(target=freed, request=consumes(live))
@@ -212,9 +224,9 @@ def conformance_machine(
         @invariant()
         def kv_events_mirror_the_cache(self) -> None:
             """EVICTIONS_AS_EVENTS: the router's view (stored minus removed) is the cache."""
-            view = +self.vllm.log.contents
+            view = +self.vllm.router
             assert view == Counter({c: len(b) for c, b in self.spec.cached_contents().items()})
-            assert self.vllm.log.removed == self.spec.evictions, "evictions differ"
+            assert self.vllm.removed == self.spec.evictions, "evictions differ"
 
         @invariant()
         def vllm_keeps_the_spec_invariants(self) -> None:
@@ -335,13 +347,12 @@ def test_without_the_null_block_offset_the_machine_fails() -> None:
 
 
 def test_free_order_example() -> None:
-    """UNCACHED_FREE_TO_HEAD, on vLLM and the rules: 9 tokens of block size 4 hold two full
-    (cached) blocks and a partial one; the partial goes to the head, the rest to the tail, last
-    block first. The spec puts all three at the tail."""
+    """UNCACHED_FREE_TO_HEAD: of 9 tokens in blocks of 4, the partial block is freed to the
+    head, the two cached ones to the tail, last first (vLLM and the rules); the spec puts all
+    three at the tail."""
     tokens = list(range(9))
     vllm = VllmKVCache(6, 4, caching=True)
-    handle, _ = vllm.admit(tokens, None)
-    vllm.free(handle)
+    vllm.free(vllm.admit(tokens, None)[0])
     rules, spec = VllmRules(6, 4), PrefixCachingBlockManager(6, 4)
     for manager, register in ((rules, rules.register), (spec, spec.cache_blocks)):
         table, _ = manager.allocate_prompt(tokens)
@@ -352,19 +363,17 @@ def test_free_order_example() -> None:
 
 
 def test_duplicates_example() -> None:
-    """DUPLICATES_CACHED: an 8-token prompt of block size 4 hits only its first block (the last
-    token is recomputed), so its second block is computed again: vLLM caches the copy too."""
+    """DUPLICATES_CACHED: an 8-token prompt of blocks of 4 hits only its first block (the last
+    token is recomputed), so its second is computed again and vLLM caches the copy too."""
     tokens = list(range(8))
     vllm = VllmKVCache(6, 4, caching=True)
-    first, _ = vllm.admit(tokens, None)
-    second, hit_tokens = vllm.admit(tokens, None)
-    assert hit_tokens == 4
-    assert vllm.table(first) == [0, 1] and vllm.table(second) == [0, 2]
+    (first, _), (second, hit_tokens) = vllm.admit(tokens, None), vllm.admit(tokens, None)
+    assert (hit_tokens, vllm.table(first), vllm.table(second)) == (4, [0, 1], [0, 2])
     assert vllm.cached_contents()[(None, tuple(tokens))] == [1, 2]  # the spec caches only 1
 
 
 def test_exhaustion_returns_none_and_changes_nothing() -> None:
-    """NONE_ON_EXHAUSTION, on vLLM's own API."""
+    """NONE_ON_EXHAUSTION, on vLLM's own API, and the adapter's OutOfBlocksError."""
     vllm = VllmKVCache(2, 4, caching=True)
     before = vllm.snapshot()
     request = vllm._request(list(range(9)), None)
@@ -397,28 +406,20 @@ def test_free_again_is_a_no_op_where_the_spec_refuses() -> None:
         spec.free(table)
 
 
-def test_registration_happens_on_allocation() -> None:
-    """REGISTER_ON_ALLOCATE: right after allocate_slots, before any K/V exists, another
-    request already hits the block."""
+def test_registration_counters_and_salts() -> None:
+    """REGISTER_ON_ALLOCATE: right after allocate_slots, before any K/V exists, another request
+    hits the block. TOKEN_COUNTERS: queries are the prompts' tokens, hits the hit tokens.
+    SALT_IN_FIRST_BLOCK: the salt enters the first hash only, yet no later block is shared."""
     vllm = VllmKVCache(4, 2, caching=True)
     vllm.admit([1, 2, 3], None)
     assert vllm.lookup([1, 2, 3], None) == [0]
-
-
-def test_counters_are_in_tokens() -> None:
-    """TOKEN_COUNTERS: queries are the prompt's tokens, hits the hit tokens."""
     vllm = VllmKVCache(6, 2, caching=True)
     vllm.admit([1, 2, 3, 4, 5], None)
     vllm.admit([1, 2, 3, 4, 6], None)
     assert vllm.take_counters() == (10, 4)
-
-
-def test_salts_share_no_block() -> None:
-    """SALT_IN_FIRST_BLOCK: the salt enters the first hash only, yet no later block is shared."""
     vllm = VllmKVCache(8, 2, caching=True)
     vllm.admit([1, 2, 3, 4, 5], "a")
-    assert vllm.lookup([1, 2, 3, 4, 5], "b") == []
-    assert vllm.lookup([1, 2, 3, 4, 5], "a") == [0, 1]
+    assert (vllm.lookup([1, 2, 3, 4, 5], "b"), vllm.lookup([1, 2, 3, 4, 5], "a")) == ([], [0, 1])
 
 
 def test_an_empty_prompt_is_refused() -> None:
@@ -435,7 +436,7 @@ def test_an_empty_prompt_is_refused() -> None:
 
 def test_a_hash_collision_hands_out_a_block_with_other_tokens() -> None:
     """HASH_IDENTITY breaks a spec invariant ("a hit never returns a block with other tokens")
-    under a hash that collides on purpose: block size 2, [1, 2, 3] cached, [8, 9, 3] hits its
+    under a hash that collides on purpose: blocks of 2, [1, 2, 3] cached, [8, 9, 3] hits its
     block. The spec, under the same colliding hash, compares the tokens and misses."""
     vllm = VllmKVCache(4, 2, caching=True, hash_fn=lambda parts: b"\x01" * 32)
     first, _ = vllm.admit([1, 2, 3], None)
