@@ -1,8 +1,7 @@
-"""An independent, minimal model of the block manager's rules, used as the state machine's oracle.
+"""An independent, minimal model of the block manager's rules, the state machine's oracle.
 
-It is written differently from ``spec`` on purpose (a plain list as the queue, explicit loops,
-no validation helpers): each method returns the outcome the rules demand, as a value or as the
-exception type, and applies the state change only on success.
+Written differently from ``spec`` on purpose (a list as the queue, explicit loops, no validation
+helpers): each method returns the outcome the rules demand and changes state only on success.
 """
 
 from __future__ import annotations
@@ -101,8 +100,7 @@ class BlockModel:
         return Outcome(value=result + fresh[len(shared) :])
 
     def pop_copy_pairs(self) -> Outcome:
-        """The pairs made since the last call, oldest first; they are forgotten, and the
-        sources parked for them become free."""
+        """The pairs made since the last call, oldest first; their parked sources become free."""
         pairs, self.copy_pairs = self.copy_pairs, []
         self.queue += self.parked  # their copies are the caller's now
         self.parked = []

@@ -1,12 +1,9 @@
 """An independent model of prefix caching (docs/design.md section 8), the prefix machine's oracle.
 
 It shares nothing with ``spec.prefix_cache`` but the exception classes. A block's content is
-named by the whole token prefix it ends plus the salt, ``(salt, tokens[: (i + 1) * size])``: a
-plain tuple, where the spec chains ``BlockKey`` objects through a hash. The key -> block map,
-the block -> key map, the free-queue order and the counters are its own, kept on top of
-:class:`~properties.block_model.BlockModel`'s list queue and reference counts. Each method
-returns the :class:`~properties.block_model.Outcome` the rules demand and changes the model only
-on success.
+the whole token prefix it ends plus the salt, ``(salt, tokens[: (i + 1) * size])``, a plain tuple
+where the spec chains hashed ``BlockKey`` objects; its maps and counters sit on top of
+:class:`~properties.block_model.BlockModel`, and it changes only on success.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ and without sliding-window releases), and directed examples of its rules and arg
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -75,15 +76,6 @@ def test_a_batch_is_an_immutable_value_that_shows_only_its_ids_and_rows() -> Non
     assert repr(batch) == "SeqBatch(seq_ids=(7, 5), rows=array([1, 0]))"
 
 
-def test_admit_refuses_a_prompt_longer_than_a_row() -> None:
-    """Admit checks the row width before it takes a block, with or without prefix caching."""
-    for manager in (BlockManager(8, 2), PrefixCachingBlockManager(8, 2)):
-        store = BlockTableStore(manager, 2, 2)
-        with pytest.raises(CapacityError):
-            store.admit(0, [1, 2, 3, 4, 5])
-        assert store.num_free_blocks == 8 and 0 not in store
-
-
 def test_a_refused_prompt_retried_with_another_salt_is_planned_again() -> None:
     """A refused prompt's kept keys are not reused by a retry under another salt."""
     manager = PrefixCachingBlockManager(8, 2)
@@ -96,13 +88,82 @@ def test_a_refused_prompt_retried_with_another_salt_is_planned_again() -> None:
     assert store.table(1)[:2] == store.table(0)[:2]
 
 
-def test_cache_blocks_refuses_tokens_that_are_not_a_list() -> None:
-    for manager in (BlockManager(8, 2), PrefixCachingBlockManager(8, 2)):
-        store = BlockTableStore(manager, 2, 4)
-        store.add_prompt(0, [1, 2, 3])
-        for tokens in ("123", 3, None):
-            with pytest.raises(TypeError, match="token_ids"):
-                store.cache_blocks(0, tokens)  # type: ignore[arg-type]
+BAD_CALLS: list[tuple[Callable[[BlockTableStore], object], type[Exception], str]] = [
+    (
+        lambda s: s.admit(5, [1, 2, 3, 4, 5]),
+        CapacityError,
+        "max_blocks_per_seq",
+    ),  # wider than a row
+    *((lambda s, t=t: s.cache_blocks(0, t), TypeError, "token_ids") for t in ("123", 3, None)),
+    *(
+        (call, error, name)
+        for bad, error in ((-1, ValueError), (1.5, TypeError), (True, TypeError))
+        for call, name in (
+            (lambda s, b=bad: s.add(5, b), "prompt_len"),
+            (lambda s, b=bad: s.admit(5, [1, 2], b), "headroom"),
+            (lambda s, b=bad: s.slot_mapping([0], 1, pad_to=b), "pad_to must be"),
+        )
+    ),
+    *(
+        (lambda s, b=b: s.batch(b), TypeError, "seq_ids")
+        for b in (np.array([[0]]), np.array([0.0]), np.array([True]))
+    ),
+    (lambda s: s.slot_mapping([2]), ValueError, "num_tokens exceeds"),  # no token yet
+    *(
+        (lambda s, b=b: s.grow([0, 1], b), TypeError, "new_tokens must be an int or a 1-D integer")
+        for b in (np.array([[1, 1]]), np.array([1.0, 1.0]))
+    ),
+    (lambda s: s.truncate([0, 1], [1]), ValueError, "token_counts has 1 entries for 2 sequences"),
+    # Beyond int32 is CapacityError, even where a smaller count would be another error.
+    *(
+        (lambda s, i=ids, c=c: s.truncate(i, c), CapacityError, "token_counts")
+        for ids, c in (([0], 2**31), ([0], [2**31]), ([0, 1], [1, 2**31]))
+    ),
+    (lambda s: s.slot_mapping([0, 1], 1, pad_to=1), ValueError, "do not fit pad_to=1"),
+]
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+@pytest.mark.parametrize("case", range(len(BAD_CALLS)))
+def test_a_bad_argument_is_a_typed_error_naming_it_and_changes_nothing(
+    case: int, prefix: bool
+) -> None:
+    manager = (PrefixCachingBlockManager if prefix else BlockManager)(8, 2)
+    store = BlockTableStore(manager, 4, 2)
+    store.add_prompt(0, [1, 2, 3])
+    store.add(1, 1)
+    store.add(2, 0)
+
+    def state() -> tuple:
+        counts = store.token_counts.tolist()
+        return (
+            store.tables.tolist(),
+            counts,
+            manager.free_block_ids(),
+            manager.ref_counts().tolist(),
+        )
+
+    before = state()
+    call, error, match = BAD_CALLS[case]
+    with pytest.raises(error, match=match):
+        call(store)
+    assert state() == before and 5 not in store
+
+
+def test_views_are_read_only_and_good_calls_work() -> None:
+    """Batch rows and the store's arrays are read-only; a default slot mapping is each
+    sequence's last position; ``admit`` without headroom may take the last free blocks."""
+    store = BlockTableStore(BlockManager(4, 2), 3, 4)
+    store.add(0, 3)
+    for batch in (store.batch(np.array([0])), store.resolve(None)):
+        with pytest.raises(ValueError, match="read-only"):
+            batch.rows[0] = 2
+    for view in (store.tables, store.num_blocks, store.num_released, store.token_counts):
+        with pytest.raises(ValueError, match="read-only"):
+            view[0] = 1
+    assert store.slot_mapping([0]).tolist() == [2]
+    assert store.admit(1, [1, 2, 3, 4]) == 0
+    assert store.table(1) == [2, 3] and store.manager.num_free_blocks == 0
 
 
 def test_cache_blocks_skips_blocks_released_before_they_were_cached() -> None:
@@ -153,21 +214,6 @@ def test_a_write_into_a_cached_block_a_truncate_left_alone_removes_its_key() -> 
     assert both.manager.lookup([*prompt, 5]) == both.spec.lookup([*prompt, 5]) == both.tables[0][:1]
 
 
-def test_add_and_admit_check_their_counts() -> None:
-    """Bad ``prompt_len``/``headroom``: typed errors, nothing changed; no headroom may take
-    the last free blocks."""
-    for manager in (BlockManager(2, 2), PrefixCachingBlockManager(2, 2)):
-        store = BlockTableStore(manager, 2, 4)
-        for bad, error in ((-1, ValueError), (1.5, TypeError), (True, TypeError)):
-            with pytest.raises(error, match="prompt_len"):
-                store.add(0, bad)  # type: ignore[arg-type]
-            with pytest.raises(error, match="headroom"):
-                store.admit(0, [1, 2], bad)  # type: ignore[arg-type]
-        assert len(store) == 0 and manager.num_free_blocks == 2
-        assert store.admit(0, [1, 2, 3, 4]) == 0
-        assert store.table(0) == [0, 1] and manager.num_free_blocks == 0
-
-
 def test_cache_blocks_under_another_extra_key_starts_over_as_the_spec() -> None:
     """Another salt names other keys for blocks already cached: the spec's BlockTableError."""
     prompt = [1, 2, 3, 4, 5]
@@ -214,29 +260,6 @@ def test_a_rollback_then_the_same_tokens_on_reused_blocks_caches_them_again() ->
     assert both.manager.num_cached_blocks == both.spec.num_cached_blocks == 3
 
 
-def test_batch_and_slot_mapping_arguments_are_checked() -> None:
-    """Batch ids are a 1-D int array or list; views are read-only; ``pad_to`` is checked and
-    a sequence with no token refused."""
-    store = BlockTableStore(BlockManager(8, 2), 3, 4)
-    store.add(0, 3)
-    store.add(1, 0)
-    for bad in (np.array([[0]]), np.array([0.0]), np.array([True])):
-        with pytest.raises(TypeError, match="seq_ids"):
-            store.batch(bad)
-    for batch in (store.batch(np.array([0])), store.resolve(None)):
-        with pytest.raises(ValueError, match="read-only"):
-            batch.rows[0] = 2
-    for view in (store.tables, store.num_blocks, store.num_released, store.token_counts):
-        with pytest.raises(ValueError, match="read-only"):
-            view[0] = 1
-    for bad, error in ((-1, ValueError), (True, TypeError), (1.0, TypeError)):
-        with pytest.raises(error, match="pad_to must be"):
-            store.slot_mapping([0], 1, pad_to=bad)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="num_tokens exceeds"):
-        store.slot_mapping([1])  # the default: each sequence's last position
-    assert store.slot_mapping([0]).tolist() == [2]
-
-
 def test_default_growth_is_one_token_and_not_atomic() -> None:
     """One token by default; a default ``grow`` grows the sequences that fit."""
     store = BlockTableStore(BlockManager(3, 2), 3, 4)
@@ -246,27 +269,6 @@ def test_default_growth_is_one_token_and_not_atomic() -> None:
     assert [store.token_count(s) for s in (0, 1)] == [3, 2]
     assert store.grow_or_preempt([0]) == []
     assert store.token_count(0) == 4
-
-
-def test_token_counts_are_checked_as_an_int_or_one_per_sequence() -> None:
-    """One count or one per sequence (1-D ints); beyond int32 is CapacityError first."""
-    store = BlockTableStore(BlockManager(8, 2), 2, 4)
-    store.add(0, 3)
-    store.add(1, 1)
-    for bad in (np.array([[1, 1]]), np.array([1.0, 1.0])):
-        with pytest.raises(TypeError, match="new_tokens must be an int or a 1-D integer array"):
-            store.grow([0, 1], bad)
-    with pytest.raises(ValueError, match="token_counts has 1 entries for 2 sequences"):
-        store.truncate([0, 1], [1])
-    with pytest.raises(CapacityError, match="token_counts"):
-        store.truncate([0], 2**31)
-    with pytest.raises(CapacityError, match="token_counts"):
-        store.truncate([0], [2**31])
-    with pytest.raises(CapacityError, match="token_counts"):
-        store.truncate([0, 1], [1, 2**31])  # the largest count decides
-    with pytest.raises(ValueError, match="do not fit pad_to=1"):
-        store.slot_mapping([0, 1], 1, pad_to=1)
-    assert [store.token_count(s) for s in (0, 1)] == [3, 1]
 
 
 def test_counts_of_int32s_largest_are_taken() -> None:

@@ -1,11 +1,6 @@
-"""Edges of ``pagedkv.impl.blocks`` that random state machines rarely reach, each checked
-against the spec: the pool-size limit, writes that cover several shared blocks at once, the
-checked array API's errors (class and message), error precedence in a table that is wrong in
-two ways, and the batched release of several tables.
-
-The mutation run (``python -m properties.mutation``) found each of these unchecked; every test
-here compares impl with ``pagedkv.spec`` or with a stated rule, never with impl itself.
-"""
+"""Edges of ``pagedkv.impl.blocks`` that random machines rarely reach (each found unchecked by the
+mutation run), each against the spec or a stated rule: the pool-size limit, writes over several
+shared blocks, the array API's errors, error precedence, and batched releases."""
 
 from __future__ import annotations
 
@@ -29,8 +24,7 @@ def same_state(spec: SpecBlockManager, impl: BlockManager) -> None:
 
 
 def test_the_largest_pool_is_two_to_the_29() -> None:
-    """The documented limit: the free queue's ring (1.5x the pool) stays within int32; it is
-    not the int32 block ids' limit, which is four times larger."""
+    """The free queue's ring (1.5x the pool) fits int32; block ids allow four times more."""
     assert manager_module.MAX_FREE_RING_BLOCKS == 2**29
     assert manager_module.MAX_FREE_RING_BLOCKS * 3 // 2 < 2**31
     assert checks.MAX_INT32_BLOCKS == 2**31 == checks.INT32_MAX + 1
@@ -39,17 +33,14 @@ def test_the_largest_pool_is_two_to_the_29() -> None:
 def test_a_pool_at_the_limit_is_accepted_and_one_more_block_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(
-        manager_module, "MAX_FREE_RING_BLOCKS", 8
-    )  # the same rule, at a testable size
+    monkeypatch.setattr(manager_module, "MAX_FREE_RING_BLOCKS", 8)  # at a testable size
     assert BlockManager(8).total_blocks == 8
     with pytest.raises(ValueError, match="total_blocks"):
         BlockManager(9)
 
 
 def test_a_write_over_several_blocks_copies_exactly_the_shared_ones() -> None:
-    """Table ``[0, 1, 2]`` whose middle block alone is shared: rewriting all six positions
-    copies block 1 only, at index 1."""
+    """Rewriting all of ``[0, 1, 2]`` whose middle block alone is shared copies block 1 only."""
     spec, impl = SpecBlockManager(8, 2), BlockManager(8, 2)
     for manager in (spec, impl):
         parent = manager.allocate(3)
@@ -89,8 +80,7 @@ def test_free_array_refuses_what_is_not_a_1d_integer_array(block_ids: object) ->
 )
 @pytest.mark.parametrize("dtype", [np.int64, np.int32, np.intp])
 def test_free_array_names_the_first_unknown_id_as_free_does(table: list[int], dtype: Any) -> None:
-    """Out-of-range ids: the spec's ``BlockTableError`` and message, for the first bad id in
-    table order, and nothing changes."""
+    """The spec's error and message for the first bad id in table order; nothing changes."""
     spec, impl = SpecBlockManager(4), BlockManager(4)
     spec.allocate(4)
     impl.allocate(4)
@@ -107,8 +97,7 @@ def test_free_array_names_the_first_unknown_id_as_free_does(table: list[int], dt
 def test_a_table_wrong_in_two_ways_gets_the_spec_error_first(
     table: list[int], freed_first: list[int]
 ) -> None:
-    """Repeated ids are reported before free ones, and the message lists the offending ids,
-    exactly as the spec words it; through the list and the array API alike."""
+    """Repeated ids before free ones, worded as the spec words it, through both APIs."""
     spec, impl = SpecBlockManager(4), BlockManager(4)
     for manager in (spec, impl):
         held = manager.allocate(4)
@@ -124,9 +113,8 @@ def test_a_table_wrong_in_two_ways_gets_the_spec_error_first(
 def test_releasing_several_tables_at_once_orders_the_queue_as_frees_in_turn(
     shared: bool,
 ) -> None:
-    """``BlockPool.release_in_order`` over several tables' ids (each reversed, as the store
-    passes them) leaves the queue that the spec's ``free`` calls, one table after another,
-    leave; a block held twice joins it at its last occurrence."""
+    """``release_in_order`` of reversed tables is the spec's frees in turn; a block held twice
+    joins at its last occurrence."""
     spec, impl = SpecBlockManager(9, 1), BlockManager(9, 1)
     tables = [[0, 1, 2], [3, 4], [5, 6, 7]]
     for manager in (spec, impl):
@@ -150,8 +138,7 @@ def waiting_state(manager: Any) -> tuple[list[int], list[int], list[int]]:
 
 @pytest.mark.parametrize("manager_class", [SpecBlockManager, BlockManager])
 def test_a_source_is_a_source_only_while_its_pair_is_pending(manager_class: type) -> None:
-    """Block 0 is copied on write, its pair taken, then the block freed while a later pair is
-    pending: it joins the free queue (it waits only for a pair that reads it)."""
+    """A block freed after its pair was taken joins the queue though a later pair pends."""
     manager = manager_class(4, 4)
     table = manager.allocate(1)  # [0], one token
     sibling = manager.fork(table)

@@ -1,11 +1,6 @@
-"""``impl``'s prefix cache against ``spec.prefix_cache``: model, lockstep, store and scenarios.
-
-* The spec's own prefix-cache machine (``properties.machines.prefix_cache``: simulated KV data,
-  queue order, bijection, a hit never returns other tokens) runs on the impl class.
-* The machines of ``properties.machines.prefix``: spec and impl managers in lockstep, and the
-  ``BlockTableStore`` machine on prefix-caching managers, with and without sliding windows.
-* The spec's worked scenarios run on impl, and directed examples of the store's prefix API.
-"""
+"""``impl``'s prefix cache against ``spec.prefix_cache``: the spec's prefix-cache machine on impl,
+the lockstep and prefix-store machines (with and without windows), the spec's scenarios on impl,
+and directed examples of the store's prefix API."""
 
 from __future__ import annotations
 
@@ -29,9 +24,7 @@ from properties.machines.prefix import (
     PrefixStoreMachine,
     WindowPrefixStoreMachine,
 )
-from properties.machines.prefix_cache import (
-    prefix_cache_machine,
-)
+from properties.machines.prefix_cache import prefix_cache_machine
 
 TestPrefixCacheMachineOnImpl = prefix_cache_machine(PrefixCachingBlockManager).TestCase
 TestPrefixDifferential = PrefixDifferentialMachine.TestCase
@@ -41,8 +34,7 @@ TestWindowPrefixStore = WindowPrefixStoreMachine.TestCase
 
 @pytest.mark.parametrize("tokens", [[0], [3, 0, 1], (0, 2), [5]])
 def test_valid_tokens_are_returned_without_a_copy(tokens: list[int] | tuple[int, ...]) -> None:
-    """Plain non-negative ints, 0 among them, come back as the very argument; with an int
-    subclass among them, as a new list of the same tokens."""
+    """Plain ints come back as the very argument; with an int subclass, as a new list."""
     assert check_tokens(tokens) is tokens
     mixed = [*tokens, IntSubclass(4)]
     checked = check_tokens(mixed)
@@ -135,10 +127,8 @@ def test_spec_scenario_on_impl(name: str, monkeypatch: pytest.MonkeyPatch) -> No
 
 @pytest.mark.parametrize("manager_class", [SpecPrefixManager, PrefixCachingBlockManager])
 def test_a_hit_revives_a_cached_block_waiting_for_its_copy(manager_class: type) -> None:
-    """A cached block copied on write (after a truncate cut into it) and then let go by its
-    last holder waits for its copy with its key. While it waits, a hit on a free cached block
-    revives that one from the queue, and a hit on the waiting one revives it from the waiting
-    blocks; neither joins the queue when the pairs are taken."""
+    """A cached copy source let go waits with its key: hits revive a free cached block from
+    the queue and the waiting one from the waiting blocks; neither rejoins at the pop."""
     manager = manager_class(6, 2)
     other, _ = manager.allocate_prompt([5, 6])  # [0]
     manager.cache_blocks(other, [5, 6])
@@ -161,8 +151,7 @@ def test_a_hit_revives_a_cached_block_waiting_for_its_copy(manager_class: type) 
 
 @pytest.mark.parametrize("manager_class", [SpecPrefixManager, PrefixCachingBlockManager])
 def test_reviving_a_block_waiting_for_its_copy_takes_no_free_block(manager_class: type) -> None:
-    """A prompt whose hits are a held block and one waiting for its copy needs one fresh block,
-    and one is free: it fits (the waiting block is not in the free queue)."""
+    """Hits on a held and a waiting block need one fresh block only: it fits."""
     manager = manager_class(4, 2)
     first, _ = manager.allocate_prompt([1, 2, 3, 4])  # [0, 1]
     manager.cache_blocks(first, [1, 2, 3, 4])

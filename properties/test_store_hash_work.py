@@ -1,13 +1,7 @@
-"""The store hashes each full block once while a sequence's tokens keep extending.
-
-``BlockTableStore.cache_blocks`` registers a sequence's full blocks incrementally
-(:mod:`pagedkv.impl.blocks.prefix_store`): the keys made when the prompt was admitted, and
-those of every later call whose tokens extend the previous call's, are kept, so only the
-blocks filled since are hashed. A forked child starts with its parent's keys. The hash
-function is the user's (``hash_fn``), so how often it runs is part of the contract: counted
-here against a model that knows only the token counts, on both ways in (``add_prompt`` and
-``admit``), through decode growth, forks and truncation.
-"""
+"""The store hashes each full block once while a sequence's tokens keep extending: its keys from
+admission and from earlier ``cache_blocks`` calls are kept, and a fork starts with its parent's.
+``hash_fn`` is the user's, so its call count is part of the contract: counted here against token
+counts, through ``add_prompt`` and ``admit``, decode growth, forks and truncation."""
 
 from __future__ import annotations
 
@@ -64,8 +58,7 @@ def test_the_store_reports_whether_it_caches_prefixes() -> None:
 def test_each_full_block_is_hashed_once(
     prompt_len: int, growth: list[int], via_admit: bool
 ) -> None:
-    """Admitting a prompt hashes its full blocks; caching it and every longer token list
-    after it hashes only the blocks filled since."""
+    """Admission hashes the full blocks; each later cache_blocks only those filled since."""
     store, counting = make_store()
     tokens = list(range(100, 100 + prompt_len))
     if via_admit:
@@ -89,8 +82,7 @@ def test_each_full_block_is_hashed_once(
 def test_a_forked_child_keeps_its_parents_keys(
     prompt_len: int, child_growth: int, cut: int
 ) -> None:
-    """A child caching its parent's tokens hashes nothing; its own tokens past them hash
-    only their blocks. After a truncate, the blocks it kept whole are not hashed again."""
+    """A child hashes only its own blocks, and after a truncate none it kept whole."""
     store, counting = make_store()
     tokens = list(range(100, 100 + prompt_len))
     store.add_prompt(0, tokens)
@@ -117,9 +109,8 @@ def test_a_forked_child_keeps_its_parents_keys(
 def test_a_refused_prompt_is_not_hashed_again(
     prompt_len: int, retry_id: int, refusals: int
 ) -> None:
-    """``admit`` keeps a refused prompt's keys: retrying it (as the same sequence or another)
-    hashes nothing more, and neither does caching it once admitted. Another prompt is hashed
-    in full."""
+    """A refused prompt's retry (any id) and its caching hash nothing more; another prompt is
+    hashed in full."""
     store, counting = make_store()
     twin, _ = make_store()  # the same calls without the refusals: the plan to match
     cached = list(range(100, 100 + BLOCK_SIZE))  # a block both find cached
@@ -143,8 +134,7 @@ def test_a_refused_prompt_is_not_hashed_again(
 
 @given(prompt_len=st.integers(BLOCK_SIZE, 20), growth=st.integers(BLOCK_SIZE, 12))
 def test_the_hash_sees_plain_ints_only(prompt_len: int, growth: int) -> None:
-    """Tokens given as an int subclass reach ``hash_fn`` (and the keys it makes) as plain
-    ints: at admission, and in ``cache_blocks`` after the sequence grows."""
+    """Int-subclass tokens reach ``hash_fn`` as plain ints, at admission and after growth."""
     store, counting = make_store()
     tokens = [Token(t) for t in range(100, 100 + prompt_len)]
     store.add_prompt(0, tokens)
@@ -157,8 +147,7 @@ def test_the_hash_sees_plain_ints_only(prompt_len: int, growth: int) -> None:
 
 
 def test_after_a_refusal_a_bad_prompt_gets_the_token_error() -> None:
-    """The refused-prompt memo never reads a prompt that is not a list or tuple: ``admit``
-    answers it with ``check_tokens``' ``TypeError`` naming ``token_ids``, changing nothing."""
+    """The refused-prompt memo never reads a non-list prompt: the token TypeError, no change."""
     store, _ = make_store()
     assert store.admit(0, list(range(8)), headroom=10_000) is None
     free = store.num_free_blocks
