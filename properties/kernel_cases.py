@@ -1,13 +1,10 @@
-"""Shared pieces of the kernel property tests: sizes, tolerances, and caches filled by spec runs.
+"""Shared pieces of the kernel property tests: sizes, tolerances, caches filled by spec runs.
 
-A *script* of operations (new sequence, extend, fork, free) is played on the spec's
-``BlockManager``, so block tables are what a real run produces: shuffled ids (the free queue
-starts in a drawn order), ids reused after frees, blocks shared by forks and copied on write.
-``KVCache`` replays the same script on real tensors through the kernels under test, remembering
-every sequence's logical K/V so that attention can be checked against dense attention.
-
-Kernel tests run on CUDA when it is there (compiled Triton) and on CPU otherwise (the Triton
-interpreter), so ``bench/gpu_kernels.py`` reruns them compiled on a GPU.
+A *script* (new sequence, extend, fork, free) is played on the spec's ``BlockManager``, so block
+tables are what a real run produces: shuffled ids, ids reused after frees, blocks shared by forks
+and copied on write. ``KVCache`` replays it on real tensors through the kernels under test,
+keeping every sequence's logical K/V for the dense oracles. Kernel tests run on CUDA when it is
+there (compiled Triton; ``bench/gpu_kernels.py``) and on CPU otherwise (the interpreter).
 """
 
 from __future__ import annotations
@@ -74,10 +71,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> Non
 
 
 def kernel_examples(base: int) -> int:
-    """``base`` examples under the dev and ci profiles, proportionally more under deep.
-
-    The interpreter is slow, so kernel tests set their own (small) ``max_examples``.
-    """
+    """``base`` examples (small: the interpreter is slow) under dev and ci, more under deep."""
     return max(base, base * settings.default.max_examples // 200)
 
 
@@ -188,15 +182,10 @@ def fixed_scenario(block_size: int) -> Scenario:
     return Scenario(block_size, total_blocks, tuple(reversed(range(total_blocks))), script, 0)
 
 
-def max_length(block_size: int) -> int:
-    """Longest drawn prompt: two blocks (so exact multiples occur), at least 40, at most 512."""
-    return min(512, max(40, 2 * block_size))
-
-
 @st.composite
 def scenarios(draw: st.DrawFn, block_size: int) -> Scenario:
     """A small realistic run: prompts (block-size edge lengths likely), decodes, forks, frees."""
-    longest = max_length(block_size)
+    longest = min(512, max(40, 2 * block_size))  # two blocks (so exact multiples occur)
     edges = [n for n in (1, block_size - 1, block_size, block_size + 1, 2 * block_size) if n > 0]
     lengths = st.one_of(
         st.sampled_from([n for n in edges if n <= longest]), st.integers(1, longest)
@@ -238,11 +227,8 @@ class Shape:
 
 
 class KVCache:
-    """K/V caches filled by replaying a scenario through ``store_kv`` and ``copy_blocks``.
-
-    Every slot starts as NaN, so a kernel that reads a slot no token was written to (beyond a
-    context, or in a block the table does not name) poisons its output.
-    """
+    """K/V caches filled by replaying a scenario through ``store_kv`` and ``copy_blocks``; every
+    slot starts as NaN, so a kernel that reads a slot no token was written to returns NaN."""
 
     def __init__(self, scenario: Scenario, shape: Shape, backend: str = "triton") -> None:
         if shape.block_size != scenario.block_size:
@@ -279,31 +265,12 @@ class KVCache:
     def batch(
         self, extra_columns: int = 0, pad: int = -1, padding_row: bool = False
     ) -> tuple[list[Seq | None], torch.Tensor, torch.Tensor]:
-        """Live sequences as a batch: ``(seqs, block_tables, context_lens)``.
-
-        Tables are padded with ``pad`` to the longest plus ``extra_columns``; ``padding_row``
-        appends a sequence of length 0 (``None`` in ``seqs``) whose row is all ``pad``.
-        """
+        """Live sequences as ``(seqs, block_tables, context_lens)``, tables padded as by
+        ``padded_tables``; ``padding_row`` appends a sequence of length 0 (``None`` in ``seqs``)."""
         seqs: list[Seq | None] = list(self.run.seqs) + ([None] if padding_row else [])
-        used = [seq.table if seq else [] for seq in seqs]
-        width = max((len(table) for table in used), default=0) + extra_columns
-        rows = [table + [pad] * (width - len(table)) for table in used]
-        tables = torch.tensor(rows, dtype=torch.int32, device=DEVICE).reshape(len(seqs), width)
+        tables = padded_tables([seq.table if seq else [] for seq in seqs], extra_columns, pad)
         lens = torch.tensor([s.length if s else 0 for s in seqs], dtype=torch.int32, device=DEVICE)
         return seqs, tables, lens
-
-
-def window_mask(
-    positions: torch.Tensor, length: int, window: int | None, device: torch.device
-) -> torch.Tensor:
-    """``[len(positions), length]``: query at ``p`` sees key ``j`` iff ``j <= p`` and, with a
-    window ``w``, ``j > p - w`` (Hugging Face's ``sliding_window``, written out again here)."""
-    j = torch.arange(length, device=device)[None, :]
-    p = positions[:, None]
-    visible = j <= p
-    if window is not None:
-        visible &= j > p - window
-    return visible
 
 
 def dense_attention(
@@ -318,9 +285,8 @@ def dense_attention(
 
 
 def window_start(length: int, num_queries: int, window: int | None) -> int:
-    """The first key position a sequence of ``length`` tokens whose last ``num_queries`` are
-    queries can see: ``max(0, first - window + 1)`` for its first query at ``first = length -
-    num_queries`` (0 without a window). Blocks wholly before it may be released."""
+    """The first key a sequence of ``length`` tokens, its last ``num_queries`` queries, can see
+    (0 without a window); blocks wholly before it may be released."""
     if window is None:
         return 0
     return max(0, length - num_queries - window + 1)
@@ -329,14 +295,10 @@ def window_start(length: int, num_queries: int, window: int | None) -> int:
 def poison_outside_window(
     cache: KVCache, tables: torch.Tensor, starts: Sequence[int], poison: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Caches and tables in which every entry of a block wholly before a sequence's window
-    (columns below ``starts[b] // block_size``) names something no kernel may read.
-
-    ``poison="nan"``: one block full of NaN, appended to copies of the caches (a kernel that
-    reads it, even masked, returns NaN). ``poison="invalid"``: the entry ``-1``, which
-    validation must accept there (the block manager may have released it). Returns ``(k_cache,
-    v_cache, tables)``; the entries in and after the window are unchanged.
-    """
+    """``(k_cache, v_cache, tables)`` in which the entries of blocks wholly before each window
+    (columns below ``starts[b] // block_size``) name, with ``poison="nan"``, a NaN block appended
+    to copies of the caches (a kernel that reads it, even masked, returns NaN), or with
+    ``"invalid"`` ``-1``, which validation must accept there (the block may have been released)."""
     block_size = cache.shape.block_size
     k_cache, v_cache, poisoned = cache.k_cache, cache.v_cache, tables.clone()
     value = -1
@@ -353,6 +315,36 @@ def poison_outside_window(
 Attention = Callable[..., object]
 
 
+def assert_agree(
+    cache: KVCache,
+    kernel: Callable[..., object],
+    reference: Callable[..., torch.Tensor],
+    args: tuple,
+    expected: torch.Tensor,
+    query_lens: Sequence[int],
+    window: int | None,
+    poison: str | None,
+) -> None:
+    """``kernel(*args, window=window)``, the reference's and the oracle's ``expected`` agree; the
+    output has the query's dtype and shape. With ``poison`` both give the same bits again when
+    the entries of blocks wholly before each window are poisoned (``poison_outside_window``)."""
+    query, _, _, tables, *rest = args
+    ref, actual = reference(*args, window=window), kernel(*args, window=window)
+    if poison is not None:
+        starts = [
+            window_start(int(n), q, window) for n, q in zip(args[-2], query_lens, strict=True)
+        ]
+        k_cache, v_cache, poisoned = poison_outside_window(cache, tables, starts, poison)
+        for run, output in ((reference, ref), (kernel, actual)):
+            dirty = run(query, k_cache, v_cache, poisoned, *rest, window=window)
+            assert isinstance(dirty, torch.Tensor) and torch.equal(dirty, output), "read outside"
+    assert isinstance(actual, torch.Tensor)
+    assert actual.dtype == query.dtype and actual.shape == query.shape
+    assert_close(ref, expected, "reference vs oracle")
+    assert_close(actual, expected, "kernel vs oracle")
+    assert_close(actual, ref, "kernel vs reference")
+
+
 def check_attention(
     cache: KVCache,
     attention: Attention,
@@ -361,29 +353,19 @@ def check_attention(
     scale: float | None = None,
     pad: int = -1,
     window: int | None = None,
+    poison: str | None = None,
 ) -> None:
-    """``attention`` (a kernel under test), the torch reference and dense attention agree on
-    every sequence.
-
-    ``scale`` defaults to ``1 / sqrt(head_dim)``; ``extra_columns``, ``padding_row`` and ``pad``
-    shape the batch (see ``KVCache.batch``); ``window`` is passed to ``attention`` (as a
-    keyword) and the reference, and applied by dense attention.
-    """
+    """``attention`` (a decode kernel under test), the reference and dense attention agree on
+    every sequence of ``cache.batch(extra_columns, pad, padding_row)``, at ``scale`` (default
+    ``1 / sqrt(head_dim)``) and ``window``; with ``poison``, both read nothing before a window."""
     seqs, tables, lens = cache.batch(extra_columns, pad, padding_row)
     shape = cache.shape
     query = cache.randn(len(seqs), shape.num_heads, shape.head_dim)
     scale = shape.head_dim**-0.5 if scale is None else scale
+    args = (query, cache.k_cache, cache.v_cache, tables, lens, scale)
     expected = dense_attention(query, seqs, scale, window)
-    reference = kernels.paged_decode_attention(
-        query, cache.k_cache, cache.v_cache, tables, lens, scale, window=window,
-        backend="reference",
-    )  # fmt: skip
-    actual = attention(query, cache.k_cache, cache.v_cache, tables, lens, scale, window=window)
-    assert isinstance(actual, torch.Tensor)
-    assert actual.dtype == query.dtype and actual.shape == query.shape
-    assert_close(reference, expected, "reference vs dense")
-    assert_close(actual, expected, "kernel vs dense")
-    assert_close(actual, reference, "kernel vs reference")
+    reference = decode_on("reference")
+    assert_agree(cache, attention, reference, args, expected, [1] * len(seqs), window, poison)
 
 
 def fill_backend(backend: str) -> str:
@@ -395,8 +377,7 @@ def fill_backend(backend: str) -> str:
 def draw_cache(
     data: st.DataObject, backend: str, block_size: int, group: int, head_dim: int, dtype
 ) -> KVCache:
-    """A cache filled through ``fill_backend(backend)`` by a drawn scenario, with one or two KV
-    heads."""
+    """A cache filled through ``fill_backend(backend)`` by a drawn scenario, 1 or 2 KV heads."""
     scenario = data.draw(scenarios(block_size), label="scenario")
     num_kv_heads = data.draw(st.sampled_from([1, 2]), label="num_kv_heads")
     shape = Shape(block_size, num_kv_heads, group, head_dim, dtype)
@@ -436,8 +417,8 @@ Prefill = Callable[..., torch.Tensor]
 
 
 def sdpa_prefill(module: ModuleType = sdpa) -> Prefill:
-    """``paged_prefill_attention``'s signature over ``module``'s plan and attention: the plan is
-    made from the lengths as host ints, as ``PagedKVCache.step`` makes it."""
+    """``paged_prefill_attention``'s signature over ``module``'s plan (from the lengths as host
+    ints, as ``PagedKVCache.step`` makes it) and attention."""
 
     def prefill(
         query: torch.Tensor,
@@ -477,9 +458,9 @@ def dense_prefill(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """The spec: each query token attends, in fp32, its sequence's logical K/V at positions up to
-    its own (``length - q + i`` for the chunk's ``i``-th token), and with ``window`` ``w`` only
-    those above its own minus ``w``."""
+    """The spec: each query token attends, in fp32, its sequence's logical K/V at positions
+    ``j <= p`` for its own ``p`` (``length - q + i`` for the chunk's ``i``-th token) and, with a
+    window ``w``, ``j > p - w`` (Hugging Face's ``sliding_window``, written out here)."""
     out = torch.zeros_like(query)
     start = 0
     for seq, count in zip(seqs, query_lens, strict=True):
@@ -491,7 +472,8 @@ def dense_prefill(
             v = value.float().repeat_interleave(group, dim=1).transpose(0, 1)
             q = query[start : start + count].float().transpose(0, 1)  # [heads, count, dim]
             positions = torch.arange(seq.length - count, seq.length, device=query.device)
-            mask = window_mask(positions, seq.length, window, query.device)
+            j, p = torch.arange(seq.length, device=query.device)[None, :], positions[:, None]
+            mask = (j <= p) & (j > p - window if window is not None else True)
             o = torch.nn.functional.scaled_dot_product_attention(q, k, v, mask, scale=scale)
             out[start : start + count] = o.transpose(0, 1).to(query.dtype)
         start += count
@@ -508,11 +490,9 @@ def check_prefill(
     window: int | None = None,
     poison: str | None = None,
 ) -> None:
-    """``prefill``, the torch reference and the spec agree; ``query_lens`` is one count per
-    sequence of ``cache.batch(...)`` (0 for the padding row). ``window`` goes to all three.
-    With ``poison`` the entries of blocks wholly before each window are poisoned
-    (``poison_outside_window``) for ``prefill`` and the reference, which must then return
-    exactly what they return without it."""
+    """``prefill``, the reference and the spec agree, ``query_lens`` being one count per
+    sequence of ``cache.batch(...)`` (0 for the padding row), at ``window``; with ``poison``,
+    ``prefill`` and the reference read nothing before a window."""
     seqs, tables, lens = cache.batch(extra_columns, pad, padding_row)
     shape = cache.shape
     query = cache.randn(sum(query_lens), shape.num_heads, shape.head_dim)
@@ -520,27 +500,15 @@ def check_prefill(
     scale = shape.head_dim**-0.5
     args = (query, cache.k_cache, cache.v_cache, tables, offsets, lens, scale)
     expected = dense_prefill(query, seqs, query_lens, scale, window)
-    ref = kernels.paged_prefill_attention(*args, window=window, backend="reference")
-    actual = prefill(*args, window=window)
-    if poison is not None:
-        starts = [window_start(int(n), q, window) for n, q in zip(lens, query_lens, strict=True)]
-        k_cache, v_cache, poisoned = poison_outside_window(cache, tables, starts, poison)
-        dirty = (query, k_cache, v_cache, poisoned, offsets, lens, scale)
-        dirty_ref = kernels.paged_prefill_attention(*dirty, window=window, backend="reference")
-        assert torch.equal(dirty_ref, ref), "the reference read a block outside the window"
-        assert torch.equal(prefill(*dirty, window=window), actual), "prefill read outside"
-    assert actual.dtype == query.dtype and actual.shape == query.shape
-    assert_close(ref, expected, "reference vs spec")
-    assert_close(actual, expected, "prefill vs spec")
-    assert_close(actual, ref, "prefill vs reference")
+    reference = prefill_on("reference")
+    assert_agree(cache, prefill, reference, args, expected, query_lens, window, poison)
 
 
 def draw_query_lens(
     data: st.DataObject, seqs: list[Seq | None], block_size: int, at_least_one: bool = False
 ) -> list[int]:
-    """A chunk length per sequence: edge lengths (0, 1, a block, the whole sequence) are likely.
-    With ``at_least_one`` some sequence has a query (``sdpa.plan``'s contract): the first,
-    which must then be live."""
+    """A chunk length per sequence, edges (0, 1, a block, the whole sequence) likely; with
+    ``at_least_one`` some sequence has a query (``sdpa.plan``'s contract): the first, live."""
     counts = []
     for seq in seqs:
         length = 0 if seq is None else seq.length
@@ -555,27 +523,19 @@ def draw_query_lens(
 
 # ----------------------------------------------------------------------- slots, stores, copies
 
-# slot_mapping(block_tables, positions, block_size, seq_ids) -> slots
-SlotMapping = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]
-# store_kv(key, value, k_cache, v_cache, slot_mapping) -> None
-StoreKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-# copy_blocks(k_cache, v_cache, pairs) -> None
-CopyBlocks = Callable[[torch.Tensor, torch.Tensor, object], None]
 
-
-def padded_tables(tables: list[list[int]], extra_columns: int) -> torch.Tensor:
-    """int32 ``[len(tables), longest + extra_columns]``, padded with -1."""
-    width = max(len(t) for t in tables) + extra_columns
-    return torch.tensor(
-        [t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE
-    )
+def padded_tables(tables: list[list[int]], extra_columns: int, pad: int = -1) -> torch.Tensor:
+    """int32 ``[len(tables), longest + extra_columns]``, padded with ``pad``."""
+    width = max((len(t) for t in tables), default=0) + extra_columns
+    rows = [t + [pad] * (width - len(t)) for t in tables]
+    return torch.tensor(rows, dtype=torch.int32, device=DEVICE).reshape(len(tables), width)
 
 
 def check_slot_mapping(
     tables: list[list[int]],
     tokens: list[tuple[int, int]],
     block_size: int,
-    slot_mapping: SlotMapping,
+    slot_mapping: Callable[..., torch.Tensor],  # (tables, positions, block_size, seq_ids)
     extra_columns: int = 0,
     index_dtype: torch.dtype = torch.int64,
 ) -> None:
@@ -589,51 +549,46 @@ def check_slot_mapping(
     assert slots.tolist() == expected
 
 
+def assert_writes(cache: torch.Tensor, write: Callable[..., None], expected: torch.Tensor) -> None:
+    """``write(k_cache, v_cache)`` on copies of ``cache`` (``[2, blocks, ...]``) leaves them
+    equal to ``expected``, bit for bit."""
+    k_cache, v_cache = cache[0].clone(), cache[1].clone()
+    write(k_cache, v_cache)
+    assert torch.equal(k_cache, expected[0])
+    assert torch.equal(v_cache, expected[1])
+
+
 def check_store_kv(
     cache: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     slots: list[int],
-    store_kv: StoreKV,
+    store_kv: Callable[..., None],  # (key, value, k_cache, v_cache, slot_mapping)
 ) -> None:
-    """``store_kv`` into copies of ``cache`` (``[2, blocks, block_size, heads, dim]``) changes
-    exactly the rows of the given slots, to the given tokens."""
+    """``store_kv`` changes exactly the rows of the given slots (``-1``: none), to the tokens."""
     block_size = cache.shape[2]
-    expected_k, expected_v = cache[0].clone(), cache[1].clone()
+    expected = cache.clone()
     for t, slot in enumerate(slots):
         if slot >= 0:
-            expected_k[slot // block_size, slot % block_size] = key[t]
-            expected_v[slot // block_size, slot % block_size] = value[t]
-    k_cache, v_cache = cache[0].clone(), cache[1].clone()
-    store_kv(key, value, k_cache, v_cache, torch.tensor(slots, dtype=torch.int64, device=DEVICE))
-    assert torch.equal(k_cache, expected_k)
-    assert torch.equal(v_cache, expected_v)
+            expected[:, slot // block_size, slot % block_size] = torch.stack([key[t], value[t]])
+    slot_tensor = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+    assert_writes(cache, lambda k, v: store_kv(key, value, k, v, slot_tensor), expected)
 
 
-def check_copy_blocks(cache: torch.Tensor, pairs: object, copy_blocks: CopyBlocks) -> None:
-    """``copy_blocks`` on copies of ``cache`` (``[2, blocks, ...]``) equals the sequential loop."""
-    expected = copy_in_order(
-        cache, torch.as_tensor(pairs, dtype=torch.int64).reshape(-1, 2).tolist()
-    )
-    k_cache, v_cache = cache[0].clone(), cache[1].clone()
-    copy_blocks(k_cache, v_cache, pairs)
-    assert torch.equal(k_cache, expected[0])
-    assert torch.equal(v_cache, expected[1])
+def check_copy_blocks(cache: torch.Tensor, pairs: object, copy_blocks: Callable[..., None]) -> None:
+    """``copy_blocks`` equals the sequential loop (``copy_in_order``)."""
+    in_order = torch.as_tensor(pairs, dtype=torch.int64).reshape(-1, 2).tolist()
+    assert_writes(cache, lambda k, v: copy_blocks(k, v, pairs), copy_in_order(cache, in_order))
 
 
 # ----------------------------------------------------------------------- planted bugs
 
 
 def load_mutant(module: ModuleType, within: str, old: str, new: str, directory: Path) -> ModuleType:
-    """A copy of ``module`` with the code ``old`` inside the function ``within`` replaced by
-    ``new``, keyed and matched as :func:`properties.mutants.replace_code` does.
-
-    The copy's source (``ast.unparse`` of the edited tree) is written under ``directory`` and
-    imported from there, so Triton sees real source for its kernels. Tests use it to prove that
-    a check fails for a plausible bug. The file is named by a hash of its source and left alone
-    when it already holds that source, so in a directory kept between runs numba's cache of its
-    compiled kernels stays valid.
-    """
+    """A copy of ``module`` with the code ``old`` inside ``within`` replaced by ``new`` (as
+    :func:`properties.mutants.replace_code` does), imported from a file under ``directory`` so
+    that Triton sees real source. The file is named by its source's hash and not rewritten when
+    it holds it, so numba's cache of its compiled kernels stays valid between runs."""
     assert module.__file__ is not None
     tree = ast.parse(Path(module.__file__).read_text())
     replace_code(tree, within, old, new)
@@ -654,8 +609,8 @@ def load_mutant(module: ModuleType, within: str, old: str, new: str, directory: 
 def copy_in_order(
     cache: torch.Tensor, pairs: list[list[int]] | list[tuple[int, int]]
 ) -> torch.Tensor:
-    """``copy_blocks``'s contract, literally: ``cache`` (``[2, blocks, ...]``) after copying
-    each ``(src, dst)`` pair over, one after another, once."""
+    """``copy_blocks``'s contract: ``cache`` (``[2, blocks, ...]``) after copying each
+    ``(src, dst)`` pair, one after another."""
     expected = cache.clone()
     for src, dst in pairs:
         expected[:, dst] = expected[:, src].clone()

@@ -1,23 +1,13 @@
 """Properties: every backend computes what the spec, the torch reference and dense attention do.
 
-Each check runs over every backend it applies to: the Triton kernels (compiled on a GPU,
-interpreted on CPU), the numba kernels (CPU only; fp16 and bf16 attention there runs the
-reference), the torch reference and, for a whole step's prefill and store, ``kernels.sdpa``.
-Caches are filled by spec runs through the backend under test (``properties.kernel_cases``:
-shuffled ids, forks sharing blocks, copy-on-write, frees and reuse, ragged lengths that include
-1 and exact block multiples).
-
-* ``slot_mapping`` is the spec's ``translate_slot``; ``store_kv`` writes exactly its slots;
-  ``copy_blocks`` equals copying the pairs one after another.
-* Decode attention equals dense attention and the reference: every block size meets every
-  dtype and every GQA ratio meets every head dim, by parametrization, with drawn split counts
-  and sliding windows; split-K equals the single pass; the contiguous variant too.
-* Varlen prefill (chunks over cached prefixes, ``0 <= q <= length`` queries per sequence) equals
-  causal dense attention, every block size, with windows; a step of decodes only equals decode.
-* With a window the table entries of blocks wholly before it are poisoned (a NaN block, or
-  ``-1``): validation accepts them and no output changes, bit for bit.
-
-The planted bugs these checks catch are in ``test_kernels_planted_bugs``.
+Each check runs over every backend it applies to (Triton, compiled on a GPU and interpreted on
+CPU; numba, CPU only; the reference; ``kernels.sdpa`` for a step's prefill and store), on caches
+filled through that backend by spec runs (``kernel_cases``). ``slot_mapping`` is
+``translate_slot``, ``store_kv`` writes exactly its slots, ``copy_blocks`` is the sequential
+loop; decode (every block size x dtype, every GQA ratio x head dim, drawn splits and windows,
+split-K, contiguous) is dense attention; varlen prefill over cached prefixes is causal dense
+attention; blocks wholly before a window may be poisoned. Their planted bugs:
+``test_kernels_planted_bugs``.
 """
 
 from __future__ import annotations
@@ -75,6 +65,12 @@ def dtype_id(value: object) -> str:
     return str(value).removeprefix("torch.")
 
 
+def random_cache(seed: int, dtype: torch.dtype, *size: int) -> tuple[torch.Tensor, torch.Generator]:
+    """Seeded K and V caches ``[2, *size]`` on the test device, and the generator for more."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(2, *size, generator=generator).to(dtype).to(DEVICE), generator
+
+
 # ----------------------------------------------------------------------- slots, stores, copies
 
 
@@ -121,27 +117,17 @@ def test_slot_mapping_per_sequence_gives_each_newest_slot(
 
 
 @settings(max_examples=kernel_examples(60))
-@given(
-    num_blocks=st.integers(1, 6),
-    block_size=st.sampled_from(BLOCK_SIZES),
-    num_kv_heads=st.sampled_from([1, 2, 3]),
-    head_dim=st.sampled_from((*HEAD_DIMS, 8)),
-    dtype=st.sampled_from(DTYPES),
-    strided=st.booleans(),
-    seed=st.integers(0, 2**31 - 1),
-    data=st.data(),
-)
+@given(strided=st.booleans(), seed=st.integers(0, 2**31 - 1), data=st.data())
 def test_store_kv_writes_exactly_the_given_slots(
-    num_blocks: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    strided: bool,
-    seed: int,
-    data: st.DataObject,
+    strided: bool, seed: int, data: st.DataObject
 ) -> None:
     """Every backend, and ``sdpa.store`` on the tokens it is given (it takes no ``-1``)."""
+    num_blocks, block_size, num_kv_heads, head_dim, dtype = data.draw(
+        st.tuples(
+            st.integers(1, 6), st.sampled_from(BLOCK_SIZES), st.sampled_from([1, 2, 3]),
+            st.sampled_from((*HEAD_DIMS, 8)), st.sampled_from(DTYPES),
+        ), label="num_blocks, block_size, num_kv_heads, head_dim, dtype",
+    )  # fmt: skip
     num_slots = num_blocks * block_size
     written = data.draw(
         st.lists(st.integers(0, num_slots - 1), unique=True, max_size=min(num_slots, 48)),
@@ -149,9 +135,7 @@ def test_store_kv_writes_exactly_the_given_slots(
     )
     skipped = data.draw(st.integers(0, 3), label="skipped")
     slots = data.draw(st.permutations(written + [-1] * skipped), label="slots")
-    generator = torch.Generator().manual_seed(seed)
-    size = (num_blocks, block_size, num_kv_heads, head_dim)
-    cache = torch.randn(2, *size, generator=generator).to(dtype).to(DEVICE)
+    cache, generator = random_cache(seed, dtype, num_blocks, block_size, num_kv_heads, head_dim)
     # Strided token rows, as when K and V are slices of one fused projection.
     rows = torch.randn(len(slots), num_kv_heads, 2 * head_dim, generator=generator)
     rows = rows.to(dtype).to(DEVICE)
@@ -166,33 +150,21 @@ def test_store_kv_writes_exactly_the_given_slots(
 
 
 @settings(max_examples=kernel_examples(40))
-@given(
-    num_blocks=st.integers(1, 6),
-    block_size=st.sampled_from(BLOCK_SIZES),
-    num_kv_heads=st.sampled_from([1, 2]),
-    head_dim=st.sampled_from([8, 80]),
-    dtype=st.sampled_from(DTYPES),
-    as_tensor=st.booleans(),
-    seed=st.integers(0, 2**31 - 1),
-    data=st.data(),
-)
+@given(as_tensor=st.booleans(), seed=st.integers(0, 2**31 - 1), data=st.data())
 def test_copy_blocks_matches_sequential_copies(
-    num_blocks: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    as_tensor: bool,
-    seed: int,
-    data: st.DataObject,
+    as_tensor: bool, seed: int, data: st.DataObject
 ) -> None:
     """Up to 8 pairs, chains (a block copied into is copied from later), swaps and self-copies
     included."""
+    num_blocks, block_size, num_kv_heads, head_dim, dtype = data.draw(
+        st.tuples(
+            st.integers(1, 6), st.sampled_from(BLOCK_SIZES), st.sampled_from([1, 2]),
+            st.sampled_from([8, 80]), st.sampled_from(DTYPES),
+        ), label="num_blocks, block_size, num_kv_heads, head_dim, dtype",
+    )  # fmt: skip
     block = st.integers(0, num_blocks - 1)
     pairs = data.draw(st.lists(st.tuples(block, block), max_size=8), label="pairs")
-    generator = torch.Generator().manual_seed(seed)
-    size = (num_blocks, block_size, num_kv_heads, head_dim)
-    cache = torch.randn(2, *size, generator=generator).to(dtype).to(DEVICE)
+    cache, _ = random_cache(seed, dtype, num_blocks, block_size, num_kv_heads, head_dim)
     arg = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2) if as_tensor else pairs
     for backend in ALL:
         check_copy_blocks(
@@ -274,26 +246,15 @@ def test_fixed_run_matches_dense(backend: str, block_size: int, dtype: torch.dty
 
 @pytest.mark.parametrize("backend", EVERY)
 @settings(max_examples=kernel_examples(8))
-@given(
-    batch=st.integers(1, 3),
-    max_len=st.integers(1, 80),
-    group=st.sampled_from(GQA_RATIOS),
-    head_dim=st.sampled_from([64, 80]),
-    dtype=st.sampled_from(DTYPES),
-    seed=st.integers(0, 2**31 - 1),
-    data=st.data(),
-)
-def test_contiguous_decode_matches_dense(
-    backend: str,
-    batch: int,
-    max_len: int,
-    group: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    seed: int,
-    data: st.DataObject,
-) -> None:
+@given(seed=st.integers(0, 2**31 - 1), data=st.data())
+def test_contiguous_decode_matches_dense(backend: str, seed: int, data: st.DataObject) -> None:
     """The contiguous-cache baseline (the same kernel without the table) is right too."""
+    batch, max_len, group, head_dim, dtype = data.draw(
+        st.tuples(
+            st.integers(1, 3), st.integers(1, 80), st.sampled_from(GQA_RATIOS),
+            st.sampled_from([64, 80]), st.sampled_from(DTYPES),
+        ), label="batch, max_len, group, head_dim, dtype",
+    )  # fmt: skip
     generator = torch.Generator().manual_seed(seed)
 
     def randn(*size: int) -> torch.Tensor:
@@ -312,23 +273,6 @@ def test_contiguous_decode_matches_dense(
     assert_close(actual, expected, f"contiguous {backend} vs dense")
 
 
-def windowed_decode(
-    cache: KVCache, window: int, backend: str, num_splits: int | None, poison: str | None = None
-) -> torch.Tensor:
-    """Decode attention of a fixed seeded query over the cache's batch (with a padding row),
-    optionally with the entries of blocks wholly before each window poisoned."""
-    seqs, tables, lens = cache.batch(extra_columns=1, padding_row=True)
-    query = torch.randn(
-        len(seqs), cache.shape.num_heads, cache.shape.head_dim,
-        generator=torch.Generator().manual_seed(7),
-    ).to(cache.shape.dtype).to(DEVICE)  # fmt: skip
-    k_cache, v_cache = cache.k_cache, cache.v_cache
-    if poison is not None:
-        starts = [window_start(int(n), 1, window) for n in lens]
-        k_cache, v_cache, tables = poison_outside_window(cache, tables, starts, poison)
-    return decode_on(backend, num_splits)(query, k_cache, v_cache, tables, lens, window=window)
-
-
 @pytest.mark.parametrize("poison", ["nan", "invalid"])
 @pytest.mark.parametrize("backend", EVERY)
 @settings(max_examples=kernel_examples(8))
@@ -341,11 +285,8 @@ def test_blocks_outside_the_window_are_never_read(
     block_size = data.draw(st.sampled_from([1, 2, 4, 16]), label="block_size")
     cache = draw_cache(data, backend, block_size, 2, 64, torch.float32)
     window = data.draw(st.integers(1, longest_context(cache)), label="window")
-    num_splits = data.draw(st.none() | st.integers(1, 3), label="num_splits")
-    clean = windowed_decode(cache, window, backend, num_splits)
-    poisoned = windowed_decode(cache, window, backend, num_splits, poison)
-    assert bool(torch.isfinite(clean).all())
-    assert torch.equal(poisoned, clean)
+    attention = decode_on(backend, data.draw(st.none() | st.integers(1, 3), label="num_splits"))
+    check_attention(cache, attention, 1, padding_row=True, window=window, poison=poison)
 
 
 @pytest.mark.parametrize("backend", EVERY)
