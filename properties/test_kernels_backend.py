@@ -1,9 +1,8 @@
 """Properties of the backend choice: the interpreter rule, import hygiene, and triton optional.
 
-Each import scenario runs in a fresh Python process (``sys.executable``), because Triton decides
-interpreter versus compiler once per process, when it is imported. The processes run in a
-temporary directory, not the repository root, whose top-level folders would shadow installed
-names.
+Each import scenario runs in a fresh Python process, because Triton decides interpreter versus
+compiler once per process, when imported; in a temporary directory, as the repository root's
+top-level folders would shadow installed names.
 """
 
 from __future__ import annotations
@@ -144,47 +143,38 @@ print(json.dumps({"triton": "triton" in sys.modules, "env_unchanged": dict(os.en
     assert run_fresh(code, tmp_path) == {"triton": False, "env_unchanged": True}
 
 
-@cpu_only
-def test_the_first_triton_call_on_cpu_turns_the_interpreter_on(tmp_path: Path) -> None:
-    assert probe(tmp_path) == {
-        "env_at_import": None,
-        "reference": 1,
-        "triton_after_reference": False,
-        "triton": 1,
-        "env": "1",
-        "interpreter": True,
-    }
+# (statements before the probe, TRITON_INTERPRET or None, what it must see; "error": words)
+PROBES = {
+    "the first triton call on CPU turns the interpreter on": ("", None, {
+        "env_at_import": None, "reference": 1, "triton_after_reference": False, "triton": 1,
+        "env": "1", "interpreter": True,
+    }),
+    "triton imported first works when the user set the variable": (
+        "import triton", "1", {"triton": 1, "interpreter": True}
+    ),
+    "triton imported first gives a clear error, not a crash": ("import triton.language", None, {
+        "reference": 1, "error": "triton was imported before the interpreter was chosen",
+        "env": None,  # the rule writes nothing once triton is imported
+    }),
+    "the user can turn the interpreter off": ("", "0", {
+        "env": "0", "reference": 1, "error": "needs CUDA tensors", "interpreter": False,
+    }),
+    "use_interpreter before triton is imported turns it on": (
+        "from pagedkv import kernels; kernels.use_interpreter(); import triton", "0",
+        {"triton": 1, "interpreter": True},
+    ),
+}  # fmt: skip
 
 
-@cpu_only
-def test_triton_imported_first_still_works_when_the_user_set_the_variable(tmp_path: Path) -> None:
-    seen = probe(tmp_path, before="import triton", TRITON_INTERPRET="1")
-    assert seen["triton"] == 1
-    assert seen["interpreter"] is True
-
-
-@cpu_only
-def test_triton_imported_first_gives_a_clear_error_not_a_crash(tmp_path: Path) -> None:
-    seen = probe(tmp_path, before="import triton.language")
-    assert seen["reference"] == 1
-    assert "triton was imported before the interpreter was chosen" in str(seen["error"])
-    assert seen["env"] is None  # the rule writes nothing once triton is imported
-
-
-@cpu_only
-def test_the_user_can_turn_the_interpreter_off(tmp_path: Path) -> None:
-    seen = probe(tmp_path, TRITON_INTERPRET="0")
-    assert seen["env"] == "0"
-    assert seen["reference"] == 1
-    assert "needs CUDA tensors" in str(seen["error"])
-    assert seen["interpreter"] is False
-
-
-def test_use_interpreter_before_triton_is_imported_turns_it_on(tmp_path: Path) -> None:
-    before = "from pagedkv import kernels; kernels.use_interpreter(); import triton"
-    seen = probe(tmp_path, before=before, TRITON_INTERPRET="0")
-    assert seen["triton"] == 1
-    assert seen["interpreter"] is True
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[] if n.startswith("use_") else cpu_only) for n in PROBES]
+)
+def test_the_interpreter_rule(name: str, tmp_path: Path) -> None:
+    before, interpret, expected = PROBES[name]
+    seen = probe(tmp_path, before, **({} if interpret is None else {"TRITON_INTERPRET": interpret}))
+    assert ("error" in seen) == ("error" in expected)
+    for key, want in expected.items():
+        assert want in str(seen[key]) if key == "error" else seen[key] == want, key
 
 
 def test_use_interpreter_after_triton_is_imported_raises(tmp_path: Path) -> None:
@@ -207,13 +197,8 @@ def test_without_triton_the_reference_runs_and_triton_says_it_is_missing(
 ) -> None:
     code = WITHOUT_TRITON.format(hide=HIDE_TRITON[hide], every_kernel=EVERY_KERNEL)
     seen = run_fresh(code, tmp_path)
-    names = [
-        "slot_mapping",
-        "store_kv",
-        "paged_decode_attention",
-        "contiguous_decode_attention",
-        "copy_blocks",
-    ]
+    names = "slot_mapping store_kv paged_decode_attention contiguous_decode_attention copy_blocks"
+    names = names.split()
     assert seen["reference_ran"] == names
     assert seen["auto_matches_reference"] == names  # auto is numba on CPU: fp32 sums reordered
     errors = seen["triton_errors"]
@@ -225,15 +210,23 @@ def test_without_triton_the_reference_runs_and_triton_says_it_is_missing(
     assert seen["triton_imported"] is False
 
 
-def test_auto_picks_triton_for_cuda_tensors_and_numba_for_cpu_tensors(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_resolve_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` is Triton for CUDA tensors and numba for CPU ones; the argument beats the
+    environment; unknown names, in either, are rejected."""
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     assert resolve_backend(None, CUDA) == "triton"
     assert resolve_backend("auto", CPU) == "numba"
     assert resolve_backend("reference", CUDA) == "reference"
     with pytest.raises(RuntimeError, match="numba backend runs on CPU tensors only"):
         resolve_backend("numba", CUDA)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        resolve_backend("cuda", CPU)
+    monkeypatch.setenv(BACKEND_ENV, "reference")
+    assert resolve_backend(None, CUDA) == "reference"
+    assert resolve_backend("triton", CUDA) == "triton"
+    monkeypatch.setenv(BACKEND_ENV, "fast")
+    with pytest.raises(ValueError, match=BACKEND_ENV):
+        resolve_backend(None, CPU)
 
 
 NUMBA_HIDDEN = """
@@ -255,17 +248,3 @@ def test_without_numba_auto_picks_the_reference_and_numba_says_it_is_missing(
     seen = run_fresh(NUMBA_HIDDEN, tmp_path)
     assert seen["auto"] == "reference"
     assert "numba package, which does not import here" in str(seen["error"])
-
-
-def test_the_argument_beats_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(BACKEND_ENV, "reference")
-    assert resolve_backend(None, CUDA) == "reference"
-    assert resolve_backend("triton", CUDA) == "triton"
-
-
-def test_unknown_backend_names_are_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ValueError, match="backend must be one of"):
-        resolve_backend("cuda", CPU)
-    monkeypatch.setenv(BACKEND_ENV, "fast")
-    with pytest.raises(ValueError, match=BACKEND_ENV):
-        resolve_backend(None, CPU)

@@ -1,10 +1,6 @@
-"""The numba backend's own properties: its split choice, its drivers, and its fp32 arithmetic.
-
-What the numba kernels compute, against the spec, the reference and dense attention, is checked
-with every other backend in ``test_kernels_agreement``, and their planted bugs are in
-``test_kernels_planted_bugs``. Here: the split count follows the threads and the length; the
-parallel drivers equal the serial ones, bit for bit; the softmax's ``exp32`` is exp within its
-bound (special values included); ``sum_in_order`` adds left to right.
+"""The numba backend's own properties (what it computes is in ``test_kernels_agreement``): the
+split count follows the threads and the length; the parallel drivers equal the serial ones, bit
+for bit; ``exp32`` is exp within its bound; ``sum_in_order`` adds left to right.
 """
 
 from __future__ import annotations
@@ -46,9 +42,8 @@ def test_splits_follow_the_threads_and_the_length() -> None:
 def test_the_parallel_drivers_equal_the_serial_ones(
     block_size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The property tests' calls are below ``PARALLEL_MIN_BYTES``, so they run the serial
-    drivers; with the threshold at 0 and two threads the pool runs the same programs, and the
-    outputs are the same, bit for bit (splits chosen by the thread count included)."""
+    """The property tests' calls are below ``PARALLEL_MIN_BYTES`` (serial drivers); with it at 0
+    and two threads the pool runs the same programs to the same bits (thread-chosen splits too)."""
     shape = Shape(block_size, 2, 4, 64, torch.float32)
     cache = KVCache(fixed_scenario(block_size), shape, backend="numba")
     prefill = prefill_on("numba")
