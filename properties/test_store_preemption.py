@@ -27,13 +27,17 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-import pagedkv.impl.blocks.admission
-import pagedkv.impl.blocks.growth
-import pagedkv.impl.blocks.prefix_cache
-import pagedkv.impl.blocks.prefix_store
-import pagedkv.impl.blocks.rows
-import pagedkv.impl.blocks.store
-from pagedkv.impl.blocks import BlockManager, BlockTableStore, PrefixCachingBlockManager
+from pagedkv.impl.blocks import (
+    BlockManager,
+    BlockTableStore,
+    PrefixCachingBlockManager,
+    admission,
+    growth,
+    prefix_cache,
+    prefix_store,
+    rows,
+)
+from pagedkv.impl.blocks import store as store_module
 from pagedkv.spec.block_manager import BlockManager as SpecBlockManager
 from pagedkv.spec.block_manager import OutOfBlocksError
 from pagedkv.spec.prefix_cache import PrefixCachingBlockManager as SpecPrefixManager
@@ -42,6 +46,10 @@ from properties.mutants import CONTROL_SEARCHES, FIND, load_copy, load_mutant, p
 from properties.outcomes import outcome
 
 VOCAB = st.integers(0, 1)  # two tokens: prompts share prefixes often
+REFUSED = (
+    "refused is not None and refused.extra is extra "
+    "and isinstance(token_ids, (list, tuple)) and list(token_ids) == refused.tokens"
+)
 SALTS = st.sampled_from([None, None, None, "tenant-a"])  # mostly unsalted: prefixes match often
 
 
@@ -293,163 +301,77 @@ def test_writers_of_a_shared_block_copy_it_in_batch_order(method: str, case: str
     assert both.store.pop_copy_pairs().tolist() == [list(p) for p in both.spec.pop_copy_pairs()]
 
 
-PLANTED = {
-    "victims are taken from the head": (
-        pagedkv.impl.blocks.growth,
-        "preemption_plan",
-        "removed = list(range(n - 1, stop - 1, -1))",
-        "removed = list(range(n - stop))",
-    ),
-    "the batched plan forgets that a victim may be the sequence itself": (
-        pagedkv.impl.blocks.growth,
-        "preemption_stop",
-        "cut = np.arange(n) + victims >= n",
-        "cut = np.arange(n) + victims > n",
-    ),
-    "a shared prefix block counts as freed": (
-        pagedkv.impl.blocks.growth,
-        "plan_in_order",
-        "left == 0",
-        "True",
-    ),
-    "victims are freed first-block-first": (
-        pagedkv.impl.blocks.rows,
-        "SeqRows.release",
-        "reversed_tables = self.tables[rows, ::-1]",
-        "reversed_tables = self.tables[rows]",
-    ),
-    "incremental registration never retries a block left uncached": (
-        pagedkv.impl.blocks.prefix_store,
-        "PrefixStore.register",
-        "indices = [i for i in state.retry if i >= released]",
-        "indices = []",
-    ),
-    "extended keys restart the chain": (
-        pagedkv.impl.blocks.prefix_cache,
-        "PrefixCachingBlockManager.extend_block_keys",
-        "parent = keys[-1] if keys else None",
-        "parent = None",
-    ),
-    "a refused prompt's keys are reused for another prompt": (
-        pagedkv.impl.blocks.prefix_store,
-        "PrefixStore.keys_if_refused",
-        "refused is not None and refused.extra is extra "
-        "and isinstance(token_ids, (list, tuple)) and list(token_ids) == refused.tokens",
-        "refused is not None and refused.extra is extra and isinstance(token_ids, (list, tuple))",
-    ),
-    "a refused prompt's keys are reused under another salt": (
-        pagedkv.impl.blocks.prefix_store,
-        "PrefixStore.keys_if_refused",
-        "refused is not None and refused.extra is extra "
-        "and isinstance(token_ids, (list, tuple)) and list(token_ids) == refused.tokens",
-        "refused is not None "
-        "and isinstance(token_ids, (list, tuple)) and list(token_ids) == refused.tokens",
-    ),
-    "admit ignores the salt": (
-        pagedkv.impl.blocks.admission,
-        "Admission.admit",
+M, C, W = PreemptionMachine, CopySourcePreemptionMachine, WindowPreemptionMachine
+PLANTED: dict[str, tuple[type[PreemptionMachine], Any, str, str, str]] = {
+    # bug: (the machine that catches it, module, scope, old, new)
+    "victims are taken from the head": (M, growth, "preemption_plan",
+        "removed = list(range(n - 1, stop - 1, -1))", "removed = list(range(n - stop))"),
+    "the batched plan forgets that a victim may be the sequence itself": (M, growth,
+        "preemption_stop", "cut = np.arange(n) + victims >= n", "cut = np.arange(n) + victims > n"),
+    "a shared prefix block counts as freed": (M, growth, "plan_in_order", "left == 0", "True"),
+    "victims are freed first-block-first": (M, rows, "SeqRows.release",
+        "reversed_tables = self.tables[rows, ::-1]", "reversed_tables = self.tables[rows]"),
+    "incremental registration never retries a block left uncached": (M, prefix_store,
+        "PrefixStore.register", "indices = [i for i in state.retry if i >= released]",
+        "indices = []"),
+    "extended keys restart the chain": (M, prefix_cache,
+        "PrefixCachingBlockManager.extend_block_keys", "parent = keys[-1] if keys else None",
+        "parent = None"),
+    "a refused prompt's keys are reused for another prompt": (M, prefix_store,
+        "PrefixStore.keys_if_refused", REFUSED,
+        REFUSED.replace(" and list(token_ids) == refused.tokens", "")),
+    "a refused prompt's keys are reused under another salt": (M, prefix_store,
+        "PrefixStore.keys_if_refused", REFUSED, REFUSED.replace(" and refused.extra is extra", "")),
+    "admit ignores the salt": (M, admission, "Admission.admit",
         "self.prefix.plan(token_ids, extra_key, retry=True)",
-        "self.prefix.plan(token_ids, None, retry=True)",
-    ),
-    "the decode fast path ignores a forked last block": (
-        pagedkv.impl.blocks.growth,
-        "decode_plan",
-        "rows.tail_shared.take(batch_rows).any()",
-        "False",
-    ),
-}
-
-
-# A bug in preemption's count of what a victim frees, which the copy-source machine catches.
-COPY_SOURCE_PLANTED = {
-    "a preemption plan counts a source waiting for its copy as free": (
-        pagedkv.impl.blocks.growth,
-        "plan_in_order",
-        "free += left == 0 and block not in sources",
-        "free += left == 0",
-    ),
-}
-
-
-# Bugs in the store's handling of released entries, which the window machine catches.
-WINDOW_PLANTED = {
-    "a victim's released entries count as freed blocks": (
-        pagedkv.impl.blocks.growth,
-        "preemption_plan",
-        "held_counts = g.lengths - rows.num_released.take(g.rows)",
-        "held_counts = g.lengths",
-    ),
-    "a victim shared with others releases its released entries too": (
-        pagedkv.impl.blocks.growth,
-        "plan_in_order",
-        "rows.held(int(g.rows[victim]))",
-        "rows.tables[int(g.rows[victim]), : g.lengths[victim]]",
-    ),
-    "cache_blocks registers a released entry": (
-        pagedkv.impl.blocks.store,
-        "BlockTableStore.cache_blocks",
+        "self.prefix.plan(token_ids, None, retry=True)"),
+    "the decode fast path ignores a forked last block": (M, growth, "decode_plan",
+        "rows.tail_shared.take(batch_rows).any()", "False"),
+    "a preemption plan counts a source waiting for its copy as free": (C, growth,
+        "plan_in_order", "free += left == 0 and block not in sources", "free += left == 0"),
+    "a victim's released entries count as freed blocks": (W, growth, "preemption_plan",
+        "held_counts = g.lengths - rows.num_released.take(g.rows)", "held_counts = g.lengths"),
+    "a victim shared with others releases its released entries too": (W, growth,
+        "plan_in_order", "rows.held(int(g.rows[victim]))",
+        "rows.tables[int(g.rows[victim]), : g.lengths[victim]]"),
+    "cache_blocks registers a released entry": (W, store_module, "BlockTableStore.cache_blocks",
         "count, released = int(rows.token_counts[row]), int(rows.num_released[row])",
-        "count, released = int(rows.token_counts[row]), 0",
-    ),
-}
+        "count, released = int(rows.token_counts[row]), 0"),
+}  # fmt: skip
+CONTROLS = [  # identity "mutations": the loading paths are sound
+    (M, store_module, "BlockTableStore.grow", "atomic and failed"),
+    (M, growth, "plan_in_order", "left == 0"),
+    (M, prefix_store, "PrefixStore.admit", "self.refused = None"),
+    PLANTED["extended keys restart the chain"][:4],
+    (W, store_module, "BlockTableStore.grow", "atomic and failed"),
+]
 
 
 def planted_machine(
-    module: Any,
-    within: str,
-    old: str,
-    new: str,
-    base: type[PreemptionMachine] = PreemptionMachine,
+    base: type[PreemptionMachine], module: Any, within: str, old: str, new: str
 ) -> type:
-    """``base`` over the store with ``old -> new`` planted in ``within`` of ``module`` (the
-    store or a part of it; with the prefix cache, the machine's prefix manager is the planted
-    copy too)."""
-    if module is pagedkv.impl.blocks.prefix_cache:
+    """``base`` over the store with ``old -> new`` planted in ``within`` of ``module`` (with the
+    prefix cache, the machine's prefix manager is the planted copy too)."""
+    if module is prefix_cache:
         prefix = load_mutant(module, within, old, new, ("BlockTableError",))
-        store = load_copy(
-            pagedkv.impl.blocks.store, ("CapacityError",), using={module.__name__: prefix}
-        )
-        attrs = {"PREFIX_MANAGER": prefix.PrefixCachingBlockManager, "STORE": store.BlockTableStore}
+        planted = load_copy(store_module, ("CapacityError",), using={module.__name__: prefix})
+        attrs = {
+            "PREFIX_MANAGER": prefix.PrefixCachingBlockManager,
+            "STORE": planted.BlockTableStore,
+        }
         return type("PlantedPreemption", (base,), attrs)
-    store = planted_store(module, within, old, new)
-    return type("PlantedPreemption", (base,), {"STORE": store})
-
-
-BASES: dict[str, type[PreemptionMachine]] = {
-    **dict.fromkeys(PLANTED, PreemptionMachine),
-    **dict.fromkeys(COPY_SOURCE_PLANTED, CopySourcePreemptionMachine),
-    **dict.fromkeys(WINDOW_PLANTED, WindowPreemptionMachine),
-}
-CONTROLS = [  # identity "mutations": the loading paths are sound
-    (pagedkv.impl.blocks.store, "BlockTableStore.grow", "atomic and failed", PreemptionMachine),
-    (pagedkv.impl.blocks.growth, "plan_in_order", "left == 0", PreemptionMachine),
-    (
-        pagedkv.impl.blocks.prefix_store,
-        "PrefixStore.admit",
-        "self.refused = None",
-        PreemptionMachine,
-    ),
-    (*PLANTED["extended keys restart the chain"][:3], PreemptionMachine),
-    (
-        pagedkv.impl.blocks.store,
-        "BlockTableStore.grow",
-        "atomic and failed",
-        WindowPreemptionMachine,
-    ),
-]
+    return type("PlantedPreemption", (base,), {"STORE": planted_store(module, within, old, new)})
 
 
 @pytest.mark.parametrize("search", CONTROL_SEARCHES)
 def test_control_unmutated_copies_pass(search: settings) -> None:
-    for module, within, snippet, base in CONTROLS:
-        run_state_machine_as_test(
-            planted_machine(module, within, snippet, snippet, base), settings=search
-        )
+    for base, module, within, snippet in CONTROLS:
+        machine = planted_machine(base, module, within, snippet, snippet)
+        run_state_machine_as_test(machine, settings=search)
 
 
-@pytest.mark.parametrize("bug", sorted(BASES))
+@pytest.mark.parametrize("bug", sorted(PLANTED))
 def test_planted_preemption_bug_is_caught(bug: str) -> None:
-    every = {**PLANTED, **COPY_SOURCE_PLANTED, **WINDOW_PLANTED}
-    machine = planted_machine(*every[bug], BASES[bug])  # loading errors are not catches
+    machine = planted_machine(*PLANTED[bug])  # loading errors are not catches
     with pytest.raises(Exception):  # noqa: B017 - an assertion or a crash inside a rule
         run_state_machine_as_test(machine, settings=FIND)

@@ -130,29 +130,15 @@ class OneIdQueueMachine(RuleBasedStateMachine):
 TestOneIdQueue = OneIdQueueMachine.TestCase
 
 
-PLANTED = {
-    "pop_one returns a tombstone": (
-        pagedkv.impl.blocks.free_queue,
-        "FreeBlockQueue.pop_one",
-        "block == TOMBSTONE",
-        "False",
-        OneIdQueueMachine,
-    ),
-    "release frees a block that still has owners": (
-        pagedkv.impl.blocks.pool,
-        "BlockPool.release_held",
-        "ids[remaining == 0] if np.count_nonzero(remaining) else ids",
-        "ids",
-        SingleBlockMachine,
-    ),
-    "take_one does not evict": (
-        pagedkv.impl.blocks.pool,
-        "BlockPool.take_one",
-        "self.evictor.evict_one(block)",
-        "None",
-        SingleBlockMachine,
-    ),
-}
+PLANTED = {  # bug: (module, scope, old, new, the machine that catches it)
+    "pop_one returns a tombstone": (pagedkv.impl.blocks.free_queue, "FreeBlockQueue.pop_one",
+        "block == TOMBSTONE", "False", OneIdQueueMachine),
+    "release frees a block that still has owners": (pagedkv.impl.blocks.pool,
+        "BlockPool.release_held", "ids[remaining == 0] if np.count_nonzero(remaining) else ids",
+        "ids", SingleBlockMachine),
+    "take_one does not evict": (pagedkv.impl.blocks.pool, "BlockPool.take_one",
+        "self.evictor.evict_one(block)", "None", SingleBlockMachine),
+}  # fmt: skip
 
 
 def planted(module: Any, within: str, old: str, new: str, base: type) -> type:
