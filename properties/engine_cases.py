@@ -1,21 +1,16 @@
-"""Shared pieces of the engine properties: the tiny model, the logit tolerances, workloads, and a
-driver that plays a workload's arrivals on a ``PagedAttentionEngine``.
-
-Workloads are built to hit the hard cases often: block sizes from 1 to 256 (small ones more
-often), pools only just large enough for the largest request (so running sequences preempt each
-other), small token budgets (so prompts are prefilled in chunks), prompts that share system
-prefixes (so the prefix cache hits), ``n`` up to 3 (so prompts fork and copy on write), greedy
-and sampled requests, staggered arrivals, and an end-of-sequence token that the model really
-emits.
-"""
+"""Shared pieces of the engine properties: the tiny model, the logit tolerances, workloads (built
+to hit the hard cases often: block sizes 1..256, pools just large enough to preempt, small token
+budgets that chunk prompts, shared system prefixes, ``n`` up to 3, greedy and sampled requests,
+staggered arrivals, an EOS the model really emits) and a driver that plays them on the engine."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
+import pytest
 import torch
 from hypothesis import currently_in_test_context, event
 from hypothesis import strategies as st
@@ -28,20 +23,15 @@ from pagedkv.spec.block_manager import blocks_needed
 CONFIG = ModelConfig()  # vocab 128, hidden 64, 2 layers, 4 query heads over 2 KV heads, dim 16
 MODEL = CausalLM.from_seed(CONFIG, seed=0)
 
-# Logits of the paged engine and of the dense oracle agree within
-# |paged - dense| <= LOGIT_ATOL + LOGIT_RTOL * |dense|. Both run the same layers in fp32; they
-# differ only in summation order: GEMMs over a batch of rows vs one row, a token's K/V computed
-# in a prompt's prefill vs a decode step (after a preemption both happen), a cached prefix's K/V
-# computed in another batch. Measured differences are about 2e-6 on logits of magnitude up to
-# ~5 (standard deviation ~1); reading one wrong K/V row moves them by 1e-2 or more.
+# |paged - dense| <= LOGIT_ATOL + LOGIT_RTOL * |dense|: both run the same fp32 layers, differing
+# only in summation order (measured ~2e-6 on logits up to ~5); one wrong K/V row moves them 1e-2+.
 LOGIT_ATOL = 1e-4
 LOGIT_RTOL = 1e-4
 
 
 @contextmanager
 def one_thread() -> Iterator[None]:
-    """Run torch on one thread: the model is tiny, so more threads only add overhead (and on a
-    shared two-core machine, contention that makes each op ~10x slower)."""
+    """Torch on one thread: the model is tiny, and on a shared machine more threads contend."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -50,8 +40,15 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-# Small block sizes most of the time (prefix hits need prompts longer than a block, preemption
-# needs sequences that grow into new blocks), any size from 1 to 256 otherwise.
+@pytest.fixture(autouse=True, scope="module")
+def single_thread() -> Iterator[None]:
+    """Import into a test module to run all its tests under :func:`one_thread`."""
+    with one_thread():
+        yield
+
+
+# Small block sizes most of the time (prefix hits and preemption need sequences longer than a
+# block), any size from 1 to 256 otherwise.
 BLOCK_SIZES = st.sampled_from([1, 2, 3, 4, 5, 8, 16, 0]).flatmap(
     lambda size: st.just(size) if size else st.integers(1, 256)
 )
@@ -73,31 +70,26 @@ class Workload:
     total_blocks: int
     max_num_seqs: int
     max_num_batched_tokens: int
-    watermark_blocks: int
-    prefix_caching: bool
-    eos_token_id: int | None
+    watermark_blocks: int = 0
+    prefix_caching: bool = True
+    eos_token_id: int | None = None
 
     def engine(self, **kwargs: object) -> PagedAttentionEngine:
         return PagedAttentionEngine(
-            MODEL, self.total_blocks, self.block_size,
-            max_num_seqs=self.max_num_seqs,
+            MODEL, self.total_blocks, self.block_size, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
-            watermark_blocks=self.watermark_blocks,
-            enable_prefix_caching=self.prefix_caching,
+            watermark_blocks=self.watermark_blocks, enable_prefix_caching=self.prefix_caching,
             keep_logits=True, **kwargs,
         )  # fmt: skip
+
+    def but(self, **changes: object) -> Workload:
+        return replace(self, **changes)  # type: ignore[arg-type]
 
 
 @lru_cache(maxsize=4096)
 def greedy_oracle(prompt: tuple[int, ...], max_new_tokens: int) -> DenseOutput:
     """The dense model's greedy continuation, without an end-of-sequence token."""
     return dense_generate(MODEL, prompt, max_new_tokens)
-
-
-def truncate_at_eos(tokens: list[int], eos_token_id: int | None) -> list[int]:
-    if eos_token_id in tokens:
-        return tokens[: tokens.index(eos_token_id) + 1]
-    return tokens
 
 
 @st.composite
@@ -128,7 +120,6 @@ def workloads(
     requests.sort(key=lambda r: r.arrival)  # stable: the drawn order breaks ties
     largest = max(blocks_needed(len(r.prompt) + r.max_new_tokens - 1, block_size) for r in requests)
     first = requests[0]
-    emitted = greedy_oracle(first.prompt, first.max_new_tokens).tokens
     return Workload(
         requests=tuple(requests),
         block_size=block_size,
@@ -137,7 +128,9 @@ def workloads(
         max_num_batched_tokens=draw(st.sampled_from([2, 5, 16, 64, 512])),
         watermark_blocks=draw(st.integers(0, 2)),
         prefix_caching=draw(st.booleans()),
-        eos_token_id=draw(st.none() | st.sampled_from(emitted)),
+        eos_token_id=draw(
+            st.none() | st.sampled_from(greedy_oracle(first.prompt, first.max_new_tokens).tokens)
+        ),
     )
 
 
@@ -148,8 +141,8 @@ class Run:
 
 
 def run(workload: Workload, **engine_kwargs: object) -> Run:
-    """Play the workload: add each request before the step numbered by its arrival, and step
-    until every request finished. Checks the scheduler's limits at every step."""
+    """Add each request before the step numbered by its arrival and step until all finished,
+    checking the scheduler's limits at every step and that no request is lost or doubled."""
     engine = workload.engine(**engine_kwargs)
     index_of: dict[int, int] = {}
     outputs: dict[int, RequestOutput] = {}
@@ -175,11 +168,9 @@ def run(workload: Workload, **engine_kwargs: object) -> Run:
         assert steps < limit, "the engine stopped making progress"
     assert sorted(outputs) == sorted(index_of), "a request was lost"
     if currently_in_test_context():
-        preempted = any(m.preemptions for m in engine.metrics)
-        event(f"preempted: {'yes' if preempted else 'no'}")
+        event(f"preempted: {'yes' if any(m.preemptions for m in engine.metrics) else 'no'}")
         event(f"prefix hits: {'yes' if any(m.prefix_hit_tokens for m in engine.metrics) else 'no'}")
-    ordered = sorted(outputs.values(), key=lambda out: index_of[out.request_id])
-    return Run(engine, ordered)
+    return Run(engine, sorted(outputs.values(), key=lambda out: index_of[out.request_id]))
 
 
 def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -199,7 +190,9 @@ def check_against_oracle(workload: Workload, result: Run) -> None:
             what = f"request {request} sample {sample}"
             if request.temperature == 0.0:
                 oracle = greedy_oracle(request.prompt, request.max_new_tokens)
-                expected = truncate_at_eos(oracle.tokens, eos)
+                expected = oracle.tokens
+                if eos in expected:
+                    expected = expected[: expected.index(eos) + 1]
                 assert tokens == expected, f"{what}: paged {tokens} != dense {expected}"
                 assert_logits_close(logits, oracle.logits[: len(tokens)], what)
             else:
@@ -210,8 +203,8 @@ def check_against_oracle(workload: Workload, result: Run) -> None:
 
 
 def check_all_freed(engine: PagedAttentionEngine) -> None:
-    """After every request finished: no table is live, every block is free (cached or not)
-    with reference count 0, and the scheduler holds nothing."""
+    """After every request finished: no table is live, every block is free (cached or not) with
+    reference count 0, and the scheduler holds nothing."""
     store, manager = engine.store, engine.store.manager
     assert len(store) == 0
     assert manager.num_free_blocks == manager.total_blocks

@@ -1,8 +1,5 @@
-"""Tiny ``transformers`` models built locally, with seeded random weights (nothing downloaded).
-
-Every family shares one small shape; ``tiny_hf_model`` builds any ``<Family>ForCausalLM`` of the
-installed ``transformers`` from it, so the loader's tests compare families on equal terms.
-"""
+"""Tiny ``transformers`` models built locally from one shape with seeded weights (nothing is
+downloaded), so the loader's tests compare families on equal terms."""
 
 from __future__ import annotations
 
@@ -11,18 +8,11 @@ from typing import Any
 import torch
 
 TINY_SHAPE: dict[str, Any] = {
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
     "initializer_range": 0.2,  # peaked attention: a wrong position or K/V row shows
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-}
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+}  # fmt: skip
 
 
 def tiny_hf_model(family: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:

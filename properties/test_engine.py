@@ -1,24 +1,13 @@
-"""``PagedAttentionEngine`` against the dense oracle: the paging changes nothing in the output.
-
-The engine keeps K/V only in the paged cache and reads them through block tables; the oracle
-(``pagedkv.impl.serving.dense.dense_generate``) decodes each sequence alone with a contiguous
-cache, through the same layers. Hypothesis draws the workload (``properties/engine_cases.py``):
-block sizes 1..256, prefix caching on and off, pools tight enough to preempt, chunked prompts,
-parallel sampling, staggered arrivals, an EOS token the model emits. Greedy samples must equal
-the oracle token for token and sampled ones must have the oracle's logits for their own tokens,
-within ``LOGIT_ATOL``/``LOGIT_RTOL``. After the run every block is free and no request is lost.
-
-With a sliding-window model the engine really releases the blocks outside the window: on fixed
-workloads (prefix hits, forked samples, preemption, chunked prompts, speculative decoding) the
-outputs still equal the windowed dense oracle's, and after every step each running sequence's
-released entries are -1 in the store's tables, exactly ``blocks_outside_window`` of its
-computed tokens, and it holds at most ``blocks_needed(window - 1, block_size) + 2`` blocks.
+"""``PagedAttentionEngine`` against the dense oracle (each sequence alone, contiguous cache, same
+layers): on drawn workloads (``engine_cases.py``) greedy samples equal it token for token and
+sampled ones have its logits for their own tokens, and every block is freed. With a sliding
+window the engine really releases the blocks outside it, and still matches the windowed oracle.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -42,16 +31,10 @@ from properties.engine_cases import (
     assert_logits_close,
     check_against_oracle,
     check_all_freed,
-    one_thread,
     run,
+    single_thread,  # noqa: F401 - an autouse fixture
     workloads,
 )
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    with one_thread():
-        yield
 
 
 @given(workloads())
@@ -65,8 +48,7 @@ def test_engine_matches_dense_oracle(workload: Workload) -> None:
 @given(workloads(max_requests=3, max_new_tokens=6))
 def test_prefix_caching_changes_nothing(workload: Workload) -> None:
     """The same workload with and without prefix caching gives the same tokens."""
-    on = run(Workload(**{**workload.__dict__, "prefix_caching": True}))
-    off = run(Workload(**{**workload.__dict__, "prefix_caching": False}))
+    on, off = run(workload.but(prefix_caching=True)), run(workload.but(prefix_caching=False))
     for a, b in zip(on.outputs, off.outputs, strict=True):
         assert a.outputs == b.outputs
     check_all_freed(on.engine)
@@ -75,18 +57,12 @@ def test_prefix_caching_changes_nothing(workload: Workload) -> None:
 # Fixed workloads that are sure to exercise what the drawn ones exercise most of the time.
 SYSTEM = tuple(range(40, 52))
 PRESSURE = Workload(
-    requests=tuple(
+    tuple(
         Request((*SYSTEM, i, 2 * i + 1), max_new_tokens=12, n=1 + i % 2, temperature=t, arrival=i)
         for i, t in enumerate([0.0, 1.0, 0.0, 0.0, 1.0, 0.0])
     ),
-    block_size=4,
-    total_blocks=12,
-    max_num_seqs=6,
-    max_num_batched_tokens=10,
-    watermark_blocks=1,
-    prefix_caching=True,
-    eos_token_id=None,
-)
+    block_size=4, total_blocks=12, max_num_seqs=6, max_num_batched_tokens=10, watermark_blocks=1,
+)  # fmt: skip
 
 
 def test_preemption_prefix_hits_and_forks_happen() -> None:
@@ -100,11 +76,10 @@ def test_preemption_prefix_hits_and_forks_happen() -> None:
 
 
 def test_the_check_catches_a_missing_copy_on_write(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Teeth: if the engine skipped ``copy_blocks``, a forked sample's copy of the shared tail
-    block would lack the prompt's last K/V. The slot reads as NaN (never written: sampling
-    raises) or holds another sequence's stale K/V (the comparison fails)."""
+    """Teeth: without ``copy_blocks`` a forked sample's copy of the shared tail block lacks the
+    prompt's last K/V: NaN (sampling raises) or another sequence's stale K/V (a mismatch)."""
     monkeypatch.setattr(PagedKVCache, "copy_blocks", lambda self, pairs: None)
-    workload = Workload(**{**PRESSURE.__dict__, "total_blocks": 40})
+    workload = PRESSURE.but(total_blocks=40)
     with pytest.raises((AssertionError, RuntimeError)):
         check_against_oracle(workload, run(workload))
 
@@ -112,19 +87,9 @@ def test_the_check_catches_a_missing_copy_on_write(monkeypatch: pytest.MonkeyPat
 def test_triton_kernels_drive_the_engine() -> None:
     """The Triton kernels (the interpreter on CPU) in the engine: slot mapping, store_kv, paged
     decode attention and copy_blocks, with forks and a preemption."""
-    workload = Workload(
-        requests=(
-            Request((5, 6, 7, 8, 9), max_new_tokens=4, n=2, temperature=1.0, arrival=0),
-            Request((5, 6, 7, 8, 1, 2), max_new_tokens=4, n=1, temperature=0.0, arrival=0),
-        ),
-        block_size=2,
-        total_blocks=5,
-        max_num_seqs=3,
-        max_num_batched_tokens=16,
-        watermark_blocks=0,
-        prefix_caching=True,
-        eos_token_id=None,
-    )
+    requests = (Request((5, 6, 7, 8, 9), 4, 2, 1.0, 0), Request((5, 6, 7, 8, 1, 2), 4, 1, 0.0, 0))
+    workload = Workload(requests, block_size=2, total_blocks=5, max_num_seqs=3,
+                        max_num_batched_tokens=16)  # fmt: skip
     result = run(workload, backend="triton")
     assert sum(m.preemptions for m in result.engine.metrics) > 0
     check_against_oracle(workload, result)
@@ -188,35 +153,26 @@ WINDOW = 6
 WINDOW_MODEL = CausalLM.from_seed(dataclasses.replace(CONFIG, sliding_window=WINDOW), seed=0)
 
 
-def check_window_bound(engine: PagedAttentionEngine, window: int) -> int:
-    """Right after a step's schedule: every running sequence released exactly the blocks
-    outside the window of its next query, they are -1 in the store's tables, and a decoding
-    one holds at most the window's blocks plus one for the token it is about to write; return
-    the number of released entries."""
-    store, bs = engine.store, engine.store.block_size
-    released_total = 0
-    for seq in engine.scheduler.running:
-        row = store.row(seq.seq_id)
-        released = int(store.num_released[row])
-        assert released == blocks_outside_window(seq.num_computed, window, bs)
-        assert (store.tables[row, :released] == -1).all()
-        assert None not in store.table(seq.seq_id)[released:]
-        held = int(store.num_blocks[row]) - released
-        if seq.num_pending == 1:  # decoding: the table holds the token about to be computed
-            assert held <= blocks_needed(window - 1, bs) + 2, (seq.seq_id, held)
-        released_total += released
-    return released_total
-
-
 def watch_window(engine: PagedAttentionEngine, window: int) -> list[int]:
-    """Check :func:`check_window_bound` after every schedule of ``engine`` from now on; the
-    returned list gets each step's released entries."""
-    schedule = engine.scheduler.schedule
+    """After every schedule of ``engine``: each running sequence released exactly the blocks
+    outside its next query's window (-1 in the tables), and a decoding one holds at most the
+    window's blocks plus one for the token it writes. The list gets each step's released total."""
+    schedule, store, bs = engine.scheduler.schedule, engine.store, engine.store.block_size
     released: list[int] = []
 
     def checked_schedule() -> SchedulerOutput:
         plan = schedule()
-        released.append(check_window_bound(engine, window))
+        released.append(0)
+        for seq in engine.scheduler.running:
+            row = store.row(seq.seq_id)
+            count = int(store.num_released[row])
+            assert count == blocks_outside_window(seq.num_computed, window, bs)
+            assert (store.tables[row, :count] == -1).all()
+            assert None not in store.table(seq.seq_id)[count:]
+            held = int(store.num_blocks[row]) - count
+            if seq.num_pending == 1:  # decoding: the table holds the token about to be computed
+                assert held <= blocks_needed(window - 1, bs) + 2, (seq.seq_id, held)
+            released[-1] += count
         return plan
 
     engine.scheduler.schedule = checked_schedule  # type: ignore[method-assign]
@@ -226,52 +182,39 @@ def watch_window(engine: PagedAttentionEngine, window: int) -> list[int]:
 def play_windowed(
     requests: Sequence[tuple[list[int], int, int, float]], **engine_kwargs: object
 ) -> tuple[PagedAttentionEngine, list[list[list[int]]], list[list[object]], int]:
-    """Serve ``(prompt, max_new_tokens, n, temperature)`` requests on the windowed model, all
-    added at once, checking the window bound after every step. Returns the engine, each
-    request's samples and their logits, and the most entries released at once."""
+    """Serve ``(prompt, max_new_tokens, n, temperature)`` requests at once on the windowed model,
+    watching the window; returns the engine, samples, logits and the most entries released."""
     engine = PagedAttentionEngine(WINDOW_MODEL, keep_logits=True, **engine_kwargs)  # type: ignore[arg-type]
     released = watch_window(engine, WINDOW)
     ids = [engine.add_request(prompt, new, n=n, temperature=t) for prompt, new, n, t in requests]
     finished = {}
     while engine.has_unfinished_requests():
-        for out in engine.step().finished:
-            finished[out.request_id] = out
+        finished |= {out.request_id: out for out in engine.step().finished}
     outs = [finished[request_id] for request_id in ids]
     return engine, [o.outputs for o in outs], [o.logits for o in outs], max(released)
 
 
 WINDOW_SYSTEM = list(range(60, 71))  # 11 tokens: hits on the first blocks of later prompts
-WINDOW_REQUESTS = [
-    ([*WINDOW_SYSTEM, 3, 4], 14, 2, 1.0),
-    ([*WINDOW_SYSTEM, 5], 16, 1, 0.0),
-    ([*WINDOW_SYSTEM, 7, 8, 9], 12, 2, 0.0),
-    ([20, 21, 22], 15, 1, 1.0),
-]
+WINDOW_REQUESTS = [([*WINDOW_SYSTEM, 3, 4], 14, 2, 1.0), ([*WINDOW_SYSTEM, 5], 16, 1, 0.0),
+                   ([*WINDOW_SYSTEM, 7, 8, 9], 12, 2, 0.0), ([20, 21, 22], 15, 1, 1.0)]  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("block_size", "total_blocks", "budget"),
-    [(2, 22, 8), (4, 10, 5), (1, 40, 12)],
-    ids=["bs2-tight", "bs4-chunked", "bs1"],
-)
+@pytest.mark.parametrize(("block_size", "total_blocks", "budget"),
+                         [(2, 22, 8), (4, 10, 5), (1, 40, 12)],
+                         ids=["bs2-tight", "bs4-chunked", "bs1"])  # fmt: skip
 def test_sliding_window_releases_blocks_and_matches_dense(
     block_size: int, total_blocks: int, budget: int
 ) -> None:
-    """The windowed model through the engine with prefix caching, forks, a tight pool and
-    chunked prompts: the dense oracle's tokens (greedy) and logits (greedy and sampled), blocks
-    really released during generation, and everything freed at the end."""
+    """The windowed model with prefix caching, forks, a tight pool and chunked prompts: the dense
+    oracle's tokens (greedy) and logits (all), blocks really released, all freed at the end."""
     engine, outputs, logits, most_released = play_windowed(
         WINDOW_REQUESTS, total_blocks=total_blocks, block_size=block_size,
         max_num_seqs=6, max_num_batched_tokens=budget, enable_prefix_caching=True,
     )  # fmt: skip
-    metrics = engine.metrics
-    assert sum(m.prefix_hit_tokens for m in metrics) > 0
-    assert most_released > 0
-    if block_size == 2:
-        assert sum(m.preemptions for m in metrics) > 0
-    for (prompt, new, n, temperature), samples, rows in zip(
-        WINDOW_REQUESTS, outputs, logits, strict=True
-    ):
+    assert sum(m.prefix_hit_tokens for m in engine.metrics) > 0 and most_released > 0
+    assert block_size != 2 or sum(m.preemptions for m in engine.metrics) > 0
+    for request, samples, rows in zip(WINDOW_REQUESTS, outputs, logits, strict=True):
+        prompt, new, n, temperature = request
         assert len(samples) == n
         oracle = dense_generate(WINDOW_MODEL, prompt, new)
         for tokens, row in zip(samples, rows, strict=True):
@@ -284,11 +227,9 @@ def test_sliding_window_releases_blocks_and_matches_dense(
 
 @pytest.mark.parametrize("window", [2**31, 2**63, 2**64], ids=["2**31", "2**63", "2**64"])
 def test_a_window_wider_than_any_context_is_no_window_in_every_layer(window: int) -> None:
-    """One rule from the spec to the kernels: a window above ``INT32_MAX`` is accepted and hides
-    nothing. The managers and the store release nothing (the store used to raise an untyped
-    ``OverflowError``), the scheduler takes it, the kernels' check reads it as no window, and
-    the engine serves a model with it exactly as the same model without a window (every step
-    used to raise in ``window_starts``, which was handed the raw window)."""
+    """A window above ``INT32_MAX`` is accepted and hides nothing in every layer: the managers and
+    the store release nothing, the scheduler takes it, the kernels' check reads it as no window,
+    and the engine serves it as the model without one (each used to raise)."""
     for manager in (SpecBlockManager(8, 4), ImplBlockManager(8, 4)):
         table = manager.allocate(3)
         assert manager.release_outside_window(table, 12, window) == table
@@ -302,19 +243,17 @@ def test_a_window_wider_than_any_context_is_no_window_in_every_layer(window: int
     assert SchedulerConfig(sliding_window=window).sliding_window == window
     assert int32_window(window) is None
     wide = CausalLM.from_seed(dataclasses.replace(CONFIG, sliding_window=window), seed=0)
-    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8]]
-    with one_thread():
-        outputs = [
-            [out.outputs for out in PagedAttentionEngine(model, total_blocks=16, block_size=2)
-             .generate(prompts, 6)]
-            for model in (MODEL, wide)
-        ]  # fmt: skip
+    outputs = [
+        [out.outputs for out in PagedAttentionEngine(model, total_blocks=16, block_size=2)
+         .generate([[1, 2, 3, 4, 5, 6, 7], [9, 8]], 6)]
+        for model in (MODEL, wide)
+    ]  # fmt: skip
     assert outputs[1] == outputs[0]
 
 
 def test_sliding_window_with_speculative_decoding() -> None:
-    """Drafts that are partly right: the rollback truncates the rejected ones, and the window
-    releases only blocks before the committed tokens' window, so the output is the oracle's."""
+    """Partly right drafts: the rollback truncates the rejected ones and the window releases only
+    blocks before the committed tokens' window, so the output is the oracle's."""
     greedy = [(prompt, new, 1, 0.0) for prompt, new, _, _ in WINDOW_REQUESTS]
     oracles = {tuple(p): dense_generate(WINDOW_MODEL, p, new).tokens for p, new, _, _ in greedy}
 

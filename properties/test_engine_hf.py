@@ -1,31 +1,14 @@
-"""The paged engine against Hugging Face ``transformers``, for every family the loader accepts.
-
-Each accepted family's ``<Family>ForCausalLM`` (Llama, with an untied and a tied head, and
-Mistral with no sliding window) is built locally from a small config with seeded random weights
-(nothing is downloaded) and loaded with ``pagedkv.impl.serving.hf_loader.load_hf``. The engine,
-batching the prompts over a small paged pool (chunked prefill, prefix caching, preemption, forked
-samples), must produce the greedy tokens of ``transformers``' own ``generate(do_sample=False)`` for
-each prompt, stopping at the same EOS, and the logits of ``transformers``' forward pass over the
-same tokens within ``LOGIT_ATOL``/``LOGIT_RTOL``. Skipped when ``transformers`` is absent (the
-``hf`` extra; CI installs it).
-
-Mistral with a sliding window is checked on its own: a seeded ``MistralForCausalLM`` with
-``sliding_window=8``, saved and loaded from its directory, served by the engine (blocks of 4,
-chunked prefill over cached prefixes, two forked samples, preemption) on prompts whose prompt
-plus output is 3 to 6 windows long, must give ``generate``'s greedy tokens and forward logits,
-as must the dense oracle, under both attention implementations of ``transformers`` that honour
-the window (eager and SDPA). The engine really releases the blocks outside the window while it
-generates: after every schedule each running sequence's released entries are -1 and a decoding
-one holds at most the window's blocks plus one (``properties.test_engine.watch_window``).
-The check has teeth: the same weights with no window, or a window one token shorter or longer,
-give other tokens than ``transformers`` for some prompt. And the convention itself is read off
-``transformers``' own mask function.
+"""The paged engine against Hugging Face ``transformers`` for every family the loader accepts,
+built locally with seeded weights: over a small paged pool (chunked prefill, prefix caching,
+preemption, forks) it gives ``generate(do_sample=False)``'s greedy tokens, stopping at the same
+EOS, and the forward pass's logits within the engine tolerances. Mistral's sliding window is
+checked on its own, under eager and SDPA attention, with the window really releasing blocks;
+a window one token off, or none, gives other tokens.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,11 +18,22 @@ from pagedkv.impl.serving.dense import dense_generate
 from pagedkv.impl.serving.engine import PagedAttentionEngine
 from pagedkv.impl.serving.hf_loader import ACCEPTED_MODEL_TYPES, load_hf
 from pagedkv.impl.serving.model import CausalLM
-from properties.engine_cases import assert_logits_close, one_thread
+from properties.engine_cases import (
+    assert_logits_close,
+    single_thread,  # noqa: F401 - an autouse fixture
+)
 from properties.hf_cases import hf_greedy, tiny_hf_model
 from properties.test_engine import watch_window
 
 transformers = pytest.importorskip("transformers")
+
+
+def seeded_prompts(seed: int, shared: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    """Seeded prompts: a ``shared``-token prefix, then one suffix of each length."""
+    generator = torch.Generator().manual_seed(seed)
+    system = torch.randint(3, 128, (shared,), generator=generator).tolist()
+    return [system + torch.randint(3, 128, (n,), generator=generator).tolist() for n in lengths]
+
 
 # Every accepted family, each with the fields that make a model ignoring them fail.
 FAMILIES = {
@@ -54,12 +48,6 @@ def test_every_accepted_family_is_tested() -> None:
     assert tested == set(ACCEPTED_MODEL_TYPES)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    with one_thread():
-        yield
-
-
 @pytest.fixture(scope="module", params=list(FAMILIES.values()), ids=list(FAMILIES))
 def hf_model(request: pytest.FixtureRequest) -> torch.nn.Module:
     family, fields = request.param
@@ -70,12 +58,7 @@ def hf_model(request: pytest.FixtureRequest) -> torch.nn.Module:
 def test_paged_engine_generates_what_transformers_generates(hf_model: torch.nn.Module) -> None:
     model = load_hf(hf_model)
     assert model.config.rope_theta == 500.0 and model.config.rms_norm_eps == 1e-5
-    generator = torch.Generator().manual_seed(1)
-    system = torch.randint(3, 128, (9,), generator=generator).tolist()
-    prompts = [
-        system + torch.randint(3, 128, (length,), generator=generator).tolist()
-        for length in (1, 4, 7, 12, 3, 25)
-    ]
+    prompts = seeded_prompts(1, 9, (1, 4, 7, 12, 3, 25))
     max_new_tokens = 16
 
     # EOS: a token the model emits, for the first time, a few tokens into the first output.
@@ -106,20 +89,9 @@ WINDOW = 8
 WINDOW_MAX_NEW_TOKENS = 24
 
 
-def window_prompts() -> list[list[int]]:
-    """Seeded prompts sharing a 6-token prefix, of 7 to 26 tokens: with 24 new tokens each
-    sequence ends 31 to 50 tokens long, 3.9 to 6.25 windows of 8."""
-    generator = torch.Generator().manual_seed(3)
-    system = torch.randint(3, 128, (6,), generator=generator).tolist()
-    return [
-        system + torch.randint(3, 128, (length,), generator=generator).tolist()
-        for length in (1, 9, 14, 20)
-    ]
-
-
 def test_our_window_is_the_one_transformers_masks_with() -> None:
     """``transformers``' sliding-window mask lets query ``q`` see key ``kv`` iff ``q - w < kv <=
-    q``: the ``window`` convention of the kernels, here checked on every pair up to 20."""
+    q``, the kernels' convention (every pair up to 20)."""
     from transformers.masking_utils import sliding_window_causal_mask_function
 
     q, kv = torch.arange(20)[:, None], torch.arange(20)[None, :]
@@ -146,13 +118,12 @@ def test_mistral_sliding_window_matches_transformers(
     hf_model.save_pretrained(tmp_path)
     model = load_hf(tmp_path)
     assert model.config.sliding_window == WINDOW
-    prompts = window_prompts()
+    prompts = seeded_prompts(3, 6, (1, 9, 14, 20))  # 31 to 50 tokens with 24 new: 4-6 windows
     expected = [hf_greedy(hf_model, prompt, WINDOW_MAX_NEW_TOKENS) for prompt in prompts]
     assert all(len(p) + len(e) >= 3 * WINDOW for p, e in zip(prompts, expected, strict=True))
 
-    # Prompts of up to 26 tokens in chunks of at most 10, over prefix-cache hits, two forked
-    # greedy samples each; the window keeps a decoding sequence to 4 blocks (of up to 13), and
-    # 8 of them do not fit 16 blocks, so some are preempted and recomputed.
+    # Chunks of at most 10 over prefix hits, two forked samples each; the window keeps a decoding
+    # sequence to 4 blocks (of up to 13) and 8 of them do not fit 16: some are preempted.
     engine = PagedAttentionEngine(
         model, total_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=10,
         enable_prefix_caching=True, keep_logits=True,

@@ -1,23 +1,18 @@
-"""Properties: a step's layer loop reads no tensor value on the host (no GPU synchronization).
+"""A step's layer loop reads no tensor value on the host (no GPU synchronization).
 
-``PagedKVCache.step`` validates everything before the first layer runs, and the layers call the
-kernels with ``validate=False``. On the CPU that is checked by instrumentation: while any
-decoder layer runs, ``Tensor.tolist``, ``Tensor.item``, ``bool``/``int``/``float`` of a tensor
-and every value check of ``kernels.check_values`` raise :class:`HostRead`. A real engine run
-(mixed prefill chunks and decodes, prefix-cache hits, forks, preemption; with and without a
-sliding window; the reference backend's fast path and the triton kernels) must then still
-finish with the dense oracle's tokens. A planted ``.tolist()``
-in the attention is caught. On CUDA, the same run happens under
-``torch.cuda.set_sync_debug_mode("error")`` around the layers. The persistent device
-block-table buffer uploads only the rows that changed, and a step with bad tables is refused
-before anything changes.
+``PagedKVCache.step`` validates everything before the first layer, and the layers call kernels
+with ``validate=False``. On the CPU, while a decoder layer runs, host reads (``tolist``,
+``item``, ``bool``/``int``/``float`` of a tensor) and ``kernels.check_values`` raise
+:class:`HostRead`; real engine runs must still give the dense oracle's tokens, and planted reads
+are caught. On CUDA the layers run under ``set_sync_debug_mode("error")``. The device table
+buffer uploads only changed rows, and a checked step refuses bad tables before any change.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import pytest
@@ -29,7 +24,13 @@ from pagedkv.impl.serving.engine import PagedAttentionEngine
 from pagedkv.impl.serving.model import CausalLM, DecoderLayer
 from pagedkv.impl.serving.paged_kv import DeviceBlockTables, PagedKVCache, PagedStep
 from pagedkv.kernels import api
-from properties.engine_cases import CONFIG, MODEL, check_against_oracle, one_thread, run
+from properties.engine_cases import (
+    CONFIG,
+    MODEL,
+    check_against_oracle,
+    run,
+    single_thread,  # noqa: F401 - an autouse fixture
+)
 from properties.test_engine import PRESSURE
 
 VALUE_CHECKS = (
@@ -46,17 +47,10 @@ class HostRead(AssertionError):
     """A layer read a tensor's value on the host."""
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    with one_thread():
-        yield
-
-
 @contextmanager
 def no_host_reads_in_layers() -> Iterator[list[int]]:
-    """While a ``DecoderLayer`` runs, host reads and value checks raise :class:`HostRead`
-    (until the context exits). Yields a list that gets one entry per layer call, so a test can
-    see the layers ran."""
+    """While a ``DecoderLayer`` runs, host reads and value checks raise :class:`HostRead`; yields
+    a list that gets one entry per layer call."""
     inside = [False]
     calls: list[int] = []
 
@@ -100,73 +94,71 @@ def test_the_layers_read_nothing_on_the_host() -> None:
     assert sum(m.prefix_hit_tokens for m in metrics) > 0
 
 
-WINDOW = 5
+def generate_greedily(
+    model: CausalLM, num_prompts: int, new: int, guard: AbstractContextManager[object],
+    oracle: CausalLM | None = None, **kwargs: object,
+) -> tuple[PagedAttentionEngine, object]:  # fmt: skip
+    """Chunked prompts over a shared prefix, generated under ``guard``: dense decoding's tokens.
+    Returns the engine and what ``guard`` yielded."""
+    prompts = [[*range(40, 52), i, i + 7] for i in range(num_prompts)]
+    engine = PagedAttentionEngine(
+        model, 40, 4, max_num_seqs=num_prompts, max_num_batched_tokens=9,
+        enable_prefix_caching=True, **kwargs,  # type: ignore[arg-type]
+    )  # fmt: skip
+    with guard as entered:
+        outputs = engine.generate(prompts, new)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0] == dense_generate(oracle or model, tuple(prompt), new).tokens
+    return engine, entered
 
 
 def test_the_layers_read_nothing_on_the_host_with_a_window() -> None:
-    """Greedy prompts longer than the window, chunked, with a shared prefix, through a windowed
-    model, under the guard: the tokens equal dense decoding."""
-    model = CausalLM.from_seed(dataclasses.replace(CONFIG, sliding_window=WINDOW), seed=3)
-    prompts = [[*range(40, 52), i, i + 7] for i in range(4)]
-    engine = PagedAttentionEngine(
-        model, 40, 4, max_num_seqs=4, max_num_batched_tokens=9, enable_prefix_caching=True
-    )
-    with no_host_reads_in_layers():
-        outputs = engine.generate(prompts, 8)
-    for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.outputs[0] == dense_generate(model, tuple(prompt), 8).tokens
+    """A windowed model (window 5, prompts longer) under the guard, with prefix hits."""
+    model = CausalLM.from_seed(dataclasses.replace(CONFIG, sliding_window=5), seed=3)
+    engine, _ = generate_greedily(model, 4, 8, no_host_reads_in_layers())
     assert sum(m.prefix_hit_tokens for m in engine.metrics) > 0
 
 
 def test_the_triton_layers_read_nothing_on_the_host() -> None:
-    """The triton backend (the interpreter here; the kernels a GPU compiles), chunked prompts
-    over a shared prefix, under the guard: the dense oracle's tokens."""
-    prompts = [[*range(40, 52), i, i + 7] for i in range(3)]
-    engine = PagedAttentionEngine(
-        MODEL, 40, 4, max_num_seqs=3, max_num_batched_tokens=9, enable_prefix_caching=True,
-        backend="triton",
-    )  # fmt: skip
-    with no_host_reads_in_layers() as calls:
-        outputs = engine.generate(prompts, 4)
+    """The triton backend (the interpreter here; the kernels a GPU compiles) under the guard."""
+    _, calls = generate_greedily(MODEL, 3, 4, no_host_reads_in_layers(), backend="triton")
     assert calls
-    for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.outputs[0] == dense_generate(MODEL, tuple(prompt), 4).tokens
 
 
-def test_the_guard_catches_a_host_read_in_the_attention(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Teeth: an attention that reads the context lengths on the host is caught."""
+def read_context_lens(self: PagedStep, layer: int, query: torch.Tensor) -> None:
+    self.context_lens.tolist()
+
+
+def validate_again(self: PagedStep, layer: int, query: torch.Tensor) -> None:
+    cache = self.cache
+    api.paged_prefill_attention(
+        query, cache.k[layer], cache.v[layer], self.block_tables, self.cu_seqlens_q,
+        self.context_lens, backend="reference",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("planted", "match"), [(read_context_lens, "tolist"),
+                                                (validate_again, "check_")])  # fmt: skip
+def test_the_guard_catches_a_host_read_in_the_layers(
+    planted: Callable[..., None], match: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Teeth: an attention that reads the context lengths on the host, or validates its kernel
+    arguments again (``validate=True``), is caught."""
     attend = PagedStep.attend
 
-    def reading(self: PagedStep, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self.context_lens.tolist()
-        return attend(self, *args, **kwargs)
-
-    monkeypatch.setattr(PagedStep, "attend", reading)
-    with pytest.raises(HostRead, match="tolist"), no_host_reads_in_layers():
-        run(PRESSURE)
-
-
-def test_the_guard_catches_a_value_check_in_the_layers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Teeth: a layer that validates its kernel arguments again (``validate=True``) is caught."""
-    attend = PagedStep.attend
-
-    def validating(self: PagedStep, layer: int, query: torch.Tensor, *args: Any) -> torch.Tensor:
-        cache = self.cache
-        api.paged_prefill_attention(
-            query, cache.k[layer], cache.v[layer], self.block_tables, self.cu_seqlens_q,
-            self.context_lens, backend="reference",
-        )  # fmt: skip
+    def reading(self: PagedStep, layer: int, query: torch.Tensor, *args: Any) -> torch.Tensor:
+        planted(self, layer, query)
         return attend(self, layer, query, *args)
 
-    monkeypatch.setattr(PagedStep, "attend", validating)
-    with pytest.raises(HostRead, match="check_"), no_host_reads_in_layers():
+    monkeypatch.setattr(PagedStep, "attend", reading)
+    with pytest.raises(HostRead, match=match), no_host_reads_in_layers():
         run(PRESSURE)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_no_cuda_synchronization_in_the_layers(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU: the layers run under ``set_sync_debug_mode("error")``, which raises on any
-    synchronizing call, with the engine on CUDA (triton backend)."""
+    synchronizing call, with the engine on CUDA."""
     layer_forward = DecoderLayer.forward
 
     def forward(self: DecoderLayer, *args: Any) -> torch.Tensor:
@@ -177,20 +169,12 @@ def test_no_cuda_synchronization_in_the_layers(monkeypatch: pytest.MonkeyPatch) 
             torch.cuda.set_sync_debug_mode("default")
 
     monkeypatch.setattr(DecoderLayer, "forward", forward)
-    model = CausalLM.from_seed(CONFIG, seed=0).cuda()
-    prompts = [[*range(40, 52), i, i + 7] for i in range(4)]
-    engine = PagedAttentionEngine(
-        model, 40, 4, max_num_seqs=4, max_num_batched_tokens=9, enable_prefix_caching=True
-    )
-    outputs = engine.generate(prompts, 6)
-    cpu = CausalLM.from_seed(CONFIG, seed=0)
-    for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.outputs[0] == dense_generate(cpu, tuple(prompt), 6).tokens
+    generate_greedily(CausalLM.from_seed(CONFIG, seed=0).cuda(), 4, 6, nullcontext(), MODEL)
 
 
 def test_device_tables_upload_only_changed_rows() -> None:
-    """The persistent buffer ends equal to each step's tables, uploading only rows that differ
-    from what it holds (a grown row, a new sequence), and grows for a wider batch."""
+    """The persistent buffer equals each step's tables, uploading only rows that differ from
+    what it holds (a grown row, a new sequence), and grows for a wider batch."""
     tables = DeviceBlockTables(torch.device("cpu"))
     first = torch.tensor([[3, -1], [5, 6]], dtype=torch.int32)
     assert torch.equal(tables.update(first), first) and tables.num_uploaded_rows == 2
@@ -213,9 +197,8 @@ def test_an_engine_uploads_a_decode_step_s_changed_rows_only() -> None:
 
 
 def test_a_checked_step_is_validated_before_anything_changes() -> None:
-    """With ``check_tables`` (the debug mode) bad tables are refused by ``PagedKVCache.step``,
-    naming the argument, before the device buffer changes: tables not on the host, an entry
-    outside the pool, a slot written twice."""
+    """With ``check_tables`` (debug mode) ``PagedKVCache.step`` refuses, by name and before the
+    buffer changes, tables not on the host, an entry outside the pool, a slot written twice."""
     cache = PagedKVCache(CONFIG, 4, 2, check_tables=True)
     good = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32)
     cache.step(good, [3, 1], [3, 1])
@@ -231,9 +214,8 @@ def test_a_checked_step_is_validated_before_anything_changes() -> None:
 
 
 def test_a_step_trusts_the_store_s_tables(monkeypatch: pytest.MonkeyPatch) -> None:
-    """By default a step checks no value of the tables and lengths the store built (a wrong
-    entry passes), maps every slot once, and an engine's run still equals the oracle's; a
-    cache's ``check_tables`` must be a bool."""
+    """By default a step checks no value of the store's tables and lengths (a wrong entry
+    passes), maps every slot once, and a run still equals the oracle; ``check_tables`` is a bool."""
     for name in VALUE_CHECKS:
         if hasattr(paged_kv, name):
             monkeypatch.setattr(paged_kv, name, _refuse)

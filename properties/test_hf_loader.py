@@ -1,15 +1,8 @@
-"""``hf_loader`` runs only what ``CausalLM`` computes exactly, and refuses the rest by name.
-
-Every family the issue names is built locally (tiny config, seeded weights; all of them exist
-in the ``transformers`` this project tests with, so none is skipped unless the installed
-version lacks its class). Each must be refused with a ``ValueError`` naming ``model_type``, and
-again naming a field of its own when its config is relabelled ``llama``: the field check, not
-only the family name, keeps out what ``CausalLM`` does not compute. Single Llama fields that
-change the computation are refused one by one. Accepted families are compared with
-``transformers`` in ``test_engine_hf.py``; here the directory path, the weight checks and the
-command line are checked too. Mistral's sliding window is read into
-``ModelConfig.sliding_window``, and a window ``CausalLM`` cannot take is refused by name, as is
-a window on a Llama config (``transformers``' Llama would ignore it).
+"""``hf_loader`` runs only what ``CausalLM`` computes exactly and refuses the rest by name: every
+family the issue names (built locally) by ``model_type`` and, relabelled ``llama``, by a field of
+its own; single Llama fields that change the computation; windows ``CausalLM`` cannot take.
+Also the directory path, the weight checks and the command line (accepted families are compared
+with ``transformers`` in ``test_engine_hf.py``).
 """
 
 from __future__ import annotations
@@ -49,8 +42,7 @@ def _family(family: str) -> str:
 
 
 def _relabelled(config: Any, **changes: Any) -> SimpleNamespace:
-    """A config whose ``to_dict`` is ``config``'s with ``changes``: what a checkpoint with an
-    edited ``config.json`` would hold."""
+    """A config whose ``to_dict`` is ``config``'s with ``changes`` (an edited ``config.json``)."""
     fields = {**config.to_dict(), **changes}
     return SimpleNamespace(to_dict=lambda: fields)
 
@@ -61,8 +53,7 @@ def test_each_named_family_is_refused_by_name_and_by_field(family: str) -> None:
     model = tiny_hf_model(_family(family), **overrides)
     with pytest.raises(ValueError, match="config field model_type="):
         load_hf(model)
-    # Relabelled llama, it is refused for a field a Llama config does not have; and its
-    # characteristic field alone makes a Llama config refused.
+    # Relabelled llama: refused for a field Llama lacks; its own field alone refuses a Llama.
     own = set(model.config.to_dict()) - set(tiny_hf_model("Llama").config.to_dict())
     with pytest.raises(ValueError, match="config field") as refused:
         config_from_hf(_relabelled(model.config, model_type="llama"))
@@ -73,26 +64,21 @@ def test_each_named_family_is_refused_by_name_and_by_field(family: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("changes", "field"),
+    ("field", "value"),
     [
-        ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"attention_bias": True}, "attention_bias"),
-        ({"mlp_bias": True}, "mlp_bias"),
-        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "rope_parameters"),
-        ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "rope_parameters"),
-        ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quantization_config"),
-        ({"logits_scaling": 4.0}, "logits_scaling"),  # unknown to the loader
-        ({"sliding_window": 4096}, "sliding_window"),
-        ({"model_type": "llama4"}, "model_type"),
+        ("hidden_act", "gelu"), ("attention_bias", True), ("mlp_bias", True),
+        ("rope_parameters", {"rope_type": "llama3", "rope_theta": 1e4}),
+        ("rope_parameters", {"rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+        ("quantization_config", {"quant_method": "bitsandbytes"}),
+        ("logits_scaling", 4.0),  # unknown to the loader
+        ("sliding_window", 4096), ("model_type", "llama4"),
     ],
-)
-def test_every_field_that_changes_the_computation_is_checked(
-    changes: dict[str, Any], field: str
-) -> None:
+)  # fmt: skip
+def test_every_field_that_changes_the_computation_is_checked(field: str, value: object) -> None:
     config = tiny_hf_model("Llama").config
     config_from_hf(_relabelled(config))  # the base passes
     with pytest.raises(ValueError, match=re.escape(f"config field {field}")):
-        config_from_hf(_relabelled(config, **changes))
+        config_from_hf(_relabelled(config, **{field: value}))
 
 
 def test_the_config_is_read_exactly() -> None:
@@ -112,9 +98,8 @@ def test_a_window_causal_lm_cannot_take_is_refused_by_name(window: object) -> No
 
 
 def test_a_window_wider_than_any_context_loads_as_no_window() -> None:
-    """A Mistral ``sliding_window`` of ``2**64`` is a window (the loader keeps it) that hides
-    nothing: the engine serves it as the same model without one (every step used to raise in
-    the kernels' window check)."""
+    """A Mistral ``sliding_window`` of ``2**64`` is kept and hides nothing: the engine serves it
+    as the model without one (every step used to raise in the kernels' window check)."""
     served = []
     for window in (None, 2**64):
         model = load_hf(tiny_hf_model("Mistral", sliding_window=window))
@@ -127,11 +112,10 @@ def test_a_window_wider_than_any_context_loads_as_no_window() -> None:
 def test_a_saved_directory_loads_the_same_weights(tmp_path: Path) -> None:
     model = tiny_hf_model("Llama")
     model.save_pretrained(tmp_path)
-    from_dir, from_object = load_hf(tmp_path), load_hf(model)
-    for (name, a), (_, b) in zip(
-        from_dir.state_dict().items(), from_object.state_dict().items(), strict=True
-    ):
-        assert torch.equal(a, b), name
+    from_dir, from_object = load_hf(tmp_path).state_dict(), load_hf(model).state_dict()
+    assert list(from_dir) == list(from_object)
+    for name, weight in from_dir.items():
+        assert torch.equal(weight, from_object[name]), name
     assert load_tokenizer(tmp_path) is None
 
 
@@ -152,12 +136,11 @@ def test_a_refused_directory_reads_no_weights(
     ("source", "kwargs", "error", "words"),
     [
         ("/nonexistent/model", {}, ValueError, "not a directory"),
-        ("/", {}, ValueError, "holds no config.json"),
-        (42, {}, TypeError, "source"),
+        ("/", {}, ValueError, "holds no config.json"), (42, {}, TypeError, "source"),
         (torch.nn.Linear(2, 2), {}, TypeError, "source"),
         (None, {"dtype": torch.int32}, TypeError, "dtype"),
     ],
-)
+)  # fmt: skip
 def test_bad_sources_are_refused(source: object, kwargs: dict, error: type, words: str) -> None:
     with pytest.raises(error, match=words):
         load_hf(source if source is not None else tiny_hf_model("Llama"), **kwargs)  # type: ignore[arg-type]
@@ -165,9 +148,8 @@ def test_bad_sources_are_refused(source: object, kwargs: dict, error: type, word
 
 def test_weights_must_have_the_models_names_and_shapes() -> None:
     model = tiny_hf_model("Llama")
-    headless = transformers.LlamaModel(model.config)  # no lm_head, no "model." prefix
     with pytest.raises(ValueError, match=r"weight .* is (missing from|unexpected in)"):
-        load_hf(headless)
+        load_hf(transformers.LlamaModel(model.config))  # no lm_head, no "model." prefix
 
 
 def _save_with_tokenizer(directory: Path) -> Any:

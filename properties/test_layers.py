@@ -1,11 +1,6 @@
-"""The package's architecture, checked: layers import one way, no module uses another's private
-names, block management and the scheduler load without torch, and ``pagedkv.kernels`` lives
-beside Hugging Face's top-level ``kernels`` package.
-
-The layer contract reads every module of the package with :mod:`ast`, imports inside functions
-included, so a lazy import cannot slip past it. :func:`test_a_wrong_import_fails_the_contract`
-shows on a copy of the tree that a wrong import really fails it.
-"""
+"""The package's architecture: layers import one way (every import read with :mod:`ast`, lazy
+ones included), no module uses another's private names, block management and the scheduler load
+without torch, and ``pagedkv.kernels`` lives beside Hugging Face's top-level ``kernels``."""
 
 from __future__ import annotations
 
@@ -14,50 +9,28 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
 LAYER_FOLDERS = {  # layer -> the folder of the repository that holds it
-    "root": "pagedkv",
-    "spec": "spec",
-    "impl": "impl",
-    "blocks": "impl/blocks",
-    "serving": "impl/serving",
-    "kernels": "kernels",
-}
+    "root": "pagedkv", "spec": "spec", "impl": "impl", "blocks": "impl/blocks",
+    "serving": "impl/serving", "kernels": "kernels",
+}  # fmt: skip
 MODULE_PREFIXES = {  # import name prefix -> layer; the longest prefix wins
-    "pagedkv": "root",
-    "pagedkv.spec": "spec",
-    "pagedkv.impl": "impl",
-    "pagedkv.impl.blocks": "blocks",
-    "pagedkv.impl.serving": "serving",
+    "pagedkv": "root", "pagedkv.spec": "spec", "pagedkv.impl": "impl",
+    "pagedkv.impl.blocks": "blocks", "pagedkv.impl.serving": "serving",
     "pagedkv.kernels": "kernels",
-}
+}  # fmt: skip
 ALLOWED_LAYERS = {  # the rule: spec <- blocks <- serving, and spec <- kernels <- serving
-    "root": set(),
-    "spec": {"spec"},
-    "impl": set(),
-    "blocks": {"spec", "blocks"},
-    "kernels": {"spec", "kernels"},
-    "serving": {"spec", "blocks", "kernels", "serving"},
-}
+    "root": set(), "spec": {"spec"}, "impl": set(), "blocks": {"spec", "blocks"},
+    "kernels": {"spec", "kernels"}, "serving": {"spec", "blocks", "kernels", "serving"},
+}  # fmt: skip
 ALLOWED_THIRD_PARTY = {  # besides the standard library
-    "root": set(),
-    "spec": set(),
-    "impl": set(),
-    "blocks": {"numpy"},
+    "root": set(), "spec": set(), "impl": set(), "blocks": {"numpy"},
     "kernels": {"numpy", "torch", "triton", "numba", "llvmlite"},  # llvmlite: numba's, for prefetch
     "serving": {"numpy", "torch", "tqdm", "transformers"},
-}
-
-
-@dataclass(frozen=True)
-class Violation:
-    path: str
-    line: int
-    what: str
+}  # fmt: skip
 
 
 def layer_of_module(name: str) -> str | None:
@@ -67,10 +40,8 @@ def layer_of_module(name: str) -> str | None:
 
 
 def imported_names(tree: ast.AST) -> list[tuple[int, str]]:
-    """Every absolute module an import statement names, with its line (relative: ``"."``).
-
-    ``from pagedkv import kernels`` names ``pagedkv.kernels``: a package's submodule.
-    """
+    """Every absolute module an import names, with its line (relative: ``"."``); ``from
+    pagedkv import kernels`` names ``pagedkv.kernels``."""
     names: list[tuple[int, str]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -86,8 +57,7 @@ def imported_names(tree: ast.AST) -> list[tuple[int, str]]:
 
 
 def defined_private_names(tree: ast.AST) -> set[str]:
-    """Underscore names a module defines itself: functions, classes, class fields, attributes
-    assigned on any object, module-level names."""
+    """Underscore names a module defines: functions, classes, assigned names and attributes."""
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -100,9 +70,8 @@ def defined_private_names(tree: ast.AST) -> set[str]:
 
 
 def private_uses(tree: ast.AST) -> list[tuple[int, str]]:
-    """Private names a module takes from elsewhere: ``from m import _x``, and ``obj._x`` where
-    the module does not define ``_x`` itself (dunders excepted). ``self._x`` counts too: a
-    private member inherited from a class in another module is that module's business."""
+    """Private names taken from elsewhere: ``from m import _x``, and ``obj._x`` (``self._x``
+    too: an inherited private is its module's business) that the module does not define."""
     own = defined_private_names(tree)
     uses: list[tuple[int, str]] = []
     for node in ast.walk(tree):
@@ -131,13 +100,12 @@ TORCH_PRIVATE_USES = {  # (path, use): why the package reaches into torch's priv
         "the tensor's in-place version counter, which tells that the prepacked copy is stale"
     ),
 }
-"""The only private names of another package the package uses, each with its reason. Every
-other private use is a violation, and each entry here must still be used."""
+# The only private names of another package the package uses; every other use is a violation.
 
 
-def check_tree(root: Path) -> list[Violation]:
-    """Every way the package under ``root`` breaks the layer contract or the private-name rule."""
-    violations: list[Violation] = []
+def check_tree(root: Path) -> list[tuple[str, str]]:
+    """(path, what) of every break of the layer contract or the private-name rule under root."""
+    violations: list[tuple[str, str]] = []
     stdlib = set(sys.stdlib_module_names)
     for layer, folder in LAYER_FOLDERS.items():
         directory = root / folder
@@ -148,13 +116,13 @@ def check_tree(root: Path) -> list[Violation]:
                 target = layer_of_module(name) if name != "." else None
                 top = name.split(".")[0]
                 if name == ".":
-                    violations.append(Violation(where, line, "relative import"))
+                    violations.append((f"{where}:{line}", "relative import"))
                 elif target is not None and target not in ALLOWED_LAYERS[layer]:
-                    violations.append(Violation(where, line, f"{layer} imports {name}"))
+                    violations.append((f"{where}:{line}", f"{layer} imports {name}"))
                 elif target is None and top not in stdlib | ALLOWED_THIRD_PARTY[layer]:
-                    violations.append(Violation(where, line, f"{layer} imports {top}"))
+                    violations.append((f"{where}:{line}", f"{layer} imports {top}"))
             violations.extend(
-                Violation(where, line, f"uses private {use}")
+                (f"{where}:{line}", f"uses private {use}")
                 for line, use in private_uses(tree)
                 if (where, use) not in TORCH_PRIVATE_USES
             )
@@ -183,9 +151,8 @@ def test_every_package_module_is_in_a_checked_layer() -> None:
 
 
 def test_a_wrong_import_fails_the_contract(tmp_path: Path) -> None:
-    """On a copy of the tree: block management importing torch, the serving layer, a private
-    name of the manager or one its base class defines, and the spec importing numpy, are each
-    reported."""
+    """On a copy of the tree: blocks importing torch or serving, a private of the manager or of
+    its base class, and the spec importing numpy, are each reported."""
     for folder in ("pagedkv", "spec", "impl", "kernels"):
         shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__py*"))
     (tmp_path / "impl" / "blocks" / "wrong.py").write_text(
@@ -208,7 +175,7 @@ def test_a_wrong_import_fails_the_contract(tmp_path: Path) -> None:
         )
     )
     (tmp_path / "spec" / "wrong.py").write_text("import numpy\n")
-    found = {(v.path, v.what) for v in check_tree(tmp_path)}
+    found = {(where.split(":")[0], what) for where, what in check_tree(tmp_path)}
     assert found == {
         ("impl/blocks/wrong.py", "blocks imports torch"),
         ("impl/blocks/wrong.py", "blocks imports pagedkv.impl.serving.engine"),
@@ -220,13 +187,9 @@ def test_a_wrong_import_fails_the_contract(tmp_path: Path) -> None:
 
 def run_python(source: str, cwd: Path) -> str:
     """Run ``source`` in a fresh interpreter outside the repository root; return its stdout."""
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(source)],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    code = textwrap.dedent(source)
+    result = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -281,8 +244,8 @@ def test_pagedkv_kernels_coexists_with_hugging_face_kernels(tmp_path: Path) -> N
 
 
 def test_short_names_refuse_to_import(tmp_path: Path) -> None:
-    """With the repository root on ``sys.path`` the folders are importable by their short
-    names; each refuses, so no module is ever loaded under two names in one process."""
+    """With the repository root on ``sys.path`` the short names refuse, so no module is loaded
+    under two names in one process."""
     out = run_python(
         f"""
         import sys

@@ -1,5 +1,4 @@
-"""The model's :class:`~pagedkv.impl.serving.model.Linear`: the product of ``nn.Linear`` whether
-it runs on oneDNN's prepacked copy of the weight or falls back, and never a stale copy."""
+"""``model.Linear``: ``nn.Linear``'s product on oneDNN's prepacked weight or not, never stale."""
 
 from __future__ import annotations
 
@@ -21,24 +20,29 @@ def linear(rows: int, inputs: int, outputs: int, seed: int) -> tuple[Linear, tor
     return layer, torch.randn(rows, inputs, generator=generator)
 
 
+def exact(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` in fp64, rounded to fp32."""
+    return torch.nn.functional.linear(x.double(), weight.double()).float()
+
+
 @settings(max_examples=30, deadline=None)
 @given(
     rows=st.integers(1, 80), inputs=st.integers(1, 96), outputs=st.integers(1, 96),
     seed=st.integers(0, 2**32 - 1),
 )  # fmt: skip
 def test_the_product_is_the_linear_one(rows: int, inputs: int, outputs: int, seed: int) -> None:
-    """Any number of rows (the copy is packed for ``PACK_ROWS``), any shape: ``x @ weight.T`` up
-    to fp32 rounding order, also through a leading batch dimension."""
+    """Any rows (the copy is packed for ``PACK_ROWS``), any shape: ``x @ weight.T`` up to fp32
+    rounding order, also through a leading batch dimension."""
     layer, x = linear(rows, inputs, outputs, seed)
     with torch.no_grad():
-        expected = torch.nn.functional.linear(x.double(), layer.weight.double()).float()
+        expected = exact(x, layer.weight)
         torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(layer(x[None])[0], expected, rtol=1e-4, atol=1e-5)
 
 
 def test_a_changed_weight_is_packed_again() -> None:
-    """An in-place change (``copy_``, as the loaders write weights), a replaced ``.data`` and a
-    replaced parameter each show in the next product."""
+    """An in-place ``copy_`` (as loaders write weights), a replaced ``.data`` and a replaced
+    parameter each show in the next product."""
     layer, x = linear(32, 48, 40, 0)
     with torch.no_grad():
         layer(x)  # packs
@@ -50,13 +54,12 @@ def test_a_changed_weight_is_packed_again() -> None:
                 layer.weight.data = new
             else:
                 layer.weight = torch.nn.Parameter(new)
-            expected = torch.nn.functional.linear(x.double(), new.double()).float()
-            torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(layer(x), exact(x, new), rtol=1e-4, atol=1e-4)
 
 
 def test_gradients_and_other_dtypes_take_the_plain_product() -> None:
-    """With gradients wanted the result is the plain ``nn.Linear`` one, and backward works; a
-    bf16 weight is multiplied by ``torch.nn.functional.linear`` too."""
+    """With gradients wanted, and for a bf16 weight, the product is exactly the plain
+    ``torch.nn.functional.linear`` one; backward works."""
     layer, x = linear(8, 16, 12, 1)
     x.requires_grad_(True)
     out = layer(x)
@@ -72,9 +75,8 @@ def test_gradients_and_other_dtypes_take_the_plain_product() -> None:
 
 
 def test_onednn_is_what_runs_on_this_cpu() -> None:
-    """Where torch has oneDNN (every x86 and arm64 wheel), fp32 products go through the packed
-    copy: a change to the weight that its version counter does not see (through ``.data``,
-    which autograd does not track either) is not in the next product."""
+    """With oneDNN (every x86 and arm64 wheel) fp32 products use the packed copy: a change the
+    version counter does not see (through ``.data``) is not in the next product."""
     if not model.ONEDNN_LINEAR:
         pytest.skip("this torch has no oneDNN")
     layer, x = linear(32, 24, 20, 2)
@@ -87,13 +89,11 @@ def test_onednn_is_what_runs_on_this_cpu() -> None:
 
 
 def test_a_layer_built_under_inference_mode_multiplies() -> None:
-    """A layer made and called under ``torch.inference_mode`` (whose tensors have no version
-    counter) gives the plain product, and a replaced parameter still shows."""
+    """Made and called under ``torch.inference_mode`` (tensors without a version counter): the
+    plain product, and a replaced parameter still shows."""
     with torch.inference_mode():
         layer, x = linear(32, 24, 20, 3)
-        expected = torch.nn.functional.linear(x.double(), layer.weight.double()).float()
-        torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(layer(x), exact(x, layer.weight), rtol=1e-4, atol=1e-5)
         new = torch.randn(20, 24)
         layer.weight = torch.nn.Parameter(new, requires_grad=False)
-        expected = torch.nn.functional.linear(x.double(), new.double()).float()
-        torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(layer(x), exact(x, new), rtol=1e-4, atol=1e-5)

@@ -1,26 +1,10 @@
-"""The continuous-batching policy (``pagedkv.impl.serving.scheduler``) on its own: no model, no
-tensors.
-
-A driver plays a drawn workload on a ``Scheduler`` over a real ``BlockTableStore`` (plain or
-prefix-caching manager), with a fake sampler that emits end-of-sequence tokens now and then. An
-independent model of the running order (admission order) and of the waiting queue checks every
-step:
-
-* limits: at most ``max_num_batched_tokens`` tokens and ``max_num_seqs`` sequences (every sample
-  of an unforked request counted); every scheduled table holds its tokens;
-* preemption: only right after a growth that failed, and always the most recently admitted
-  running sequences, newest first, back to the front of the waiting queue; no admission in a
-  step that preempted (the victims would not fit); scheduled running sequences are the oldest
-  ones, in order;
-* admission: first come, first served, leaving ``watermark_blocks`` free unless nothing else ran;
-* progress: every step with work schedules a token, every request finishes with a complete
-  output (``max_new_tokens`` tokens, or ending at its first EOS), and then every block is free;
-* a request that can never fit is rejected with a clear error and changes nothing;
-* the KV metrics agree with a per-block recount;
-* sliding window: after every ``schedule()`` each running sequence's table has released
-  exactly the blocks outside the window of its next query (``blocks_outside_window`` of its
-  ``num_computed``: prefix hits before the first computed token's window included), and a
-  decoding one holds at most ``blocks_needed(window - 1, block_size) + 2`` blocks.
+"""The continuous-batching ``Scheduler`` alone (no model), over a real ``BlockTableStore`` and a
+fake sampler that emits EOS now and then, checked every step against a model of the running
+order and the waiting queue: the token and sequence limits; preemption only after a failed
+growth, newest admitted first, back to the queue front, with no admission in that step;
+first-come-first-served admission that keeps ``watermark_blocks`` free; progress and complete
+outputs, then every block free; the KV metrics against a recount; and, with a sliding window,
+exactly ``blocks_outside_window`` released and at most ``blocks_needed(window - 1) + 2`` held.
 """
 
 from __future__ import annotations
@@ -50,27 +34,18 @@ EOS = 0
 
 
 class SpyStore(BlockTableStore):
-    """A store that logs removals and preemptions, to check when preemption happens.
-
-    Before each ``grow_or_preempt`` it tries the same growth on a copy of itself: if all of it
-    fits at once, preempting anyone would be needless (``grow_or_preempt`` itself is checked
-    against the spec in ``test_store_preemption``).
-    """
+    """Logs each preemption's victim and whether the whole growth would have fit at once on a
+    copy (then preempting was needless)."""
 
     def __init__(self, *args: object) -> None:
         super().__init__(*args)
-        self.log: list[tuple[str, int, bool]] = []
+        self.log: list[tuple[int, bool]] = []
 
     def grow_or_preempt(self, seqs, new_tokens=1):  # type: ignore[no-untyped-def]
-        trial = copy.deepcopy(self)
-        fits = not BlockTableStore.grow(trial, seqs, new_tokens, atomic=True)
+        fits = not BlockTableStore.grow(copy.deepcopy(self), seqs, new_tokens, atomic=True)
         victims = super().grow_or_preempt(seqs, new_tokens)
-        self.log.extend(("preempt", seq_id, fits) for seq_id in victims)
+        self.log.extend((seq_id, fits) for seq_id in victims)
         return victims
-
-    def remove(self, seqs):  # type: ignore[no-untyped-def]
-        super().remove(seqs)
-        self.log.extend(("remove", seq_id, True) for seq_id in seqs)
 
 
 @dataclass(frozen=True)
@@ -107,33 +82,16 @@ def cases(draw: st.DrawFn) -> Case:
         sliding_window=draw(st.none() | st.integers(1, 12)),
     )
     system = draw(st.lists(st.integers(1, 3), min_size=0, max_size=20))
-    requests = sorted(
-        draw(
-            st.lists(
-                st.builds(
-                    Req,
-                    prompt=st.lists(st.integers(1, 3), min_size=1, max_size=12).map(
-                        lambda suffix: (*system, *suffix)
-                    ),
-                    max_new_tokens=st.integers(1, 12),
-                    n=st.integers(1, config.max_num_seqs),
-                    arrival=st.integers(0, 12),
-                    eos=st.booleans(),
-                ),
-                min_size=1,
-                max_size=8,
-            )
-        ),
-        key=lambda r: r.arrival,
-    )
+    suffixes = st.lists(st.integers(1, 3), min_size=1, max_size=12)
+    request = st.builds(
+        Req, prompt=suffixes.map(lambda suffix: (*system, *suffix)),
+        max_new_tokens=st.integers(1, 12), n=st.integers(1, config.max_num_seqs),
+        arrival=st.integers(0, 12), eos=st.booleans(),
+    )  # fmt: skip
+    requests = sorted(draw(st.lists(request, min_size=1, max_size=8)), key=lambda r: r.arrival)
     largest = max(blocks_needed(len(r.prompt) + r.max_new_tokens - 1, block_size) for r in requests)
-    return Case(
-        block_size=block_size,
-        total_blocks=largest + draw(st.integers(0, largest)),
-        config=config,
-        prefix_caching=draw(st.booleans()),
-        requests=tuple(requests),
-    )
+    total_blocks = largest + draw(st.integers(0, largest))
+    return Case(block_size, total_blocks, config, draw(st.booleans()), tuple(requests))
 
 
 def fake_token(request_id: int, sample: int, position: int) -> int:
@@ -155,23 +113,17 @@ def recount_occupancy(store: BlockTableStore) -> tuple[int, int]:
 
 
 def check_step(
-    case: Case,
-    scheduler: Scheduler,
-    out: SchedulerOutput,
-    running_before: list[int],
-    waiting_before: list[int],
-    log_start: int,
-) -> list[int]:
+    case: Case, scheduler: Scheduler, out: SchedulerOutput, running_before: list[int],
+    waiting_before: list[int], log_start: int,
+) -> list[int]:  # fmt: skip
     """Check one ``schedule()`` against the model; return the model's new running order."""
-    store = scheduler.store
+    store, config, bs = scheduler.store, case.config, case.block_size
     assert isinstance(store, SpyStore)
-    config = case.config
     # Preemption: the most recently admitted first, each right after a failed growth.
     victims = [seq.seq_id for seq in out.preempted]
     assert victims == running_before[::-1][: len(victims)]
-    log = store.log[log_start:]
-    assert [seq_id for kind, seq_id, _ in log if kind == "preempt"] == victims
-    assert not any(fits for kind, _, fits in log if kind == "preempt"), "a needless preemption"
+    assert [seq_id for seq_id, _ in store.log[log_start:]] == victims
+    assert not any(fits for _, fits in store.log[log_start:]), "a needless preemption"
     for victim in out.preempted:
         assert victim.status is SeqStatus.WAITING and victim.num_computed == 0
         assert victim.seq_id not in store
@@ -184,10 +136,9 @@ def check_step(
     assert out.seq_ids.tolist() == batch
     assert batch[: len(batch) - len(admitted)] == kept[: len(batch) - len(admitted)]
     assert batch[len(batch) - len(admitted) :] == admitted
-    assert admitted == (victims[::-1] + waiting_before)[: len(admitted)]
-    assert [seq.seq_id for seq in scheduler.waiting] == (victims[::-1] + waiting_before)[
-        len(admitted) :
-    ]
+    queue = victims[::-1] + waiting_before
+    assert admitted == queue[: len(admitted)]
+    assert [seq.seq_id for seq in scheduler.waiting] == queue[len(admitted) :]
     # Limits, and every scheduled table holds its tokens.
     assert out.num_batched_tokens <= config.max_num_batched_tokens
     assert scheduler.num_running_seqs <= config.max_num_seqs
@@ -201,48 +152,35 @@ def check_step(
     if running_before or waiting_before:
         assert out.seqs, "a step with work scheduled nothing"
     assert kv_occupancy(store) == recount_occupancy(store)
-    check_window(case, scheduler)
-    window = case.config.sliding_window
-    for item in out.items():
-        if (
-            window
-            and item.cached_tokens
-            and blocks_outside_window(item.start, window, case.block_size)
-        ):
-            event("window: prefix hits before the first computed token's window")
-    return kept + admitted
-
-
-def check_window(case: Case, scheduler: Scheduler) -> None:
-    """Every running table released exactly what its next query no longer reads; decoding
-    ones hold the window's blocks, one for the token being written, and no more."""
-    window, bs = case.config.sliding_window, case.block_size
-    store = scheduler.store
-    assert isinstance(store, BlockTableStore)
+    # Window: running tables released exactly what their next query no longer reads; decoding
+    # ones hold at most the window's blocks and one for the token being written.
+    window = config.sliding_window
     for seq in scheduler.running:
         table = store.table(seq.seq_id)
         released = sum(block is None for block in table)
-        held = len(table) - released
         if window is None:
             assert released == 0
             continue
         assert released == blocks_outside_window(seq.num_computed, window, bs)
         assert store.tables[store.row(seq.seq_id), :released].tolist() == [-1] * released
         if seq.num_pending == 1:  # decoding: the table holds one token past num_computed
-            assert held <= blocks_needed(window - 1, bs) + 2, (held, window, bs)
+            assert len(table) - released <= blocks_needed(window - 1, bs) + 2, (window, bs)
         event("window: released blocks" if released else "window: nothing released")
+    for item in out.items():
+        if window and item.cached_tokens and blocks_outside_window(item.start, window, bs):
+            event("window: prefix hits before the first computed token's window")
+    return kept + admitted
 
 
-def play(case: Case) -> dict[int, list[list[int]]]:
-    """Drive the scheduler through the case; return each request's outputs by sample."""
+def play(case: Case) -> None:
+    """Drive the scheduler through the case, checking every step and every finished output."""
     scheduler = case.scheduler()
     store = scheduler.store
     assert isinstance(store, SpyStore)
     pending = list(enumerate(case.requests))
     running: list[int] = []  # the model: seq ids in admission order
-    samples: dict[int, dict[int, list[int]]] = {}
-    step = 0
-    preempted = 0
+    samples: dict[int, set[int]] = {}  # request id -> the finished samples' indices
+    step = preempted = 0
     while pending or scheduler.has_unfinished():
         while pending and pending[0][1].arrival <= step:
             request_id, req = pending.pop(0)
@@ -250,9 +188,8 @@ def play(case: Case) -> dict[int, list[list[int]]]:
                 request_id, list(req.prompt), req.max_new_tokens, n=req.n,
                 eos_token_id=EOS if req.eos else None,
             )  # fmt: skip
-            samples[request_id] = {}
-        waiting_before = [seq.seq_id for seq in scheduler.waiting]
-        log_start = len(store.log)
+            samples[request_id] = set()
+        waiting_before, log_start = [seq.seq_id for seq in scheduler.waiting], len(store.log)
         out = scheduler.schedule()
         running = check_step(case, scheduler, out, running, waiting_before, log_start)
         store.pop_copy_pairs()  # an engine's copies: their waiting sources are free again
@@ -269,65 +206,48 @@ def play(case: Case) -> dict[int, list[list[int]]]:
             if seq.seq_id in running:
                 running.remove(seq.seq_id)
             assert seq.seq_id not in store, "a finished sequence kept its blocks"
-            samples[seq.request_id][seq.sample_index] = seq.output
+            req, output = case.requests[seq.request_id], seq.output
+            stops = [i for i, token in enumerate(output) if req.eos and token == EOS]
+            assert stops == [len(output) - 1] if stops else len(output) == req.max_new_tokens
+            assert seq.sample_index not in samples[seq.request_id]
+            samples[seq.request_id].add(seq.sample_index)
         assert running == [seq.seq_id for seq in scheduler.running]
         assert len(store) == len(running)
         step += 1
         assert step < 10_000, "no progress"
     event(f"preempted: {'yes' if preempted else 'no'}")
-    manager = store.manager
-    assert manager.num_free_blocks == manager.total_blocks
-    assert not manager.ref_counts().any()
-    return {request_id: [by_index[i] for i in sorted(by_index)] for request_id, by_index in
-            samples.items()}  # fmt: skip
+    assert samples == {i: set(range(req.n)) for i, req in enumerate(case.requests)}, "lost"
+    assert store.manager.num_free_blocks == store.manager.total_blocks
+    assert not store.manager.ref_counts().any()
+
+
+def req(prompt: tuple[int, ...], max_new_tokens: int, arrival: int) -> Req:
+    return Req(prompt, max_new_tokens, n=1, arrival=arrival, eos=False)
 
 
 # Found by Hypothesis: with prefix caching, a victim's own freed blocks are hits, so without the
 # no-admission-after-preemption rule it was readmitted in the step that preempted it.
 READMITTED_VICTIM = Case(
-    block_size=1,
-    total_blocks=6,
+    block_size=1, total_blocks=6, prefix_caching=True,
     config=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=3, watermark_blocks=0),
-    prefix_caching=True,
-    requests=(
-        Req(prompt=(1,), max_new_tokens=1, n=1, arrival=0, eos=False),
-        Req(prompt=(1, 1), max_new_tokens=5, n=1, arrival=0, eos=False),
-        Req(prompt=(1, 1), max_new_tokens=2, n=1, arrival=1, eos=False),
-    ),
-)
+    requests=(req((1,), 1, 0), req((1, 1), 5, 0), req((1, 1), 2, 1)),
+)  # fmt: skip
 
 
 @given(cases())
 @example(READMITTED_VICTIM)
 def test_scheduler_runs_every_request_within_its_limits(case: Case) -> None:
-    outputs = play(case)
-    assert sorted(outputs) == list(range(len(case.requests))), "a request was lost"
-    for request_id, req in enumerate(case.requests):
-        assert len(outputs[request_id]) == req.n
-        for output in outputs[request_id]:
-            stops = [i for i, token in enumerate(output) if req.eos and token == EOS]
-            if stops:
-                assert stops == [len(output) - 1], "generated past EOS"
-            else:
-                assert len(output) == req.max_new_tokens
+    play(case)
 
 
 @given(
-    block_size=st.integers(1, 8),
-    total_blocks=st.integers(1, 8),
-    max_num_seqs=st.integers(1, 4),
-    prompt_len=st.integers(1, 40),
-    max_new_tokens=st.integers(1, 40),
-    n=st.integers(1, 6),
-)
+    block_size=st.integers(1, 8), total_blocks=st.integers(1, 8), max_num_seqs=st.integers(1, 4),
+    prompt_len=st.integers(1, 40), max_new_tokens=st.integers(1, 40), n=st.integers(1, 6),
+)  # fmt: skip
 def test_a_request_that_can_never_fit_is_rejected_clearly(
-    block_size: int,
-    total_blocks: int,
-    max_num_seqs: int,
-    prompt_len: int,
-    max_new_tokens: int,
-    n: int,
-) -> None:
+    block_size: int, total_blocks: int, max_num_seqs: int, prompt_len: int,
+    max_new_tokens: int, n: int,
+) -> None:  # fmt: skip
     store = BlockTableStore(BlockManager(total_blocks, block_size), max_num_seqs, total_blocks)
     scheduler = Scheduler(store, SchedulerConfig(max_num_seqs=max_num_seqs))
     needed = blocks_needed(prompt_len + max_new_tokens - 1, block_size)
@@ -355,8 +275,8 @@ def test_bad_requests_raise_value_error() -> None:
 
 
 def test_preempts_the_most_recently_admitted() -> None:
-    """Two sequences of 2 tokens in a pool of 2 blocks of 2: when the older one needs a third
-    slot, the younger one goes back to the front of the queue and later resumes."""
+    """Two 2-token sequences in 2 blocks of 2: when the older needs a third slot, the younger
+    goes back to the queue front and later resumes, recomputing its prompt and first token."""
     store = BlockTableStore(BlockManager(2, 2), 2, 2)
     scheduler = Scheduler(store, SchedulerConfig(max_num_seqs=2))
     old = scheduler.add_request(0, [1, 2], 2)
@@ -364,25 +284,14 @@ def test_preempts_the_most_recently_admitted() -> None:
     out = scheduler.schedule()
     assert out.admitted == [old, young]
     scheduler.update(out, [5, 6])
-    out = scheduler.schedule()  # old needs a block for token 5: young is preempted
+    out = scheduler.schedule()
     assert out.preempted == [young] and out.seqs == [old]
     assert list(scheduler.waiting) == [young] and young.tokens == [3, 4, 6]
-    _, finished = scheduler.update(out, [7])
-    assert finished == [old] and old.output == [5, 7]
-    out = scheduler.schedule()  # young is recomputed: its prompt and its first token
+    assert scheduler.update(out, [7])[1] == [old] and old.output == [5, 7]
+    out = scheduler.schedule()
     assert out.admitted == [young] and out.num_tokens.tolist() == [3]
-    _, finished = scheduler.update(out, np.array([8]))
-    assert finished == [young] and young.output == [6, 8]
+    assert scheduler.update(out, np.array([8]))[1] == [young] and young.output == [6, 8]
     assert store.manager.num_free_blocks == 2
-
-
-def test_kv_occupancy_counts_shared_blocks_once() -> None:
-    store = BlockTableStore(BlockManager(8, 4), 4, 8)
-    store.add(0, 6)  # blocks [0, 1]: 4 + 2 slots filled
-    store.fork(0, 1)  # shares both
-    store.grow([1], 1)  # copy-on-write of block 1 into block 2, now 3 filled
-    assert kv_occupancy(store) == (4 + 2 + 3, 3) == recount_occupancy(store)
-    assert np.count_nonzero(store.manager.ref_counts()) == 3
 
 
 def test_update_checks_the_sampled_tokens_before_changing_anything() -> None:
@@ -399,23 +308,22 @@ def test_update_checks_the_sampled_tokens_before_changing_anything() -> None:
     assert seq.tokens == [1, 2, 3, 4] and store.table(seq.seq_id) == store.table(forked[0].seq_id)
 
 
+def small_scheduler() -> Scheduler:
+    return Case(1, 8, SchedulerConfig(2, 8, 0), False, ()).scheduler()
+
+
 @pytest.mark.parametrize(
     ("bad", "error"),
     [
-        ([5, -7], ValueError),
-        ([5, True], TypeError),
-        ([5, 1.0], TypeError),
-        ("x", TypeError),
-        (np.array([5.0, 6.0]), TypeError),
-        (np.array([[5, 6]]), TypeError),
+        ([5, -7], ValueError), ([5, True], TypeError), ([5, 1.0], TypeError), ("x", TypeError),
+        (np.array([5.0, 6.0]), TypeError), (np.array([[5, 6]]), TypeError),
         (np.array([5, -6]), ValueError),
         ([5, 2**63], ValueError),  # past int64, the step arrays' type
         (np.array([5, 2**64 - 1], dtype=np.uint64), ValueError),  # not -1 (no EOS) in int64
     ],
-)
+)  # fmt: skip
 def test_update_refuses_bad_sampled_tokens_and_changes_nothing(bad: object, error: type) -> None:
-    case = Case(1, 8, SchedulerConfig(2, 8, 0), False, ())
-    scheduler = case.scheduler()
+    scheduler = small_scheduler()
     first = scheduler.add_request(0, [1, 2], max_new_tokens=3)
     second = scheduler.add_request(1, [3, 4], max_new_tokens=3)
     out = scheduler.schedule()
@@ -428,26 +336,33 @@ def test_update_refuses_bad_sampled_tokens_and_changes_nothing(bad: object, erro
 
 
 def test_a_request_keeps_plain_ints_and_refuses_an_eos_past_int64() -> None:
-    """The prompt is kept as the plain ints ``check_tokens`` returns (an int subclass is taken
-    as its value at the door), and an EOS id past int64 is refused, changing nothing."""
+    """An int-subclass prompt and EOS are kept as plain ints; an EOS past int64 is refused,
+    changing nothing."""
 
     class Token(int):
         pass
 
-    scheduler = Case(1, 8, SchedulerConfig(2, 8, 0), False, ()).scheduler()
+    scheduler = small_scheduler()
     seq = scheduler.add_request(0, [Token(1), Token(2)], max_new_tokens=3, eos_token_id=Token(9))
     assert [type(t) for t in seq.tokens] == [int, int] and type(seq.eos_token_id) is int
     with pytest.raises(ValueError, match="eos_token_id"):
         scheduler.add_request(1, [1, 2], max_new_tokens=3, eos_token_id=2**63)
     assert [s.request_id for s in scheduler.waiting] == [0]
-    out = scheduler.schedule()
-    assert out.seq_ids.dtype == np.int64
+    assert scheduler.schedule().seq_ids.dtype == np.int64
+
+
+def test_kv_occupancy_counts_shared_blocks_once() -> None:
+    store = BlockTableStore(BlockManager(8, 4), 4, 8)
+    store.add(0, 6)  # blocks [0, 1]: 4 + 2 slots filled
+    store.fork(0, 1)  # shares both
+    store.grow([1], 1)  # copy-on-write of block 1 into block 2, now 3 filled
+    assert kv_occupancy(store) == (4 + 2 + 3, 3) == recount_occupancy(store)
+    assert np.count_nonzero(store.manager.ref_counts()) == 3
 
 
 def test_occupancy_leaves_out_a_block_waiting_for_its_copy() -> None:
-    """A growth that copies a shared block on write and then preempts its last other holder:
-    until the pairs are taken that block waits for its copy, held by no table, so it is not a
-    used block (CI's search found ``kv_occupancy`` counting it)."""
+    """A growth that copies a shared block on write, then preempts its last other holder: that
+    block waits for its copy, held by no table, so it is not used (CI found it counted)."""
     store = BlockTableStore(BlockManager(5, 4), 4, 4)
     store.add(0, 5)  # blocks 0, 1; block 1 holds one token
     store.fork(0, 1)

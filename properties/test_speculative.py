@@ -1,20 +1,15 @@
 """Greedy speculative decoding through the engine gives exactly plain greedy decoding.
 
-Each step, every sequence whose step samples computes up to ``k`` draft tokens from a draft
-source in the same pass (a query chunk of ``1 + k`` tokens through ``paged_prefill_attention``),
-keeps the drafts greedy decoding agrees with plus the greedy token after them, and gives the
-rejected drafts' slots back with ``BlockTableStore.truncate``. The draft sources here are the
-dense oracle (always right), the oracle shifted by one token id (always wrong), the oracle's
-first ``r`` tokens then wrong ones (partly right), and a fixed guess. For each, the outputs and
-their logits equal the dense oracle's, every block is free at the end, and the number of
-drafts kept is what the source implies: the leading drafts of each call that equal the
-sequence's real continuation, counted from the calls the source recorded, so a run in which
-speculation silently did nothing fails.
+Draft sources: the dense oracle (always right), the oracle shifted by one token id (always
+wrong), the oracle's first ``r`` tokens then wrong ones, and a fixed guess. For each, outputs and
+logits equal the dense oracle's, every block is freed, and the drafts kept are exactly the
+leading drafts of each recorded call that equal the real continuation (so speculation silently
+doing nothing fails).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -31,7 +26,7 @@ from pagedkv.impl.serving.engine import PagedAttentionEngine
 from pagedkv.impl.serving.paged_kv import PagedStep
 from pagedkv.impl.serving.speculative import accepted_drafts
 from pagedkv.spec.block_manager import blocks_needed
-from properties.engine_cases import (
+from properties.engine_cases import (  # single_thread: an autouse fixture
     CONFIG,
     MODEL,
     Request,
@@ -40,19 +35,13 @@ from properties.engine_cases import (
     check_against_oracle,
     check_all_freed,
     greedy_oracle,
-    one_thread,
     run,
+    single_thread,  # noqa: F401
     workloads,
 )
 from properties.mutants import load_mutant
 
 VOCAB = CONFIG.vocab_size
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    with one_thread():
-        yield
 
 
 @lru_cache(maxsize=4096)
@@ -98,13 +87,9 @@ class Recorder:
         return drafts
 
     def expected_accepted(self, result: Run, eos_token_id: int | None) -> int:
-        """The drafts each call should have had kept: its leading drafts that equal the
-        sequence's real continuation, none of them end-of-sequence. The continuation is read
-        off the finished samples whose prompt and output so far are the call's tokens (greedy
-        continuations of one token list agree; the longest is taken)."""
-        samples = [
-            (tuple(out.prompt), tuple(sample)) for out in result.outputs for sample in out.outputs
-        ]
+        """The drafts the calls should have had kept: leading drafts equal to the real
+        continuation (the longest finished sample extending the call's tokens), none EOS."""
+        samples = [(tuple(out.prompt), tuple(s)) for out in result.outputs for s in out.outputs]
         kept = 0
         for tokens, drafts in self.calls:
             real = max(
@@ -121,18 +106,17 @@ class Recorder:
 
 
 def ample(workload: Workload) -> Workload:
-    """The workload with a pool that holds every sequence at its longest at once: no sequence
-    is preempted, and every draft finds its blocks."""
+    """The workload in a pool that holds every sequence at its longest at once (no preemption)."""
     total = sum(
         r.n * blocks_needed(len(r.prompt) + r.max_new_tokens - 1, workload.block_size)
         for r in workload.requests
     )
-    return Workload(**{**workload.__dict__, "total_blocks": max(total, workload.total_blocks)})
+    return workload.but(total_blocks=max(total, workload.total_blocks))
 
 
-def speculate(workload: Workload, source: Recorder, k: int) -> Run:
+def speculate(workload: Workload, source: Recorder, k: int, **kwargs: object) -> Run:
     """Run the workload speculatively; its outputs and logits must be the dense oracle's."""
-    result = run(workload, draft_source=source, num_speculative_tokens=k)
+    result = run(workload, draft_source=source, num_speculative_tokens=k, **kwargs)
     check_against_oracle(workload, result)
     check_all_freed(result.engine)
     return result
@@ -146,11 +130,7 @@ def fixed_workload(block_size: int, prefix_caching: bool, eos: int | None = None
         Request(prompt, max_new_tokens=9 + i, n=1 + (i == 1), temperature=0.0, arrival=i % 2)
         for i, prompt in enumerate(PROMPTS)
     )
-    workload = Workload(
-        requests, block_size, total_blocks=1, max_num_seqs=6, max_num_batched_tokens=64,
-        watermark_blocks=0, prefix_caching=prefix_caching, eos_token_id=eos,
-    )  # fmt: skip
-    return ample(workload)
+    return ample(Workload(requests, block_size, 1, 6, 64, 0, prefix_caching, eos))
 
 
 @pytest.mark.parametrize("source", SOURCES, ids=lambda s: s.__name__)
@@ -159,12 +139,6 @@ def test_speculative_decoding_is_greedy_decoding(
     source: Callable[[list[int], int], list[int]], block_size: int, prefix_caching: bool, k: int
 ) -> None:
     """Every source gives the greedy tokens; the drafts kept are the ones the source got right."""
-    check_source(source, block_size, prefix_caching, k)
-
-
-def check_source(
-    source: Callable[[list[int], int], list[int]], block_size: int, prefix_caching: bool, k: int
-) -> None:
     workload = fixed_workload(block_size, prefix_caching)
     recorder = Recorder(source)
     result = speculate(workload, recorder, k)
@@ -189,10 +163,7 @@ def test_a_right_source_takes_one_step_per_k_plus_one_tokens() -> None:
         done = len(tokens) - len(prompt)
         return list(greedy[done : done + k])
 
-    workload = Workload(
-        (Request(prompt, 10, 1, 0.0, 0),), block_size=4, total_blocks=8, max_num_seqs=1,
-        max_num_batched_tokens=64, watermark_blocks=0, prefix_caching=False, eos_token_id=None,
-    )  # fmt: skip
+    workload = Workload((Request(prompt, 10, 1, 0.0, 0),), 4, 8, 1, 64, prefix_caching=False)
     recorder = Recorder(right)
     result = speculate(workload, recorder, 3)
     assert [len(drafts) for _, drafts in recorder.calls] == [3, 3, 1]
@@ -203,10 +174,6 @@ def test_a_right_source_takes_one_step_per_k_plus_one_tokens() -> None:
 def test_an_end_of_sequence_draft_ends_the_output() -> None:
     """A draft equal to the EOS token is never kept: it comes as the bonus token and ends the
     sequence, exactly where greedy decoding stops."""
-    check_end_of_sequence()
-
-
-def check_end_of_sequence() -> None:
     prompt = PROMPTS[0]
     eos = greedy_oracle(prompt, 9).tokens[2]  # among the first step's drafts: g0, g1, then EOS
     workload = fixed_workload(4, True, eos)
@@ -246,15 +213,10 @@ def test_tight_pools(workload: Workload, k: int) -> None:
 def test_triton_kernels_verify_the_drafts() -> None:
     """The Triton kernels (the interpreter on CPU) run the verify pass, with a fork and
     preemptions: the greedy tokens, and the drafts the source got right."""
-    workload = Workload(
-        (Request((5, 6, 7, 8, 9), 6, 2, 0.0, 0), Request((5, 6, 7, 8, 1, 2), 6, 1, 0.0, 0)),
-        block_size=2, total_blocks=7, max_num_seqs=3, max_num_batched_tokens=16,
-        watermark_blocks=0, prefix_caching=True, eos_token_id=None,
-    )  # fmt: skip
-    recorder = Recorder(partly_right(1))
-    result = run(workload, backend="triton", draft_source=recorder, num_speculative_tokens=3)
-    check_against_oracle(workload, result)
-    check_all_freed(result.engine)
+    requests = (Request((5, 6, 7, 8, 9), 6, 2, 0.0, 0), Request((5, 6, 7, 8, 1, 2), 6, 1, 0.0, 0))
+    workload = Workload(requests, block_size=2, total_blocks=7, max_num_seqs=3,
+                        max_num_batched_tokens=16)  # fmt: skip
+    result = speculate(workload, Recorder(partly_right(1)), 3, backend="triton")
     assert sum(m.preemptions for m in result.engine.metrics) > 0
     assert 0 < result.engine.num_accepted_tokens < result.engine.num_draft_tokens
 
@@ -288,22 +250,31 @@ def test_bad_speculation_settings_are_refused(kwargs: dict, error: type) -> None
     [({1, 2}, TypeError), ([1, 2, 3], ValueError), ([VOCAB], ValueError), ([1.0], TypeError)],
 )
 def test_a_bad_draft_fails_the_step_and_loses_nothing(drafts: object, error: type) -> None:
-    """A draft source that returns something other than up to ``k`` token ids fails the step
-    before the drafts change anything; with a good source the same engine then finishes with
-    the greedy tokens."""
+    """A source returning anything but up to ``k`` token ids fails the step before the drafts
+    change anything; with a good source the same engine then finishes with the greedy tokens."""
     behaviour = {"bad": True}
 
     def source(tokens: list[int], k: int) -> object:
         return drafts if behaviour["bad"] else oracle(tokens, k)
 
-    workload = fixed_workload(4, True)
-    engine = workload.engine(draft_source=source, num_speculative_tokens=2)
-    for request in workload.requests:
-        engine.add_request(list(request.prompt), request.max_new_tokens, n=request.n)
+    workload, engine = queued(4, source, 2)
     with pytest.raises(error):
         engine.step()
     behaviour["bad"] = False
-    outputs = []
+    finish(workload, engine, [])
+
+
+def queued(block_size: int, source: object, k: int) -> tuple[Workload, PagedAttentionEngine]:
+    """The fixed workload's requests, all added to a speculative engine."""
+    workload = fixed_workload(block_size, True)
+    engine = workload.engine(draft_source=source, num_speculative_tokens=k)
+    for request in workload.requests:
+        engine.add_request(list(request.prompt), request.max_new_tokens, n=request.n)
+    return workload, engine
+
+
+def finish(workload: Workload, engine: PagedAttentionEngine, outputs: list) -> None:
+    """Step the engine to the end: the greedy tokens, and every block freed."""
     while engine.has_unfinished_requests():
         outputs += engine.step().finished
     outputs.sort(key=lambda out: out.request_id)
@@ -312,19 +283,12 @@ def test_a_bad_draft_fails_the_step_and_loses_nothing(drafts: object, error: typ
 
 
 @pytest.mark.parametrize("where", ["model", "truncate", "update"])
-def test_a_failed_speculative_step_loses_nothing(where: str) -> None:
-    """A fault in the verify pass, in the rollback or in the scheduler's update: the step
-    raises, its drafts are undone (tables and tokens as before them), and the engine then
-    finishes with the greedy tokens and frees every block."""
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        check_fault(where, monkeypatch)
-
-
-def check_fault(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    workload = fixed_workload(3, True)
-    engine = workload.engine(draft_source=oracle, num_speculative_tokens=3)
-    for request in workload.requests:
-        engine.add_request(list(request.prompt), request.max_new_tokens, n=request.n)
+def test_a_failed_speculative_step_loses_nothing(
+    where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault in the verify pass, the rollback or the scheduler's update: the step raises, its
+    drafts are undone (tables and tokens as before), and the engine then finishes greedily."""
+    workload, engine = queued(3, oracle, 3)
     target, name = {
         "model": (engine.model, "forward"),
         "truncate": (engine.store, "truncate"),
@@ -349,72 +313,49 @@ def check_fault(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
     running = engine.scheduler.running
     assert [seq.tokens for seq in running] == tokens  # the drafts left the tokens,
     assert engine.store.token_counts_of(None) == [len(t) for t in tokens]  # and the tables
-    while engine.has_unfinished_requests():
-        outputs += engine.step().finished
-    outputs.sort(key=lambda out: out.request_id)
-    check_against_oracle(workload, Run(engine, outputs))
-    check_all_freed(engine)
+    finish(workload, engine, outputs)
 
 
 # Planted bugs in a copy of the engine; each fails one of the checks above.
+VERIFY = "PagedAttentionEngine._verify"
+KEPT = "kept = accepted_drafts(guess, greedy, seq.eos_token_id)"
 ENGINE_BUGS = {
-    "every draft is kept": (
-        "PagedAttentionEngine._verify",
-        "kept = accepted_drafts(guess, greedy, seq.eos_token_id)",
-        "kept = len(guess)",
-    ),
+    "every draft is kept": (VERIFY, KEPT, "kept = len(guess)"),
     "an end-of-sequence draft is kept": (
-        "PagedAttentionEngine._verify",
-        "kept = accepted_drafts(guess, greedy, seq.eos_token_id)",
-        "kept = accepted_drafts(guess, greedy, None)",
-    ),
+        VERIFY, KEPT, "kept = accepted_drafts(guess, greedy, None)"),
     "the bonus token is the first draft's greedy token": (
-        "PagedAttentionEngine._verify",
-        "sampled.append(greedy[kept])",
-        "sampled.append(greedy[0])",
-    ),
-}
-# Planted bugs in a copy of pagedkv.impl.serving.speculative or of the scheduler (the draft
-# calls it makes for speculation), which the engine then calls.
+        VERIFY, "sampled.append(greedy[kept])", "sampled.append(greedy[0])"),
+}  # fmt: skip
+# Planted bugs in a copy of pagedkv.impl.serving.speculative or of the scheduler's draft calls.
 SPECULATIVE_BUGS = {
     "speculation silently off": (
-        speculative_module,
-        "draft",
-        "if guess:\n    drafts[seq.seq_id] = guess\n    budget -= len(guess)",
-        "pass",
-    ),
+        speculative_module, "draft",
+        "if guess:\n    drafts[seq.seq_id] = guess\n    budget -= len(guess)", "pass"),
     "the rejected drafts keep their slots": (
-        scheduler_module,
-        "Scheduler.keep_drafts",
+        scheduler_module, "Scheduler.keep_drafts",
         "cast(DraftStore, self.store).truncate(list(kept), [end for _, end in kept.values()])",
-        "pass",
-    ),
+        "pass"),
     "a failed step keeps its drafts' slots": (
-        scheduler_module,
-        "Scheduler.undo_drafts",
+        scheduler_module, "Scheduler.undo_drafts",
         "cast(DraftStore, self.store).undo_growth(list(before), [e for _, e in before.values()])",
-        "pass",
-    ),
-}
+        "pass"),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("bug", sorted(ENGINE_BUGS) + sorted(SPECULATIVE_BUGS))
-def test_planted_engine_bug_is_caught(bug: str) -> None:
+def test_planted_engine_bug_is_caught(bug: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The checks above fail on an engine with the bug: an assertion, or the engine raising."""
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        if bug in ENGINE_BUGS:
-            shared = ("RequestOutput", "StepOutput")
-            mutant = load_mutant(engine_module, *ENGINE_BUGS[bug], shared)
-            monkeypatch.setattr(engine_cases, "PagedAttentionEngine", mutant.PagedAttentionEngine)
-        elif SPECULATIVE_BUGS[bug][0] is speculative_module:
-            mutant = load_mutant(*SPECULATIVE_BUGS[bug])
-            monkeypatch.setattr(engine_module, "speculative", mutant)
-        else:
-            mutant = load_mutant(*SPECULATIVE_BUGS[bug], ("RequestTooLargeError",))
-            monkeypatch.setattr(engine_module, "Scheduler", mutant.Scheduler)
-        with pytest.raises(Exception):  # noqa: B017 - either kind of failure is a catch
-            for source in SOURCES:
-                check_source(source, 4, True, 3)
-            check_end_of_sequence()
-            for where in ("model", "update"):
-                check_fault(where, monkeypatch)
+    if bug in ENGINE_BUGS:
+        mutant = load_mutant(engine_module, *ENGINE_BUGS[bug], ("RequestOutput", "StepOutput"))
+        monkeypatch.setattr(engine_cases, "PagedAttentionEngine", mutant.PagedAttentionEngine)
+    elif SPECULATIVE_BUGS[bug][0] is speculative_module:
+        monkeypatch.setattr(engine_module, "speculative", load_mutant(*SPECULATIVE_BUGS[bug]))
+    else:
+        mutant = load_mutant(*SPECULATIVE_BUGS[bug], ("RequestTooLargeError",))
+        monkeypatch.setattr(engine_module, "Scheduler", mutant.Scheduler)
+    with pytest.raises(Exception):  # noqa: B017 - either kind of failure is a catch
+        for source in SOURCES:
+            test_speculative_decoding_is_greedy_decoding(source, 4, True, 3)
+        test_an_end_of_sequence_draft_ends_the_output()
+        for where in ("model", "update"):
+            test_a_failed_speculative_step_loses_nothing(where, monkeypatch)

@@ -1,17 +1,8 @@
-"""One verdict at the door: each public entry point takes a value that every layer below it
-takes too, or refuses it itself with a typed error naming the argument, changing nothing.
-
-Each entry point is fed a type zoo (subclasses of int, str and bytes, numpy scalars, bools,
-huge ints, NaN and signed zeros) in each of its arguments:
-
-* the engine's ``add_request`` and ``generate``: an accepted value must run to completion
-  (no layer below refuses it later) with exactly the output of the plain value it equals
-  (design.md, "Input rules": a subclass is taken as its base value); a refused one raises
-  ``TypeError`` or ``ValueError`` naming the argument and queues nothing;
-* the spec's and impl's block managers and the store: the same verdict and the same result
-  from spec and impl, and the store agreeing with the managers;
-* the Hugging Face loader's ``sliding_window``: a window the loader accepts is one the engine
-  serves.
+"""One verdict at the door: each public entry point takes a value every layer below it takes,
+or refuses it itself with a typed error naming the argument, changing nothing. Fed a type zoo
+(int/str/bytes subclasses, numpy scalars, bools, huge ints, NaN, signed zeros): the engine's
+``add_request``/``generate`` serve an accepted value as its plain value (design.md, "Input
+rules"); spec and impl managers and the store agree; a window the HF loader takes is served.
 """
 
 from __future__ import annotations
@@ -28,20 +19,27 @@ import pytest
 
 from pagedkv.impl.blocks import BlockManager as ImplManager
 from pagedkv.impl.blocks import BlockTableStore
+from pagedkv.impl.serving import engine as engine_module
+from pagedkv.impl.serving import paged_kv as paged_kv_module
 from pagedkv.impl.serving.engine import PagedAttentionEngine
+from pagedkv.impl.serving.hf_loader import config_from_hf
 from pagedkv.impl.serving.model import CausalLM
 from pagedkv.spec.block_manager import BlockManager as SpecManager
 from pagedkv.spec.checks import OutOfBlocksError
-from properties.engine_cases import CONFIG, MODEL, one_thread
+from properties.engine_cases import (
+    CONFIG,
+    MODEL,
+    single_thread,  # noqa: F401 - an autouse fixture
+)
+from properties.hf_cases import tiny_hf_model
+from properties.mutants import load_mutant
 
-
-class Int(int):
-    pass
+Int, Str, Bytes = type("Int", (int,), {}), type("Str", (str,), {}), type("Bytes", (bytes,), {})
 
 
 class LyingInt(int):
-    """An int subclass whose arithmetic is off by one: a layer that computes with the argument
-    instead of the plain value its check returned goes wrong."""
+    """Off-by-one arithmetic: a layer computing with the argument, not its checked plain value,
+    goes wrong."""
 
     def __add__(self, other: object) -> int:
         return int(self) + int(other) + 1  # type: ignore[call-overload]
@@ -55,33 +53,13 @@ class LyingInt(int):
         return int(other) - int(self) - 1  # type: ignore[call-overload]
 
 
-class Str(str):
-    pass
-
-
-class Bytes(bytes):
-    pass
-
-
 ZOO: dict[str, object] = {
-    "int subclass": Int(3),
-    "int subclass with its own arithmetic": LyingInt(3),
-    "None": None,
-    "bool": True,
-    "numpy int64": np.int64(3),
-    "numpy bool": np.bool_(True),
-    "float": 3.0,
-    "numpy float64": np.float64(3.0),
-    "2**31": 2**31,
-    "2**63": 2**63,
-    "2**64": 2**64,
-    "str subclass": Str("t"),
-    "numpy str": np.str_("t"),
-    "bytes subclass": Bytes(b"t"),
-    "NaN": math.nan,
-    "0.0": 0.0,
-    "-0.0": -0.0,
-}
+    "int subclass": Int(3), "int subclass with its own arithmetic": LyingInt(3), "None": None,
+    "bool": True, "numpy int64": np.int64(3), "numpy bool": np.bool_(True), "float": 3.0,
+    "numpy float64": np.float64(3.0), "2**31": 2**31, "2**63": 2**63, "2**64": 2**64,
+    "str subclass": Str("t"), "numpy str": np.str_("t"), "bytes subclass": Bytes(b"t"),
+    "NaN": math.nan, "0.0": 0.0, "-0.0": -0.0,
+}  # fmt: skip
 
 
 def plain(value: object) -> object:
@@ -92,9 +70,8 @@ def plain(value: object) -> object:
     return value
 
 
+# design.md §6's error classes (subclasses such as ``RequestTooLargeError`` count as their base).
 ERRORS = (OutOfBlocksError, TypeError, IndexError, ValueError)
-"""design.md §6's error classes (``ValueError``'s subclasses, such as ``CapacityError`` and
-``RequestTooLargeError``, count as ``ValueError``)."""
 
 
 def verdict(call: Callable[[], Any]) -> tuple[str, Any]:
@@ -109,21 +86,15 @@ def verdict(call: Callable[[], Any]) -> tuple[str, Any]:
 # ----------------------------------------------------------------- the engine
 
 REQUEST = {
-    "prompt": [5, 7, 9],
-    "max_new_tokens": 2,
-    "n": 1,
-    "temperature": 0.0,
-    "eos_token_id": None,
-    "seed": None,
-    "cache_salt": None,
-}
+    "prompt": [5, 7, 9], "max_new_tokens": 2, "n": 1, "temperature": 0.0, "eos_token_id": None,
+    "seed": None, "cache_salt": None,
+}  # fmt: skip
 NAMES = {"prompt": "token", "max_new_tokens": "max_new_tokens", "n": "n"}  # what an error names
 
 
 def engine() -> PagedAttentionEngine:
-    return PagedAttentionEngine(
-        MODEL, 16, 4, max_num_seqs=4, max_model_len=64, enable_prefix_caching=True
-    )
+    return PagedAttentionEngine(MODEL, 16, 4, max_num_seqs=4, max_model_len=64,
+                                enable_prefix_caching=True)  # fmt: skip
 
 
 def served(kwargs: dict[str, Any]) -> tuple[str, Any]:
@@ -138,9 +109,8 @@ def served(kwargs: dict[str, Any]) -> tuple[str, Any]:
         assert eng.add_request([1], 1) == 0, "a refused request took an id"
         return outcome
     outputs = []
-    with one_thread():
-        while eng.has_unfinished_requests():
-            outputs += eng.step().finished  # a layer below refusing it raises here
+    while eng.has_unfinished_requests():
+        outputs += eng.step().finished  # a layer below refusing it raises here
     return "ok", [out.outputs for out in outputs]
 
 
@@ -165,8 +135,7 @@ def test_generate_verdicts_agree_with_add_request(argument: str) -> None:
     for label, value in ZOO.items():
         kwargs = {"max_new_tokens": 2, argument: value}
         eng = engine()
-        with one_thread():
-            got = verdict(lambda eng=eng, kwargs=kwargs: eng.generate([[5, 7, 9]], **kwargs))
+        got = verdict(lambda eng=eng, kwargs=kwargs: eng.generate([[5, 7, 9]], **kwargs))
         expected = served({**REQUEST, **kwargs})
         assert got[0] == expected[0], f"{argument}={label}: generate {got} vs {expected}"
         if got[0] == "ok":
@@ -176,7 +145,6 @@ def test_generate_verdicts_agree_with_add_request(argument: str) -> None:
 
 
 # ----------------------------------------------------------------- managers and the store
-
 
 MANAGER_CALLS: dict[str, Callable[[Any, list[int], object], Any]] = {
     "allocate": lambda manager, table, value: manager.allocate(value),
@@ -210,23 +178,16 @@ def test_allocate_array_takes_what_allocate_takes() -> None:
 
 def test_request_outputs_hold_the_checked_prompt() -> None:
     """``RequestOutput.prompt`` is the prompt as plain ints, not the caller's token objects."""
-    eng = engine()
-    tokens = [Int(5), LyingInt(7), 9]
-    with one_thread():
-        (out,) = eng.generate([tokens], 2)
+    (out,) = engine().generate([[Int(5), LyingInt(7), 9]], 2)
     assert out.prompt == [5, 7, 9] and all(type(token) is int for token in out.prompt)
 
 
 STORE_CALLS: dict[str, tuple[Callable[[Any, object], Any], Callable[[Any, Any, object], Any]]] = {
-    "window": (
-        lambda store, value: store.release_outside_window([0], value),
-        lambda spec, table, value: spec.release_outside_window(table, 8, value),
-    ),
-    "truncate": (
-        lambda store, value: store.truncate([0], value),
-        lambda spec, table, value: spec.truncate(table, value),
-    ),
-}
+    "window": (lambda store, value: store.release_outside_window([0], value),
+               lambda spec, table, value: spec.release_outside_window(table, 8, value)),
+    "truncate": (lambda store, value: store.truncate([0], value),
+                 lambda spec, table, value: spec.truncate(table, value)),
+}  # fmt: skip
 
 
 def test_the_store_agrees_with_the_managers() -> None:
@@ -248,8 +209,8 @@ def test_the_store_agrees_with_the_managers() -> None:
 
 
 def test_a_window_the_loader_takes_is_one_the_engine_serves() -> None:
-    """A ``sliding_window`` the loader accepts is served by the engine (every layer below
-    takes it: the store, the scheduler, the kernels), with the output of its plain value."""
+    """A ``sliding_window`` the loader accepts is served by every layer below (store, scheduler,
+    kernels) with the output of its plain value."""
     for label, value in ZOO.items():
         got = verdict(lambda value=value: loaded_window(value))
         if got[0] != "ok":
@@ -260,9 +221,6 @@ def test_a_window_the_loader_takes_is_one_the_engine_serves() -> None:
 
 
 def loaded_window(value: object) -> object:
-    from pagedkv.impl.serving.hf_loader import config_from_hf
-    from properties.hf_cases import tiny_hf_model
-
     fields = {**tiny_hf_model("Mistral", sliding_window=None).config.to_dict()}
     fields["sliding_window"] = value
     return config_from_hf(SimpleNamespace(to_dict=lambda: fields)).sliding_window
@@ -271,24 +229,17 @@ def loaded_window(value: object) -> object:
 def windowed_output(window: object) -> list[list[int]]:
     model = CausalLM.from_seed(dataclasses.replace(CONFIG, sliding_window=window), seed=0)
     eng = PagedAttentionEngine(model, 16, 2, max_num_seqs=2, max_model_len=32)
-    with one_thread():
-        return eng.generate([[5, 7, 9, 11]], 3)[0].outputs
+    return eng.generate([[5, 7, 9, 11]], 3)[0].outputs
 
 
 def test_an_unchecked_window_in_the_kernels_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Teeth: a K/V cache that passes the model's window to the kernels as it is (the old
-    code) fails a step on the window ``2**64`` that the loader accepts."""
-    import pagedkv.impl.serving.engine as engine_module
-    import pagedkv.impl.serving.paged_kv as paged_kv_module
-    from properties.mutants import load_mutant
-
+    """Teeth: a K/V cache passing the model's window to the kernels unchecked (the old code)
+    fails a step on the window ``2**64`` that the loader accepts."""
     mutant = load_mutant(
-        paged_kv_module,
-        "PagedKVCache.__init__",
-        "self.window = int32_window(config.sliding_window)",
-        "self.window = config.sliding_window",
+        paged_kv_module, "PagedKVCache.__init__",
+        "self.window = int32_window(config.sliding_window)", "self.window = config.sliding_window",
         ("PagedStep",),
-    )
+    )  # fmt: skip
     monkeypatch.setattr(engine_module, "PagedKVCache", mutant.PagedKVCache)
     with pytest.raises(ValueError, match="window"):
         test_a_window_the_loader_takes_is_one_the_engine_serves()
