@@ -1,33 +1,17 @@
 """Nothing is lost under faults: an exception from any call a step makes, or from two of them,
 leaves the engine (and the scheduler over its store) able to continue correctly.
 
-The fault model: an injected call raises :class:`InjectedFault` *before* it runs (every store
-call, kernel call, model call, draw and draft source call is atomic: it validates, then changes
-state), and the step that made it raises. Up to two calls fail in one step: the second, when it
-comes right after the first, hits the undo of what the first one failed if that undo crosses a
-boundary (the store's undo calls, ``undo_fork`` and ``undo_growth``, check nothing and take no
-block, so they cannot fail and are not injected). After every step, faulted or not, the
-machines check that no request is lost or duplicated, no block leaks, every running sequence's
-table holds its tokens and reads them back (so no copy-on-write pair was dropped and no draft
-stayed), and (the engine) no sequence holds a token greedy decoding would not produce. At the
-end they run every request to completion without faults (the engine must drain: no wedge) and
-compare the outputs with a reference that never saw a fault, and every block is free.
-
-* :class:`SchedulerFaultMachine` (fast): the scheduler over a real store, a plain or prefix
-  cache, with a simulated K/V cache (each slot remembers the token written there) and a
-  deterministic "model" (a token is a hash of the tokens before it and the sample index);
-  ``n`` up to 4. Faults hit the store's methods and the simulated copy-on-write, K/V write
-  and draw.
-* :class:`EngineFaultMachine`: ``PagedAttentionEngine`` with the tiny seeded model, greedy,
-  ``n`` up to 4, speculative (a partly right draft source, ``k`` up to 3) or not, compared
-  with the dense oracle. Faults hit the kernels, every store call, the scheduler, the model,
-  the sampler and the draft source.
-
-Faults are drawn call by call (:func:`drawn_faults`). :func:`sweep` makes, over a fixed run,
-every single fault and every pair of a fault and the call right after it, in each of its
-first steps. Planted bugs (a lost copy-on-write pair, a lost request, a leaked block) are each
-caught by the machines, and the old undo paths (checked store calls a second fault can fail)
-by the sweeps. The ``long`` hunt runs the machines far longer.
+The fault model (docs/design.md §10): an injected call raises :class:`InjectedFault` before it
+runs (every store, kernel, model, draw and draft source call is atomic) and its step raises; a
+second fault right after the first hits the undo of what the first failed, where that undo
+crosses a boundary (``undo_fork`` and ``undo_growth`` check nothing, take no block, cannot fail
+and are not injected). After every step the machines check that no request is lost or
+duplicated, no block leaks, every running table holds its tokens and reads them back (no pair
+dropped, no draft kept) and (the engine) every token is greedy decoding's; at the end they drain
+without faults (no wedge), compare with a fault-free run and find every block free.
+:class:`SchedulerFaultMachine` (fast) simulates the K/V cache and the model;
+:class:`EngineFaultMachine` injects at every traced seam (``properties/seams.py``). :func:`sweep`
+makes every single fault and every fault with the next call over a fixed run.
 """
 
 from __future__ import annotations
@@ -51,18 +35,14 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-import pagedkv.impl.blocks.growth
-import pagedkv.impl.blocks.manager
-import pagedkv.impl.blocks.pool
-import pagedkv.impl.blocks.prefix_cache
-import pagedkv.impl.blocks.store
-import pagedkv.impl.serving.engine
-import pagedkv.impl.serving.scheduler
-import pagedkv.impl.serving.speculative
-import pagedkv.kernels
-from pagedkv.impl.blocks import BlockTableStore
+from pagedkv import kernels
+from pagedkv.impl.blocks import BlockTableStore, growth, manager, pool, prefix_cache
+from pagedkv.impl.blocks import store as blocks_store
+from pagedkv.impl.serving import engine as serving_engine
+from pagedkv.impl.serving import scheduler as serving_scheduler
+from pagedkv.impl.serving import speculative
 from pagedkv.impl.serving.dense import dense_generate
-from pagedkv.impl.serving.metrics import step_metrics
+from pagedkv.impl.serving.engine import PagedAttentionEngine
 from pagedkv.impl.serving.model import CausalLM, ModelConfig
 from pagedkv.impl.serving.scheduler import Scheduler, SchedulerConfig, SeqStatus
 from pagedkv.spec.block_manager import translate_slot
@@ -71,6 +51,8 @@ from properties.mutants import CONTROL_SEARCHES, FIND, load_copy, load_mutant
 from properties.seams import installed, listed_seams
 
 VOCAB = 8
+Decide = Callable[[str, bool], bool]
+"""Whether a call fails, given its name and whether no fault fired yet in the step."""
 
 
 class InjectedFault(RuntimeError):
@@ -78,32 +60,23 @@ class InjectedFault(RuntimeError):
 
 
 class FaultInjector:
-    """Counts calls to the functions it wraps and makes up to two of them a step raise before
-    they run. Each call of an armed step asks ``decide(name, first)`` whether it fails
-    (``first``: no fault fired yet in the step): a machine draws the answer, so Hypothesis
-    places the faults at any boundary, and a second fault right after a first one hits the
-    undo of what the first one failed (if that undo crosses a boundary)."""
+    """Counts the calls of the functions it wraps; in an armed step, up to two of them raise
+    before they run, where ``decide`` says (a machine draws it: faults at any boundary)."""
 
     MAX_FAULTS = 2
 
-    def __init__(self, observe: Callable[[str], None] | None = None) -> None:
-        self.calls = 0
-        self.decide: Callable[[str, bool], bool] | None = None
+    def __init__(self, observe: Callable[[str], None]) -> None:
+        self.calls, self.observe = 0, observe  # observe: told of each call before it is made
         self.fired: list[str] = []
-        self.observe = observe  # told of every call before it is made
+        self.decide: Decide | None = None
 
     def wrap(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(function)
         def faulty(*args: Any, **kwargs: Any) -> Any:
             self.calls += 1
-            if self.observe is not None:
-                self.observe(name)
+            self.observe(name)
             decide = self.decide
-            if (
-                decide is not None
-                and len(self.fired) < self.MAX_FAULTS
-                and decide(name, not self.fired)
-            ):
+            if decide and len(self.fired) < self.MAX_FAULTS and decide(name, not self.fired):
                 self.fired.append(name)
                 raise InjectedFault(f"injected into call {self.calls}: {name}")
             return function(*args, **kwargs)
@@ -111,7 +84,7 @@ class FaultInjector:
         return faulty
 
     @contextmanager
-    def armed(self, decide: Callable[[str, bool], bool] | None) -> Iterator[None]:
+    def armed(self, decide: Decide | None) -> Iterator[None]:
         """Let ``decide`` fail the calls made in the block (None: none fails)."""
         self.calls, self.fired, self.decide = 0, [], decide
         try:
@@ -120,10 +93,9 @@ class FaultInjector:
             self.decide = None
 
 
-def drawn_faults(data: st.DataObject) -> Callable[[str, bool], bool]:
-    """Faults drawn call by call: a step's first fault at each call with chance about
-    ``1 / rate``, the rate drawn once a step (a high one reaches the step's late calls), and
-    a second one at each later call with chance about one half."""
+def drawn_faults(data: st.DataObject) -> Decide:
+    """A step's first fault at each call with chance about ``1 / rate`` (the rate drawn once a
+    step: a high one reaches late calls), a second at each later call with chance one half."""
     rate = data.draw(st.sampled_from([4, 16, 64]), label="one call in")
 
     def decide(name: str, first: bool) -> bool:
@@ -134,54 +106,137 @@ def drawn_faults(data: st.DataObject) -> Callable[[str, bool], bool]:
     return decide
 
 
+@contextmanager
+def failing_calls(target: Any, name: str, calls: tuple[int, ...]) -> Iterator[list[bool]]:
+    """Make ``target.name`` raise :class:`InjectedFault` at its ``calls``-th calls (from 1) in
+    the block; yields an entry per call made, True where it raised."""
+    original = getattr(target, name)
+    made: list[bool] = []
+
+    def faulty(*args: Any, **kwargs: Any) -> Any:
+        made.append(len(made) + 1 in calls)
+        if made[-1]:
+            raise InjectedFault(f"{name} call {len(made)}")
+        return original(*args, **kwargs)
+
+    setattr(target, name, faulty)
+    try:
+        yield made
+    finally:
+        setattr(target, name, original)
+
+
+def drain(engine: Any) -> list[Any]:
+    """Step ``engine`` until idle, through injected faults; return the outputs in id order."""
+    outputs = []
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        with suppress(InjectedFault):
+            outputs += engine.step().finished
+    assert not engine.has_unfinished_requests(), "the engine is wedged"
+    return sorted(outputs, key=lambda out: out.request_id)
+
+
 HUNT_STATS: collections.Counter[tuple[str, str]] = collections.Counter()
-"""Per machine class: ``steps`` run, ``chains`` (steps whose copy found a copy-on-write source
-that every table had let go of: waiting for its copy under the rule, handed out again without
-it) and ``faults`` injected."""
+"""Per machine class: ``steps`` run, ``faults`` injected and ``chains``: steps whose copy found a
+source every table had let go of (waiting for its copy, or without the rule handed out again)."""
 
 
-class Counted:
-    """A fault machine's step counts in :data:`HUNT_STATS`."""
+def started(**strategies: st.SearchStrategy[Any]) -> Callable[..., None]:
+    """A machine's ``initialize`` rule: draws ``strategies`` and passes them to ``set_up``."""
 
+    @initialize(**strategies)
+    def start(self: Any, **setup: Any) -> None:
+        self.set_up(**setup)
+
+    return start
+
+
+def forking_requests(vocab: int, most: int) -> Callable[..., None]:
+    """A rule adding up to ``most`` requests that fork, then grow: their samples copy the
+    prompt's partly filled last block on write."""
+
+    @precondition(lambda self: len(self.requests) < most)
+    @rule(prompt=st.lists(st.integers(0, vocab - 1), min_size=1, max_size=7),
+          max_new=st.integers(3, 6), n=st.integers(2, 4))  # fmt: skip
+    def add_forking_request(self: Any, prompt: list[int], max_new: int, n: int) -> None:
+        self.add_request(prompt, max_new, n)
+
+    return add_forking_request
+
+
+class FaultMachine(RuleBasedStateMachine):
+    """What the fault machines share: steps with drawn faults, their counts, the block
+    accounting after each, and the fault-free drain at the end."""
+
+    VOCAB: ClassVar[int]
+    injector: FaultInjector
+    store: Any
+    scheduler: Any
+    unfinished: Callable[[], bool]  # whether a step is still to run
+    requests: dict[int, Any]
+    add_request: Callable[..., None]
+    run_step: Callable[[], None]
+    check_outputs: Callable[[], None]  # after the drain: the outputs are a fault-free run's
+    total_blocks: int
+    block_size: int
     chained = False
+
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        """One step, with up to two faults drawn call by call."""
+        self.faulty_step(drawn_faults(data))
+
+    def faulty_step(self, decide: Decide | None) -> None:
+        with self.injector.armed(decide), suppress(InjectedFault):
+            self.run_step()
+        name = type(self).__name__
+        HUNT_STATS[name, "steps"] += 1
+        HUNT_STATS[name, "chains"] += self.chained
+        HUNT_STATS[name, "faults"] += len(self.injector.fired)
+        self.chained = False
 
     def observe(self, name: str) -> None:
         """Before each wrapped call: at the step's copy, does a pair's source wait for it, or
         (without the rule) does a pair write a block an earlier pair reads?"""
         if name.endswith("pending_copy_pairs"):
-            manager = self.engine_store().manager
+            manager = self.store.manager
             read: set[int] = set()
             for src, dst in manager.pending_copy_pairs():
                 read.add(src)
                 self.chained |= dst in read
             self.chained |= bool(manager.waiting_for_copy)
 
-    def engine_store(self) -> Any:
-        raise NotImplementedError
+    @invariant()
+    def nothing_lost(self) -> None:
+        store = self.store
+        running = [seq.seq_id for seq in self.scheduler.running]
+        assert running == list(store.seq_ids), "the running list is the store's live order"
+        held = {b for seq_id in store.seq_ids for b in store.table(seq_id) if b is not None}
+        waiting = len(store.manager.waiting_for_copy)  # sources of pairs a fault left pending
+        assert store.num_free_blocks + len(held) + waiting == self.total_blocks, "a block leaked"
 
-    def count_step(self, injector: FaultInjector) -> None:
-        name = type(self).__name__
-        HUNT_STATS[name, "steps"] += 1
-        HUNT_STATS[name, "chains"] += self.chained
-        HUNT_STATS[name, "faults"] += len(injector.fired)
-        self.chained = False
-
-
-def wrap_methods(injector: FaultInjector, target: Any, names: tuple[str, ...]) -> None:
-    """Shadow ``target``'s methods ``names`` with faulty wrappers (instance attributes); for
-    objects that do not call these methods themselves."""
-    for name in names:
-        setattr(target, name, injector.wrap(name, getattr(target, name)))
+    def teardown(self) -> None:
+        """Run to completion without faults; the outputs are a fault-free run's, blocks free."""
+        if not hasattr(self, "store"):
+            return
+        for _ in range(500):
+            if not self.unfinished():
+                break
+            self.run_step()
+        assert not self.unfinished(), "wedged"
+        self.check_outputs()
+        assert self.store.num_free_blocks == self.total_blocks, "a block leaked"
 
 
 class FaultyStore:
-    """A store as its callers see it: the methods ``names`` may fault; everything else, and
-    the store's calls to its own methods, go to the real store untouched (faults hit the
-    boundary, where each store call is atomic)."""
+    """A store as its callers see it: the :data:`STORE_CALLS` may fault; the rest, and the
+    store's calls to its own methods, reach the real store untouched (each call is atomic)."""
 
-    def __init__(self, store: BlockTableStore, injector: FaultInjector, names: tuple[str, ...]):
+    def __init__(self, store: BlockTableStore, injector: FaultInjector) -> None:
         self._store = store
-        for name in names:
+        for name in STORE_CALLS:
             setattr(self, name, injector.wrap(name, getattr(store, name)))
 
     def __getattr__(self, name: str) -> Any:
@@ -193,8 +248,7 @@ STORE_CALLS = (
     "pending_copy_pairs", "pop_copy_pairs", "batch", "slot_mapping", "release_outside_window",
     "grow", "truncate", "resolve", "row",
 )  # fmt: skip
-"""Every store call the scheduler, the engine and its speculation make (the undo calls,
-``undo_fork`` and ``undo_growth``, cannot fail: they check nothing and take no block)."""
+"""Every store call the scheduler, the engine and its speculation make (but the undo calls)."""
 
 
 def copy_blocks(kv: dict[int, int], pairs: list[list[int]], block_size: int) -> None:
@@ -209,19 +263,6 @@ def next_token(tokens: list[int], sample: int) -> int:
     return hash((tuple(tokens), sample)) % VOCAB
 
 
-def expected_outputs(prompt: list[int], max_new: int, n: int, eos: int | None) -> list[list[int]]:
-    """What every sample of a request generates with :func:`next_token`, fault-free."""
-    outputs = []
-    for sample in range(n):
-        tokens = list(prompt)
-        while len(tokens) - len(prompt) < max_new:
-            tokens.append(next_token(tokens, sample))
-            if tokens[-1] == eos:
-                break
-        outputs.append(tokens[len(prompt) :])
-    return outputs
-
-
 SCHEDULER_SETUP = {
     "total_blocks": st.integers(4, 16),
     "block_size": st.sampled_from([1, 2, 4]),
@@ -229,109 +270,76 @@ SCHEDULER_SETUP = {
     "max_num_seqs": st.integers(1, 4),
     "budget": st.integers(1, 12),
 }
-"""The pools, budgets and sequence limits the scheduler fault machines draw."""
 
 
-class SchedulerFaultMachine(Counted, RuleBasedStateMachine):
-    """The scheduler and a real store, a simulated K/V cache, and faults anywhere."""
+class SchedulerFaultMachine(FaultMachine):
+    """The scheduler over a real store (plain or prefix caching), ``n`` up to 4; the simulated
+    cache remembers the token written to each slot, :func:`next_token` is the model."""
 
+    VOCAB = VOCAB
+    EOS = 0
     SCHEDULER: ClassVar[type] = Scheduler
-    BLOCKS: ClassVar[Any] = pagedkv.impl.blocks.store  # its manager and store classes
-
-    @initialize(**SCHEDULER_SETUP)
-    def start(
-        self, total_blocks: int, block_size: int, prefix: bool, max_num_seqs: int, budget: int
-    ) -> None:
-        self.set_up(total_blocks, block_size, prefix, max_num_seqs, budget, None)
+    BLOCKS: ClassVar[Any] = blocks_store  # its manager and store classes
+    start = started(**SCHEDULER_SETUP)
 
     def set_up(
-        self,
-        total_blocks: int,
-        block_size: int,
-        prefix: bool,
-        max_num_seqs: int,
-        budget: int,
-        window: int | None,
-    ) -> None:
+        self, total_blocks: int, block_size: int, prefix: bool, max_num_seqs: int, budget: int,
+        window: int | None = None,
+    ) -> None:  # fmt: skip
         blocks = self.BLOCKS
-        manager_class = blocks.PrefixCachingBlockManager if prefix else blocks.BlockManager
-        manager = manager_class(total_blocks, block_size)
+        manager = (blocks.PrefixCachingBlockManager if prefix else blocks.BlockManager)(
+            total_blocks, block_size
+        )
         self.injector = FaultInjector(self.observe)
-        store = blocks.BlockTableStore(manager, max_num_seqs, 64)
-        self.store: Any = FaultyStore(store, self.injector, STORE_CALLS)
+        self.store = FaultyStore(blocks.BlockTableStore(manager, max_num_seqs, 64), self.injector)
         config = SchedulerConfig(max_num_seqs, budget, 0, sliding_window=window)
         self.scheduler = self.SCHEDULER(self.store, config)
-        self.window = window
+        self.unfinished = self.scheduler.has_unfinished
         self.stage = self.injector.wrap("kv or draw", lambda: None)  # the engine's own work
         self.kv: dict[int, int] = {}  # slot -> the token whose K/V is there
         self.requests: dict[int, tuple[list[int], int, int]] = {}  # id -> prompt, max_new, n
         self.outputs: dict[int, dict[int, list[int]]] = {}  # request -> sample -> output
-        self.eos = 0
-        self.block_size, self.total_blocks = block_size, total_blocks
+        self.window, self.block_size, self.total_blocks = window, block_size, total_blocks
 
     @precondition(lambda self: len(self.requests) < 6)
-    @rule(
-        prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=10),
-        max_new=st.integers(1, 6),
-        n=st.integers(1, 4),
-    )
+    @rule(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=10),
+          max_new=st.integers(1, 6), n=st.integers(1, 4))  # fmt: skip
     def add_request(self, prompt: list[int], max_new: int, n: int) -> None:
         request_id = len(self.requests)
         try:
-            self.scheduler.add_request(request_id, prompt, max_new, n=n, eos_token_id=self.eos)
+            self.scheduler.add_request(request_id, prompt, max_new, n=n, eos_token_id=self.EOS)
         except ValueError:  # too large for this pool: refused, nothing queued
             return
         self.requests[request_id] = (prompt, max_new, n)
 
-    @rule(data=st.data())
-    def step(self, data: st.DataObject) -> None:
-        """One engine-like step, with up to two faults drawn call by call."""
-        self.faulty_step(drawn_faults(data))
-
-    def faulty_step(self, decide: Callable[[str, bool], bool] | None) -> None:
-        with self.injector.armed(decide), suppress(InjectedFault):
-            self.run_step()
-        self.count_step(self.injector)
-
-    def engine_store(self) -> Any:
-        return self.store
-
     def run_step(self) -> None:
-        scheduler, store = self.scheduler, self.store
+        scheduler, store, size = self.scheduler, self.store, self.block_size
         plan = scheduler.schedule()
         self.stage()
-        copy_blocks(self.kv, store.pending_copy_pairs().tolist(), self.block_size)
+        copy_blocks(self.kv, store.pending_copy_pairs().tolist(), size)
         store.pop_copy_pairs()  # forgotten only once copied
         self.stage()
         for item in plan.items():  # write the step's K/V
             table = store.table(item.seq.seq_id)
             for position in range(item.start, item.end):
-                self.kv[translate_slot(table, position, self.block_size)] = item.seq.tokens[
-                    position
-                ]
+                self.kv[translate_slot(table, position, size)] = item.seq.tokens[position]
         sampled = []
         for seq in plan.sampling:
             self.stage()
             sampled += [
                 next_token(seq.tokens, seq.sample_index + j) for j in range(seq.num_samples)
             ]
-        _, finished = scheduler.update(plan, sampled)
-        for seq in finished:
+        for seq in scheduler.update(plan, sampled)[1]:
             outputs = self.outputs.setdefault(seq.request_id, {})
             assert seq.sample_index not in outputs, "a sample finished twice"
             outputs[seq.sample_index] = seq.output
 
     @invariant()
     def nothing_lost(self) -> None:
+        super().nothing_lost()
         scheduler, store = self.scheduler, self.store
-        running = [seq.seq_id for seq in scheduler.running]
-        assert running == list(store.seq_ids), "the running list is the store's live order"
-        waiting = [seq.seq_id for seq in scheduler.waiting]
-        assert not set(waiting) & set(running)
+        assert not {seq.seq_id for seq in scheduler.waiting} & set(store.seq_ids)
         assert all(seq.status.value == SeqStatus.WAITING.value for seq in scheduler.waiting)
-        held = {b for seq_id in store.seq_ids for b in store.table(seq_id) if b is not None}
-        waiting = len(store.manager.waiting_for_copy)  # sources of pairs a fault left pending
-        assert store.num_free_blocks + len(held) + waiting == self.total_blocks, "a block leaked"
         kv = dict(self.kv)  # as the next step will see it: after the pending copies
         copy_blocks(kv, store.pending_copy_pairs().tolist(), self.block_size)
         for seq in scheduler.running:  # every computed token's K/V reads back: no lost pair
@@ -346,78 +354,46 @@ class SchedulerFaultMachine(Counted, RuleBasedStateMachine):
             done = len(self.outputs.get(request_id, {}))
             assert request_id in live or done == n, f"request {request_id} was lost"
 
-    def teardown(self) -> None:
-        """Run to completion without faults; every sample is what a fault-free run makes."""
-        if not hasattr(self, "scheduler"):
-            return
-        for _ in range(500):
-            if not self.scheduler.has_unfinished():
-                break
-            self.run_step()
-        assert not self.scheduler.has_unfinished()
+    def check_outputs(self) -> None:
+        """Every sample is what :func:`next_token` makes without faults."""
         for request_id, (prompt, max_new, n) in self.requests.items():
-            got = [self.outputs[request_id][i] for i in range(n)]
-            assert got == expected_outputs(prompt, max_new, n, self.eos)
-        assert self.store.num_free_blocks == self.total_blocks
+            for sample in range(n):
+                out: list[int] = []
+                while len(out) < max_new and out[-1:] != [self.EOS]:
+                    out.append(next_token([*prompt, *out], sample))
+                assert self.outputs[request_id][sample] == out
 
 
 TestSchedulerFaults = SchedulerFaultMachine.TestCase
 
 
 class WindowSchedulerFaultMachine(SchedulerFaultMachine):
-    """The same, under a sliding window: the scheduler releases blocks that left it, and a
-    fault anywhere, ``release_outside_window`` included, still loses nothing. A subclass, so
-    the base machine's search for its planted bugs stays as it was."""
+    """The same under a sliding window: blocks that left it are released, and a fault anywhere,
+    ``release_outside_window`` included, loses nothing (a subclass: the base machine's search
+    for planted bugs stays as it was)."""
 
-    @initialize(**SCHEDULER_SETUP, window=st.integers(1, 6))
-    def start(  # type: ignore[override]
-        self,
-        total_blocks: int,
-        block_size: int,
-        prefix: bool,
-        max_num_seqs: int,
-        budget: int,
-        window: int,
-    ) -> None:
-        self.set_up(total_blocks, block_size, prefix, max_num_seqs, budget, window)
+    start = started(**SCHEDULER_SETUP, window=st.integers(1, 6))
 
 
 TestWindowSchedulerFaults = WindowSchedulerFaultMachine.TestCase
 
 
-FORKING_REQUEST = {
-    "prompt": st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=7),
-    "max_new": st.integers(3, 6),
-    "n": st.integers(2, 4),
-}
-"""Requests that fork and then grow: their samples copy the prompt's partly filled last block."""
-
-
-class ChainRequests:
-    """A rule for the chain machines: requests that chain copy-on-write on purpose."""
-
-    VOCAB: ClassVar[int] = VOCAB
-    block_size: int
-    total_blocks: int
-    requests: dict[int, Any]
-    chained: bool
-    add_request: Callable[..., None]  # the machine's own
-    faulty_step: Callable[[Callable[[str, bool], bool] | None], None]
+class ChainRequests(FaultMachine):
+    """Rules for the chain machines: requests that chain copy-on-write on purpose."""
 
     @rule(seam=st.sampled_from(["pop_copy_pairs", "copy_blocks"]))
     def step_failing_after_a_chained_copy(self, seam: str) -> None:
-        """A step that fails at ``seam`` (the copies' end, or a layer's copy) once it has
-        copied a list whose source was waiting: the retry the rule is for."""
+        """A step failing at ``seam`` (the copies' end, or a layer's copy) once it copied a list
+        whose source was waiting: the retry the rule is for."""
         self.faulty_step(lambda name, first: first and self.chained and name.endswith(seam))
 
     @precondition(lambda self: len(self.requests) < 4 and self.total_blocks >= 3)
     @rule(data=st.data())
     def add_two_requests_that_chain(self, data: st.DataObject) -> None:
-        """Two requests that leave one block free: a pair of samples whose prompt ends in a
-        partly filled block, then one whose prompt fills its blocks. Once both are prefilled
-        (in one step), the first sample copies its shared block on write into the last free
-        block, the second request needs a block for its next token, and the preemption frees
-        the other sample, that block's last other holder: the block waits for its copy."""
+        """Two samples whose prompt ends in a partly filled block, then a request filling its
+        blocks, leaving one free. Once both are prefilled, the first sample copies its shared
+        block on write into the free one, the other request's growth preempts the other sample,
+        the block's last other holder, and the block waits for its copy."""
         size = self.block_size
         forked = data.draw(st.integers(1, self.total_blocks - 2), label="its blocks")
         tail = data.draw(st.integers(1, size - 1), label="its last block's tokens")
@@ -430,11 +406,9 @@ class ChainRequests:
     @precondition(lambda self: len(self.requests) < 4 and self.total_blocks >= 4)
     @rule(data=st.data())
     def add_two_forking_requests_that_chain(self, data: st.DataObject) -> None:
-        """Three samples, then two, each prompt ending in a partly filled block, leaving two
-        blocks free (the issue's run). Once both are prefilled, each request's first sample
-        copies its shared block on write, the next sample of the first finds no block, the
-        preemption of the second request's other sample frees that request's shared block, and
-        the copy on write that follows would take it, while a pending pair still reads it."""
+        """Three samples, then two, each prompt ending in a partly filled block, two blocks free
+        (the issue's run): a preemption frees the second request's shared block while a
+        pending pair still reads it, and the next copy on write would take it."""
         size = self.block_size
         first = data.draw(st.integers(1, self.total_blocks - 3), label="first's blocks")
         token = st.integers(0, self.VOCAB - 1)
@@ -446,36 +420,25 @@ class ChainRequests:
 
 
 class ChainSchedulerFaultMachine(ChainRequests, SchedulerFaultMachine):
-    """The same on workloads that chain copy-on-write: pools of 4 to 8 blocks, rows for every
-    sample, and requests that fork into 2 to 4, so a preemption often frees, in the growth that
-    copied it, a block its last other holder copied on write, which then waits for its copy
-    (design.md §5, "Copy-on-write and retries"). A subclass, so the base machine's search for
-    its planted bugs stays as it was."""
+    """The scheduler machine on workloads that chain copy-on-write (design.md §5): pools of 4
+    to 8 blocks, rows for every sample, requests that fork into 2 to 4 (a subclass, so the base
+    machine's search for planted bugs stays as it was)."""
 
-    @initialize(
+    start = started(
         total_blocks=st.integers(4, 8),
         block_size=st.sampled_from([2, 3, 4]),
         prefix=st.booleans(),
         max_num_seqs=st.integers(6, 8),
         budget=st.integers(8, 32),
     )
-    def start(  # type: ignore[override]
-        self, total_blocks: int, block_size: int, prefix: bool, max_num_seqs: int, budget: int
-    ) -> None:
-        self.set_up(total_blocks, block_size, prefix, max_num_seqs, budget, None)
-
-    @precondition(lambda self: len(self.requests) < 8)
-    @rule(**FORKING_REQUEST)
-    def add_forking_request(self, prompt: list[int], max_new: int, n: int) -> None:
-        self.add_request(prompt, max_new, n)
+    add_forking_request = forking_requests(VOCAB, 8)
 
 
 TestChainSchedulerFaults = ChainSchedulerFaultMachine.TestCase
 
 
 def test_the_chain_machine_chains() -> None:
-    """Chains happen in the quick command: a fixed search of the chain machine meets at least
-    one step whose copy finds a waiting source (results.md gives the rate)."""
+    """A fixed search of the chain machine meets a step whose copy finds a waiting source."""
     name = ChainSchedulerFaultMachine.__name__
     before = HUNT_STATS[name, "chains"]
     search = settings(
@@ -491,14 +454,19 @@ def test_the_chain_machine_chains() -> None:
 
 MODELS = {w: MODEL if w is None else CausalLM.from_seed(ModelConfig(sliding_window=w), seed=0)
           for w in (None, 3, 5)}  # fmt: skip
-"""The engine machine's models: the tiny one, and the same with a sliding window."""
+"""The tiny model, and the same with a sliding window."""
+
+
+@functools.lru_cache(maxsize=4096)
+def dense_tokens(model: CausalLM, prompt: tuple[int, ...], max_new: int) -> list[int]:
+    """The dense model's greedy continuation (cached: the machine asks after every step)."""
+    return dense_generate(model, prompt, max_new).tokens
 
 
 class GreedyDrafts:
-    """A draft source that is partly right: the greedy continuation of the tokens it is
-    given, with the draft at a position picked by the tokens' hash shifted by one token id
-    (none, if the pick is past the drafts). Reads continuations recorded ahead of time, so it
-    never runs the model (whose calls the machine counts and faults) while a step runs."""
+    """A partly right draft source: the greedy continuation, the draft at a position the tokens'
+    hash picks shifted by one token id (none if past the drafts). It reads continuations
+    learnt ahead, so it never runs the model (whose calls are faulted) inside a step."""
 
     def __init__(self, model: CausalLM) -> None:
         self.model = model
@@ -517,24 +485,19 @@ class GreedyDrafts:
         return guess
 
 
-@functools.lru_cache(maxsize=4096)
-def dense_tokens(model: CausalLM, prompt: tuple[int, ...], max_new: int) -> list[int]:
-    """The dense model's greedy continuation (cached: the machine asks after every step)."""
-    return dense_generate(model, prompt, max_new).tokens
-
-
 ENGINE_SEAMS = listed_seams()
-"""Where the engine machine injects: every seam a traced step crosses (properties/seams.py)."""
+"""Where the engine machine injects: every seam a traced step crosses."""
 
 
-class EngineFaultMachine(Counted, RuleBasedStateMachine):
+class EngineFaultMachine(FaultMachine):
     """The engine on every backend, greedy or sampled, speculative or not, with a sliding
-    window or not, parallel sampling up to ``n = 4``, and up to two faults a step at every
-    traced seam (:data:`ENGINE_SEAMS`) and in the draft source."""
+    window or not, ``n`` up to 4, and up to two faults a step at every :data:`ENGINE_SEAMS`
+    seam and in the draft source."""
 
-    ENGINE: ClassVar[type] = pagedkv.impl.serving.engine.PagedAttentionEngine
-
-    @initialize(
+    VOCAB = MODEL.config.vocab_size
+    ENGINE: ClassVar[type] = PagedAttentionEngine
+    LIMITS: ClassVar[dict[str, int]] = {"max_num_seqs": 4, "max_num_batched_tokens": 16}
+    start = started(
         total_blocks=st.integers(6, 16),
         block_size=st.sampled_from([1, 2, 4]),
         prefix=st.booleans(),
@@ -542,82 +505,33 @@ class EngineFaultMachine(Counted, RuleBasedStateMachine):
         window=st.sampled_from([None, None, 3, 5]),
         backend=st.sampled_from(["numba", "reference", "triton"]),
     )
-    def start(
-        self,
-        total_blocks: int,
-        block_size: int,
-        prefix: bool,
-        speculative: int,
-        window: int | None = None,
-        backend: str = "numba",
-        max_num_seqs: int = 4,
-        max_num_batched_tokens: int = 16,
-    ) -> None:
+
+    def set_up(
+        self, total_blocks: int, block_size: int, prefix: bool, speculative: int,
+        window: int | None = None, backend: str = "numba",
+    ) -> None:  # fmt: skip
         self.injector = FaultInjector(self.observe)
         self.model = MODELS[window]
         self.drafts = GreedyDrafts(self.model)
         source = self.injector.wrap("draft_source", self.drafts) if speculative else None
         self.options = dict(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=prefix,
-            max_model_len=64, draft_source=source, num_speculative_tokens=speculative,
-            backend=backend,
+            **self.LIMITS, enable_prefix_caching=prefix, max_model_len=64, draft_source=source,
+            num_speculative_tokens=speculative, backend=backend,
         )  # fmt: skip
         self.engine = self.ENGINE(self.model, total_blocks, block_size, **self.options)
+        self.store, self.scheduler = self.engine.store, self.engine.scheduler
+        self.unfinished = self.engine.has_unfinished_requests
         self.seams = ExitStack()
         self.seams.enter_context(installed(ENGINE_SEAMS, self.injector.wrap))
         self.requests: dict[int, tuple[list[int], int, int, int | None]] = {}
         self.outputs: dict[int, list[list[int]]] = {}
         self.total_blocks, self.block_size = total_blocks, block_size
 
-    def teardown(self) -> None:
-        if not hasattr(self, "engine"):
-            return
-        try:
-            for _ in range(500):
-                if not self.engine.has_unfinished_requests():
-                    break
-                with one_thread():
-                    self.collect(self.engine.step().finished)
-            assert not self.engine.has_unfinished_requests(), "the engine is wedged"
-            assert self.engine.store.num_free_blocks == self.total_blocks, "a block leaked"
-            sampled = self.fault_free_samples()
-            for request_id, (prompt, max_new, n, seed) in self.requests.items():
-                if seed is None:
-                    expected = dense_tokens(self.model, tuple(prompt), max_new)
-                    assert self.outputs[request_id] == [expected] * n
-                else:
-                    assert self.outputs[request_id] == sampled[request_id], "a draw repeated"
-        finally:
-            self.seams.close()
-
-    def fault_free_samples(self) -> dict[int, list[list[int]]]:
-        """The sampled requests' outputs in a run of the same requests without faults."""
-        if all(seed is None for *_, seed in self.requests.values()):
-            return {}
-        engine = self.ENGINE(self.model, self.total_blocks, self.block_size, **self.options)
-        for prompt, max_new, n, seed in self.requests.values():
-            temperature = 0.0 if seed is None else 1.0
-            engine.add_request(prompt, max_new, n=n, temperature=temperature, seed=seed)
-        with one_thread():
-            finished = drain(engine)
-        return {out.request_id: out.outputs for out in finished}
-
-    def collect(self, finished: list[Any]) -> None:
-        for result in finished:
-            assert result.request_id not in self.outputs, "a request was returned twice"
-            self.outputs[result.request_id] = result.outputs
-
     @precondition(lambda self: len(self.requests) < 4)
-    @rule(
-        prompt=st.lists(st.integers(0, MODEL.config.vocab_size - 1), min_size=1, max_size=9),
-        max_new=st.integers(1, 5),
-        n=st.integers(1, 4),
-        sampled=st.booleans(),
-    )
+    @rule(prompt=st.lists(st.integers(0, MODEL.config.vocab_size - 1), min_size=1, max_size=9),
+          max_new=st.integers(1, 5), n=st.integers(1, 4), sampled=st.booleans())  # fmt: skip
     def add_request(self, prompt: list[int], max_new: int, n: int, sampled: bool = False) -> None:
-        """Greedy requests, or (without speculation) seeded sampled ones; ``n > 1`` forks, and
-        its first write copies on write."""
+        """Greedy requests, or (without speculation) seeded sampled ones; ``n > 1`` forks."""
         speculative = self.options["num_speculative_tokens"]
         seed = len(self.requests) if sampled and not speculative else None
         try:
@@ -629,26 +543,16 @@ class EngineFaultMachine(Counted, RuleBasedStateMachine):
         self.requests[request_id] = (prompt, max_new, n, seed)
         self.drafts.learn(prompt, max_new)
 
-    @rule(data=st.data())
-    def step(self, data: st.DataObject) -> None:
-        """One step, with up to two faults drawn call by call."""
-        self.faulty_step(drawn_faults(data))
-
-    def faulty_step(self, decide: Callable[[str, bool], bool] | None) -> None:
-        with self.injector.armed(decide), one_thread(), suppress(InjectedFault):
-            self.collect(self.engine.step().finished)
-        self.count_step(self.injector)
-
-    def engine_store(self) -> Any:
-        return self.engine.store
+    def run_step(self) -> None:
+        with one_thread():
+            for result in self.engine.step().finished:
+                assert result.request_id not in self.outputs, "a request was returned twice"
+                self.outputs[result.request_id] = result.outputs
 
     @invariant()
     def nothing_lost(self) -> None:
-        store, scheduler = self.engine.store, self.engine.scheduler
-        assert [seq.seq_id for seq in scheduler.running] == list(store.seq_ids)
-        held = {b for seq_id in store.seq_ids for b in store.table(seq_id) if b is not None}
-        waiting = len(store.manager.waiting_for_copy)  # sources of pairs a fault left pending
-        assert store.num_free_blocks + len(held) + waiting == self.total_blocks, "a block leaked"
+        super().nothing_lost()
+        scheduler, store = self.scheduler, self.store
         live = {seq.request_id for seq in [*scheduler.running, *scheduler.waiting]}
         for request_id in self.requests:
             assert not (request_id in live and request_id in self.outputs), "duplicated"
@@ -662,25 +566,44 @@ class EngineFaultMachine(Counted, RuleBasedStateMachine):
                 greedy = dense_tokens(self.model, tuple(prompt), max_new)
                 assert seq.output == greedy[: len(seq.output)], "a token greedy never gives"
 
+    def teardown(self) -> None:
+        if hasattr(self, "seams"):
+            with self.seams:
+                super().teardown()
+
+    def check_outputs(self) -> None:
+        """Greedy requests give dense decoding's tokens, sampled ones a fault-free run's."""
+        sampled: dict[int, list[list[int]]] = {}
+        if any(seed is not None for *_, seed in self.requests.values()):
+            engine = self.ENGINE(self.model, self.total_blocks, self.block_size, **self.options)
+            for prompt, max_new, n, seed in self.requests.values():
+                temperature = 0.0 if seed is None else 1.0
+                engine.add_request(prompt, max_new, n=n, temperature=temperature, seed=seed)
+            with one_thread():
+                sampled = {out.request_id: out.outputs for out in drain(engine)}
+        for request_id, (prompt, max_new, n, seed) in self.requests.items():
+            if seed is None:
+                expected = dense_tokens(self.model, tuple(prompt), max_new)
+                assert self.outputs[request_id] == [expected] * n
+            else:
+                assert self.outputs[request_id] == sampled[request_id], "a draw repeated"
+
 
 ENGINE_SETTINGS = settings(
-    max_examples=25,
-    stateful_step_count=12,
-    deadline=None,
+    max_examples=25, stateful_step_count=12, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
-)
+)  # fmt: skip
 
 TestEngineFaults = EngineFaultMachine.TestCase
 TestEngineFaults.settings = ENGINE_SETTINGS
 
 
 class ChainEngineFaultMachine(ChainRequests, EngineFaultMachine):
-    """The engine machine on workloads that chain copy-on-write (as
-    :class:`ChainSchedulerFaultMachine`): pools of 4 to 8 blocks and rows for every sample."""
+    """The engine machine on workloads that chain copy-on-write: pools of 4 to 8 blocks and
+    rows for every sample."""
 
-    VOCAB = MODEL.config.vocab_size
-
-    @initialize(
+    LIMITS: ClassVar[dict[str, int]] = {"max_num_seqs": 8, "max_num_batched_tokens": 32}
+    start = started(
         total_blocks=st.integers(4, 8),
         block_size=st.sampled_from([2, 3, 4]),
         prefix=st.booleans(),
@@ -688,29 +611,13 @@ class ChainEngineFaultMachine(ChainRequests, EngineFaultMachine):
         window=st.sampled_from([None, None, 5]),
         backend=st.sampled_from(["numba", "reference", "triton"]),
     )
-    def start(  # type: ignore[override]
-        self,
-        total_blocks: int,
-        block_size: int,
-        prefix: bool,
-        speculative: int,
-        window: int | None,
-        backend: str,
-    ) -> None:
-        super().start(total_blocks, block_size, prefix, speculative, window, backend, 8, 32)
-
-    @precondition(lambda self: len(self.requests) < 4)
-    @rule(prompt=st.lists(st.integers(0, MODEL.config.vocab_size - 1), min_size=1, max_size=7),
-          max_new=st.integers(3, 6), n=st.integers(2, 4))  # fmt: skip
-    def add_forking_request(self, prompt: list[int], max_new: int, n: int) -> None:
-        self.add_request(prompt, max_new, n)
+    add_forking_request = forking_requests(MODEL.config.vocab_size, 4)
 
 
 HUNT = settings(
     max_examples=300, stateful_step_count=30, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )  # fmt: skip
-"""The long hunt: the second test command's."""
 
 
 @pytest.mark.long
@@ -722,8 +629,7 @@ HUNT = settings(
     ],
 )  # fmt: skip
 def test_long_fault_hunt(machine: type) -> None:
-    """The fault machines above, far longer: up to two faults a step, anywhere. Prints what it
-    ran (``-s``); the chain machines must meet chains."""
+    """The machines far longer; prints what they ran (``-s``); the chain machines meet chains."""
     hunt = HUNT if issubclass(machine, EngineFaultMachine) else settings(HUNT, max_examples=3000)
     run_state_machine_as_test(machine, settings=hunt)
     name = machine.__name__
@@ -741,13 +647,12 @@ def test_long_fault_hunt(machine: type) -> None:
 def sweep(
     machine_class: type, setup: dict[str, Any], requests: list[dict[str, Any]], steps: int
 ) -> int:
-    """Every way to fail one call of one of the first ``steps`` steps of a fixed run, alone
-    or together with the call right after it (the undo's, when the undo crosses a boundary):
-    each run replays the steps before it fault-free, checks the machine's invariant after the
-    faulty step, then drains without faults and checks the outputs and the pool. Returns the
-    runs made."""
+    """Every way to fail one call of one of the first ``steps`` steps of a fixed run, alone or
+    with the call right after it (the undo's, where the undo crosses a boundary): each run
+    replays the steps before fault-free, checks the invariant after the faulty step, then
+    drains and checks the outputs and the pool. Returns the runs made."""
 
-    def replay(faulty: int, decide: Callable[[str, bool], bool]) -> int:
+    def replay(faulty: int, decide: Decide) -> int:
         machine = machine_class()
         machine.start(**setup)
         for request in requests:
@@ -763,157 +668,70 @@ def sweep(
     for faulty in range(steps):
         calls = replay(faulty, lambda name, first: False)  # the calls that step makes
         for call, twice in itertools.product(range(1, calls + 1), (False, True)):
-            replay(faulty, FaultsAt(call, twice))
+            replay(faulty, faults_at(call, twice))
             runs += 1
     return runs
 
 
-class FaultsAt:
+def faults_at(call: int, twice: bool) -> Decide:
     """Fail the ``call``-th call of a step and, if ``twice``, the one right after it."""
-
-    def __init__(self, call: int, twice: bool) -> None:
-        self.call, self.twice, self.seen = call, twice, 0
-
-    def __call__(self, name: str, first: bool) -> bool:
-        self.seen += 1
-        return self.seen == self.call or (self.twice and self.seen == self.call + 1)
+    seen = itertools.count(1)
+    return lambda name, first: (i := next(seen)) == call or (twice and i == call + 1)
 
 
-# A request that forks into three (no sample is born done, so both children fork) beside one
-# that does not; the pool is small enough that the run preempts.
-SCHEDULER_SWEEP = (
-    {"total_blocks": 8, "block_size": 2, "prefix": True, "max_num_seqs": 4, "budget": 6},
-    [
-        {"prompt": [1, 2, 3, 4, 6], "max_new": 3, "n": 3},
-        {"prompt": [1, 2, 3], "max_new": 2, "n": 1},
-    ],
-)
+SWEEPS: dict[type, tuple[dict[str, Any], list[dict[str, Any]], int]] = {
+    # A request that forks into three (no sample is born done, so both children fork) beside
+    # one that does not; the scheduler's pool is small enough that the run preempts.
+    SchedulerFaultMachine: (
+        {"total_blocks": 8, "block_size": 2, "prefix": True, "max_num_seqs": 4, "budget": 6},
+        [{"prompt": [1, 2, 3, 4, 6], "max_new": 3, "n": 3},
+         {"prompt": [1, 2, 3], "max_new": 2, "n": 1}],
+        6,
+    ),
+    EngineFaultMachine: (  # speculative
+        {"total_blocks": 12, "block_size": 2, "prefix": True, "speculative": 2,
+         "backend": "reference"},
+        [{"prompt": [5, 7, 9, 11, 13], "max_new": 4, "n": 3},
+         {"prompt": [5, 7, 9], "max_new": 5, "n": 1}],
+        3,
+    ),
+}  # fmt: skip
+"""Each machine's sweep: its set-up, its requests, and the steps faulted."""
 
 
-def test_every_pair_of_faults_in_the_scheduler() -> None:
-    assert sweep(SchedulerFaultMachine, *SCHEDULER_SWEEP, steps=6) > 50
-
-
-ENGINE_SWEEP = (
-    {"total_blocks": 12, "block_size": 2, "prefix": True, "speculative": 2, "backend": "reference"},
-    [
-        {"prompt": [5, 7, 9, 11, 13], "max_new": 4, "n": 3},
-        {"prompt": [5, 7, 9], "max_new": 5, "n": 1},
-    ],
-)
-
-
-def test_every_pair_of_faults_in_the_engine() -> None:
-    """The same over the engine, speculative, with a request that forks into three."""
-    assert sweep(EngineFaultMachine, *ENGINE_SWEEP, steps=3) > 50
+@pytest.mark.parametrize("machine", list(SWEEPS), ids=lambda machine: machine.__name__)
+def test_every_pair_of_faults(machine: type) -> None:
+    assert sweep(machine, *SWEEPS[machine]) > 50
 
 
 # ----------------------------------------------------------------- teeth
 
-
 PLANTED = {
-    "a failed copy loses its copy-on-write pairs": (
-        pagedkv.impl.serving.engine,
-        "PagedAttentionEngine.step",
-        "pairs = self.store.pending_copy_pairs()",
-        "pairs = self.store.pop_copy_pairs()",
-    ),
-    "a failed admission loses its request": (
-        pagedkv.impl.serving.scheduler,
-        "Scheduler._admit_waiting",
+    "a failed copy loses its copy-on-write pairs": [(serving_engine, "PagedAttentionEngine.step",
+        "pairs = self.store.pending_copy_pairs()", "pairs = self.store.pop_copy_pairs()")],
+    "a failed admission loses its request": [(serving_scheduler, "Scheduler._admit_waiting",
         "seq = self.waiting[0]\ncached = self._admit(seq, seats, held)",
-        "seq = self.waiting.popleft()\ncached = self._admit(seq, seats, held)",
-    ),
-    "a failed update leaks the blocks of its forks": (
-        pagedkv.impl.serving.scheduler,
-        "Scheduler._fork_and_finish",
-        "            if forks:\n                self.store.undo_fork(forks)",
-        "            if False:\n                self.store.undo_fork(forks)",
-    ),
-}
-UNDO_PLANTED = {
-    "the undo of a failed update's forks can fail (the old undo)": (
-        pagedkv.impl.serving.scheduler,
-        "Scheduler._fork_and_finish",
-        "self.store.undo_fork(forks)",
-        "self.store.remove(forks)",
-    ),
-    "the undo of a failed speculative step can fail (the old undo)": (
-        pagedkv.impl.serving.speculative,
-        "undraft",
-        "scheduler.undo_drafts(plan, before)",
-        "scheduler.keep_drafts(plan, before)",
-    ),
-}
-"""The undo paths as they were (checked store calls, which a second fault can fail): only
-two faults in one step find them, which the sweeps of every pair do."""
-
-
-WITHOUT_THE_RETRY_RULE = {
-    pagedkv.impl.blocks.pool: (
-        "BlockPool._free",
-        "waits = self.is_source.take(freed)",
-        "waits = np.zeros(freed.size, dtype=np.bool_)",
-    ),
-    pagedkv.impl.blocks.growth: (
-        "plan_in_order",
-        "left == 0 and block not in sources",
-        "left == 0",
-    ),
-}
-"""The block layer as it was before the retry rule (design.md §5): a pending copy's source
-joins the free queue when its last table lets go, and the growth plan counts it free."""
-
-
-def chain_machine_over(edits: dict[Any, tuple[str, str, str]]) -> type:
-    """:class:`ChainSchedulerFaultMachine` over a manager and store whose block layer has
-    ``edits`` planted (module -> ``(function, old, new)``), every module above a planted one
-    loaded again over the copies."""
-    layer = [
-        pagedkv.impl.blocks.pool, pagedkv.impl.blocks.manager, pagedkv.impl.blocks.prefix_cache,
-        pagedkv.impl.blocks.growth, pagedkv.impl.blocks.store,
-    ]  # fmt: skip
-    shared = ("CapacityError", "OutOfBlocksError", "BlockTableError")
-    copies: dict[str, Any] = {}
-    for module in layer:
-        names = tuple(name for name in shared if hasattr(module, name))
-        if module in edits:
-            within, old, new = edits[module]
-            copy = load_mutant(module, within, old, new, names, using=dict(copies))
-        else:
-            copy = load_copy(module, names, using=dict(copies))
-        copies[module.__name__] = copy
-    blocks = copies[pagedkv.impl.blocks.store.__name__]
-    return type("PlantedChainScheduler", (ChainSchedulerFaultMachine,), {"BLOCKS": blocks})
-
-
-def test_the_chain_machine_catches_the_block_layer_without_the_retry_rule() -> None:
-    with pytest.raises(Exception):  # noqa: B017 - an assertion or a crash inside a rule
-        run_state_machine_as_test(chain_machine_over(WITHOUT_THE_RETRY_RULE), settings=FIND)
-
-
-@pytest.mark.parametrize("search", CONTROL_SEARCHES)
-def test_control_unmutated_block_layer_passes_the_chain_machine(search: settings) -> None:
-    faithful = {
-        module: (within, old, old) for module, (within, old, _) in WITHOUT_THE_RETRY_RULE.items()
-    }
-    run_state_machine_as_test(chain_machine_over(faithful), settings=search)
-
-
-def planted_machine(module: Any, within: str, old: str, new: str) -> tuple[type, settings]:
-    if module is pagedkv.impl.serving.speculative:  # an engine copy that calls the mutant
-        engine = load_copy(pagedkv.impl.serving.engine, ("RequestOutput", "StepOutput"))
-        engine.speculative = load_mutant(module, within, old, new)
-        attrs = {"ENGINE": engine.PagedAttentionEngine}
-        return type("PlantedEngine", (EngineFaultMachine,), attrs), ENGINE_FIND
-    if module is pagedkv.impl.serving.engine:
-        mutant = load_mutant(module, within, old, new, ("RequestOutput", "StepOutput"))
-        attrs = {"ENGINE": mutant.PagedAttentionEngine}
-        return type("PlantedEngine", (EngineFaultMachine,), attrs), ENGINE_FIND
-    mutant = load_mutant(module, within, old, new, ("RequestTooLargeError",))
-    attrs = {"SCHEDULER": mutant.Scheduler}
-    return type("PlantedScheduler", (SchedulerFaultMachine,), attrs), FIND
-
+        "seq = self.waiting.popleft()\ncached = self._admit(seq, seats, held)")],
+    "a failed update leaks the blocks of its forks": [(serving_scheduler,
+        "Scheduler._fork_and_finish", "if forks:\n    self.store.undo_fork(forks)",
+        "if False:\n    self.store.undo_fork(forks)")],
+    # The block layer before the retry rule (design.md §5): a pending copy's source joins the
+    # free queue when its last table lets go, and the growth plan counts it free.
+    "the block layer without the retry rule": [
+        (pool, "BlockPool._free", "waits = self.is_source.take(freed)",
+         "waits = np.zeros(freed.size, dtype=np.bool_)"),
+        (growth, "plan_in_order", "left == 0 and block not in sources", "left == 0")],
+    # The undo paths as they were: checked store calls, which a second fault can fail.
+    "the undo of a failed update's forks can fail (the old undo)": [(serving_scheduler,
+        "Scheduler._fork_and_finish", "self.store.undo_fork(forks)", "self.store.remove(forks)")],
+    "the undo of a failed speculative step can fail (the old undo)": [(speculative, "undraft",
+        "scheduler.undo_drafts(plan, before)", "scheduler.keep_drafts(plan, before)")],
+}  # fmt: skip
+"""Planted bugs, each as its edits: ``(module, function, old, new)``."""
+UNDO = {bug for bug in PLANTED if bug.endswith("(the old undo)")}
+"""The bugs only two faults in one step find: the sweeps of every pair catch them."""
+LOSES_PAIRS, UNDO_FORKS = "a failed copy loses its copy-on-write pairs", min(UNDO)
+RETRY_RULE = "the block layer without the retry rule"
 
 ENGINE_FIND = settings(
     ENGINE_SETTINGS, max_examples=60, database=None, derandomize=True,
@@ -921,84 +739,69 @@ ENGINE_FIND = settings(
 )  # fmt: skip
 
 
+def planted_machine(edits: list[tuple[Any, str, str, str]]) -> tuple[type, settings]:
+    """The machine over copies of the code with ``edits`` planted, and the search that hunts
+    them: the scheduler's, the engine's, or the chain machine's over the block layer (every
+    module above a planted one loaded again over the copies)."""
+    (module, *edit), shared = edits[0], ("RequestOutput", "StepOutput")
+    if module is serving_scheduler:
+        attrs = {"SCHEDULER": load_mutant(module, *edit, ("RequestTooLargeError",)).Scheduler}
+        return type("PlantedScheduler", (SchedulerFaultMachine,), attrs), FIND
+    if module in (serving_engine, speculative):
+        if module is speculative:  # an engine copy that calls the mutant
+            engine = load_copy(serving_engine, shared)
+            engine.speculative = load_mutant(module, *edit)
+        else:
+            engine = load_mutant(module, *edit, shared)
+        attrs = {"ENGINE": engine.PagedAttentionEngine}
+        return type("PlantedEngine", (EngineFaultMachine,), attrs), ENGINE_FIND
+    planted, copies = {module: edit for module, *edit in edits}, dict[str, Any]()
+    for module in (pool, manager, prefix_cache, growth, blocks_store):
+        names = [name for name in ("CapacityError", "OutOfBlocksError", "BlockTableError")
+                 if hasattr(module, name)]  # fmt: skip
+        if module in planted:
+            copy = load_mutant(module, *planted[module], names, using=dict(copies))
+        else:
+            copy = load_copy(module, names, using=dict(copies))
+        copies[module.__name__] = copy
+    attrs = {"BLOCKS": copies[blocks_store.__name__]}
+    return type("PlantedChainScheduler", (ChainSchedulerFaultMachine,), attrs), FIND
+
+
+def faithful(bug: str) -> list[tuple[Any, str, str, str]]:
+    """The control of ``bug``: its copies, unmutated (``old`` for ``new``)."""
+    return [(module, within, old, old) for module, within, old, _ in PLANTED[bug]]
+
+
 @pytest.mark.parametrize("bug", sorted(PLANTED))
 def test_planted_fault_bug_is_caught(bug: str) -> None:
-    """Each planted bug fails its machine; the engine's also fails the copy scenario below."""
-    machine, search = planted_machine(*PLANTED[bug])
-    with pytest.raises(Exception):  # noqa: B017 - an assertion or a crash inside a rule
-        if issubclass(machine, EngineFaultMachine):
-            check_a_failed_copy_is_retried(machine.ENGINE)
-        run_state_machine_as_test(machine, settings=search)
-
-
-@pytest.mark.parametrize("bug", sorted(UNDO_PLANTED))
-def test_planted_undo_bug_is_caught_by_the_sweep(bug: str) -> None:
-    machine, _ = planted_machine(*UNDO_PLANTED[bug])
-    with pytest.raises(Exception):  # noqa: B017 - an assertion or the engine wedged
-        if issubclass(machine, EngineFaultMachine):
-            sweep(machine, *ENGINE_SWEEP, steps=3)
+    """Each planted bug fails its machine (the engine's bug, or the failed-copy run below); an
+    old undo path fails its machine's sweep of every pair."""
+    machine, search = planted_machine(PLANTED[bug])
+    engine = issubclass(machine, EngineFaultMachine)
+    with pytest.raises(Exception):  # noqa: B017 - an assertion, a crash or the engine wedged
+        if bug in UNDO:
+            sweep(machine, *SWEEPS[EngineFaultMachine if engine else SchedulerFaultMachine])
         else:
-            sweep(machine, *SCHEDULER_SWEEP, steps=6)
+            if engine:
+                check_found(RETRIED_COPY, machine.ENGINE)
+            run_state_machine_as_test(machine, settings=search)
 
 
-def test_control_unmutated_copies_pass() -> None:
-    for module, within, snippet in (
-        (
-            pagedkv.impl.serving.engine,
-            "PagedAttentionEngine.step",
-            "pairs = self.store.pending_copy_pairs()",
-        ),
-        (
-            pagedkv.impl.serving.scheduler,
-            "Scheduler._fork_and_finish",
-            "self.store.undo_fork(forks)",
-        ),
-    ):
-        machine, search = planted_machine(module, within, snippet, snippet)
-        if issubclass(machine, EngineFaultMachine):
-            check_a_failed_copy_is_retried(machine.ENGINE)
-        run_state_machine_as_test(machine, settings=search)
+@pytest.mark.parametrize("bug", [LOSES_PAIRS, UNDO_FORKS], ids=["engine", "scheduler"])
+def test_control_unmutated_copies_pass(bug: str) -> None:
+    machine, search = planted_machine(faithful(bug))
+    if issubclass(machine, EngineFaultMachine):
+        check_found(RETRIED_COPY, machine.ENGINE)
+    run_state_machine_as_test(machine, settings=search)
 
 
-def check_a_failed_copy_is_retried(engine_class: type) -> None:
-    """The issue's example: parallel samples whose copy-on-write fails once still equal the
-    fault-free run (before the fix one sample came out as [92, 0, 0, 0])."""
-    prompt, expected = [5, 7, 9], None
-    original = pagedkv.kernels.copy_blocks
-    for fail in (False, True):
-        engine = engine_class(MODEL, 16, 4, max_num_seqs=4, max_model_len=64)
-        engine.add_request(prompt, 4, n=2, temperature=1.0, seed=3)
-        failed: list[bool] = []
-
-        def copy_once_failing(
-            *args: Any, fail: bool = fail, failed: list[bool] = failed, **kwargs: Any
-        ) -> None:
-            if fail and not failed:
-                failed.append(True)
-                raise InjectedFault("copy_blocks")
-            original(*args, **kwargs)
-
-        pagedkv.kernels.copy_blocks = copy_once_failing
-        try:
-            outputs = []
-            while engine.has_unfinished_requests():
-                with suppress(InjectedFault):
-                    outputs += engine.step().finished
-        finally:
-            pagedkv.kernels.copy_blocks = original
-        assert not fail or failed, "the copy never ran"
-        result = outputs[0].outputs
-        assert [len(tokens) for tokens in result] == [4, 4]
-        if expected is None:
-            expected = result
-        assert result == expected
+@pytest.mark.parametrize("search", CONTROL_SEARCHES)
+def test_control_unmutated_block_layer_passes_the_chain_machine(search: settings) -> None:
+    run_state_machine_as_test(planted_machine(faithful(RETRY_RULE))[0], settings=search)
 
 
-def test_a_failed_copy_is_retried_by_the_next_step() -> None:
-    check_a_failed_copy_is_retried(pagedkv.impl.serving.engine.PagedAttentionEngine)
-
-
-# ----------------------------------------------------------------- two faults: the undo is hit
+# ----------------------------------------------------------------- faults found once
 
 
 def wrong_drafts(tokens: list[int], k: int) -> list[int]:
@@ -1007,87 +810,55 @@ def wrong_drafts(tokens: list[int], k: int) -> list[int]:
     return [(token + 1) % vocab for token in greedy_oracle(tuple(tokens), k).tokens]
 
 
-def failing_calls(target: Any, name: str, calls: tuple[int, ...]) -> list[int]:
-    """Make ``target.name`` raise :class:`InjectedFault` at its ``calls``-th calls (counted
-    from 1); returns the list of calls that raised."""
-    original, count, fired = getattr(target, name), [0], []
-
-    def faulty(*args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
-        if count[0] in calls:
-            fired.append(count[0])
-            raise InjectedFault(f"{name} call {count[0]}")
-        return original(*args, **kwargs)
-
-    setattr(target, name, faulty)
-    return fired
-
-
-def drain(engine: Any) -> list[Any]:
-    """Step ``engine`` until idle, through injected faults; return the outputs in id order."""
-    outputs = []
-    for _ in range(200):
-        if not engine.has_unfinished_requests():
-            break
-        with suppress(InjectedFault):
-            outputs += engine.step().finished
-    assert not engine.has_unfinished_requests(), "the engine is wedged"
-    return sorted(outputs, key=lambda out: out.request_id)
+RETRIED_COPY = "a failed copy-on-write is retried by the next step"
+FOUND = {
+    # The issue's example: before the fix one sample came out as [92, 0, 0, 0].
+    RETRIED_COPY: ({}, ([5, 7, 9], 4, 2, 3), [(kernels, "copy_blocks", (1,))]),
+    # At 5263599 the 2nd and 3rd truncate were a speculative step's rollback and the undo of
+    # its (wrong) drafts, which stayed and came out. The undo is now ``undo_growth``, which
+    # cannot fail, so the 3rd is a later step's rollback.
+    "a failed rollback and undo of drafts emit no unverified token": (
+        {"draft_source": wrong_drafts, "num_speculative_tokens": 3}, ([5, 7, 9], 8, 1, None),
+        [("store", "truncate", (2, 3))],
+    ),
+    # With n = 3, the 2nd fork and the remove undoing the first raised: the first child stayed
+    # in the store but not in the running list, and every later step raised.
+    "a failed fork and undo of the forks do not wedge the engine": (
+        {}, ([5, 7, 9, 11, 13], 4, 3, None), [("store", "fork", (2,)), ("store", "remove", (1,))],
+    ),
+    # The last request finished in a step whose metrics failed: nothing was unfinished any
+    # more, so nothing stepped again to return it.
+    "a request finished in a step whose metrics failed comes back": (
+        {}, ([5, 7, 9], 1, 1, None), [(serving_engine, "step_metrics", (1,))],
+    ),
+}  # fmt: skip
+"""Faults found once: the engine's options, the request (prompt, max_new, n, seed: None is
+greedy), and the calls (of the engine's store, or of a module) that fail."""
 
 
-def test_a_failed_rollback_and_undo_of_drafts_emit_no_unverified_token() -> None:
-    """Finding 1: ``store.truncate`` raises on its 2nd and 3rd calls. At 5263599 those were a
-    speculative step's rollback and the undo of its drafts, and the drafts (all wrong) stayed
-    in the tokens and came out. Now the undo is ``store.undo_growth``, which cannot fail, so
-    the 3rd call is a later step's rollback; either way the output is greedy decoding's and
-    every block comes back."""
-    engine = pagedkv.impl.serving.engine.PagedAttentionEngine(
-        MODEL, 16, 4, max_num_seqs=4, max_model_len=64, draft_source=wrong_drafts,
-        num_speculative_tokens=3,
-    )  # fmt: skip
-    prompt = [5, 7, 9]
-    engine.add_request(prompt, 8)
-    with one_thread():
-        fired = failing_calls(engine.store, "truncate", (2, 3))
-        outputs = drain(engine)
-    assert fired, "the rollback never failed"
-    assert [out.outputs for out in outputs] == [[greedy_oracle(tuple(prompt), 8).tokens]]
-    check_all_freed(engine)
+def check_found(case: str, engine_class: type = PagedAttentionEngine) -> None:
+    """The first fault fires, the outputs are full and a fault-free run's (greedy ones dense
+    decoding's), and every block comes back."""
+    options, (prompt, max_new, n, seed), faults = FOUND[case]
+    results = []
+    for failing in (faults, []):
+        engine = engine_class(MODEL, 16, 4, max_num_seqs=4, max_model_len=64, **options)
+        temperature = 0.0 if seed is None else 1.0
+        engine.add_request(prompt, max_new, n=n, temperature=temperature, seed=seed)
+        with ExitStack() as stack, one_thread():
+            made = [
+                stack.enter_context(failing_calls(engine.store if at == "store" else at, *call))
+                for at, *call in failing
+            ]
+            (output,) = drain(engine)
+        assert not failing or True in made[0], "the first fault never fired"
+        assert [len(tokens) for tokens in output.outputs] == [max_new] * n
+        check_all_freed(engine)
+        results.append(output.outputs)
+    assert results[0] == results[1]
+    assert seed is not None or results[0] == [greedy_oracle(tuple(prompt), max_new).tokens] * n
 
 
-def test_a_failed_fork_and_undo_of_the_forks_do_not_wedge_the_engine() -> None:
-    """Finding 2: with ``n = 3``, ``store.fork`` raises on its second call and the
-    ``store.remove`` undoing the first fork raises too. The first child used to stay in the
-    store but not in the running list, and every later step raised; now the step is retried
-    and every sample is greedy decoding's."""
-    engine = pagedkv.impl.serving.engine.PagedAttentionEngine(
-        MODEL, 16, 4, max_num_seqs=4, max_model_len=64
-    )
-    prompt = [5, 7, 9, 11, 13]
-    engine.add_request(prompt, 4, n=3)
-    with one_thread():
-        forks = failing_calls(engine.store, "fork", (2,))
-        failing_calls(engine.store, "remove", (1,))
-        outputs = drain(engine)
-    assert forks, "no fork failed"
-    assert [out.outputs for out in outputs] == [[greedy_oracle(tuple(prompt), 4).tokens] * 3]
-    check_all_freed(engine)
-
-
-def test_a_request_finished_in_a_step_whose_metrics_failed_comes_back(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The last request finishes in a step whose metrics then fail: the engine still has it
-    to return, so stepping until idle returns it (it used to be stranded: nothing was
-    unfinished, so nothing stepped again)."""
-    engine = pagedkv.impl.serving.engine.PagedAttentionEngine(
-        MODEL, 16, 4, max_num_seqs=4, max_model_len=64
-    )
-    engine.add_request([5, 7, 9], 1)
-    with monkeypatch.context() as patch, one_thread():
-        patch.setattr(pagedkv.impl.serving.engine, "step_metrics", step_metrics)
-        fired = failing_calls(pagedkv.impl.serving.engine, "step_metrics", (1,))
-        outputs = drain(engine)
-    assert fired
-    assert [out.outputs for out in outputs] == [[greedy_oracle((5, 7, 9), 1).tokens]]
-    check_all_freed(engine)
+@pytest.mark.parametrize("case", sorted(FOUND))
+def test_a_fault_found_once_loses_nothing(case: str) -> None:
+    check_found(case)

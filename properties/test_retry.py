@@ -1,43 +1,31 @@
 """A retried step is exact: copying the pending copy-on-write pairs again, after any part of them
 was copied, gives the bytes of one complete copy (docs/design.md §5, "Copy-on-write and
-retries").
-
-* The pair-list property: for lists a store can leave pending (chains, a destination taken
-  twice, never a pair that writes a block it or an earlier pair reads), every backend, each
-  layer independently, copies any sub-list of the pairs (a failed layer, a wave of the Triton
-  copy that ran, programs of a wave that ran) and then the whole list, and ends with the bytes
-  of the whole list copied once. A list that breaks the rule is shown to fail it.
-* Four engine runs that chained copy-on-write pairs before the rule, each with one fault
-  (``store.pop_copy_pairs``, the second layer's ``copy_blocks``, under a sliding window, under
-  speculative decoding): the greedy tokens still equal dense decoding.
+retries"), on every backend, each layer independently; and engine runs that chained pairs before
+the rule keep dense decoding's tokens through one fault.
 """
 
 from __future__ import annotations
-
-from contextlib import suppress
-from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import pagedkv.kernels
 from pagedkv import kernels
 from pagedkv.impl.serving.dense import dense_generate
 from pagedkv.impl.serving.engine import PagedAttentionEngine
-from pagedkv.impl.serving.model import CausalLM, ModelConfig
 from properties.kernel_cases import DEVICE, copy_in_order, kernel_examples
+from properties.seams import repeat_last
+from properties.test_faults import MODELS, drain, failing_calls
 
 BACKENDS = ("numba", "reference", "triton")
 
 
 @st.composite
 def pending_lists(draw: st.DrawFn, num_blocks: int) -> list[tuple[int, int]]:
-    """Up to 8 pairs as a store leaves them pending: each destination is a block no pair so far
-    reads, nor the pair's own source; sources repeat (several writers of one shared block),
-    destinations repeat (a freed destination taken again), a destination is read later (a
-    chain, after a fork of a fork)."""
+    """Up to 8 pairs as a store leaves them pending: no destination is a block a pair so far
+    reads, nor its own source; sources repeat (writers of one shared block), destinations
+    repeat (a freed destination taken again), a destination is read later (a fork of a fork)."""
     pairs: list[tuple[int, int]] = []
     read: set[int] = set()
     for _ in range(draw(st.integers(0, 8))):
@@ -103,16 +91,6 @@ def test_a_list_that_writes_a_pending_source_is_not_retry_exact(backend: str) ->
     assert not torch.equal(layer, copy_in_order(cache, pairs))
 
 
-# ----------------------------------------------------------------- engine runs with one fault
-
-MODELS = {w: CausalLM.from_seed(ModelConfig(sliding_window=w), seed=0) for w in (None, 5)}
-
-
-def repeat_last(tokens: list[int], k: int) -> list[int]:
-    """A draft source that is sometimes right: the last token, ``k`` times."""
-    return [tokens[-1]] * k
-
-
 CHAINS = {
     # The issue's run: pending [(1, 3), (2, 4), (1, 2)] before the rule; request 1's sample 0
     # came out [29, 123, 83, 58, 120] where dense decoding gives [29, 72, 120, 47, 29].
@@ -124,7 +102,7 @@ CHAINS = {
     "copy_blocks of the second layer": (
         None, dict(total_blocks=4, block_size=4, max_num_seqs=5, max_num_batched_tokens=6),
         [((4, 40, 51), 4, 3), ((86, 109), 3, 2), ((24, 97, 88, 124, 60, 16), 2, 1)],
-        ("kernels", "copy_blocks", 2),
+        (kernels, "copy_blocks", 2),
     ),
     "sliding window": (
         5, dict(total_blocks=7, block_size=4, max_num_seqs=6, max_num_batched_tokens=7),
@@ -140,36 +118,18 @@ CHAINS = {
     ),
 }  # fmt: skip
 """Runs that chained pairs: the model's window, the engine's options, the requests (prompt,
-max_new_tokens, n), and the one fault (which object, which call, the how-manieth call)."""
+max_new_tokens, n), and the one fault (the engine's store or a module, the call, which call)."""
 
 
 @pytest.mark.parametrize("case", sorted(CHAINS))
 def test_one_fault_after_a_copy_on_write_chain_keeps_the_tokens(case: str) -> None:
     window, options, requests, (where, name, fail_at) = CHAINS[case]
-    model = MODELS[window]
-    engine = PagedAttentionEngine(model, **options, max_model_len=64)
+    engine = PagedAttentionEngine(MODELS[window], **options, max_model_len=64)
     for prompt, max_new, n in requests:
         engine.add_request(list(prompt), max_new, n=n)
-    target: Any = engine.store if where == "store" else pagedkv.kernels
-    original, calls = getattr(target, name), [0]
-
-    def faulty(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        if calls[0] == fail_at:
-            raise RuntimeError(f"injected into {name} call {fail_at}")
-        return original(*args, **kwargs)
-
-    setattr(target, name, faulty)
-    outputs: dict[int, list[list[int]]] = {}
-    try:
-        for _ in range(100):
-            if not engine.has_unfinished_requests():
-                break
-            with suppress(RuntimeError):
-                outputs.update((out.request_id, out.outputs) for out in engine.step().finished)
-    finally:
-        setattr(target, name, original)
-    assert calls[0] > fail_at, "the fault never fired"
+    with failing_calls(engine.store if where == "store" else where, name, (fail_at,)) as made:
+        outputs = {out.request_id: out.outputs for out in drain(engine)}
+    assert len(made) > fail_at, "the fault never fired"
     for request_id, (prompt, max_new, n) in enumerate(requests):
-        dense = dense_generate(model, prompt, max_new).tokens
+        dense = dense_generate(MODELS[window], prompt, max_new).tokens
         assert outputs[request_id] == [dense] * n, (request_id, outputs[request_id], dense)

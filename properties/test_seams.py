@@ -1,11 +1,8 @@
-"""The engine fault machine injects at every seam a real step crosses, and only there.
-
-Steps on each backend are traced (``properties/seams.py``: every call from one ``pagedkv``
-module into another, or into the draft source, but the input checks and the calls inside one
-store call) and the union must equal the machine's list, ``properties/fault_seams.txt``: a new
-seam fails here until the machine injects at it, and a listed seam no step reaches any more (a
-dead one, as the model's kernel calls once were) fails too. The Triton interpreter is traced in
-a subprocess: ``TRITON_INTERPRET`` must be set before triton is imported.
+"""The engine fault machine injects at every seam a real step crosses, and only there: the seams
+traced on each backend (``properties/seams.py``) must equal ``properties/fault_seams.txt``, so a
+new seam fails until the machine injects at it, and so does a listed one no step reaches any
+more. Triton's interpreter is traced in a subprocess: ``TRITON_INTERPRET`` must be set before
+triton is imported.
 """
 
 from __future__ import annotations
@@ -22,23 +19,20 @@ from properties.test_faults import STORE_CALLS
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def traced_on_triton() -> set[tuple[str, str]]:
+def test_the_machine_injects_at_every_traced_seam_and_no_other() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "properties.seams", "triton"]
     out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
-    return {tuple(line.split()) for line in out.stdout.splitlines()}  # type: ignore[misc]
-
-
-def test_the_machine_injects_at_every_traced_seam_and_no_other() -> None:
-    traced = trace_engine("numba") | trace_engine("reference") | traced_on_triton()
+    traced = trace_engine("numba") | trace_engine("reference")
+    traced |= {tuple(line.split()) for line in out.stdout.splitlines()}  # type: ignore[misc]
     listed = listed_seams()
     assert not traced - listed, f"seams no machine injects at: {sorted(traced - listed)}"
     assert not listed - traced, f"listed seams no step reaches: {sorted(listed - traced)}"
 
 
 def test_the_scheduler_machine_faults_every_store_method_the_step_calls() -> None:
-    """The fast machine's store wrapper covers every store method a traced step calls (the
-    properties it reads are faulted by the engine machine)."""
+    """The fast machine's store wraps every store method a traced step calls (the engine
+    machine faults the properties it reads)."""
     prefix = "pagedkv.impl.blocks.store:BlockTableStore."
     called = {
         callee.removeprefix(prefix) for _, callee in listed_seams() if callee.startswith(prefix)
