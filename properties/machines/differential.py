@@ -107,11 +107,16 @@ class DifferentialMachine(Lockstep, RuleBasedStateMachine):
 
     # ----------------------------------------------------------------- helpers
 
-    def grow(self, table: Table, *args: Any) -> None:
-        """``append_slot(table.blocks, *args)`` on both; on success the table is replaced."""
-        kind, grown = self.both("append_slot", table.blocks, *args)
+    def step(self, table: Table, name: str, *args: Any, as_tuple: bool = False) -> bool:
+        """``name(table.blocks, *args)`` on both (the blocks as a tuple, maybe); on success the
+        table is replaced by the result. Whether it succeeded."""
+        kind, result = self.both(name, tuple(table.blocks) if as_tuple else table.blocks, *args)
         if kind == "ok":
-            table.replace(grown)
+            table.replace(result)
+        return kind == "ok"
+
+    def grow(self, table: Table, *args: Any) -> None:
+        self.step(table, "append_slot", *args)
 
     def free_array(self, table: list[int | None]) -> None:
         """``free_array`` against the spec's ``free``; a table with released entries (which no
@@ -156,9 +161,7 @@ class DifferentialMachine(Lockstep, RuleBasedStateMachine):
         if where == "token_pos":
             self.both("translate_slot", table.blocks, value)
         elif where == "truncate":
-            kind, kept = self.both("truncate", table.blocks, value)
-            if kind == "ok":
-                table.replace(kept)
+            self.step(table, "truncate", value)
         elif where == "token_count":
             self.grow(table, value, min(count, 2))
         else:
@@ -178,20 +181,14 @@ class DifferentialMachine(Lockstep, RuleBasedStateMachine):
         """The decode step: the table's tokens are its capacity minus a little, plus one."""
         size = len(table.blocks) * self.block_size
         filled = data.draw(st.integers(max(0, size - self.block_size), size), label="filled")
-        kind, grown = self.both(
-            "append_slot", tuple(table.blocks) if as_tuple else table.blocks, filled + 1
-        )
-        if kind == "ok":
-            table.replace(grown)
+        self.step(table, "append_slot", filled + 1, as_tuple=as_tuple)
 
     @rule(table=tables, data=st.data(), as_tuple=st.booleans())
     def truncate(self, table: Table, data: st.DataObject, as_tuple: bool) -> None:
         """Roll back to any count the table holds (drafts rejected), or past it (refused)."""
         capacity = len(table.blocks) * self.block_size
         count = data.draw(st.integers(0, capacity) | st.integers(-1, capacity + 2), label="count")
-        kind, kept = self.both("truncate", tuple(table.blocks) if as_tuple else table.blocks, count)
-        if kind == "ok":
-            table.replace(kept)
+        self.step(table, "truncate", count, as_tuple=as_tuple)
 
     @rule(table=tables, data=st.data())
     def speculate(self, table: Table, data: st.DataObject) -> None:
@@ -200,12 +197,8 @@ class DifferentialMachine(Lockstep, RuleBasedStateMachine):
         drafts = data.draw(st.integers(0, 2 * self.block_size), label="k")
         if data.draw(st.booleans(), label="reserve first"):
             self.grow(table, filled + 1 + drafts, 0)
-        kind, grown = self.both("append_slot", table.blocks, filled + 1 + drafts, 1 + drafts)
-        if kind == "ok":
-            table.replace(grown)
-            kept = filled + 1 + data.draw(st.integers(0, drafts), label="j")
-            kind, kept_table = self.both("truncate", table.blocks, kept)
-            table.replace(kept_table)
+        if self.step(table, "append_slot", filled + 1 + drafts, 1 + drafts):
+            self.step(table, "truncate", filled + 1 + data.draw(st.integers(0, drafts), label="j"))
 
     @rule(table=tables, data=st.data(), as_tuple=st.booleans())
     def release_outside_window(self, table: Table, data: st.DataObject, as_tuple: bool) -> None:
@@ -216,10 +209,7 @@ class DifferentialMachine(Lockstep, RuleBasedStateMachine):
             st.integers(1, 3 * self.block_size) | st.integers(-1, 0) | bad_scalars(),
             label="window",
         )
-        blocks = tuple(table.blocks) if as_tuple else table.blocks
-        kind, slid = self.both("release_outside_window", blocks, count, window)
-        if kind == "ok":
-            table.replace(slid)
+        self.step(table, "release_outside_window", count, window, as_tuple=as_tuple)
 
     @rule(table=tables, window=st.integers(1, 8), steps=st.integers(1, 8))
     def decode_with_window(self, table: Table, window: int, steps: int) -> None:
@@ -228,10 +218,8 @@ class DifferentialMachine(Lockstep, RuleBasedStateMachine):
         for _ in range(steps):
             count = len(table.blocks) * self.block_size + 1
             self.grow(table, count)
-            kind, slid = self.both("release_outside_window", table.blocks, count, window)
-            if kind != "ok":
+            if not self.step(table, "release_outside_window", count, window):
                 return
-            table.replace(slid)
 
     @rule(targets=(tables, every_table), table=tables)
     def fork(self, table: Table) -> Any:

@@ -1,19 +1,15 @@
-"""The prefix-caching machines: spec and impl managers in lockstep, and the store on
-prefix-caching managers (run by ``properties/test_impl_prefix_cache.py``).
+"""The prefix-caching machines (run by ``properties/test_impl_prefix_cache.py``).
 
-* :class:`PrefixDifferentialMachine` drives spec and impl managers with the same calls and
-  compares every result and exception class, then the whole state after every step: the free
-  queue in order, every reference count (also against the live tables), every block's key,
-  ``num_cached_blocks`` and the counters. Prompts are a few shared system prompts plus a tiny
-  alphabet, with salts and sometimes a hash under which most keys collide, so hits, revivals,
-  evictions and exhaustion are all frequent.
-* :class:`PrefixStoreMachine` is the ``BlockTableStore`` machine on prefix-caching managers,
-  plus ``add_prompt``, ``cache_blocks`` and ``blocks_to_allocate`` against the spec's calls;
+* :class:`PrefixDifferentialMachine`: spec and impl managers in lockstep (results, exception
+  classes and KV events), then the whole state after every step. Prompts are a few shared
+  system prompts plus a tiny alphabet, with salts and sometimes a colliding hash, so hits,
+  revivals, evictions and exhaustion are frequent.
+* :class:`PrefixStoreMachine`: the store machine on prefix-caching managers, plus
+  ``add_prompt``, ``cache_blocks`` and ``blocks_to_allocate`` against the spec's calls;
   :class:`WindowPrefixStoreMachine` adds sliding-window releases.
 
-Keys are compared by content (:func:`describe`), never with ``==``, so that the planted-bug
-tests can give impl a different ``BlockKey`` class. ``IMPL`` and ``STORE`` are class attributes
-for the same reason.
+Keys are compared by content (:func:`describe`), never with ``==``, and ``IMPL`` and ``STORE``
+are class attributes, so the planted-bug tests can swap in copies with their own classes.
 """
 
 from __future__ import annotations
@@ -550,7 +546,7 @@ class PrefixStoreMachine(StoreMachine):
         tokens again, or other ones from the cut on: it must be registered anew, under its
         content's key (the sequence's own keys were cut)."""
         parent = data.draw(st.sampled_from(sorted(set(self.tokens) & set(self.seqs))))
-        table, count = self.seqs[parent]
+        count = self.seqs[parent][1]
         bs, full = self.block_size, count // self.block_size
         old = list(self.tokens_of(parent))
         refill = full > 0 and bs > 1 and data.draw(st.booleans(), label="refill the block")
@@ -562,8 +558,7 @@ class PrefixStoreMachine(StoreMachine):
             kept = data.draw(st.integers(0, full - 1)) * bs + data.draw(st.integers(1, bs - 1))
         child = min(set(range(12)) - set(self.seqs))
         if fork != "none":
-            self.store.fork(parent, child)
-            self.seqs[child] = (self.spec.fork(table), count)
+            self.fork_both(parent, child)
         if fork == "cut in the same batch":  # the child keeps the blocks before the cut block
             below = max(0, blocks_needed(kept, bs) - 1) * bs
             self.check_truncate(data, [parent, child], [kept, min(below, kept)])
@@ -594,9 +589,7 @@ class PrefixStoreMachine(StoreMachine):
         parent = data.draw(st.sampled_from(sorted(set(self.tokens) & set(self.seqs))))
         if child in self.seqs:
             return
-        self.store.fork(parent, child)
-        table, count = self.seqs[parent]
-        self.seqs[child] = (self.spec.fork(table), count)
+        self.fork_both(parent, child)
         self.tokens[child] = list(self.tokens_of(parent))
         self.salts[child] = self.salts.get(parent)
 

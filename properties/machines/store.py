@@ -1,20 +1,11 @@
-"""The store machines: ``impl.BlockTableStore`` against the spec called once per sequence.
-
-The model is a ``spec.BlockManager`` plus each sequence's table and token count. Every batch
-operation of the store must equal the spec's per-sequence calls in batch order: ``add`` is
-``allocate``, ``fork`` is ``fork``, ``remove`` is ``free``, ``grow`` is ``append_slot`` with
-``OutOfBlocksError`` caught (those ids are returned), ``truncate`` is ``truncate``,
-``release_outside_window`` is ``release_outside_window`` (a sliding window: released entries are
-the spec's ``None`` and the store's ``-1``; a write into one, or its slot, is refused with the
-spec's ``BlockTableError``), and the step's copy-on-write pairs are the spec's. Every
-``slot_mapping`` entry is the spec's ``translate_slot``; the FlashInfer CSR and FlashAttention
-exports round-trip to the same tables and counts. Bad input raises the documented error and
-changes nothing. After every step the table array (including its ``-1`` padding and the rows no
-sequence holds), the free queue and every reference count agree with the model.
-
-``STORE`` and ``PAGE_TABLES`` are class attributes so that the planted-bug tests can swap in
-broken copies. ``properties/test_block_table_store.py`` runs both machines; the prefix store
-machines (``properties.machines.prefix``) build on them.
+"""The store machines: ``impl.BlockTableStore`` against a ``spec.BlockManager`` called once per
+sequence, in batch order (``add`` is ``allocate``, ``remove`` is ``free``, ``grow`` is
+``append_slot`` with ``OutOfBlocksError`` caught, and so on; a released entry is the spec's
+``None`` and the store's ``-1``). Every ``slot_mapping`` entry is the spec's ``translate_slot``;
+the FlashInfer and FlashAttention exports round-trip to the same tables and counts; bad input
+raises the documented error and changes nothing. After every step the table array (padding and
+free rows included), the queue and every reference count agree with the model. ``STORE`` and
+``PAGE_TABLES`` are class attributes for the planted-bug tests.
 """
 
 from __future__ import annotations
@@ -95,6 +86,13 @@ class StoreMachine(Lockstep, RuleBasedStateMachine):
                 return batch
         return ids
 
+    def fork_both(self, parent: int, child: int) -> int:
+        """``store.fork`` and the spec's ``fork``; the parent's token count."""
+        self.store.fork(parent, child)
+        table, count = self.seqs[parent]
+        self.seqs[child] = (self.spec.fork(table), count)
+        return count
+
     def pairs(self) -> None:
         expected = self.spec.pop_copy_pairs()
         actual = self.store.pop_copy_pairs()
@@ -126,9 +124,7 @@ class StoreMachine(Lockstep, RuleBasedStateMachine):
         elif len(self.seqs) == self.max_seqs:
             self.refuses(CapacityError, self.store.fork, parent, child)
         else:
-            self.store.fork(parent, child)
-            table, count = self.seqs[parent]
-            self.seqs[child] = (self.spec.fork(table), count)
+            self.fork_both(parent, child)
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
@@ -170,9 +166,7 @@ class StoreMachine(Lockstep, RuleBasedStateMachine):
         """Beam search: fork, then parent and child (and maybe others) write one token each."""
         child = min(set(range(len(self.seqs) + 1)) - set(self.seqs))
         parent = data.draw(st.sampled_from(sorted(self.seqs)))
-        self.store.fork(parent, child)
-        table, count = self.seqs[parent]
-        self.seqs[child] = (self.spec.fork(table), count)
+        self.fork_both(parent, child)
         ids = data.draw(st.permutations(sorted(self.seqs)))
         ids = [s for s in ids if s in (parent, child) or data.draw(st.booleans())]
         self.check_grow(data, ids, [1] * len(ids), 1)
@@ -257,9 +251,7 @@ class StoreMachine(Lockstep, RuleBasedStateMachine):
         shared and partly filled, so the next write into it must copy it."""
         child = min(set(range(len(self.seqs) + 1)) - set(self.seqs))
         parent = data.draw(st.sampled_from(sorted(self.seqs)))
-        self.store.fork(parent, child)
-        table, count = self.seqs[parent]
-        self.seqs[child] = (self.spec.fork(table), count)
+        count = self.fork_both(parent, child)
         cut_one = data.draw(st.sampled_from([parent, child]), label="cut")
         self.check_truncate(data, [cut_one], [max(0, count - cut)])
         ids = data.draw(st.permutations(sorted(self.seqs)))
