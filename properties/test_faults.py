@@ -655,13 +655,14 @@ def sweep(
     def replay(faulty: int, decide: Decide) -> int:
         machine = machine_class()
         machine.start(**setup)
-        for request in requests:
-            machine.add_request(**request)
-        for _ in range(faulty):
-            machine.faulty_step(None)
-        machine.faulty_step(decide)
-        machine.nothing_lost()
-        machine.teardown()
+        with getattr(machine, "seams", ExitStack()):  # uninstalled even if a check fails
+            for request in requests:
+                machine.add_request(**request)
+            for _ in range(faulty):
+                machine.faulty_step(None)
+            machine.faulty_step(decide)
+            machine.nothing_lost()
+            machine.teardown()
         return machine.injector.calls
 
     runs = 0
