@@ -178,7 +178,9 @@ def test_module_translate_slot_rejects_bad_input(
 ) -> None:
     """Tables, positions (a negative one would read from the end) and block sizes are checked
     like every count: ints, a bool is not one."""
-    match = "token_pos" if token_pos != 0 else "block_size" if block_size != 4 else ""
+    match = (
+        "token_pos" if token_pos != 0 else "block_size" if block_size != 4 else "block(_table| id)"
+    )
     with pytest.raises(error, match=match):
         translate_slot(table, token_pos, block_size)  # type: ignore[arg-type]
 
