@@ -32,7 +32,7 @@ class Both:
 
     def add(self, seq_id: int, prompt_len: int) -> None:
         self.store.add(seq_id, prompt_len)
-        self.tables[seq_id] = self.spec.allocate(-(-prompt_len // self.block_size))
+        self.tables[seq_id] = self.spec.allocate(spec_bm.blocks_needed(prompt_len, self.block_size))
 
     def prompt(self, seq_id: int, tokens: list[int], extra: Hashable = None) -> int:
         """``add_prompt`` and ``allocate_prompt``: the same cached tokens, returned."""
