@@ -123,6 +123,7 @@ def installed(seams: set[Seam], wrap: Wrap) -> Iterator[None]:
         if ":" in callee:
             by_callee.setdefault(callee, set()).add(caller)
     undo: list[tuple[Any, str, Any]] = []  # (target, attribute, original)
+    ours = [module for key, module in list(sys.modules.items()) if key.startswith("pagedkv")]
     try:
         for callee, callers in sorted(by_callee.items()):
             module_name, qualname = callee.split(":")
@@ -134,11 +135,7 @@ def installed(seams: set[Seam], wrap: Wrap) -> Iterator[None]:
             faulty = functools.partial(_faulty, callee=callee, callers=callers, wrap=wrap)
             targets = [owner]
             if isinstance(owner, ModuleType):  # a function: wherever a pagedkv module binds it
-                targets = [
-                    module
-                    for key, module in list(sys.modules.items())
-                    if key.startswith("pagedkv") and getattr(module, name, None) is raw
-                ]
+                targets = [module for module in ours if getattr(module, name, None) is raw]
                 replacement = faulty(raw)
             elif isinstance(raw, property):
                 replacement = property(faulty(raw.fget), raw.fset, raw.fdel, raw.__doc__)
