@@ -1,13 +1,11 @@
-"""Shared pieces of the engine properties: the tiny model, the logit tolerances, workloads (built
-to hit the hard cases often: block sizes 1..256, pools just large enough to preempt, small token
-budgets that chunk prompts, shared system prefixes, ``n`` up to 3, greedy and sampled requests,
-staggered arrivals, an EOS the model really emits) and a driver that plays them on the engine."""
+"""Shared pieces of the engine properties: the tiny model, logit tolerances, workloads drawn to
+hit the hard cases often (preemption, chunking, prefix hits, forks, EOS) and a driver for them."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import pytest
@@ -18,7 +16,8 @@ from hypothesis import strategies as st
 from pagedkv.impl.serving.dense import DenseOutput, dense_generate
 from pagedkv.impl.serving.engine import PagedAttentionEngine, RequestOutput
 from pagedkv.impl.serving.model import CausalLM, ModelConfig
-from pagedkv.spec.block_manager import blocks_needed
+from pagedkv.impl.serving.scheduler import SchedulerOutput
+from pagedkv.spec.block_manager import blocks_needed, blocks_outside_window
 
 CONFIG = ModelConfig()  # vocab 128, hidden 64, 2 layers, 4 query heads over 2 KV heads, dim 16
 MODEL = CausalLM.from_seed(CONFIG, seed=0)
@@ -73,10 +72,11 @@ class Workload:
     watermark_blocks: int = 0
     prefix_caching: bool = True
     eos_token_id: int | None = None
+    model: CausalLM = MODEL
 
     def engine(self, **kwargs: object) -> PagedAttentionEngine:
         return PagedAttentionEngine(
-            MODEL, self.total_blocks, self.block_size, max_num_seqs=self.max_num_seqs,
+            self.model, self.total_blocks, self.block_size, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             watermark_blocks=self.watermark_blocks, enable_prefix_caching=self.prefix_caching,
             keep_logits=True, **kwargs,
@@ -86,10 +86,20 @@ class Workload:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
+# A fixed workload sure to chunk prompts, hit prefixes, fork samples and preempt.
+PRESSURE = Workload(
+    tuple(
+        Request((*range(40, 52), i, 2 * i + 1), 12, n=1 + i % 2, temperature=t, arrival=i)
+        for i, t in enumerate([0.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    ),
+    block_size=4, total_blocks=12, max_num_seqs=6, max_num_batched_tokens=10, watermark_blocks=1,
+)  # fmt: skip
+
+
 @lru_cache(maxsize=4096)
-def greedy_oracle(prompt: tuple[int, ...], max_new_tokens: int) -> DenseOutput:
+def greedy_oracle(prompt: tuple[int, ...], new: int, model: CausalLM = MODEL) -> DenseOutput:
     """The dense model's greedy continuation, without an end-of-sequence token."""
-    return dense_generate(MODEL, prompt, max_new_tokens)
+    return dense_generate(model, prompt, new)
 
 
 @st.composite
@@ -100,7 +110,8 @@ def workloads(
     block_sizes: st.SearchStrategy[int] = BLOCK_SIZES,
     sampled: bool = True,
 ) -> Workload:
-    """A workload (see the module docstring) that fits the pool request by request."""
+    """Shared system prefixes, ``n`` up to 3, greedy and sampled requests, staggered arrivals,
+    small token budgets and pools just large enough for the largest request."""
     block_size = draw(block_sizes)
     token = st.integers(0, CONFIG.vocab_size - 1)
     systems = draw(st.lists(st.lists(token, min_size=3, max_size=24), min_size=1, max_size=2))
@@ -134,16 +145,46 @@ def workloads(
     )
 
 
+def watch_window(engine: PagedAttentionEngine, window: int) -> list[int]:
+    """After every schedule: each running sequence released exactly the blocks outside its next
+    query's window (-1 in the tables) and, decoding, holds at most the window's blocks plus one
+    for the token it writes. The returned list gets each step's released total."""
+    schedule, store, bs = engine.scheduler.schedule, engine.store, engine.store.block_size
+    released: list[int] = []
+
+    def checked_schedule() -> SchedulerOutput:
+        plan = schedule()
+        released.append(0)
+        for seq in engine.scheduler.running:
+            row = store.row(seq.seq_id)
+            count = int(store.num_released[row])
+            assert count == blocks_outside_window(seq.num_computed, window, bs)
+            assert (store.tables[row, :count] == -1).all()
+            assert None not in store.table(seq.seq_id)[count:]
+            held = int(store.num_blocks[row]) - count
+            if seq.num_pending == 1:  # decoding: the table holds the token about to be computed
+                assert held <= blocks_needed(window - 1, bs) + 2, (seq.seq_id, held)
+            released[-1] += count
+        return plan
+
+    engine.scheduler.schedule = checked_schedule  # type: ignore[method-assign]
+    return released
+
+
 @dataclass(frozen=True)
 class Run:
     engine: PagedAttentionEngine
     outputs: list[RequestOutput]  # by the workload's request index
+    released: list[int] = field(default_factory=list)  # per step, with a window: watch_window's
 
 
 def run(workload: Workload, **engine_kwargs: object) -> Run:
     """Add each request before the step numbered by its arrival and step until all finished,
-    checking the scheduler's limits at every step and that no request is lost or doubled."""
+    checking the scheduler's limits (and a model's window) every step, and no request lost or
+    doubled."""
     engine = workload.engine(**engine_kwargs)
+    window = workload.model.config.sliding_window
+    released = watch_window(engine, window) if window is not None else []
     index_of: dict[int, int] = {}
     outputs: dict[int, RequestOutput] = {}
     pending = list(enumerate(workload.requests))
@@ -170,7 +211,8 @@ def run(workload: Workload, **engine_kwargs: object) -> Run:
     if currently_in_test_context():
         event(f"preempted: {'yes' if any(m.preemptions for m in engine.metrics) else 'no'}")
         event(f"prefix hits: {'yes' if any(m.prefix_hit_tokens for m in engine.metrics) else 'no'}")
-    return Run(engine, sorted(outputs.values(), key=lambda out: index_of[out.request_id]))
+    by_index = sorted(outputs.values(), key=lambda out: index_of[out.request_id])
+    return Run(engine, by_index, released)
 
 
 def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -189,7 +231,7 @@ def check_against_oracle(workload: Workload, result: Run) -> None:
         for sample, (tokens, logits) in enumerate(zip(out.outputs, out.logits, strict=True)):
             what = f"request {request} sample {sample}"
             if request.temperature == 0.0:
-                oracle = greedy_oracle(request.prompt, request.max_new_tokens)
+                oracle = greedy_oracle(request.prompt, request.max_new_tokens, workload.model)
                 expected = oracle.tokens
                 if eos in expected:
                     expected = expected[: expected.index(eos) + 1]
@@ -198,7 +240,7 @@ def check_against_oracle(workload: Workload, result: Run) -> None:
             else:
                 assert len(tokens) == request.max_new_tokens or tokens[-1] == eos, what
                 assert eos not in tokens[:-1], f"{what}: generated past EOS"
-                forced = dense_generate(MODEL, request.prompt, 0, forced=tokens)
+                forced = dense_generate(workload.model, request.prompt, 0, forced=tokens)
                 assert_logits_close(logits, forced.logits, what)
 
 

@@ -1,13 +1,9 @@
-"""``PagedAttentionEngine`` against the dense oracle (each sequence alone, contiguous cache, same
-layers): on drawn workloads (``engine_cases.py``) greedy samples equal it token for token and
-sampled ones have its logits for their own tokens, and every block is freed. With a sliding
-window the engine really releases the blocks outside it, and still matches the windowed oracle.
-"""
+"""``PagedAttentionEngine`` against the dense oracle (each sequence alone, contiguous cache) on
+drawn and fixed workloads, with and without a sliding window (blocks outside it released)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -15,22 +11,21 @@ from hypothesis import given, settings
 from pagedkv.impl.blocks.manager import BlockManager as ImplBlockManager
 from pagedkv.impl.blocks.store import BlockTableStore
 from pagedkv.impl.serving.cli import main
-from pagedkv.impl.serving.dense import dense_generate
 from pagedkv.impl.serving.engine import PagedAttentionEngine
 from pagedkv.impl.serving.model import CausalLM
 from pagedkv.impl.serving.paged_kv import PagedKVCache
-from pagedkv.impl.serving.scheduler import RequestTooLargeError, SchedulerConfig, SchedulerOutput
+from pagedkv.impl.serving.scheduler import RequestTooLargeError, SchedulerConfig
 from pagedkv.spec.block_manager import BlockManager as SpecBlockManager
-from pagedkv.spec.block_manager import blocks_needed, blocks_outside_window
 from pagedkv.spec.checks import int32_window
 from properties.engine_cases import (
     CONFIG,
     MODEL,
+    PRESSURE,
     Request,
     Workload,
-    assert_logits_close,
     check_against_oracle,
     check_all_freed,
+    greedy_oracle,
     run,
     single_thread,  # noqa: F401 - an autouse fixture
     workloads,
@@ -52,17 +47,6 @@ def test_prefix_caching_changes_nothing(workload: Workload) -> None:
     for a, b in zip(on.outputs, off.outputs, strict=True):
         assert a.outputs == b.outputs
     check_all_freed(on.engine)
-
-
-# Fixed workloads that are sure to exercise what the drawn ones exercise most of the time.
-SYSTEM = tuple(range(40, 52))
-PRESSURE = Workload(
-    tuple(
-        Request((*SYSTEM, i, 2 * i + 1), max_new_tokens=12, n=1 + i % 2, temperature=t, arrival=i)
-        for i, t in enumerate([0.0, 1.0, 0.0, 0.0, 1.0, 0.0])
-    ),
-    block_size=4, total_blocks=12, max_num_seqs=6, max_num_batched_tokens=10, watermark_blocks=1,
-)  # fmt: skip
 
 
 def test_preemption_prefix_hits_and_forks_happen() -> None:
@@ -149,54 +133,11 @@ def test_demo_runs(capsys: pytest.CaptureFixture[str]) -> None:
 
 # ----------------------------------------------------------------------- sliding window
 
-WINDOW = 6
-WINDOW_MODEL = CausalLM.from_seed(dataclasses.replace(CONFIG, sliding_window=WINDOW), seed=0)
-
-
-def watch_window(engine: PagedAttentionEngine, window: int) -> list[int]:
-    """After every schedule of ``engine``: each running sequence released exactly the blocks
-    outside its next query's window (-1 in the tables), and a decoding one holds at most the
-    window's blocks plus one for the token it writes. The list gets each step's released total."""
-    schedule, store, bs = engine.scheduler.schedule, engine.store, engine.store.block_size
-    released: list[int] = []
-
-    def checked_schedule() -> SchedulerOutput:
-        plan = schedule()
-        released.append(0)
-        for seq in engine.scheduler.running:
-            row = store.row(seq.seq_id)
-            count = int(store.num_released[row])
-            assert count == blocks_outside_window(seq.num_computed, window, bs)
-            assert (store.tables[row, :count] == -1).all()
-            assert None not in store.table(seq.seq_id)[count:]
-            held = int(store.num_blocks[row]) - count
-            if seq.num_pending == 1:  # decoding: the table holds the token about to be computed
-                assert held <= blocks_needed(window - 1, bs) + 2, (seq.seq_id, held)
-            released[-1] += count
-        return plan
-
-    engine.scheduler.schedule = checked_schedule  # type: ignore[method-assign]
-    return released
-
-
-def play_windowed(
-    requests: Sequence[tuple[list[int], int, int, float]], **engine_kwargs: object
-) -> tuple[PagedAttentionEngine, list[list[list[int]]], list[list[object]], int]:
-    """Serve ``(prompt, max_new_tokens, n, temperature)`` requests at once on the windowed model,
-    watching the window; returns the engine, samples, logits and the most entries released."""
-    engine = PagedAttentionEngine(WINDOW_MODEL, keep_logits=True, **engine_kwargs)  # type: ignore[arg-type]
-    released = watch_window(engine, WINDOW)
-    ids = [engine.add_request(prompt, new, n=n, temperature=t) for prompt, new, n, t in requests]
-    finished = {}
-    while engine.has_unfinished_requests():
-        finished |= {out.request_id: out for out in engine.step().finished}
-    outs = [finished[request_id] for request_id in ids]
-    return engine, [o.outputs for o in outs], [o.logits for o in outs], max(released)
-
-
-WINDOW_SYSTEM = list(range(60, 71))  # 11 tokens: hits on the first blocks of later prompts
-WINDOW_REQUESTS = [([*WINDOW_SYSTEM, 3, 4], 14, 2, 1.0), ([*WINDOW_SYSTEM, 5], 16, 1, 0.0),
-                   ([*WINDOW_SYSTEM, 7, 8, 9], 12, 2, 0.0), ([20, 21, 22], 15, 1, 1.0)]  # fmt: skip
+WINDOW_MODEL = CausalLM.from_seed(dataclasses.replace(CONFIG, sliding_window=6), seed=0)
+WINDOW_SYSTEM = tuple(range(60, 71))  # 11 tokens: hits on the first blocks of later prompts
+WINDOW_REQUESTS = tuple(Request(*request, arrival=0) for request in [
+    ((*WINDOW_SYSTEM, 3, 4), 14, 2, 1.0), ((*WINDOW_SYSTEM, 5), 16, 1, 0.0),
+    ((*WINDOW_SYSTEM, 7, 8, 9), 12, 2, 0.0), ((20, 21, 22), 15, 1, 1.0)])  # fmt: skip
 
 
 @pytest.mark.parametrize(("block_size", "total_blocks", "budget"),
@@ -207,22 +148,13 @@ def test_sliding_window_releases_blocks_and_matches_dense(
 ) -> None:
     """The windowed model with prefix caching, forks, a tight pool and chunked prompts: the dense
     oracle's tokens (greedy) and logits (all), blocks really released, all freed at the end."""
-    engine, outputs, logits, most_released = play_windowed(
-        WINDOW_REQUESTS, total_blocks=total_blocks, block_size=block_size,
-        max_num_seqs=6, max_num_batched_tokens=budget, enable_prefix_caching=True,
-    )  # fmt: skip
-    assert sum(m.prefix_hit_tokens for m in engine.metrics) > 0 and most_released > 0
-    assert block_size != 2 or sum(m.preemptions for m in engine.metrics) > 0
-    for request, samples, rows in zip(WINDOW_REQUESTS, outputs, logits, strict=True):
-        prompt, new, n, temperature = request
-        assert len(samples) == n
-        oracle = dense_generate(WINDOW_MODEL, prompt, new)
-        for tokens, row in zip(samples, rows, strict=True):
-            if temperature == 0.0:
-                assert tokens == oracle.tokens, f"{prompt}: paged {tokens} != {oracle.tokens}"
-            forced = dense_generate(WINDOW_MODEL, prompt, 0, forced=tokens)
-            assert_logits_close(row, forced.logits, f"prompt {prompt}")  # type: ignore[arg-type]
-    check_all_freed(engine)
+    workload = Workload(WINDOW_REQUESTS, block_size, total_blocks, 6, budget, model=WINDOW_MODEL)
+    result = run(workload)
+    metrics = result.engine.metrics
+    assert sum(m.prefix_hit_tokens for m in metrics) > 0 and max(result.released) > 0
+    assert block_size != 2 or sum(m.preemptions for m in metrics) > 0
+    check_against_oracle(workload, result)
+    check_all_freed(result.engine)
 
 
 @pytest.mark.parametrize("window", [2**31, 2**63, 2**64], ids=["2**31", "2**63", "2**64"])
@@ -254,23 +186,22 @@ def test_a_window_wider_than_any_context_is_no_window_in_every_layer(window: int
 def test_sliding_window_with_speculative_decoding() -> None:
     """Partly right drafts: the rollback truncates the rejected ones and the window releases only
     blocks before the committed tokens' window, so the output is the oracle's."""
-    greedy = [(prompt, new, 1, 0.0) for prompt, new, _, _ in WINDOW_REQUESTS]
-    oracles = {tuple(p): dense_generate(WINDOW_MODEL, p, new).tokens for p, new, _, _ in greedy}
+    greedy = tuple(dataclasses.replace(r, n=1, temperature=0.0) for r in WINDOW_REQUESTS)
 
     def drafts(tokens: list[int], k: int) -> list[int]:
-        for prompt, future in oracles.items():
+        for request in greedy:
+            prompt = request.prompt
             if tuple(tokens[: len(prompt)]) == prompt:
                 done = len(tokens) - len(prompt)
+                future = greedy_oracle(prompt, request.max_new_tokens, WINDOW_MODEL).tokens
                 right = future[done : done + k]
                 return right[:1] + [(t + 1) % CONFIG.vocab_size for t in right[1:]]
         raise AssertionError("an unknown sequence")
 
-    engine, outputs, _, most_released = play_windowed(
-        greedy, total_blocks=24, block_size=2, max_num_seqs=4, max_num_batched_tokens=16,
-        enable_prefix_caching=True, draft_source=drafts, num_speculative_tokens=3,
-    )  # fmt: skip
-    assert most_released > 0 and engine.num_accepted_tokens > 0
+    workload = Workload(greedy, 2, 24, 4, 16, model=WINDOW_MODEL)
+    result = run(workload, draft_source=drafts, num_speculative_tokens=3)
+    engine = result.engine
+    assert max(result.released) > 0 and engine.num_accepted_tokens > 0
     assert engine.num_accepted_tokens < engine.num_draft_tokens
-    for (prompt, _, _, _), samples in zip(greedy, outputs, strict=True):
-        assert samples == [oracles[tuple(prompt)]]
+    check_against_oracle(workload, result)
     check_all_freed(engine)

@@ -1,10 +1,5 @@
-"""The paged engine against Hugging Face ``transformers`` for every family the loader accepts,
-built locally with seeded weights: over a small paged pool (chunked prefill, prefix caching,
-preemption, forks) it gives ``generate(do_sample=False)``'s greedy tokens, stopping at the same
-EOS, and the forward pass's logits within the engine tolerances. Mistral's sliding window is
-checked on its own, under eager and SDPA attention, with the window really releasing blocks;
-a window one token off, or none, gives other tokens.
-"""
+"""The paged engine against ``transformers`` for every family the loader accepts (local seeded
+weights): greedy tokens, EOS and logits; Mistral's sliding window under eager and SDPA."""
 
 from __future__ import annotations
 
@@ -15,15 +10,15 @@ import pytest
 import torch
 
 from pagedkv.impl.serving.dense import dense_generate
-from pagedkv.impl.serving.engine import PagedAttentionEngine
+from pagedkv.impl.serving.engine import PagedAttentionEngine, RequestOutput
 from pagedkv.impl.serving.hf_loader import ACCEPTED_MODEL_TYPES, load_hf
 from pagedkv.impl.serving.model import CausalLM
 from properties.engine_cases import (
     assert_logits_close,
     single_thread,  # noqa: F401 - an autouse fixture
+    watch_window,
 )
 from properties.hf_cases import hf_greedy, tiny_hf_model
-from properties.test_engine import watch_window
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,6 +38,24 @@ FAMILIES = {
 }
 
 
+def check_against_hf(
+    hf_model: torch.nn.Module,
+    prompts: list[list[int]],
+    outputs: list[RequestOutput],
+    expected: list[list[int]],
+) -> list[torch.Tensor]:
+    """Every sample is ``expected``'s, with the logits of transformers' forward pass (returned)."""
+    forwards = []
+    for prompt, out, tokens in zip(prompts, outputs, expected, strict=True):
+        with torch.no_grad():
+            forwards.append(hf_model(torch.tensor([prompt + tokens[:-1]])).logits[0])
+        assert out.logits is not None
+        for sample, logits in zip(out.outputs, out.logits, strict=True):
+            assert sample == tokens, f"prompt {prompt}: paged {sample} != hf {tokens}"
+            assert_logits_close(logits, forwards[-1][len(prompt) - 1 :], f"prompt {prompt}")
+    return forwards
+
+
 def test_every_accepted_family_is_tested() -> None:
     tested = {tiny_hf_model(family).config.model_type for family, _ in FAMILIES.values()}
     assert tested == set(ACCEPTED_MODEL_TYPES)
@@ -59,28 +72,22 @@ def test_paged_engine_generates_what_transformers_generates(hf_model: torch.nn.M
     model = load_hf(hf_model)
     assert model.config.rope_theta == 500.0 and model.config.rms_norm_eps == 1e-5
     prompts = seeded_prompts(1, 9, (1, 4, 7, 12, 3, 25))
-    max_new_tokens = 16
-
+    new = 16
     # EOS: a token the model emits, for the first time, a few tokens into the first output.
-    first = hf_greedy(hf_model, prompts[0], max_new_tokens, 2)
+    first = hf_greedy(hf_model, prompts[0], new, 2)
     stop = next(i for i in range(3, len(first)) if first[i] not in first[:i])
     eos = first[stop]
     engine = PagedAttentionEngine(
         model, total_blocks=14, block_size=4, max_num_seqs=4, max_num_batched_tokens=24,
         enable_prefix_caching=True, keep_logits=True,
     )  # fmt: skip
-    outputs = engine.generate(prompts, max_new_tokens, n=2, eos_token_id=eos)
+    outputs = engine.generate(prompts, new, n=2, eos_token_id=eos)
     metrics = engine.metrics
     assert sum(m.preemptions for m in metrics) > 0 and sum(m.prefix_hit_tokens for m in metrics)
     assert len(outputs[0].outputs[0]) == stop + 1  # stopped at EOS
-    for prompt, out in zip(prompts, outputs, strict=True):
-        expected = hf_greedy(hf_model, prompt, max_new_tokens, eos)
-        assert out.logits is not None
-        for tokens, logits in zip(out.outputs, out.logits, strict=True):
-            assert tokens == expected, f"prompt {prompt}: paged {tokens} != hf {expected}"
-            with torch.no_grad():
-                forward = hf_model(torch.tensor([prompt + tokens[:-1]])).logits[0]
-            assert_logits_close(logits, forward[len(prompt) - 1 :], f"prompt {prompt}")
+    check_against_hf(
+        hf_model, prompts, outputs, [hf_greedy(hf_model, p, new, eos) for p in prompts]
+    )
 
 
 # ----------------------------------------------------------------------- sliding window
@@ -133,13 +140,8 @@ def test_mistral_sliding_window_matches_transformers(
     assert max(released) > 0, "no block was released"
     metrics = engine.metrics
     assert sum(m.prefix_hit_tokens for m in metrics) > 0 and sum(m.preemptions for m in metrics)
-    for prompt, out, tokens in zip(prompts, outputs, expected, strict=True):
-        with torch.no_grad():
-            forward = hf_model(torch.tensor([prompt + tokens[:-1]])).logits[0]
-        assert out.logits is not None
-        for sample, logits in zip(out.outputs, out.logits, strict=True):
-            assert sample == tokens, f"prompt {prompt}: paged {sample} != hf {tokens}"
-            assert_logits_close(logits, forward[len(prompt) - 1 :], f"prompt {prompt}")
+    forwards = check_against_hf(hf_model, prompts, outputs, expected)
+    for prompt, tokens, forward in zip(prompts, expected, forwards, strict=True):
         dense = dense_generate(model, prompt, WINDOW_MAX_NEW_TOKENS)
         assert dense.tokens == tokens, f"prompt {prompt}: dense {dense.tokens} != hf {tokens}"
         assert_logits_close(dense.logits, forward[len(prompt) - 1 :], f"dense, prompt {prompt}")

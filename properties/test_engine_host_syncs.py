@@ -27,11 +27,11 @@ from pagedkv.kernels import api
 from properties.engine_cases import (
     CONFIG,
     MODEL,
+    PRESSURE,
     check_against_oracle,
     run,
     single_thread,  # noqa: F401 - an autouse fixture
 )
-from properties.test_engine import PRESSURE
 
 VALUE_CHECKS = (
     "check_context_values",
