@@ -88,8 +88,7 @@ def default_block_hash(parent: BlockKey | None, tokens: tuple[int, ...], extra: 
     already covers the whole prefix before it.
     """
     parent_hash = None if parent is None else parent.hash_value
-    canonical = extra if extra is None or type(extra) is str else canonical_extra(extra)
-    data = repr((parent_hash, tokens, canonical)).encode("utf-8")
+    data = repr((parent_hash, tokens, canonical_extra(extra))).encode("utf-8")
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
@@ -98,7 +97,7 @@ def check_extra_key(extra_key: object, hash_fn: Callable[..., int]) -> None:
     refused by the first call that receives it, before anything changes, even when the tokens
     fill no block and so no key is hashed. Under another ``hash_fn`` the extra key is that
     function's to judge."""
-    if hash_fn is default_block_hash and extra_key is not None and type(extra_key) is not str:
+    if hash_fn is default_block_hash:
         canonical_extra(extra_key)
 
 
