@@ -1,25 +1,18 @@
-"""A step's layer loop reads no tensor value on the host (no GPU synchronization).
-
-``PagedKVCache.step`` validates everything before the first layer, and the layers call kernels
-with ``validate=False``. On the CPU, while a decoder layer runs, host reads (``tolist``,
-``item``, ``bool``/``int``/``float`` of a tensor) and ``kernels.check_values`` raise
-:class:`HostRead`; real engine runs must still give the dense oracle's tokens, and planted reads
-are caught. On CUDA the layers run under ``set_sync_debug_mode("error")``. The device table
-buffer uploads only changed rows, and a checked step refuses bad tables before any change.
-"""
+"""A step's layer loop reads no tensor value on the host (no GPU synchronization): on the CPU a
+guard makes host reads and value checks inside a decoder layer raise; on CUDA the layers run
+under ``set_sync_debug_mode("error")``. Also: the device tables upload only changed rows."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
 import torch
 
 from pagedkv.impl.serving import paged_kv
-from pagedkv.impl.serving.dense import dense_generate
 from pagedkv.impl.serving.engine import PagedAttentionEngine
 from pagedkv.impl.serving.model import CausalLM, DecoderLayer
 from pagedkv.impl.serving.paged_kv import DeviceBlockTables, PagedKVCache, PagedStep
@@ -28,7 +21,10 @@ from properties.engine_cases import (
     CONFIG,
     MODEL,
     PRESSURE,
+    Request,
+    Workload,
     check_against_oracle,
+    greedy_oracle,
     run,
     single_thread,  # noqa: F401 - an autouse fixture
 )
@@ -82,51 +78,30 @@ def no_host_reads_in_layers() -> Iterator[list[int]]:
         yield calls
 
 
-def test_the_layers_read_nothing_on_the_host() -> None:
-    """The pressure workload (chunked prompts with decodes, prefix hits, forks, preemption)
-    under the guard still gives the dense oracle's tokens."""
+def shared(count: int, new: int, model: CausalLM = MODEL) -> Workload:
+    """Greedy prompts over a shared prefix, chunked by a budget of 9."""
+    requests = tuple(Request((*range(40, 52), i, i + 7), new, 1, 0.0, 0) for i in range(count))
+    return Workload(requests, 4, 40, count, 9, model=model)
+
+
+WINDOWED = CausalLM.from_seed(dataclasses.replace(CONFIG, sliding_window=5), seed=3)
+
+
+@pytest.mark.parametrize(
+    ("workload", "kwargs"),
+    [(PRESSURE, {}), (shared(4, 8, WINDOWED), {}), (shared(3, 4), {"backend": "triton"})],
+    ids=["pressure", "window", "triton"],
+)
+def test_the_layers_read_nothing_on_the_host(workload: Workload, kwargs: dict) -> None:
+    """Chunked prompts beside decodes, prefix hits (forks and preemption with the pressure
+    workload), a window, the triton backend (the interpreter here) under the guard: the dense
+    oracle's outputs."""
     with no_host_reads_in_layers() as calls:
-        result = run(PRESSURE)
-    check_against_oracle(PRESSURE, result)
+        result = run(workload, **kwargs)
+    check_against_oracle(workload, result)
     metrics = result.engine.metrics
-    assert calls
+    assert calls and sum(m.prefix_hit_tokens for m in metrics) > 0
     assert any(m.num_decodes and m.num_batched_tokens > m.num_decodes for m in metrics)
-    assert sum(m.prefix_hit_tokens for m in metrics) > 0
-
-
-def generate_greedily(
-    model: CausalLM, num_prompts: int, new: int, guard: AbstractContextManager[object],
-    oracle: CausalLM | None = None, **kwargs: object,
-) -> tuple[PagedAttentionEngine, object]:  # fmt: skip
-    """Chunked prompts over a shared prefix, generated under ``guard``: dense decoding's tokens.
-    Returns the engine and what ``guard`` yielded."""
-    prompts = [[*range(40, 52), i, i + 7] for i in range(num_prompts)]
-    engine = PagedAttentionEngine(
-        model, 40, 4, max_num_seqs=num_prompts, max_num_batched_tokens=9,
-        enable_prefix_caching=True, **kwargs,  # type: ignore[arg-type]
-    )  # fmt: skip
-    with guard as entered:
-        outputs = engine.generate(prompts, new)
-    for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.outputs[0] == dense_generate(oracle or model, tuple(prompt), new).tokens
-    return engine, entered
-
-
-def test_the_layers_read_nothing_on_the_host_with_a_window() -> None:
-    """A windowed model (window 5, prompts longer) under the guard, with prefix hits."""
-    model = CausalLM.from_seed(dataclasses.replace(CONFIG, sliding_window=5), seed=3)
-    engine, _ = generate_greedily(model, 4, 8, no_host_reads_in_layers())
-    assert sum(m.prefix_hit_tokens for m in engine.metrics) > 0
-
-
-def test_the_triton_layers_read_nothing_on_the_host() -> None:
-    """The triton backend (the interpreter here; the kernels a GPU compiles) under the guard."""
-    _, calls = generate_greedily(MODEL, 3, 4, no_host_reads_in_layers(), backend="triton")
-    assert calls
-
-
-def read_context_lens(self: PagedStep, layer: int, query: torch.Tensor) -> None:
-    self.context_lens.tolist()
 
 
 def validate_again(self: PagedStep, layer: int, query: torch.Tensor) -> None:
@@ -137,8 +112,9 @@ def validate_again(self: PagedStep, layer: int, query: torch.Tensor) -> None:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize(("planted", "match"), [(read_context_lens, "tolist"),
-                                                (validate_again, "check_")])  # fmt: skip
+@pytest.mark.parametrize(("planted", "match"),
+                         [(lambda step, *_: step.context_lens.tolist(), "tolist"),
+                          (validate_again, "check_")], ids=["tolist", "validate"])  # fmt: skip
 def test_the_guard_catches_a_host_read_in_the_layers(
     planted: Callable[..., None], match: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -169,7 +145,9 @@ def test_no_cuda_synchronization_in_the_layers(monkeypatch: pytest.MonkeyPatch) 
             torch.cuda.set_sync_debug_mode("default")
 
     monkeypatch.setattr(DecoderLayer, "forward", forward)
-    generate_greedily(CausalLM.from_seed(CONFIG, seed=0).cuda(), 4, 6, nullcontext(), MODEL)
+    result = run(shared(4, 6, CausalLM.from_seed(CONFIG, seed=0).cuda()))
+    expected = [[greedy_oracle(r.prompt, 6).tokens] for r in shared(4, 6).requests]
+    assert [out.outputs for out in result.outputs] == expected
 
 
 def test_device_tables_upload_only_changed_rows() -> None:
