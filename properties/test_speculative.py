@@ -1,17 +1,11 @@
-"""Greedy speculative decoding through the engine gives exactly plain greedy decoding.
-
-Draft sources: the dense oracle (always right), the oracle shifted by one token id (always
-wrong), the oracle's first ``r`` tokens then wrong ones, and a fixed guess. For each, outputs and
-logits equal the dense oracle's, every block is freed, and the drafts kept are exactly the
-leading drafts of each recorded call that equal the real continuation (so speculation silently
-doing nothing fails).
-"""
+"""Greedy speculative decoding through the engine is plain greedy decoding, for draft sources
+always right, always wrong, partly right and a fixed guess; the drafts kept are exactly the
+leading ones equal to the real continuation (so speculation silently doing nothing fails)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import pytest
 from hypothesis import given, settings
@@ -21,7 +15,6 @@ import pagedkv.impl.serving.engine as engine_module
 import pagedkv.impl.serving.scheduler as scheduler_module
 import pagedkv.impl.serving.speculative as speculative_module
 import properties.engine_cases as engine_cases
-from pagedkv.impl.serving.dense import dense_generate
 from pagedkv.impl.serving.engine import PagedAttentionEngine
 from pagedkv.impl.serving.paged_kv import PagedStep
 from pagedkv.impl.serving.speculative import accepted_drafts
@@ -44,21 +37,18 @@ from properties.mutants import load_mutant
 VOCAB = CONFIG.vocab_size
 
 
-@lru_cache(maxsize=4096)
-def continuation(tokens: tuple[int, ...], k: int) -> tuple[int, ...]:
-    """The dense model's greedy continuation of ``tokens``, ``k`` tokens long."""
-    return tuple(dense_generate(MODEL, tokens, k).tokens)
+Source = Callable[[list[int], int], list[int]]
 
 
 def oracle(tokens: list[int], k: int) -> list[int]:
-    return list(continuation(tuple(tokens), k))
+    return list(greedy_oracle(tuple(tokens), k).tokens)
 
 
 def wrong(tokens: list[int], k: int) -> list[int]:
-    return [(token + 1) % VOCAB for token in continuation(tuple(tokens), k)]
+    return [(token + 1) % VOCAB for token in oracle(tokens, k)]
 
 
-def partly_right(right: int) -> Callable[[list[int], int], list[int]]:
+def partly_right(right: int) -> Source:
     def draft(tokens: list[int], k: int) -> list[int]:
         return oracle(tokens, k)[:right] + wrong(tokens, k)[right:]
 
@@ -77,7 +67,7 @@ SOURCES = [oracle, wrong, partly_right(1), partly_right(2), fixed_guess]
 class Recorder:
     """A draft source that records each call: the tokens it saw and the drafts it returned."""
 
-    source: Callable[[list[int], int], list[int]]
+    source: Source
     calls: list[tuple[tuple[int, ...], list[int]]] = field(default_factory=list)
 
     def __call__(self, tokens: list[int], k: int) -> list[int]:
@@ -87,8 +77,8 @@ class Recorder:
         return drafts
 
     def expected_accepted(self, result: Run, eos_token_id: int | None) -> int:
-        """The drafts the calls should have had kept: leading drafts equal to the real
-        continuation (the longest finished sample extending the call's tokens), none EOS."""
+        """Each call's leading drafts equal to the real continuation (the longest finished sample
+        extending its tokens), none EOS: the drafts the engine should have kept."""
         samples = [(tuple(out.prompt), tuple(s)) for out in result.outputs for s in out.outputs]
         kept = 0
         for tokens, drafts in self.calls:
@@ -114,12 +104,23 @@ def ample(workload: Workload) -> Workload:
     return workload.but(total_blocks=max(total, workload.total_blocks))
 
 
-def speculate(workload: Workload, source: Recorder, k: int, **kwargs: object) -> Run:
-    """Run the workload speculatively; its outputs and logits must be the dense oracle's."""
-    result = run(workload, draft_source=source, num_speculative_tokens=k, **kwargs)
+def speculate(
+    workload: Workload, source: Source, k: int, exact: bool = True, **kwargs: object
+) -> tuple[Run, Recorder]:
+    """Run speculatively: the dense oracle's outputs and logits, every block freed, and (``exact``:
+    no preemption) every draft counted, the kept ones those :meth:`Recorder.expected_accepted`
+    names."""
+    recorder = Recorder(source)
+    result = run(workload, draft_source=recorder, num_speculative_tokens=k, **kwargs)
     check_against_oracle(workload, result)
     check_all_freed(result.engine)
-    return result
+    engine = result.engine
+    assert engine.num_accepted_tokens <= engine.num_draft_tokens
+    if exact:
+        assert engine.num_draft_tokens == sum(len(drafts) for _, drafts in recorder.calls)
+        kept = recorder.expected_accepted(result, workload.eos_token_id)
+        assert engine.num_accepted_tokens == kept
+    return result, recorder
 
 
 PROMPTS = ((5, 6, 7, 8, 9, 10, 11), (5, 6, 7, 8, 1, 2), (40, 41, 42), (3,) * 13)
@@ -136,15 +137,12 @@ def fixed_workload(block_size: int, prefix_caching: bool, eos: int | None = None
 @pytest.mark.parametrize("source", SOURCES, ids=lambda s: s.__name__)
 @pytest.mark.parametrize(("block_size", "prefix_caching", "k"), [(4, True, 3), (3, False, 4)])
 def test_speculative_decoding_is_greedy_decoding(
-    source: Callable[[list[int], int], list[int]], block_size: int, prefix_caching: bool, k: int
+    source: Source, block_size: int, prefix_caching: bool, k: int
 ) -> None:
     """Every source gives the greedy tokens; the drafts kept are the ones the source got right."""
     workload = fixed_workload(block_size, prefix_caching)
-    recorder = Recorder(source)
-    result = speculate(workload, recorder, k)
-    engine = result.engine
-    assert engine.num_draft_tokens == sum(len(drafts) for _, drafts in recorder.calls) > 0
-    assert engine.num_accepted_tokens == recorder.expected_accepted(result, None)
+    engine = speculate(workload, source, k)[0].engine
+    assert engine.num_draft_tokens > 0
     if source is wrong:
         assert engine.num_accepted_tokens == 0
     if source is oracle:  # the dense oracle and the paged engine agree on every arg-max here
@@ -154,8 +152,7 @@ def test_speculative_decoding_is_greedy_decoding(
 
 
 def test_a_right_source_takes_one_step_per_k_plus_one_tokens() -> None:
-    """One request, 10 tokens, 3 drafts a step that greedy decoding always agrees with: steps
-    give 4, 4 and 2 tokens (the last one's drafts are capped by the tokens left)."""
+    """10 tokens, 3 right drafts a step: steps give 4, 4 and 2 tokens (the last capped)."""
     prompt = (9, 8, 7, 6, 5)
     greedy = greedy_oracle(prompt, 10).tokens
 
@@ -164,22 +161,16 @@ def test_a_right_source_takes_one_step_per_k_plus_one_tokens() -> None:
         return list(greedy[done : done + k])
 
     workload = Workload((Request(prompt, 10, 1, 0.0, 0),), 4, 8, 1, 64, prefix_caching=False)
-    recorder = Recorder(right)
-    result = speculate(workload, recorder, 3)
+    result, recorder = speculate(workload, right, 3)
     assert [len(drafts) for _, drafts in recorder.calls] == [3, 3, 1]
     assert (result.engine.num_draft_tokens, result.engine.num_accepted_tokens) == (7, 7)
     assert len(result.engine.metrics) == 3
 
 
 def test_an_end_of_sequence_draft_ends_the_output() -> None:
-    """A draft equal to the EOS token is never kept: it comes as the bonus token and ends the
-    sequence, exactly where greedy decoding stops."""
-    prompt = PROMPTS[0]
-    eos = greedy_oracle(prompt, 9).tokens[2]  # among the first step's drafts: g0, g1, then EOS
-    workload = fixed_workload(4, True, eos)
-    recorder = Recorder(oracle)
-    result = speculate(workload, recorder, 4)
-    assert result.engine.num_accepted_tokens == recorder.expected_accepted(result, eos)
+    """An EOS draft is never kept: it comes as the bonus token and ends the sequence."""
+    eos = greedy_oracle(PROMPTS[0], 9).tokens[2]  # among the first step's drafts: g0, g1, EOS
+    speculate(fixed_workload(4, True, eos), oracle, 4)
 
 
 @settings(max_examples=25, deadline=None)
@@ -188,35 +179,24 @@ def test_an_end_of_sequence_draft_ends_the_output() -> None:
     st.sampled_from(SOURCES),
     st.integers(1, 5),
 )
-def test_drawn_workloads(
-    workload: Workload, source: Callable[[list[int], int], list[int]], k: int
-) -> None:
-    """Drawn workloads (chunked prompts, forks, prefix hits, EOS) in an ample pool: the greedy
-    tokens, and the kept drafts the source implies."""
-    workload = ample(workload)
-    recorder = Recorder(source)
-    result = speculate(workload, recorder, k)
-    assert result.engine.num_draft_tokens == sum(len(d) for _, d in recorder.calls)
-    expected = recorder.expected_accepted(result, workload.eos_token_id)
-    assert result.engine.num_accepted_tokens == expected
+def test_drawn_workloads(workload: Workload, source: Source, k: int) -> None:
+    """Drawn workloads (chunked prompts, forks, prefix hits, EOS) in an ample pool."""
+    speculate(ample(workload), source, k)
 
 
 @settings(max_examples=15, deadline=None)
 @given(workloads(max_requests=4, max_new_tokens=8, sampled=False), st.integers(1, 4))
 def test_tight_pools(workload: Workload, k: int) -> None:
     """Pools that preempt: drafts take free blocks or wait; the tokens are still greedy."""
-    recorder = Recorder(oracle)
-    result = speculate(workload, recorder, k)
-    assert result.engine.num_accepted_tokens <= result.engine.num_draft_tokens
+    speculate(workload, oracle, k, exact=False)
 
 
 def test_triton_kernels_verify_the_drafts() -> None:
-    """The Triton kernels (the interpreter on CPU) run the verify pass, with a fork and
-    preemptions: the greedy tokens, and the drafts the source got right."""
+    """The Triton kernels (the CPU interpreter) verify the drafts, with a fork and preemptions."""
     requests = (Request((5, 6, 7, 8, 9), 6, 2, 0.0, 0), Request((5, 6, 7, 8, 1, 2), 6, 1, 0.0, 0))
     workload = Workload(requests, block_size=2, total_blocks=7, max_num_seqs=3,
                         max_num_batched_tokens=16)  # fmt: skip
-    result = speculate(workload, Recorder(partly_right(1)), 3, backend="triton")
+    result = speculate(workload, partly_right(1), 3, exact=False, backend="triton")[0]
     assert sum(m.preemptions for m in result.engine.metrics) > 0
     assert 0 < result.engine.num_accepted_tokens < result.engine.num_draft_tokens
 
@@ -230,16 +210,12 @@ def test_sampling_with_speculation_is_refused() -> None:
     assert not engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "error"),
-    [
-        ({"draft_source": oracle}, ValueError),  # no k
-        ({"num_speculative_tokens": 2}, ValueError),  # no source
-        ({"draft_source": "oracle", "num_speculative_tokens": 2}, TypeError),
-        ({"draft_source": oracle, "num_speculative_tokens": -1}, ValueError),
-        ({"draft_source": oracle, "num_speculative_tokens": 2.0}, TypeError),
-    ],
-)
+@pytest.mark.parametrize(("kwargs", "error"), [
+    ({"draft_source": oracle}, ValueError), ({"num_speculative_tokens": 2}, ValueError),  # one
+    ({"draft_source": "oracle", "num_speculative_tokens": 2}, TypeError),
+    ({"draft_source": oracle, "num_speculative_tokens": -1}, ValueError),
+    ({"draft_source": oracle, "num_speculative_tokens": 2.0}, TypeError),
+])  # fmt: skip
 def test_bad_speculation_settings_are_refused(kwargs: dict, error: type) -> None:
     with pytest.raises(error):
         PagedAttentionEngine(MODEL, 16, 4, **kwargs)
@@ -289,11 +265,8 @@ def test_a_failed_speculative_step_loses_nothing(
     """A fault in the verify pass, the rollback or the scheduler's update: the step raises, its
     drafts are undone (tables and tokens as before), and the engine then finishes greedily."""
     workload, engine = queued(3, oracle, 3)
-    target, name = {
-        "model": (engine.model, "forward"),
-        "truncate": (engine.store, "truncate"),
-        "update": (engine.scheduler, "update"),
-    }[where]
+    target, name = {"model": (engine.model, "forward"), "truncate": (engine.store, "truncate"),
+                    "update": (engine.scheduler, "update")}[where]  # fmt: skip
     original = getattr(target, name)
     fired = []
 
