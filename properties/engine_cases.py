@@ -17,7 +17,8 @@ from pagedkv.impl.serving.dense import DenseOutput, dense_generate
 from pagedkv.impl.serving.engine import PagedAttentionEngine, RequestOutput
 from pagedkv.impl.serving.model import CausalLM, ModelConfig
 from pagedkv.impl.serving.scheduler import SchedulerOutput
-from pagedkv.spec.block_manager import blocks_needed, blocks_outside_window
+from pagedkv.spec.block_manager import blocks_needed
+from properties.window_cases import check_window
 
 CONFIG = ModelConfig()  # vocab 128, hidden 64, 2 layers, 4 query heads over 2 KV heads, dim 16
 MODEL = CausalLM.from_seed(CONFIG, seed=0)
@@ -146,25 +147,12 @@ def workloads(
 
 
 def watch_window(engine: PagedAttentionEngine, window: int) -> list[int]:
-    """After every schedule: each running sequence released exactly the blocks outside its next
-    query's window (-1 in the tables) and, decoding, holds at most the window's blocks plus one
-    for the token it writes. The returned list gets each step's released total."""
-    schedule, store, bs = engine.scheduler.schedule, engine.store, engine.store.block_size
-    released: list[int] = []
+    """:func:`check_window` after every schedule; the list gets each step's released total."""
+    schedule, released = engine.scheduler.schedule, list[int]()
 
     def checked_schedule() -> SchedulerOutput:
         plan = schedule()
-        released.append(0)
-        for seq in engine.scheduler.running:
-            row = store.row(seq.seq_id)
-            count = int(store.num_released[row])
-            assert count == blocks_outside_window(seq.num_computed, window, bs)
-            assert (store.tables[row, :count] == -1).all()
-            assert None not in store.table(seq.seq_id)[count:]
-            held = int(store.num_blocks[row]) - count
-            if seq.num_pending == 1:  # decoding: the table holds the token about to be computed
-                assert held <= blocks_needed(window - 1, bs) + 2, (seq.seq_id, held)
-            released[-1] += count
+        released.append(check_window(engine.scheduler, window))
         return plan
 
     engine.scheduler.schedule = checked_schedule  # type: ignore[method-assign]

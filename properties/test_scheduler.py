@@ -1,11 +1,5 @@
-"""The continuous-batching ``Scheduler`` alone (no model), over a real ``BlockTableStore`` and a
-fake sampler that emits EOS now and then, checked every step against a model of the running
-order and the waiting queue: the token and sequence limits; preemption only after a failed
-growth, newest admitted first, back to the queue front, with no admission in that step;
-first-come-first-served admission that keeps ``watermark_blocks`` free; progress and complete
-outputs, then every block free; the KV metrics against a recount; and, with a sliding window,
-exactly ``blocks_outside_window`` released and at most ``blocks_needed(window - 1) + 2`` held.
-"""
+"""The ``Scheduler`` alone (a real store, a fake sampler), checked every step against a model of
+the running order and the queue: limits, preemption, FCFS admission, windows, metrics."""
 
 from __future__ import annotations
 
@@ -29,13 +23,13 @@ from pagedkv.impl.serving.scheduler import (
     SeqStatus,
 )
 from pagedkv.spec.block_manager import blocks_needed, blocks_outside_window
+from properties.window_cases import check_window
 
 EOS = 0
 
 
 class SpyStore(BlockTableStore):
-    """Logs each preemption's victim and whether the whole growth would have fit at once on a
-    copy (then preempting was needless)."""
+    """Logs each preemption's victim, and whether the whole growth would have fit (needless)."""
 
     def __init__(self, *args: object) -> None:
         super().__init__(*args)
@@ -118,8 +112,7 @@ def check_step(
 ) -> list[int]:  # fmt: skip
     """Check one ``schedule()`` against the model; return the model's new running order."""
     store, config, bs = scheduler.store, case.config, case.block_size
-    assert isinstance(store, SpyStore)
-    # Preemption: the most recently admitted first, each right after a failed growth.
+    assert isinstance(store, SpyStore)  # preemption: newest first, each after a failed growth
     victims = [seq.seq_id for seq in out.preempted]
     assert victims == running_before[::-1][: len(victims)]
     assert [seq_id for seq_id, _ in store.log[log_start:]] == victims
@@ -152,19 +145,9 @@ def check_step(
     if running_before or waiting_before:
         assert out.seqs, "a step with work scheduled nothing"
     assert kv_occupancy(store) == recount_occupancy(store)
-    # Window: running tables released exactly what their next query no longer reads; decoding
-    # ones hold at most the window's blocks and one for the token being written.
     window = config.sliding_window
-    for seq in scheduler.running:
-        table = store.table(seq.seq_id)
-        released = sum(block is None for block in table)
-        if window is None:
-            assert released == 0
-            continue
-        assert released == blocks_outside_window(seq.num_computed, window, bs)
-        assert store.tables[store.row(seq.seq_id), :released].tolist() == [-1] * released
-        if seq.num_pending == 1:  # decoding: the table holds one token past num_computed
-            assert len(table) - released <= blocks_needed(window - 1, bs) + 2, (window, bs)
+    released = check_window(scheduler, window)
+    if window is not None and scheduler.running:
         event("window: released blocks" if released else "window: nothing released")
     for item in out.items():
         if window and item.cached_tokens and blocks_outside_window(item.start, window, bs):
@@ -221,16 +204,12 @@ def play(case: Case) -> None:
     assert not store.manager.ref_counts().any()
 
 
-def req(prompt: tuple[int, ...], max_new_tokens: int, arrival: int) -> Req:
-    return Req(prompt, max_new_tokens, n=1, arrival=arrival, eos=False)
-
-
 # Found by Hypothesis: with prefix caching, a victim's own freed blocks are hits, so without the
 # no-admission-after-preemption rule it was readmitted in the step that preempted it.
 READMITTED_VICTIM = Case(
     block_size=1, total_blocks=6, prefix_caching=True,
     config=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=3, watermark_blocks=0),
-    requests=(req((1,), 1, 0), req((1, 1), 5, 0), req((1, 1), 2, 1)),
+    requests=(Req((1,), 1, 1, 0, False), Req((1, 1), 5, 1, 0, False), Req((1, 1), 2, 1, 1, False)),
 )  # fmt: skip
 
 
@@ -275,8 +254,7 @@ def test_bad_requests_raise_value_error() -> None:
 
 
 def test_preempts_the_most_recently_admitted() -> None:
-    """Two 2-token sequences in 2 blocks of 2: when the older needs a third slot, the younger
-    goes back to the queue front and later resumes, recomputing its prompt and first token."""
+    """The older of two needs a slot: the younger goes to the queue front, later recomputed."""
     store = BlockTableStore(BlockManager(2, 2), 2, 2)
     scheduler = Scheduler(store, SchedulerConfig(max_num_seqs=2))
     old = scheduler.add_request(0, [1, 2], 2)
@@ -336,8 +314,7 @@ def test_update_refuses_bad_sampled_tokens_and_changes_nothing(bad: object, erro
 
 
 def test_a_request_keeps_plain_ints_and_refuses_an_eos_past_int64() -> None:
-    """An int-subclass prompt and EOS are kept as plain ints; an EOS past int64 is refused,
-    changing nothing."""
+    """An int-subclass prompt and EOS are kept as plain ints; an EOS past int64 changes nothing."""
 
     class Token(int):
         pass
@@ -361,8 +338,7 @@ def test_kv_occupancy_counts_shared_blocks_once() -> None:
 
 
 def test_occupancy_leaves_out_a_block_waiting_for_its_copy() -> None:
-    """A growth that copies a shared block on write, then preempts its last other holder: that
-    block waits for its copy, held by no table, so it is not used (CI found it counted)."""
+    """A block waiting for its copy-on-write (its holders preempted) is not used (CI found it)."""
     store = BlockTableStore(BlockManager(5, 4), 4, 4)
     store.add(0, 5)  # blocks 0, 1; block 1 holds one token
     store.fork(0, 1)
