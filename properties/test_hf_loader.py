@@ -1,9 +1,5 @@
-"""``hf_loader`` runs only what ``CausalLM`` computes exactly and refuses the rest by name: every
-family the issue names (built locally) by ``model_type`` and, relabelled ``llama``, by a field of
-its own; single Llama fields that change the computation; windows ``CausalLM`` cannot take.
-Also the directory path, the weight checks and the command line (accepted families are compared
-with ``transformers`` in ``test_engine_hf.py``).
-"""
+"""``hf_loader`` runs only what ``CausalLM`` computes exactly and refuses the rest by name (each
+named family, single fields, windows); also directories, weight checks and the command line."""
 
 from __future__ import annotations
 
@@ -35,12 +31,6 @@ REFUSED_FAMILIES: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
-def _family(family: str) -> str:
-    if not hasattr(transformers, f"{family}ForCausalLM"):
-        pytest.skip(f"transformers {transformers.__version__} has no {family}ForCausalLM")
-    return family
-
-
 def _relabelled(config: Any, **changes: Any) -> SimpleNamespace:
     """A config whose ``to_dict`` is ``config``'s with ``changes`` (an edited ``config.json``)."""
     fields = {**config.to_dict(), **changes}
@@ -50,7 +40,9 @@ def _relabelled(config: Any, **changes: Any) -> SimpleNamespace:
 @pytest.mark.parametrize("family", list(REFUSED_FAMILIES))
 def test_each_named_family_is_refused_by_name_and_by_field(family: str) -> None:
     overrides, field = REFUSED_FAMILIES[family]
-    model = tiny_hf_model(_family(family), **overrides)
+    if not hasattr(transformers, f"{family}ForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no {family}ForCausalLM")
+    model = tiny_hf_model(family, **overrides)
     with pytest.raises(ValueError, match="config field model_type="):
         load_hf(model)
     # Relabelled llama: refused for a field Llama lacks; its own field alone refuses a Llama.
@@ -98,8 +90,7 @@ def test_a_window_causal_lm_cannot_take_is_refused_by_name(window: object) -> No
 
 
 def test_a_window_wider_than_any_context_loads_as_no_window() -> None:
-    """A Mistral ``sliding_window`` of ``2**64`` is kept and hides nothing: the engine serves it
-    as the model without one (every step used to raise in the kernels' window check)."""
+    """A Mistral ``sliding_window`` of ``2**64`` is kept and served as no window (once raised)."""
     served = []
     for window in (None, 2**64):
         model = load_hf(tiny_hf_model("Mistral", sliding_window=window))
@@ -152,24 +143,19 @@ def test_weights_must_have_the_models_names_and_shapes() -> None:
         load_hf(transformers.LlamaModel(model.config))  # no lm_head, no "model." prefix
 
 
-def _save_with_tokenizer(directory: Path) -> Any:
-    """A tiny Llama and a word-level tokenizer (``w0`` .. ``w127``), saved in ``directory``."""
+def test_the_command_line_serves_a_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A tiny Llama saved with a word-level tokenizer (``w3`` .. ``w127``), by text and by ids."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {f"w{i}": i for i in range(3, 128)} | {"<pad>": 0, "<s>": 1, "</s>": 2}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<pad>")
-    fast.save_pretrained(directory)
+    fast.save_pretrained(tmp_path)
     model = tiny_hf_model("Llama")
-    model.save_pretrained(directory)
-    return model
-
-
-def test_the_command_line_serves_a_directory(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    model = _save_with_tokenizer(tmp_path)
+    model.save_pretrained(tmp_path)
     common = ["--model", str(tmp_path), "--max-new-tokens", "4", "--n", "1", "--temperature", "0"]
     main([*common, "--prompt", "w5 w6 w7", "--prompt", "w9"])
     text_out = capsys.readouterr().out

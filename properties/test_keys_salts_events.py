@@ -1,7 +1,5 @@
-"""Stable block keys, per-request cache salts and KV events, end to end: the default hash is
-the same in processes whose ``PYTHONHASHSEED`` (and so ``hash`` of the salt) differ; a salt
-travels from ``add_request`` to the store, isolating tenants (a scheduler that drops it is
-caught); the events an engine reports rebuild its key map, and a reset waits for idle."""
+"""Stable block keys (the same hash under any ``PYTHONHASHSEED``), cache salts from
+``add_request`` to the store isolating tenants, and KV events rebuilding an engine's key map."""
 
 from __future__ import annotations
 
@@ -28,6 +26,7 @@ from properties.test_prefix_cache_spec import KEY_PROMPT as PROMPT
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYED = (PROMPT, "tenant-a", ("lora", 7))  # tokens, salt, a tuple extra key
+FULL = (len(PROMPT) - 1) // 4 * 4  # the tokens of every block before the last token's
 
 HASHES_SCRIPT = """
 import json, sys
@@ -55,9 +54,7 @@ def hashes_in_a_new_process(seed: str, tmp_path: Path) -> dict[str, object]:
 def test_block_hashes_are_the_same_in_every_process(tmp_path: Path) -> None:
     first = hashes_in_a_new_process("1", tmp_path)
     second = hashes_in_a_new_process("2", tmp_path)
-    assert first["python hash of the salt"] != second["python hash of the salt"], (
-        "the processes must really differ in their str hashing for this test to mean anything"
-    )
+    assert first["python hash of the salt"] != second["python hash of the salt"]  # or no test
     here = SpecPrefixManager(8, 4)
     for result in (first, second):
         assert result["salted"] == [k.hash_value for k in here.block_keys(PROMPT, "tenant-a")]
@@ -84,12 +81,11 @@ def salt_scheduler(module: object = scheduler_module) -> Scheduler:
 
 
 def check_salts_isolate_tenants(scheduler: Scheduler) -> None:
-    full = (len(PROMPT) - 1) // 4 * 4  # every block before the last token's
     assert run_prompt(scheduler, 0, "tenant-a") == 0
     assert run_prompt(scheduler, 1, None) == 0, "an unsalted request hit a salted block"
     assert run_prompt(scheduler, 2, "tenant-b") == 0, "a salted request hit another's block"
     for request_id, salt in enumerate(["tenant-a", None, "tenant-b"], start=3):
-        assert run_prompt(scheduler, request_id, salt) == full, f"{salt} missed its own blocks"
+        assert run_prompt(scheduler, request_id, salt) == FULL, f"{salt} missed its own blocks"
 
 
 def test_salts_isolate_tenants_through_the_scheduler() -> None:
@@ -98,12 +94,10 @@ def test_salts_isolate_tenants_through_the_scheduler() -> None:
 
 def test_a_scheduler_that_drops_the_salt_is_caught() -> None:
     mutant = load_mutant(
-        scheduler_module,
-        "Scheduler._admit",
+        scheduler_module, "Scheduler._admit",
         "return self.store.admit(seq.seq_id, seq.tokens, headroom, seq.cache_salt)",
-        "return self.store.admit(seq.seq_id, seq.tokens, headroom)",
-        ("RequestTooLargeError",),
-    )
+        "return self.store.admit(seq.seq_id, seq.tokens, headroom)", ("RequestTooLargeError",),
+    )  # fmt: skip
     with pytest.raises(AssertionError, match="a salted request hit another's block"):
         check_salts_isolate_tenants(salt_scheduler(mutant))
 
@@ -117,15 +111,13 @@ def test_a_salt_that_is_not_a_str_is_refused(salt: object) -> None:
 
 
 def test_a_str_subclass_salt_is_the_str_it_equals() -> None:
-    """A ``numpy.str_`` salt is the plain str (it used to wedge every step in the default
-    hash): it runs and shares blocks with that str only."""
+    """A ``numpy.str_`` salt is the plain str (it once wedged the default hash): same blocks."""
     scheduler = salt_scheduler()
-    full = (len(PROMPT) - 1) // 4 * 4
     seq = scheduler.add_request(0, PROMPT, 1, cache_salt=np.str_("tenant-a"))
     assert type(seq.cache_salt) is str
     scheduler.update(scheduler.schedule(), [0])
     assert not scheduler.has_unfinished()
-    assert run_prompt(scheduler, 1, "tenant-a") == full
+    assert run_prompt(scheduler, 1, "tenant-a") == FULL
     assert run_prompt(scheduler, 2, "tenant-b") == 0
     engine = PagedAttentionEngine(
         MODEL, total_blocks=12, block_size=4, max_num_seqs=2, enable_prefix_caching=True
@@ -192,18 +184,14 @@ def test_kv_events_need_prefix_caching() -> None:
 
 
 def test_a_store_admit_under_an_unstable_extra_key_changes_nothing() -> None:
-    """``admit`` builds every key first: an unstable extra key is a TypeError that changes
-    nothing, the same prompt is then admitted as if it never happened."""
+    """``admit`` builds every key first: an unstable extra key is a TypeError changing nothing."""
     store = BlockTableStore(PrefixCachingBlockManager(16, 4, enable_kv_events=True), 4, 8)
     store.admit(0, PROMPT, 0, "tenant-a")
     store.cache_blocks(0, PROMPT, "tenant-a")
-    before = (store.tables.tolist(), store.manager.free_block_ids(), store.take_kv_events())
+    tables, free, _ = store.tables.tolist(), store.manager.free_block_ids(), store.take_kv_events()
     with pytest.raises(TypeError, match="extra_key"):
         store.admit(1, PROMPT, 0, frozenset({"tenant-a"}))
-    assert (store.tables.tolist(), store.manager.free_block_ids(), store.take_kv_events()) == (
-        before[0],
-        before[1],
-        [],
-    )
+    assert store.tables.tolist() == tables and store.manager.free_block_ids() == free
+    assert store.take_kv_events() == []
     assert store.seq_ids == (0,)
     assert store.admit(1, PROMPT, 0, "tenant-a") == 12  # its three full blocks hit

@@ -1,9 +1,5 @@
-"""One verdict at the door: each public entry point takes a value every layer below it takes,
-or refuses it itself with a typed error naming the argument, changing nothing. Fed a type zoo
-(int/str/bytes subclasses, numpy scalars, bools, huge ints, NaN, signed zeros): the engine's
-``add_request``/``generate`` serve an accepted value as its plain value (design.md, "Input
-rules"); spec and impl managers and the store agree; a window the HF loader takes is served.
-"""
+"""One verdict at the door: each public entry point takes a value every layer below takes, as
+its plain value, or refuses it by name changing nothing (a type zoo; design.md, "Input rules")."""
 
 from __future__ import annotations
 
@@ -38,8 +34,7 @@ Int, Str, Bytes = type("Int", (int,), {}), type("Str", (str,), {}), type("Bytes"
 
 
 class LyingInt(int):
-    """Off-by-one arithmetic: a layer computing with the argument, not its checked plain value,
-    goes wrong."""
+    """Off-by-one arithmetic: a layer computing with it, not its checked plain value, goes wrong."""
 
     def __add__(self, other: object) -> int:
         return int(self) + int(other) + 1  # type: ignore[call-overload]
@@ -211,19 +206,15 @@ def test_the_store_agrees_with_the_managers() -> None:
 def test_a_window_the_loader_takes_is_one_the_engine_serves() -> None:
     """A ``sliding_window`` the loader accepts is served by every layer below (store, scheduler,
     kernels) with the output of its plain value."""
+    base = tiny_hf_model("Mistral", sliding_window=None).config.to_dict()
     for label, value in ZOO.items():
-        got = verdict(lambda value=value: loaded_window(value))
+        config = SimpleNamespace(to_dict=lambda value=value: {**base, "sliding_window": value})
+        got = verdict(lambda config=config: config_from_hf(config).sliding_window)
         if got[0] != "ok":
             assert "sliding_window" in got[1], f"{label}: {got}"
             continue
         assert got[1] == plain(value) and type(got[1]) is type(plain(value)), label
         assert windowed_output(got[1]) == windowed_output(plain(value)), label
-
-
-def loaded_window(value: object) -> object:
-    fields = {**tiny_hf_model("Mistral", sliding_window=None).config.to_dict()}
-    fields["sliding_window"] = value
-    return config_from_hf(SimpleNamespace(to_dict=lambda: fields)).sliding_window
 
 
 def windowed_output(window: object) -> list[list[int]]:
@@ -233,8 +224,7 @@ def windowed_output(window: object) -> list[list[int]]:
 
 
 def test_an_unchecked_window_in_the_kernels_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Teeth: a K/V cache passing the model's window to the kernels unchecked (the old code)
-    fails a step on the window ``2**64`` that the loader accepts."""
+    """Teeth: a K/V cache passing the model's window to the kernels unchecked fails on ``2**64``."""
     mutant = load_mutant(
         paged_kv_module, "PagedKVCache.__init__",
         "self.window = int32_window(config.sliding_window)", "self.window = config.sliding_window",
