@@ -31,8 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-FOLDER_PACKAGES = {"spec": "pagedkv.spec", "impl": "pagedkv.impl"}
-"""Top-level folders and the import names ``pyproject.toml`` gives them."""
+FOLDER_PACKAGES = {"spec": "pagedkv.spec", "impl": "pagedkv.impl"}  # as pyproject.toml maps them
 
 DEFAULT_PATHS = (
     "spec/block_manager.py", "spec/prefix_cache.py", "spec/utilization.py", "spec/checks.py",
@@ -41,7 +40,7 @@ DEFAULT_PATHS = (
     "impl/blocks/window.py", "impl/blocks/prefix_store.py", "impl/blocks/admission.py",
     "impl/blocks/store.py", "impl/blocks/page_tables.py",
 )  # fmt: skip
-"""The files a full run mutates: the spec and the block-management modules of impl."""
+"""The files a full run mutates: the spec and impl's block management."""
 
 BLOCK_MANAGEMENT_TESTS = (
     "properties/test_block_table_store.py", "properties/test_impl_differential.py",
@@ -51,9 +50,8 @@ BLOCK_MANAGEMENT_TESTS = (
     "properties/test_store_hash_work.py", "properties/test_store_preemption.py",
     "properties/test_trusted_api.py", "properties/test_utilization_and_demo.py",
 )  # fmt: skip
-"""The property files a mutant run uses: those that check block management. Left out: the other
-layers' tests, the planted-bug tests (they check the tests) and the exhaustive check (a minute
-per mutant; its own planted bugs show its teeth)."""
+"""The property files of block management a mutant runs; not the planted-bug tests (they check
+the tests) nor the exhaustive check (a minute a mutant; its own planted bugs show its teeth)."""
 
 PYTEST_ARGS = (
     *BLOCK_MANAGEMENT_TESTS,
@@ -61,9 +59,8 @@ PYTEST_ARGS = (
 )
 
 EQUIVALENT_FILE = ROOT / "properties" / "equivalent_mutants.json"
-"""The surviving mutants that behave exactly as the original, each with the reason: a list of
-``{"file", "scope", "operator", "code", "occurrence", "reason"}`` objects, which name a mutant
-as :attr:`Mutant.ident` does (``occurrence`` 1 unless equal edits repeat in one scope)."""
+"""Survivors that behave as the original, with the reason: ``{"file", "scope", "operator", "code",
+"occurrence" (default 1), "reason"}`` objects, naming a mutant as :attr:`Mutant.ident` does."""
 
 
 def load_equivalents(path: Path = EQUIVALENT_FILE) -> dict[str, str]:
@@ -156,13 +153,6 @@ def _is_docstring(node: ast.AST) -> bool:
     return isinstance(value, ast.Constant) and isinstance(value.value, str)
 
 
-def _skipped_fields(node: ast.AST) -> set[str]:
-    """Fields of ``node`` that are never edited: annotations (no runtime effect here)."""
-    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return {"returns"}
-    return {"annotation"} if isinstance(node, (ast.arg, ast.AnnAssign)) else set()
-
-
 def sites(tree: ast.Module) -> list[Site]:
     """Every edit of ``tree``, in a fixed order (the same for a deep copy of it)."""
     found: list[Site] = []
@@ -173,12 +163,14 @@ def sites(tree: ast.Module) -> list[Site]:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             scope = f"{scope}.{node.name}" if scope else node.name
         for field, value in ast.iter_fields(node):
-            if field in _skipped_fields(node):
+            if field in ("returns", "annotation"):  # annotations: no runtime effect here
                 continue
             for index, child in enumerate(value if isinstance(value, list) else [value]):
                 if not isinstance(child, ast.AST) or _is_docstring(child):
                     continue
-                here = _first_line(child) if isinstance(child, ast.stmt) else code
+                # a statement's first line as ast.unparse writes it (a decorated one's decorator):
+                # the same however the source lays it out
+                here = ast.unparse(child).split("\n", 1)[0] if isinstance(child, ast.stmt) else code
                 position = index if isinstance(value, list) else None
                 line = getattr(child, "lineno", getattr(node, "lineno", 0))
                 for new, operator in _edits(child):
@@ -187,12 +179,6 @@ def sites(tree: ast.Module) -> list[Site]:
 
     visit(tree, "", "")
     return found
-
-
-def _first_line(statement: ast.stmt) -> str:
-    """A statement's first line as ``ast.unparse`` writes it (its decorator, for a decorated
-    class or function): the same however the source lays it out."""
-    return ast.unparse(statement).split("\n", 1)[0]
 
 
 def apply(site: Site) -> None:
@@ -205,8 +191,8 @@ def apply(site: Site) -> None:
 
 @dataclass(frozen=True)
 class Mutant:
-    """One edit of one file. ``ident`` names the edit by its function, operator and statement,
-    so it stays while that statement exists, wherever the file moves it."""
+    """One edit of one file; ``ident`` names its function, operator and statement, so it stays
+    while that statement exists, wherever the file moves it."""
 
     path: str  # relative to the repository root
     index: int  # position among the file's sites
@@ -216,8 +202,7 @@ class Mutant:
 
 
 def module_name(path: str) -> str:
-    """The import name of a repository file: ``spec/prefix_cache.py`` is
-    ``pagedkv.spec.prefix_cache``."""
+    """A file's import name: ``spec/prefix_cache.py`` is ``pagedkv.spec.prefix_cache``."""
     folder, *rest = Path(path).with_suffix("").parts
     return ".".join((FOLDER_PACKAGES[folder], *rest))
 
@@ -271,27 +256,10 @@ class MutantFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         exec(self.code, module.__dict__)
 
 
-def register_profile() -> None:
-    """The Hypothesis profile of a mutant run: reproducible, and it only has to find a bug."""
-    from hypothesis import HealthCheck, Phase, settings
-
-    settings.register_profile(
-        "mutation",
-        max_examples=50,
-        stateful_step_count=30,
-        derandomize=True,
-        database=None,
-        deadline=None,
-        suppress_health_check=list(HealthCheck),
-        phases=[Phase.explicit, Phase.generate],
-    )
-
-
 def run_pytest(code: tuple[str, types.CodeType] | None, timeout: float) -> tuple[str, float]:
-    """Run :data:`PYTEST_ARGS` in a forked child with ``code = (module, compiled mutant)``
-    installed (or nothing, for the baseline). Returns ``(verdict, seconds)``: ``"passed"``,
-    ``"failed"`` (a test failed or collection broke), ``"timeout"`` or ``"error: N"`` for
-    another pytest exit status."""
+    """:data:`PYTEST_ARGS` in a forked child with ``code = (module, compiled mutant)`` installed
+    (None: the baseline): ``(verdict, seconds)``, the verdict ``"passed"``, ``"failed"`` (a test
+    or collection failed), ``"timeout"`` or ``"error: N"`` for another pytest exit status."""
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:  # the child: never returns
@@ -382,7 +350,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{mutant.ident}  (line {mutant.line})")
         return 0
     os.chdir(ROOT)
-    register_profile()
+    from hypothesis import HealthCheck, Phase, settings
+
+    # a mutant run's profile: reproducible, and it only has to find a bug
+    settings.register_profile(
+        "mutation", max_examples=50, stateful_step_count=30, derandomize=True, database=None,
+        deadline=None, suppress_health_check=list(HealthCheck),
+        phases=[Phase.explicit, Phase.generate],
+    )  # fmt: skip
     import numpy  # noqa: F401  (imported once here, not again in every child)
     import pytest  # noqa: F401
 

@@ -9,15 +9,7 @@ import sys
 
 import pytest
 
-from properties.mutation import (
-    EQUIVALENT,
-    ROOT,
-    apply,
-    module_name,
-    mutants_in,
-    mutants_of,
-    sites,
-)
+from properties.mutation import EQUIVALENT, ROOT, apply, module_name, mutants_in, mutants_of, sites
 
 EXAMPLE = '''
 def f(x: int = 1) -> bool:
@@ -47,8 +39,8 @@ def test_mutant_ids_name_the_file_scope_and_edit() -> None:
 
 
 def test_mutant_ids_survive_edits_elsewhere() -> None:
-    """An id names its function, edit and statement, not a position: a function added above
-    and the statement laid out over two lines leave every id as it was."""
+    """An id names its function, edit and statement: a function added above and the statement
+    laid out over lines leave every id as it was."""
     edited = "def g() -> int:\n    return 0\n\n" + EXAMPLE.replace(
         "if x < 2 and not x:", "if (\n        x < 2\n        and not x\n    ):"
     )
@@ -74,8 +66,8 @@ def test_a_sample_of_spec_mutants_is_killed() -> None:
 
 
 def test_every_recorded_equivalent_names_a_mutant_of_its_file() -> None:
-    """An entry of ``EQUIVALENT`` whose id no longer names a mutant (its function was edited or
-    renamed) would label nothing, or the wrong mutant if the numbering moved onto another."""
+    """A stale ``EQUIVALENT`` entry (its function edited or renamed) would label nothing, or the
+    wrong mutant if the numbering moved onto another."""
     paths = {ident.split("::")[0] for ident in EQUIVALENT}
     idents = {mutant.ident for path in paths for mutant in mutants_of(path)}
     assert sorted(set(EQUIVALENT) - idents) == []
