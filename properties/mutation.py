@@ -75,8 +75,6 @@ def load_equivalents(path: Path = EQUIVALENT_FILE) -> dict[str, str]:
 
 EQUIVALENT: dict[str, str] = load_equivalents()
 
-# ----------------------------------------------------------------- the edits
-
 
 def _swaps(pairs: str) -> dict[type, type]:
     """``"Lt->LtE ..."`` as ``{ast.Lt: ast.LtE, ...}``."""
@@ -232,24 +230,17 @@ def mutated_code(mutant: Mutant) -> types.CodeType:
     return compile(ast.fix_missing_locations(tree), str(source_path), "exec")
 
 
-# ----------------------------------------------------------------- running one mutant
-
-
 class MutantFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Import hook: module ``name`` is executed from ``code`` instead of its file."""
 
     def __init__(self, name: str, path: Path, code: types.CodeType) -> None:
         self.name, self.path, self.code = name, path, code
 
-    def find_spec(
-        self, fullname: str, path: object = None, target: object = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != self.name:
+    def find_spec(self, name: str, *_: object) -> importlib.machinery.ModuleSpec | None:
+        """Only ``name``'s spec (the default module object: Loader's ``create_module``)."""
+        if name != self.name:
             return None
-        return importlib.machinery.ModuleSpec(fullname, self, origin=str(self.path))
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
-        return None  # the default module object
+        return importlib.machinery.ModuleSpec(name, self, origin=str(self.path))
 
     def exec_module(self, module: types.ModuleType) -> None:
         module.__file__ = str(self.path)
@@ -373,9 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         if verdict.startswith("error"):
             raise RuntimeError(f"{mutant.ident}: pytest ended with {verdict}")
         outcome = {"failed": "killed", "passed": "survived"}.get(verdict, verdict)
-        results.append(
-            Result(mutant.ident, mutant.path, mutant.line, mutant.operator, outcome, seconds)
-        )
+        result = Result(mutant.ident, mutant.path, mutant.line, mutant.operator, outcome, seconds)
+        results.append(result)
         if args.json:  # after every mutant, so a run cut short keeps what it did
             args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
         if outcome == "survived":
