@@ -1,5 +1,4 @@
-"""Tiny ``transformers`` models built locally from one shape with seeded weights (nothing is
-downloaded), so the loader's tests compare families on equal terms."""
+"""Tiny ``transformers`` models of one shape with seeded weights (nothing downloaded)."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ TINY_SHAPE: dict[str, Any] = {
 
 
 def tiny_hf_model(family: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
-    """``transformers.<family>ForCausalLM`` of :data:`TINY_SHAPE` with ``overrides``, in eval
-    mode, its weights drawn from ``torch.manual_seed(seed)``."""
+    """``transformers.<family>ForCausalLM`` of TINY_SHAPE with ``overrides``, seeded, in eval."""
     import transformers
 
     config = getattr(transformers, f"{family}Config")(**{**TINY_SHAPE, **overrides})

@@ -97,8 +97,7 @@ WINDOW_MAX_NEW_TOKENS = 24
 
 
 def test_our_window_is_the_one_transformers_masks_with() -> None:
-    """``transformers``' sliding-window mask lets query ``q`` see key ``kv`` iff ``q - w < kv <=
-    q``, the kernels' convention (every pair up to 20)."""
+    """``transformers``' window mask lets ``q`` see ``kv`` iff ``q - w < kv <= q``, as ours does."""
     from transformers.masking_utils import sliding_window_causal_mask_function
 
     q, kv = torch.arange(20)[:, None], torch.arange(20)[None, :]
@@ -129,8 +128,7 @@ def test_mistral_sliding_window_matches_transformers(
     expected = [hf_greedy(hf_model, prompt, WINDOW_MAX_NEW_TOKENS) for prompt in prompts]
     assert all(len(p) + len(e) >= 3 * WINDOW for p, e in zip(prompts, expected, strict=True))
 
-    # Chunks of at most 10 over prefix hits, two forked samples each; the window keeps a decoding
-    # sequence to 4 blocks (of up to 13) and 8 of them do not fit 16: some are preempted.
+    # Chunks of 10 over prefix hits, two samples each, 8 windowed sequences of 4 blocks in 16.
     engine = PagedAttentionEngine(
         model, total_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=10,
         enable_prefix_caching=True, keep_logits=True,

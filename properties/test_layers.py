@@ -1,6 +1,5 @@
-"""The package's architecture: layers import one way (every import read with :mod:`ast`, lazy
-ones included), no module uses another's private names, block management and the scheduler load
-without torch, and ``pagedkv.kernels`` lives beside Hugging Face's top-level ``kernels``."""
+"""The package's architecture: layers import one way (every import, lazy ones too), no module uses
+another's privates, blocks and the scheduler load without torch, beside HF's ``kernels``."""
 
 from __future__ import annotations
 
@@ -40,8 +39,8 @@ def layer_of_module(name: str) -> str | None:
 
 
 def imported_names(tree: ast.AST) -> list[tuple[int, str]]:
-    """Every absolute module an import names, with its line (relative: ``"."``); ``from
-    pagedkv import kernels`` names ``pagedkv.kernels``."""
+    """Each module an import names, with its line (relative: ``"."``; ``from pagedkv import x``:
+    ``pagedkv.x``)."""
     names: list[tuple[int, str]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -70,8 +69,7 @@ def defined_private_names(tree: ast.AST) -> set[str]:
 
 
 def private_uses(tree: ast.AST) -> list[tuple[int, str]]:
-    """Private names taken from elsewhere: ``from m import _x``, and ``obj._x`` (``self._x``
-    too: an inherited private is its module's business) that the module does not define."""
+    """``from m import _x``, and ``obj._x`` (``self._x`` too) that the module does not define."""
     own = defined_private_names(tree)
     uses: list[tuple[int, str]] = []
     for node in ast.walk(tree):
@@ -88,19 +86,11 @@ def private_uses(tree: ast.AST) -> list[tuple[int, str]]:
     return uses
 
 
-TORCH_PRIVATE_USES = {  # (path, use): why the package reaches into torch's private names there
-    ("impl/serving/model.py", "torch.ops.mkldnn._reorder_linear_weight"): (
-        "prepacks a projection's weight for oneDNN, as torch.compile's CPU linear and vLLM's "
-        "CPU engine do; torch has no public op for it"
-    ),
-    ("impl/serving/model.py", "torch.ops.mkldnn._linear_pointwise"): (
-        "multiplies by the prepacked weight, the op torch.compile emits for a CPU linear"
-    ),
-    ("impl/serving/model.py", "weight._version"): (
-        "the tensor's in-place version counter, which tells that the prepacked copy is stale"
-    ),
+TORCH_PRIVATE_USES = {  # the only other package's privates the package may use: (path, use): why
+    ("impl/serving/model.py", "torch.ops.mkldnn._reorder_linear_weight"): "oneDNN weight prepack",
+    ("impl/serving/model.py", "torch.ops.mkldnn._linear_pointwise"): "the prepacked CPU linear",
+    ("impl/serving/model.py", "weight._version"): "tells that the prepacked copy is stale",
 }
-# The only private names of another package the package uses; every other use is a violation.
 
 
 def check_tree(root: Path) -> list[tuple[str, str]]:
@@ -151,8 +141,7 @@ def test_every_package_module_is_in_a_checked_layer() -> None:
 
 
 def test_a_wrong_import_fails_the_contract(tmp_path: Path) -> None:
-    """On a copy of the tree: blocks importing torch or serving, a private of the manager or of
-    its base class, and the spec importing numpy, are each reported."""
+    """On a copy of the tree, each planted break of the contract is reported."""
     for folder in ("pagedkv", "spec", "impl", "kernels"):
         shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__py*"))
     (tmp_path / "impl" / "blocks" / "wrong.py").write_text(
@@ -244,8 +233,7 @@ def test_pagedkv_kernels_coexists_with_hugging_face_kernels(tmp_path: Path) -> N
 
 
 def test_short_names_refuse_to_import(tmp_path: Path) -> None:
-    """With the repository root on ``sys.path`` the short names refuse, so no module is loaded
-    under two names in one process."""
+    """With the repository root on ``sys.path`` the short names refuse: one module, one name."""
     out = run_python(
         f"""
         import sys

@@ -36,9 +36,7 @@ def test_the_third_command_runs_the_long_checks_and_ci_runs_it_after_the_tests()
 
 MAX_FILE_LINES = 450
 MAX_FUNCTION_LINES = 60
-KERNEL_MODULES = ("kernels/",)
-"""Where a compiled kernel's body (``@triton.jit``, ``@njit``) may run longer: the attention
-and copy kernels. A compiled step anywhere else (the store's, say) keeps the cap."""
+KERNEL_MODULES = ("kernels/",)  # only here may a compiled (``jit``) kernel run past the cap
 
 
 def product_files() -> list[Path]:
@@ -48,8 +46,7 @@ def product_files() -> list[Path]:
 
 
 def long_functions(path: Path) -> list[str]:
-    """``name (lines)`` of each function of ``path`` over the cap, decorators and docstring
-    included, but the compiled kernels of :data:`KERNEL_MODULES`."""
+    """``name (lines)`` of each function over the cap (decorators included) but KERNEL_MODULES'."""
     relative = path.relative_to(ROOT).as_posix()
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
@@ -102,9 +99,7 @@ def test_rows_growth_and_window_import_nothing_of_prefix_caching() -> None:
 
 
 def test_each_constant_and_check_is_defined_once() -> None:
-    """A ``check_*`` function, or a module-level constant (an upper-case name) with its value,
-    has one home: two modules that need it import it (one name with two values, such as each
-    backend's own split threshold, is two facts)."""
+    """A ``check_*`` function, or a module-level constant with its value, has one home."""
     homes: dict[str, list[str]] = {}
     for path in product_files():
         for node in ast.parse(path.read_text()).body:

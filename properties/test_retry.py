@@ -1,8 +1,6 @@
-"""A retried step is exact: copying the pending copy-on-write pairs again, after any part of them
-was copied, gives the bytes of one complete copy (docs/design.md §5, "Copy-on-write and
-retries"), on every backend, each layer independently; and engine runs that chained pairs before
-the rule keep dense decoding's tokens through one fault.
-"""
+"""A retried step is exact: copying the pending copy-on-write pairs again after any part of them
+was copied gives one copy (design.md §5), every backend; engine runs that chained pairs survive
+a fault."""
 
 from __future__ import annotations
 
@@ -23,9 +21,8 @@ BACKENDS = ("numba", "reference", "triton")
 
 @st.composite
 def pending_lists(draw: st.DrawFn, num_blocks: int) -> list[tuple[int, int]]:
-    """Up to 8 pairs as a store leaves them pending: no destination is a block a pair so far
-    reads, nor its own source; sources repeat (writers of one shared block), destinations
-    repeat (a freed destination taken again), a destination is read later (a fork of a fork)."""
+    """Up to 8 pairs as a store leaves them pending: no destination is a block read so far or its
+    own source; sources and destinations repeat, a destination is read later."""
     pairs: list[tuple[int, int]] = []
     read: set[int] = set()
     for _ in range(draw(st.integers(0, 8))):
@@ -83,15 +80,14 @@ def test_copying_again_after_any_part_gives_one_copy(
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_list_that_writes_a_pending_source_is_not_retry_exact(backend: str) -> None:
-    """The property has teeth: the issue's list, where block 2 is read by ``(2, 4)`` and then
-    written by ``(1, 2)``, copied in full and copied again, puts block 1's bytes in block 4."""
+    """Teeth: ``(2, 4)`` reads block 2, then ``(1, 2)`` writes it: a retry puts block 1 in 4."""
     pairs = [(1, 3), (2, 4), (1, 2)]
     cache = torch.randn(2, 5, 2, 2, 8, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     (layer,) = retried_layers(cache, pairs, [pairs], backend)
     assert not torch.equal(layer, copy_in_order(cache, pairs))
 
 
-CHAINS = {
+CHAINS = {  # window, engine options, requests (prompt, max_new, n), fault (where, call, which)
     # The issue's run: pending [(1, 3), (2, 4), (1, 2)] before the rule; request 1's sample 0
     # came out [29, 123, 83, 58, 120] where dense decoding gives [29, 72, 120, 47, 29].
     "pop_copy_pairs": (
@@ -117,8 +113,6 @@ CHAINS = {
         ("store", "pop_copy_pairs", 2),
     ),
 }  # fmt: skip
-"""Runs that chained pairs: the model's window, the engine's options, the requests (prompt,
-max_new_tokens, n), and the one fault (the engine's store or a module, the call, which call)."""
 
 
 @pytest.mark.parametrize("case", sorted(CHAINS))
