@@ -80,49 +80,43 @@ def test_triton_kernels_drive_the_engine() -> None:
     check_all_freed(result.engine)
 
 
-def test_a_request_that_can_never_fit_is_rejected() -> None:
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"prompt": [1, True, 3]}, TypeError, None), ({"prompt": [1, 2.0]}, TypeError, None),
+    ({"prompt": "123"}, TypeError, None), ({"prompt": [1, -2]}, ValueError, None),
+    ({"prompt": [1, 128]}, ValueError, None), ({"prompt": []}, ValueError, None),  # 128: no token
+    ({"temperature": float("nan")}, ValueError, None), ({"temperature": -1.0}, ValueError, None),
+    ({"eos_token_id": True}, TypeError, None), ({"seed": -1}, ValueError, None),
+    ({"max_new_tokens": 0}, ValueError, None), ({"n": 3}, RequestTooLargeError, "3 samples"),
+    ({"prompt": list(range(10)), "max_new_tokens": 4},  # 13 tokens: 4 blocks
+     RequestTooLargeError, r"needs up to 4 blocks .* at most 3"),
+])  # fmt: skip
+def test_bad_requests_are_refused_and_queue_nothing(
+    kwargs: dict, error: type, match: str | None
+) -> None:
+    """A refused request queues nothing; the engine then serves one that needs all 3 blocks."""
     engine = PagedAttentionEngine(MODEL, total_blocks=3, block_size=4, max_num_seqs=2)
-    with pytest.raises(RequestTooLargeError, match=r"needs up to 4 blocks .* at most 3"):
-        engine.add_request(list(range(10)), max_new_tokens=4)  # 13 tokens: 4 blocks
-    with pytest.raises(RequestTooLargeError, match="3 samples"):
-        engine.add_request([1, 2], max_new_tokens=2, n=3)
-    engine.add_request(list(range(10)), max_new_tokens=3)  # 12 tokens: exactly 3 blocks
-    while engine.has_unfinished_requests():
-        engine.step()
-    check_all_freed(engine)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "error"),
-    [
-        ({"prompt": [1, True, 3]}, TypeError),
-        ({"prompt": [1, 2.0]}, TypeError),
-        ({"prompt": "123"}, TypeError),
-        ({"prompt": [1, -2]}, ValueError),
-        ({"prompt": [1, 128]}, ValueError),  # outside the vocabulary
-        ({"prompt": []}, ValueError),
-        ({"temperature": float("nan")}, ValueError),
-        ({"temperature": -1.0}, ValueError),
-        ({"eos_token_id": True}, TypeError),
-        ({"seed": -1}, ValueError),
-        ({"max_new_tokens": 0}, ValueError),
-    ],
-)
-def test_bad_requests_are_refused_and_queue_nothing(kwargs: dict, error: type) -> None:
-    engine = PagedAttentionEngine(MODEL, total_blocks=8, block_size=4)
     request = {"prompt": [1, 2, 3], "max_new_tokens": 2, **kwargs}
-    with pytest.raises(error):
+    with pytest.raises(error, match=match):
         engine.add_request(request.pop("prompt"), request.pop("max_new_tokens"), **request)
     assert not engine.has_unfinished_requests()
-    engine.add_request([1, 2, 3], 2)  # the engine still serves a good request
+    engine.add_request(list(range(10)), 3)  # 12 tokens: exactly 3 blocks
     while engine.has_unfinished_requests():
         engine.step()
     check_all_freed(engine)
 
 
-def test_an_unknown_backend_fails_at_construction() -> None:
-    with pytest.raises(ValueError, match="backend"):
-        PagedAttentionEngine(MODEL, total_blocks=8, block_size=4, backend="gpu")
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"backend": "gpu"}, ValueError, "backend"),
+    ({"enable_kv_events": True}, ValueError, "enable_kv_events"),  # needs prefix caching
+    ({"draft_source": greedy_oracle}, ValueError, None),  # no k
+    ({"num_speculative_tokens": 2}, ValueError, None),  # no source
+    ({"draft_source": "oracle", "num_speculative_tokens": 2}, TypeError, None),
+    ({"draft_source": greedy_oracle, "num_speculative_tokens": -1}, ValueError, None),
+    ({"draft_source": greedy_oracle, "num_speculative_tokens": 2.0}, TypeError, None),
+])  # fmt: skip
+def test_bad_engine_settings_are_refused(kwargs: dict, error: type, match: str | None) -> None:
+    with pytest.raises(error, match=match):
+        PagedAttentionEngine(MODEL, 16, 4, **kwargs)
 
 
 def test_demo_runs(capsys: pytest.CaptureFixture[str]) -> None:

@@ -178,11 +178,6 @@ def test_engine_events_rebuild_the_cache_and_reset_waits_for_idle() -> None:
     assert mirror == cached() == {}
 
 
-def test_kv_events_need_prefix_caching() -> None:
-    with pytest.raises(ValueError, match="enable_kv_events"):
-        PagedAttentionEngine(MODEL, total_blocks=8, block_size=4, enable_kv_events=True)
-
-
 def test_a_store_admit_under_an_unstable_extra_key_changes_nothing() -> None:
     """``admit`` builds every key first: an unstable extra key is a TypeError changing nothing."""
     store = BlockTableStore(PrefixCachingBlockManager(16, 4, enable_kv_events=True), 4, 8)

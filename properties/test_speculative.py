@@ -210,17 +210,6 @@ def test_sampling_with_speculation_is_refused() -> None:
     assert not engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize(("kwargs", "error"), [
-    ({"draft_source": oracle}, ValueError), ({"num_speculative_tokens": 2}, ValueError),  # one
-    ({"draft_source": "oracle", "num_speculative_tokens": 2}, TypeError),
-    ({"draft_source": oracle, "num_speculative_tokens": -1}, ValueError),
-    ({"draft_source": oracle, "num_speculative_tokens": 2.0}, TypeError),
-])  # fmt: skip
-def test_bad_speculation_settings_are_refused(kwargs: dict, error: type) -> None:
-    with pytest.raises(error):
-        PagedAttentionEngine(MODEL, 16, 4, **kwargs)
-
-
 @pytest.mark.parametrize(
     ("drafts", "error"),
     [({1, 2}, TypeError), ([1, 2, 3], ValueError), ([VOCAB], ValueError), ([1.0], TypeError)],
