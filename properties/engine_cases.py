@@ -47,8 +47,7 @@ def single_thread() -> Iterator[None]:
         yield
 
 
-# Small block sizes most of the time (prefix hits and preemption need sequences longer than a
-# block), any size from 1 to 256 otherwise.
+# Mostly small block sizes (prefix hits and preemption need sequences of several), else 1..256.
 BLOCK_SIZES = st.sampled_from([1, 2, 3, 4, 5, 8, 16, 0]).flatmap(
     lambda size: st.just(size) if size else st.integers(1, 256)
 )
@@ -167,9 +166,8 @@ class Run:
 
 
 def run(workload: Workload, **engine_kwargs: object) -> Run:
-    """Add each request before the step numbered by its arrival and step until all finished,
-    checking the scheduler's limits (and a model's window) every step, and no request lost or
-    doubled."""
+    """Add each request before the step its arrival numbers, step until all finished, checking
+    the limits (and a model's window) every step, and no request lost or doubled."""
     engine = workload.engine(**engine_kwargs)
     window = workload.model.config.sliding_window
     released = watch_window(engine, window) if window is not None else []
@@ -233,8 +231,7 @@ def check_against_oracle(workload: Workload, result: Run) -> None:
 
 
 def check_all_freed(engine: PagedAttentionEngine) -> None:
-    """After every request finished: no table is live, every block is free (cached or not) with
-    reference count 0, and the scheduler holds nothing."""
+    """No table is live, every block free with reference count 0, the scheduler holds nothing."""
     store, manager = engine.store, engine.store.manager
     assert len(store) == 0
     assert manager.num_free_blocks == manager.total_blocks

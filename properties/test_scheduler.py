@@ -88,11 +88,6 @@ def cases(draw: st.DrawFn) -> Case:
     return Case(block_size, total_blocks, config, draw(st.booleans()), tuple(requests))
 
 
-def fake_token(request_id: int, sample: int, position: int) -> int:
-    """A deterministic token in 0..5; 0 is EOS (for requests that stop at it)."""
-    return (request_id * 31 + sample * 17 + position * 7) % 6
-
-
 def recount_occupancy(store: BlockTableStore) -> tuple[int, int]:
     """``kv_occupancy`` the slow way: each held block's fill, the most over its holders."""
     fill: dict[int, int] = {}
@@ -178,8 +173,8 @@ def play(case: Case) -> None:
         store.pop_copy_pairs()  # an engine's copies: their waiting sources are free again
         preempted += len(out.preempted)
         assert out.sampling == [item.seq for item in out.items() if item.samples]
-        sampled = [
-            fake_token(seq.request_id, seq.sample_index + j, seq.num_tokens)
+        sampled = [  # a fake sampler: deterministic tokens in 0..5, 0 is EOS
+            (seq.request_id * 31 + (seq.sample_index + j) * 17 + seq.num_tokens * 7) % 6
             for seq in out.sampling
             for j in range(seq.num_samples)
         ]
