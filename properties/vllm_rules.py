@@ -1,11 +1,10 @@
 """Where vLLM 0.32's v1 KV-cache manager departs from the spec: every divergence, named. No vLLM.
 
-:data:`DIVERGENCES` holds each known difference (what vLLM does, what the spec does, how the
-adapter or :class:`VllmRules` translates it); docs/design.md's "vLLM ↔ pagedkv" table has one
-row per entry. :class:`VllmRules` is the spec's ``PrefixCachingBlockManager`` with the
-behavioural divergences switched on by name and nothing else overridden, so the conformance
-machine (``properties/machines/vllm.py``), comparing vLLM with it exactly, fails on any
-difference no rule names.
+:data:`DIVERGENCES` names each known difference, its kind and how it is translated (the full
+vLLM / spec / translation columns are docs/design.md's "vLLM ↔ pagedkv" table, one row per
+entry). :class:`VllmRules` is the spec with the divergences of kind "rule" switched on by name
+and nothing else overridden, so the conformance machine (``properties/machines/vllm.py``),
+comparing vLLM with it exactly, fails on any difference no rule names.
 """
 
 from __future__ import annotations
@@ -24,118 +23,38 @@ class Divergence:
     """One way vLLM departs from the spec."""
 
     name: str
-    vllm: str  # what vLLM 0.32 does
-    spec: str  # what pagedkv's spec does
-    translation: str  # how the adapter or VllmRules accounts for it
     kind: str  # "rule" (VllmRules behaviour), "mapping" (adapter translation), "scope" (not driven)
+    translation: str  # how the adapter, VllmRules or the machine accounts for it
 
 
 UNCACHED_FREE_TO_HEAD = "UNCACHED_FREE_TO_HEAD"
 DUPLICATES_CACHED = "DUPLICATES_CACHED"
 
-# Each entry: "NAME kind", then its vllm, spec and translation ("how") lines; an indented line
-# continues the one above.
+# Each line: NAME kind: translation
 TABLE = """
-NULL_BLOCK mapping
-vllm: BlockPool reserves block 0 as a placeholder (never allocated, never freed); a pool of n
-  blocks holds n - 1 usable ones, ids 1 .. n - 1
-spec: every block 0 .. n - 1 is usable
-how: vLLM gets n + 1 blocks for the spec's n; spec id = vLLM id - 1
-
-UNCACHED_FREE_TO_HEAD rule
-vllm: a freed block with no hash (a partial block, or any block when caching is off) goes to the
-  HEAD of the free queue, the table's last block at the very head; hashed blocks go to the
-  tail, last block first
-spec: every freed block goes to the tail, last block first
-how: VllmRules.free moves the freed blocks with no key from the tail to the head
-
-DUPLICATES_CACHED rule
-vllm: every full block is registered, even when another block already holds the same content;
-  a hash maps to a list of blocks and a lookup returns the earliest registered one still cached
-spec: a block whose content is already cached elsewhere stays uncached (one physical copy per
-  content)
-how: VllmRules keeps its own key -> [blocks] registry, appends on registration, answers with the
-  first block, removes a block when it is taken from the head
-
-NONE_ON_EXHAUSTION mapping
-vllm: allocate_slots returns None when the free blocks do not cover the request, changing
-  nothing
-spec: OutOfBlocksError, changing nothing
-how: the adapter raises OutOfBlocksError for None; the machine checks vLLM's state is unchanged
-
-FREE_BY_REQUEST mapping
-vllm: free(request) looks the blocks up by request id; freeing a request again is a silent no-op
-spec: free(table) takes the table; a stale table with a free block raises BlockTableError, and
-  one whose blocks were all handed out again cannot be told from a live one
-how: the machine frees freed requests again and checks vLLM changes nothing; the spec is not
-  called (its table API cannot express it)
-
-HASH_IDENTITY scope
-vllm: a block's key is its hash (sha256 of parent hash, tokens, extra keys); equal hashes are
-  taken as equal content
-spec: keys compare structurally, so a collision can never return other tokens
-how: sha256 is used, under which no collision occurs; a planted colliding hash shows vLLM
-  handing out a block with other tokens (test_a_hash_collision_...)
-
-HASH_GRANULARITY scope
-vllm: hashes are computed every hash_block_size tokens, which may be finer than the block size
-  (then a prompt's last partial block can be hit, with copy-on-write)
-spec: one key per full block; a partial block is never cached
-how: the adapter sets hash_block_size = block_size
-
-SALT_IN_FIRST_BLOCK scope
-vllm: the cache salt (a str) enters only the first block's hash, and reaches the rest through
-  the chain
-spec: the extra key is part of every block's key
-how: none needed: both make two salts share no block; the machine draws str salts
-
-REGISTER_ON_ALLOCATE mapping
-vllm: allocate_slots registers the blocks the scheduled tokens fill, before their K/V is
-  computed (or later with delay_cache_blocks and cache_blocks)
-spec: cache_blocks is called once the block's K/V is written
-how: the adapter registers on the spec side right after each allocation, in the same order;
-  bench_trace uses delay_cache_blocks to register after the step
-
-TOKEN_COUNTERS mapping
-vllm: PrefixCacheStats counts tokens: queries = the prompt's tokens, hits = the hit tokens,
-  recorded by the scheduler at admission
-spec: stats count blocks: queried_blocks = (len - 1) // block_size, hit_blocks
-how: hits = hit_blocks * block_size; queries = the admitted prompts' tokens
-
-EVICTIONS_AS_EVENTS mapping
-vllm: no eviction counter; each hash removed from a block is a BlockRemoved KV event (also when
-  another block still holds that hash)
-spec: stats.evictions counts cached blocks taken from the head
-how: evictions = the hashes in BlockRemoved events; a router must count stored and removed
-  events per hash (a multiset), not keep a set
-
-NO_FORK scope
-vllm: no fork or copy-on-write of a running request's blocks: n > 1 samples are separate
-  requests that share the prompt through the prefix cache
-spec: fork shares a table; append_slot copies a shared block on write, and a pending copy's
-  source waits for its copy instead of joining the free queue
-how: the machine does not fork, so no pair is ever pending and no block waits
-
-NO_EMPTY_PROMPT scope
-vllm: an empty prompt is refused with ValueError: allocate_slots takes no 0 new tokens, and with
-  caching on get_computed_blocks fails on it too
-spec: lookup([]) == [] and allocate_prompt([]) == ([], 0)
-how: the machine admits prompts of at least one token and checks vLLM's lookup of an empty one
-  raises ValueError where the spec answers []
+NULL_BLOCK mapping: vLLM's block 0 is reserved: n + 1 blocks for the spec's n, spec id = vLLM id - 1
+UNCACHED_FREE_TO_HEAD rule: VllmRules.free moves the freed blocks with no key to the queue's head
+DUPLICATES_CACHED rule: VllmRules keeps a key -> [blocks] registry; lookup answers the earliest
+NONE_ON_EXHAUSTION mapping: the adapter raises OutOfBlocksError for None; vLLM must be unchanged
+FREE_BY_REQUEST mapping: the machine frees freed requests again; vLLM must change nothing
+HASH_IDENTITY scope: sha256, under which no collision occurs (a planted collision shows the risk)
+HASH_GRANULARITY scope: the adapter sets hash_block_size = block_size
+SALT_IN_FIRST_BLOCK scope: none needed: neither lets two salts share a block; str salts are drawn
+REGISTER_ON_ALLOCATE mapping: the adapter registers on the spec side right after each allocation
+TOKEN_COUNTERS mapping: hits = hit_blocks * block_size; queries = the admitted prompts' tokens
+EVICTIONS_AS_EVENTS mapping: evictions = the hashes in BlockRemoved events; router view per hash
+NO_FORK scope: the machine does not fork, so no copy is ever pending and no block waits
+NO_EMPTY_PROMPT scope: prompts have a token; vLLM's lookup of an empty one must raise ValueError
 """
 
 
-def _divergences(table: str) -> dict[str, Divergence]:
-    entries = {}
-    for entry in table.strip().split("\n\n"):
-        head, *lines = entry.replace("\n  ", " ").splitlines()
-        name, kind = head.split()
-        text = dict(line.split(": ", 1) for line in lines)
-        entries[name] = Divergence(name, text["vllm"], text["spec"], text["how"], kind)
-    return entries
+def _divergence(line: str) -> tuple[str, Divergence]:
+    head, translation = line.split(": ", 1)
+    name, kind = head.split()
+    return name, Divergence(name, kind, translation)
 
 
-DIVERGENCES: dict[str, Divergence] = _divergences(TABLE)
+DIVERGENCES: dict[str, Divergence] = dict(map(_divergence, TABLE.strip().splitlines()))
 BEHAVIOUR_RULES = frozenset(name for name, d in DIVERGENCES.items() if d.kind == "rule")
 """The divergences :class:`VllmRules` implements; the rest are mappings or out of scope."""
 
@@ -151,12 +70,9 @@ def content_of_key(key: BlockKey) -> Content:
 
 
 class VllmRules(PrefixCachingBlockManager):
-    """The spec with the divergences named in ``rules`` on (``frozenset()``: the spec itself).
-
-    ``caching=False`` is vLLM with prefix caching off: nothing is looked up or registered. Every
-    public method keeps the spec's validation and all-or-nothing behaviour; everything the
-    rules do not name (FIFO take, revival, eviction on take, the hit limit) is the spec's code.
-    """
+    """The spec with the divergences named in ``rules`` on (``frozenset()``: the spec itself);
+    ``caching=False``: nothing is looked up or registered. Validation, all-or-nothing and all
+    the rules do not name (FIFO take, revival, eviction on take, the hit limit) are the spec's."""
 
     def __init__(
         self,
@@ -213,8 +129,8 @@ class VllmRules(PrefixCachingBlockManager):
     def register(
         self, block_table: Sequence[int], token_ids: Sequence[int], extra_key: Hashable = None
     ) -> int:
-        """The spec's ``cache_blocks`` (how many blocks newly registered); ``DUPLICATES_CACHED``:
-        each full block without a key joins its content's list, whoever else holds it."""
+        """The spec's ``cache_blocks``; ``DUPLICATES_CACHED``: each full block without a key
+        joins its content's list, whoever else holds it. How many blocks newly registered."""
         if not self.caching:
             return 0
         if not self.duplicates:
@@ -232,8 +148,8 @@ class VllmRules(PrefixCachingBlockManager):
         return newly
 
     def _take_from_head(self, num_blocks: int) -> list[int]:
-        """The spec's take; ``DUPLICATES_CACHED``: a taken block leaves the registry, and another
-        block of its content, if any, answers from now on."""
+        """The spec's take; ``DUPLICATES_CACHED``: a taken block leaves the registry, and
+        another block of its content, if any, answers from now on."""
         taken = super()._take_from_head(num_blocks)
         for block_id in taken:
             if (key := self.registered_key.pop(block_id, None)) is not None:
