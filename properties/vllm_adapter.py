@@ -1,11 +1,8 @@
-"""vLLM's v1 ``KVCacheManager`` driven through the spec's operations, answering in spec terms.
+"""vLLM's v1 ``KVCacheManager`` (in ``.venv-vllm`` only) driven through the spec's operations.
 
-Importable only where vLLM is installed (``.venv-vllm``; ``python -m properties.vllm_env``).
-:class:`VllmKVCache` wraps one manager (one full-attention group and its ``BlockPool``): admit a
-prompt, decode one token, free, look up. It applies only the mappings of
-:data:`properties.vllm_rules.DIVERGENCES` (``NULL_BLOCK``, ``NONE_ON_EXHAUSTION``,
-``HASH_GRANULARITY``, ``TOKEN_COUNTERS``, ``EVICTIONS_AS_EVENTS``) and reads vLLM's state
-(tables, free queue, reference counts, cached contents) without changing it.
+:class:`VllmKVCache` wraps one manager (one full-attention group): admit, decode one token, free,
+look up, in spec terms through the mappings of :data:`properties.vllm_rules.DIVERGENCES` only,
+and reads vLLM's state (tables, free queue, reference counts, cached contents) without changing it.
 """
 
 from __future__ import annotations
@@ -22,19 +19,14 @@ from properties.vllm_rules import Content
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _import_vllm() -> None:
-    """Import vLLM's KV-cache manager with the repository root off ``sys.path``: transformers
-    probes for Hugging Face's ``kernels`` package, which the root's ``kernels/`` folder would
-    shadow. The probe's answer is cached, so the root may return to the path afterwards."""
-    saved = list(sys.path)
-    sys.path[:] = [entry for entry in saved if Path(entry or ".").resolve() != ROOT]
-    try:
-        import vllm.v1.core.kv_cache_manager  # noqa: F401
-    finally:
-        sys.path[:] = saved
-
-
-_import_vllm()
+# vLLM imported with the root off sys.path: transformers probes (once) for Hugging Face's
+# ``kernels``, which the root's ``kernels/`` would shadow.
+_saved = list(sys.path)
+sys.path[:] = [entry for entry in _saved if Path(entry or ".").resolve() != ROOT]
+try:
+    import vllm.v1.core.kv_cache_manager  # noqa: F401
+finally:
+    sys.path[:] = _saved
 
 import torch  # noqa: E402
 from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
@@ -47,11 +39,7 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     init_none_hash,
     maybe_convert_block_hash,
 )
-from vllm.v1.kv_cache_interface import (  # noqa: E402
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 MAX_MODEL_LEN = 1 << 20  # vLLM's cap on a request's tokens, far beyond anything driven here
@@ -66,26 +54,17 @@ def to_spec_id(vllm_id: int) -> int:
 def make_manager(
     total_blocks: int, block_size: int, caching: bool, observed: bool = False
 ) -> KVCacheManager:
-    """A ``KVCacheManager`` with ``total_blocks`` usable blocks (``NULL_BLOCK``: one more in
-    all), one full-attention group, hashing every ``block_size`` tokens (``HASH_GRANULARITY``);
-    ``observed`` turns on its prefix-cache counters and KV events."""
+    """``total_blocks`` usable blocks (``NULL_BLOCK``), one full-attention group, hashed every
+    ``block_size`` tokens (``HASH_GRANULARITY``); ``observed``: counters and KV events on."""
     attention = FullAttentionSpec(
         block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
     )
-    config = KVCacheConfig(
-        num_blocks=total_blocks + 1,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], attention)],
-    )
+    group = KVCacheGroupSpec(["layer"], attention)
     return KVCacheManager(
-        config,
-        max_model_len=MAX_MODEL_LEN,
-        scheduler_block_size=block_size,
-        hash_block_size=block_size,
-        enable_caching=caching,
-        log_stats=observed,
-        enable_kv_cache_events=observed,
-    )
+        KVCacheConfig(num_blocks=total_blocks + 1, kv_cache_tensors=[], kv_cache_groups=[group]),
+        max_model_len=MAX_MODEL_LEN, scheduler_block_size=block_size, hash_block_size=block_size,
+        enable_caching=caching, log_stats=observed, enable_kv_cache_events=observed,
+    )  # fmt: skip
 
 
 def request_factory(
@@ -104,10 +83,8 @@ def request_factory(
 
 
 class VllmKVCache:
-    """One vLLM ``KVCacheManager`` behind the spec's operations, in spec block ids.
-
-    ``hash_fn`` is vLLM's block hash (sha256: deterministic across runs); ``to_spec`` maps
-    vLLM's ids to the spec's (a planted bug may pass another)."""
+    """One vLLM ``KVCacheManager`` in spec block ids; ``hash_fn``: vLLM's block hash (sha256:
+    deterministic across runs), ``to_spec``: vLLM id to spec id (a planted bug passes another)."""
 
     def __init__(
         self,
@@ -132,19 +109,19 @@ class VllmKVCache:
         """A vLLM request for ``tokens``; its block hashes are remembered by content."""
         self._serial += 1
         request = self.make_request(f"r{self._serial}", list(tokens), salt)
-        self._learn_hashes(request, salt)
+        self._learn_hashes(request)
         return request
 
-    def _learn_hashes(self, request: Request, salt: str | None) -> None:
-        tokens = list(request.all_token_ids)
+    def _learn_hashes(self, request: Request) -> None:
+        tokens, salt = list(request.all_token_ids), request.cache_salt
         for index, block_hash in enumerate(request.block_hashes):
             content = (salt, tuple(tokens[: (index + 1) * self.block_size]))
-            # Under a collision the first content keeps the hash, so what vLLM hands out for
-            # the second is checked against the first's tokens.
+            # under a collision the first content keeps the hash: the second is checked against it
             self.content_of_hash.setdefault(block_hash, content)
             self.content_of_external.setdefault(maybe_convert_block_hash(block_hash), content)
 
     def ids(self, blocks: Sequence[Any]) -> list[int]:
+        """vLLM blocks as spec ids."""
         return [self.to_spec(block.block_id) for block in blocks]
 
     def lookup(self, tokens: Sequence[int], salt: str | None) -> list[int]:
@@ -153,8 +130,7 @@ class VllmKVCache:
         return self.ids(blocks.blocks[0]) if blocks.blocks else []
 
     def admit(self, tokens: Sequence[int], salt: str | None) -> tuple[Request, int]:
-        """Look up, allocate and register a prompt; its handle and cached tokens.
-        ``OutOfBlocksError`` (``NONE_ON_EXHAUSTION``) if the blocks do not fit."""
+        """Look up, allocate, register: the handle and cached tokens (``NONE_ON_EXHAUSTION``)."""
         request = self._request(tokens, salt)
         computed, hit_tokens, _ = self.manager.get_computed_blocks(request)
         new = self.manager.allocate_slots(request, len(tokens) - hit_tokens, hit_tokens, computed)
@@ -166,12 +142,11 @@ class VllmKVCache:
         return request, hit_tokens
 
     def decode(self, request: Request, token: int) -> None:
-        """Append one sampled token and give it a slot (``allocate_slots(request, 1)``, which
-        registers a block it fills). ``OutOfBlocksError`` if no block is free: the token is
-        taken back (vLLM's scheduler would keep it for a retry); the manager is unchanged."""
+        """Append a token and ``allocate_slots(request, 1)`` (registering a block it fills); with
+        no block free, ``OutOfBlocksError`` and the token taken back, the manager unchanged."""
         computed = request.num_computed_tokens
         request.append_output_token_ids(token)
-        self._learn_hashes(request, request.cache_salt)
+        self._learn_hashes(request)
         if self.manager.allocate_slots(request, 1) is None:
             request._all_token_ids.pop()
             request._output_token_ids.pop()
@@ -183,14 +158,11 @@ class VllmKVCache:
         """``KVCacheManager.free``: release the request's blocks (again: a no-op)."""
         self.manager.free(request)
 
-    # ------------------------------------------------------------ observation (read-only)
-
     def raw_table(self, request: Request) -> list[int]:
         """The request's blocks, in vLLM's own ids."""
         return [b.block_id for b in self.manager.coordinator.get_blocks(request.request_id)[0]]
 
     def table(self, request: Request) -> list[int]:
-        """The request's blocks, in spec ids."""
         return [self.to_spec(block_id) for block_id in self.raw_table(request)]
 
     def free_block_ids(self) -> list[int]:
@@ -222,12 +194,10 @@ class VllmKVCache:
 
     def snapshot(self) -> tuple[object, ...]:
         """Everything observable about vLLM's manager, for "a refused call changed nothing"."""
-        manager = self.manager.coordinator.single_type_managers[0]
-        tables = {rid: self.ids(blocks) for rid, blocks in manager.req_to_blocks.items()}
+        blocks = self.manager.coordinator.single_type_managers[0].req_to_blocks
+        tables = {rid: self.ids(table) for rid, table in blocks.items()}
         state = self.free_block_ids(), self.ref_counts(), self.block_contents()
         return (*state, self.cached_contents(), tables)
-
-    # ------------------------------------------------------------ events and counters
 
     def take_events(self) -> None:
         """Drain vLLM's KV events into the router's view (``EVICTIONS_AS_EVENTS``)."""
