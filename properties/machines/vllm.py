@@ -1,15 +1,12 @@
 """vLLM's v1 KV-cache manager against the spec, in lockstep: the conformance machine.
 
-Runs in ``.venv-vllm`` (``python -m properties.vllm_env``; the main suite's
-``properties/test_vllm_conformance.py`` does it); not named ``test_*.py``, so the main
-environment, which has no vLLM, never collects it. :class:`VllmConformance` drives
-:class:`~properties.vllm_adapter.VllmKVCache` and :class:`~properties.vllm_rules.VllmRules` (the
-spec with vLLM's named divergences) through admit, decode, free, free again and lookup, compares
-every result and exception class, and after every step everything they share: tables, the free
-queue in order, reference counts, each block's content and the lookup order, evictions, the
-router's view from the KV events, the hit counters; a refused call must change nothing in vLLM.
-It also checks the spec's invariants on vLLM itself, with simulated K/V data. Below it: planted
-vLLM bugs it must catch, each rule switched off (it must fail), one example per divergence.
+Runs in ``.venv-vllm`` only (``properties/test_vllm_conformance.py`` runs it there; not named
+``test_*.py``). :class:`VllmConformance` drives vLLM (:class:`~properties.vllm_adapter.VllmKVCache`)
+and :class:`~properties.vllm_rules.VllmRules` through admit, decode, free, free again and lookup:
+the same results and exception classes, and after every step the same tables, free queue in
+order, reference counts, contents and lookup order, evictions, KV-event router view and hit
+counters; a refused call changes nothing in vLLM; the spec's invariants hold on vLLM itself,
+with simulated K/V. Below: planted vLLM bugs, each rule switched off, one example per divergence.
 """
 
 from __future__ import annotations
@@ -53,11 +50,9 @@ class Live:
     salt: str | None
 
 
-Adapter = Callable[[int, int, bool], VllmKVCache]
-
-
 def conformance_machine(
-    rules: frozenset[str] = BEHAVIOUR_RULES, adapter: Adapter = VllmKVCache
+    rules: frozenset[str] = BEHAVIOUR_RULES,
+    adapter: Callable[[int, int, bool], VllmKVCache] = VllmKVCache,
 ) -> type[RuleBasedStateMachine]:
     """The machine comparing ``adapter`` (vLLM) with the spec under ``rules``."""
 
@@ -100,8 +95,7 @@ def conformance_machine(
         def lockstep(
             self, spec_call: Callable[[], Any], vllm_call: Callable[[], Any], what: str
         ) -> tuple[Any, Any] | None:
-            """Both sides refuse with OutOfBlocksError, vLLM unchanged (None), or both grant
-            (their answers)."""
+            """Both refuse with OutOfBlocksError, vLLM unchanged (None), or both grant (answers)."""
             expected = observe(spec_call)
             if expected.error is not None:
                 assert expected.error is OutOfBlocksError
@@ -230,8 +224,7 @@ def conformance_machine(
 
         @invariant()
         def vllm_keeps_the_spec_invariants(self) -> None:
-            """Reference counts equal live references; free exactly when unheld; block 0 is
-            never handed out."""
+            """Ref counts are live references, free iff unheld, block 0 never handed out."""
             held = Counter(b for r in self.requests for b in self.vllm.raw_table(r.handle))
             pool = self.vllm.pool
             assert 0 not in held, "the placeholder block is in a table"
@@ -268,12 +261,8 @@ def run_machine(machine: type[RuleBasedStateMachine]) -> None:
     run_state_machine_as_test(machine, settings=FIND)
 
 
-# ----------------------------------------------------------------- planted bugs in vLLM
-
-
 def planted_bugs() -> dict[str, tuple[type, str, Any]]:
-    """Each entry, ``(class, attribute, replacement)``, breaks one vLLM behaviour the spec (or a
-    named divergence) fixes."""
+    """``(class, attribute, replacement)``: each breaks vLLM where the spec or a rule is fixed."""
     from vllm.v1.core import block_pool, kv_cache_utils
     from vllm.v1.core import kv_cache_coordinator as coordinators
     from vllm.v1.core import single_type_kv_cache_manager as single
@@ -281,7 +270,7 @@ def planted_bugs() -> dict[str, tuple[type, str, Any]]:
     pool, queue = block_pool.BlockPool, kv_cache_utils.FreeKVCacheBlockQueue
     unitary, coordinator = coordinators.UnitaryKVCacheCoordinator, coordinators.KVCacheCoordinator
     find, count = unitary.find_longest_cache_hit, coordinator.get_num_blocks_to_allocate
-    free_blocks = pool.free_blocks
+    free_blocks, single_type = pool.free_blocks, single.SingleTypeKVCacheManager
 
     def touch_in_queue(self: Any, blocks: Any) -> None:
         for block in blocks:
@@ -298,11 +287,7 @@ def planted_bugs() -> dict[str, tuple[type, str, Any]]:
 
     return {
         "uncached blocks freed to the tail": (queue, "prepend_n", queue.append_n),
-        "blocks freed in table order": (
-            single.SingleTypeKVCacheManager,
-            "free",
-            free_in_table_order,
-        ),
+        "blocks freed in table order": (single_type, "free", free_in_table_order),
         "a reused block keeps its hash": (pool, "_maybe_evict_cached_block", lambda *_: False),
         "a revived block stays in the free queue": (pool, "touch", touch_in_queue),
         "a hit covers the prompt's last token": (
@@ -343,13 +328,9 @@ def test_without_the_null_block_offset_the_machine_fails() -> None:
         run_machine(conformance_machine(adapter=identity))
 
 
-# ----------------------------------------------------------------- one example per divergence
-
-
 def test_free_order_example() -> None:
-    """UNCACHED_FREE_TO_HEAD: of 9 tokens in blocks of 4, the partial block is freed to the
-    head, the two cached ones to the tail, last first (vLLM and the rules); the spec puts all
-    three at the tail."""
+    """UNCACHED_FREE_TO_HEAD: 9 tokens, blocks of 4: vLLM and the rules free the partial block to
+    the head, the two cached ones to the tail, last first; the spec frees all three to the tail."""
     tokens = list(range(9))
     vllm = VllmKVCache(6, 4, caching=True)
     vllm.free(vllm.admit(tokens, None)[0])
@@ -363,8 +344,8 @@ def test_free_order_example() -> None:
 
 
 def test_duplicates_example() -> None:
-    """DUPLICATES_CACHED: an 8-token prompt of blocks of 4 hits only its first block (the last
-    token is recomputed), so its second is computed again and vLLM caches the copy too."""
+    """DUPLICATES_CACHED: 8 tokens in blocks of 4 hit only the first block (the last token is
+    recomputed): the second is computed again, and vLLM caches the copy too."""
     tokens = list(range(8))
     vllm = VllmKVCache(6, 4, caching=True)
     (first, _), (second, hit_tokens) = vllm.admit(tokens, None), vllm.admit(tokens, None)
@@ -407,9 +388,8 @@ def test_free_again_is_a_no_op_where_the_spec_refuses() -> None:
 
 
 def test_registration_counters_and_salts() -> None:
-    """REGISTER_ON_ALLOCATE: right after allocate_slots, before any K/V exists, another request
-    hits the block. TOKEN_COUNTERS: queries are the prompts' tokens, hits the hit tokens.
-    SALT_IN_FIRST_BLOCK: the salt enters the first hash only, yet no later block is shared."""
+    """REGISTER_ON_ALLOCATE: a block is hit right after allocate_slots, before its K/V exists.
+    TOKEN_COUNTERS: queries, hits in tokens. SALT_IN_FIRST_BLOCK: still no later block shared."""
     vllm = VllmKVCache(4, 2, caching=True)
     vllm.admit([1, 2, 3], None)
     assert vllm.lookup([1, 2, 3], None) == [0]
@@ -435,9 +415,8 @@ def test_an_empty_prompt_is_refused() -> None:
 
 
 def test_a_hash_collision_hands_out_a_block_with_other_tokens() -> None:
-    """HASH_IDENTITY breaks a spec invariant ("a hit never returns a block with other tokens")
-    under a hash that collides on purpose: blocks of 2, [1, 2, 3] cached, [8, 9, 3] hits its
-    block. The spec, under the same colliding hash, compares the tokens and misses."""
+    """HASH_IDENTITY: under a colliding hash, [8, 9, 3] hits the block of [1, 2] (blocks of 2),
+    against the spec's "a hit never returns other tokens"; the spec compares tokens and misses."""
     vllm = VllmKVCache(4, 2, caching=True, hash_fn=lambda parts: b"\x01" * 32)
     first, _ = vllm.admit([1, 2, 3], None)
     assert vllm.lookup([8, 9, 3], None) == vllm.table(first)[:1]  # tokens [1, 2], not [8, 9]
