@@ -1,10 +1,9 @@
 """Shared pieces of the kernel property tests: sizes, tolerances, caches filled by spec runs.
 
-A *script* (new sequence, extend, fork, free) is played on the spec's ``BlockManager``, so block
-tables are what a real run produces: shuffled ids, ids reused after frees, blocks shared by forks
-and copied on write. ``KVCache`` replays it on real tensors through the kernels under test,
-keeping every sequence's logical K/V for the dense oracles. Kernel tests run on CUDA when it is
-there (compiled Triton; ``bench/gpu_kernels.py``) and on CPU otherwise (the interpreter).
+A *script* (new sequence, extend, fork, free) is played on the spec's ``BlockManager`` (shuffled
+ids, reuse after frees, forks, copy-on-write); ``KVCache`` replays it through the kernels under
+test, keeping each sequence's logical K/V for the dense oracles. On CUDA Triton runs compiled
+(``bench/gpu_kernels.py``), on CPU interpreted.
 """
 
 from __future__ import annotations
@@ -51,10 +50,8 @@ class Tolerance:
     rtol: float
 
 
-# The one statement of how close the kernels must be. Every implementation upcasts to fp32 and
-# accumulates in fp32, so differences come from summation order and the final rounding to the
-# output dtype: about one unit in the last place of fp16 (2**-10) or bf16 (2**-7) at outputs of
-# a few units, with headroom for TF32 products on GPUs.
+# How close the kernels must be: all accumulate in fp32, so summation order and the output's
+# rounding (about an ulp of fp16 or bf16 at outputs of a few units) differ, plus TF32 on GPUs.
 TOLERANCES: dict[torch.dtype, Tolerance] = {
     torch.float32: Tolerance(atol=2e-5, rtol=2e-5),
     torch.float16: Tolerance(atol=2e-3, rtol=2e-3),
@@ -158,17 +155,18 @@ class Scenario:
     script: tuple[Op, ...]
     seed: int
 
-    def play(self) -> SpecRun:
-        """The spec run alone (no tensors)."""
+    def play(self, on_write: Callable[[Write], None] = lambda write: None) -> SpecRun:
+        """The spec run, each write it asks for passed to ``on_write`` as it happens."""
         run = SpecRun(self.total_blocks, self.block_size, self.free_order)
         for op in self.script:
-            run.apply(op)
+            write = run.apply(op)
+            if write is not None:
+                on_write(write)
         return run
 
 
 def fixed_scenario(block_size: int) -> Scenario:
-    """A deterministic run for example-based tests: a reversed free queue, three sequences of
-    several blocks, a fork whose two branches both extend (copy-on-write), a free and a reuse."""
+    """Reversed free queue, three sequences, a fork whose branches both extend, a free, a reuse."""
     total_blocks = 4 * blocks_needed(40, block_size) + 4
     script: tuple[Op, ...] = (
         ("new", 0, 3 * block_size + 1),
@@ -227,8 +225,7 @@ class Shape:
 
 
 class KVCache:
-    """K/V caches filled by replaying a scenario through ``store_kv`` and ``copy_blocks``; every
-    slot starts as NaN, so a kernel that reads a slot no token was written to returns NaN."""
+    """K/V caches filled by ``store_kv`` and ``copy_blocks``, NaN where no token was written."""
 
     def __init__(self, scenario: Scenario, shape: Shape, backend: str = "triton") -> None:
         if shape.block_size != scenario.block_size:
@@ -239,11 +236,7 @@ class KVCache:
         size = (scenario.total_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
         self.k_cache = torch.full(size, float("nan"), dtype=shape.dtype, device=DEVICE)
         self.v_cache = torch.full(size, float("nan"), dtype=shape.dtype, device=DEVICE)
-        self.run = SpecRun(scenario.total_blocks, scenario.block_size, scenario.free_order)
-        for op in scenario.script:
-            write = self.run.apply(op)
-            if write is not None:
-                self.write(write)
+        self.run = scenario.play(self.write)
 
     def randn(self, *size: int) -> torch.Tensor:
         """Seeded standard normal values in the cache dtype, on the test device."""
@@ -265,8 +258,7 @@ class KVCache:
     def batch(
         self, extra_columns: int = 0, pad: int = -1, padding_row: bool = False
     ) -> tuple[list[Seq | None], torch.Tensor, torch.Tensor]:
-        """Live sequences as ``(seqs, block_tables, context_lens)``, tables padded as by
-        ``padded_tables``; ``padding_row`` appends a sequence of length 0 (``None`` in ``seqs``)."""
+        """``(seqs, padded_tables(...), context_lens)``; ``padding_row`` adds ``None``, length 0."""
         seqs: list[Seq | None] = list(self.run.seqs) + ([None] if padding_row else [])
         tables = padded_tables([seq.table if seq else [] for seq in seqs], extra_columns, pad)
         lens = torch.tensor([s.length if s else 0 for s in seqs], dtype=torch.int32, device=DEVICE)
@@ -276,8 +268,7 @@ class KVCache:
 def dense_attention(
     query: torch.Tensor, seqs: Sequence[Seq | None], scale: float, window: int | None = None
 ) -> torch.Tensor:
-    """The oracle of decode: :func:`dense_prefill` of one query per sequence, at its last
-    position; a padding sequence (``None``, or of length 0) gets zeros."""
+    """Decode's oracle: ``dense_prefill`` of each sequence's last position; padding gets zeros."""
     live = [b for b, seq in enumerate(seqs) if seq is not None and seq.length]
     out = torch.zeros_like(query)
     out[live] = dense_prefill(query[live], [seqs[b] for b in live], [1] * len(live), scale, window)
@@ -285,8 +276,7 @@ def dense_attention(
 
 
 def window_start(length: int, num_queries: int, window: int | None) -> int:
-    """The first key a sequence of ``length`` tokens, its last ``num_queries`` queries, can see
-    (0 without a window); blocks wholly before it may be released."""
+    """The first key the last ``num_queries`` queries of ``length`` tokens see (0: no window)."""
     if window is None:
         return 0
     return max(0, length - num_queries - window + 1)
@@ -295,10 +285,8 @@ def window_start(length: int, num_queries: int, window: int | None) -> int:
 def poison_outside_window(
     cache: KVCache, tables: torch.Tensor, starts: Sequence[int], poison: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(k_cache, v_cache, tables)`` in which the entries of blocks wholly before each window
-    (columns below ``starts[b] // block_size``) name, with ``poison="nan"``, a NaN block appended
-    to copies of the caches (a kernel that reads it, even masked, returns NaN), or with
-    ``"invalid"`` ``-1``, which validation must accept there (the block may have been released)."""
+    """Entries below ``starts[b] // block_size`` name a NaN block appended to copies of the caches
+    (``"nan"``: read even masked, it gives NaN) or ``-1`` (``"invalid"``: validation accepts it)."""
     block_size = cache.shape.block_size
     k_cache, v_cache, poisoned = cache.k_cache, cache.v_cache, tables.clone()
     value = -1
@@ -311,32 +299,45 @@ def poison_outside_window(
     return k_cache, v_cache, poisoned
 
 
-# attention(query, k_cache, v_cache, block_tables, context_lens, scale, *, window) -> output
+# decode(query, k_cache, v_cache, block_tables, context_lens, scale, *, window) -> output; prefill
+# takes cu_seqlens_q before context_lens
 Attention = Callable[..., object]
 
 
-def assert_agree(
+def check_attention(
     cache: KVCache,
-    kernel: Callable[..., object],
-    reference: Callable[..., torch.Tensor],
-    args: tuple,
-    expected: torch.Tensor,
-    query_lens: Sequence[int],
-    window: int | None,
-    poison: str | None,
+    kernel: Attention,
+    query_lens: list[int] | None = None,
+    extra_columns: int = 0,
+    padding_row: bool = False,
+    scale: float | None = None,
+    pad: int = -1,
+    window: int | None = None,
+    poison: str | None = None,
 ) -> None:
-    """``kernel(*args, window=window)``, the reference's and the oracle's ``expected`` agree; the
-    output has the query's dtype and shape. With ``poison`` both give the same bits again when
+    """``kernel`` (decode, or prefill of ``query_lens``: a count per row of ``cache.batch(...)``),
+    the reference and the dense oracle agree, in the query's dtype and shape, at ``scale`` (default
+    ``1 / sqrt(head_dim)``) and ``window``; with ``poison``, both give the same bits again when
     the entries of blocks wholly before each window are poisoned (``poison_outside_window``)."""
-    query, _, _, tables, *rest = args
+    seqs, tables, lens = cache.batch(extra_columns, pad, padding_row)
+    counts = [1] * len(seqs) if query_lens is None else query_lens
+    query = cache.randn(sum(counts), cache.shape.num_heads, cache.shape.head_dim)
+    scale = cache.shape.head_dim**-0.5 if scale is None else scale
+    if query_lens is None:
+        reference = decode_on("reference")
+        args: tuple = (query, cache.k_cache, cache.v_cache, tables, lens, scale)
+        expected = dense_attention(query, seqs, scale, window)
+    else:
+        reference = prefill_on("reference")
+        offsets = torch.tensor([0, *query_lens], device=DEVICE).cumsum(0).to(torch.int32)
+        args = (query, cache.k_cache, cache.v_cache, tables, offsets, lens, scale)
+        expected = dense_prefill(query, seqs, query_lens, scale, window)
     ref, actual = reference(*args, window=window), kernel(*args, window=window)
     if poison is not None:
-        starts = [
-            window_start(int(n), q, window) for n, q in zip(args[-2], query_lens, strict=True)
-        ]
+        starts = [window_start(int(n), q, window) for n, q in zip(lens, counts, strict=True)]
         k_cache, v_cache, poisoned = poison_outside_window(cache, tables, starts, poison)
         for run, output in ((reference, ref), (kernel, actual)):
-            dirty = run(query, k_cache, v_cache, poisoned, *rest, window=window)
+            dirty = run(query, k_cache, v_cache, poisoned, *args[4:], window=window)
             assert isinstance(dirty, torch.Tensor) and torch.equal(dirty, output), "read outside"
     assert isinstance(actual, torch.Tensor)
     assert actual.dtype == query.dtype and actual.shape == query.shape
@@ -345,37 +346,18 @@ def assert_agree(
     assert_close(actual, ref, "kernel vs reference")
 
 
-def check_attention(
-    cache: KVCache,
-    attention: Attention,
-    extra_columns: int = 0,
-    padding_row: bool = False,
-    scale: float | None = None,
-    pad: int = -1,
-    window: int | None = None,
-    poison: str | None = None,
-) -> None:
-    """``attention`` (a decode kernel under test), the reference and dense attention agree on
-    every sequence of ``cache.batch(extra_columns, pad, padding_row)``, at ``scale`` (default
-    ``1 / sqrt(head_dim)``) and ``window``; with ``poison``, both read nothing before a window."""
-    seqs, tables, lens = cache.batch(extra_columns, pad, padding_row)
-    shape = cache.shape
-    query = cache.randn(len(seqs), shape.num_heads, shape.head_dim)
-    scale = shape.head_dim**-0.5 if scale is None else scale
-    args = (query, cache.k_cache, cache.v_cache, tables, lens, scale)
-    expected = dense_attention(query, seqs, scale, window)
-    reference = decode_on("reference")
-    assert_agree(cache, attention, reference, args, expected, [1] * len(seqs), window, poison)
-
-
 def fill_backend(backend: str) -> str:
-    """The backend whose ``store_kv`` and ``copy_blocks`` fill the caches of a check of
-    ``backend`` (``sdpa`` is no backend of the public functions: the reference fills)."""
+    """The backend that fills the caches for a check of ``backend`` (the reference for sdpa)."""
     return backend if backend in ("triton", "numba") else "reference"
 
 
 def draw_cache(
-    data: st.DataObject, backend: str, block_size: int, group: int, head_dim: int, dtype
+    data: st.DataObject,
+    backend: str,
+    block_size: int,
+    group: int,
+    head_dim: int,
+    dtype: torch.dtype,
 ) -> KVCache:
     """A cache filled through ``fill_backend(backend)`` by a drawn scenario, 1 or 2 KV heads."""
     scenario = data.draw(scenarios(block_size), label="scenario")
@@ -412,35 +394,22 @@ def decode_on(backend: str, num_splits: int | None = None) -> Attention:
     return attention
 
 
-# prefill(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale) -> output
-Prefill = Callable[..., torch.Tensor]
-
-
-def sdpa_prefill(module: ModuleType = sdpa) -> Prefill:
-    """``paged_prefill_attention``'s signature over ``module``'s plan (from the lengths as host
-    ints, as ``PagedKVCache.step`` makes it) and attention."""
+def sdpa_prefill(module: ModuleType = sdpa) -> Attention:
+    """``paged_prefill_attention`` over ``module``'s plan (from host ints, as the engine's step)."""
 
     def prefill(
-        query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        context_lens: torch.Tensor,
-        scale: float,
-        window: int | None = None,
-    ) -> torch.Tensor:
+        query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+        cu_seqlens_q: torch.Tensor, lens: torch.Tensor, scale: float, window: int | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         query_lens = [b - a for a, b in pairwise(cu_seqlens_q.tolist())]
         group = query.shape[1] // k_cache.shape[2]
-        plan = module.plan(
-            block_tables, query_lens, context_lens.tolist(), k_cache.shape[1], group, window
-        )
+        plan = module.plan(tables, query_lens, lens.tolist(), k_cache.shape[1], group, window)
         return module.attention(plan, query, k_cache, v_cache, scale)
 
     return prefill
 
 
-def prefill_on(backend: str) -> Prefill:
+def prefill_on(backend: str) -> Attention:
     """The public prefill function on ``backend``, or ``sdpa``'s plan and attention."""
     if backend == "sdpa":
         return sdpa_prefill()
@@ -458,9 +427,8 @@ def dense_prefill(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """The spec: each query token attends, in fp32, its sequence's logical K/V at positions
-    ``j <= p`` for its own ``p`` (``length - q + i`` for the chunk's ``i``-th token) and, with a
-    window ``w``, ``j > p - w`` (Hugging Face's ``sliding_window``, written out here)."""
+    """The spec: query ``i`` of a chunk of ``q`` (position ``p = length - q + i``) attends, in fp32,
+    the logical K/V at ``j <= p`` and, with a window ``w``, ``j > p - w`` (HF's sliding_window)."""
     out = torch.zeros_like(query)
     start = 0
     for seq, count in zip(seqs, query_lens, strict=True):
@@ -480,35 +448,10 @@ def dense_prefill(
     return out
 
 
-def check_prefill(
-    cache: KVCache,
-    query_lens: list[int],
-    prefill: Prefill,
-    extra_columns: int = 0,
-    padding_row: bool = False,
-    pad: int = -1,
-    window: int | None = None,
-    poison: str | None = None,
-) -> None:
-    """``prefill``, the reference and the spec agree, ``query_lens`` being one count per
-    sequence of ``cache.batch(...)`` (0 for the padding row), at ``window``; with ``poison``,
-    ``prefill`` and the reference read nothing before a window."""
-    seqs, tables, lens = cache.batch(extra_columns, pad, padding_row)
-    shape = cache.shape
-    query = cache.randn(sum(query_lens), shape.num_heads, shape.head_dim)
-    offsets = torch.tensor([0, *query_lens], device=DEVICE).cumsum(0).to(torch.int32)
-    scale = shape.head_dim**-0.5
-    args = (query, cache.k_cache, cache.v_cache, tables, offsets, lens, scale)
-    expected = dense_prefill(query, seqs, query_lens, scale, window)
-    reference = prefill_on("reference")
-    assert_agree(cache, prefill, reference, args, expected, query_lens, window, poison)
-
-
 def draw_query_lens(
     data: st.DataObject, seqs: list[Seq | None], block_size: int, at_least_one: bool = False
 ) -> list[int]:
-    """A chunk length per sequence, edges (0, 1, a block, the whole sequence) likely; with
-    ``at_least_one`` some sequence has a query (``sdpa.plan``'s contract): the first, live."""
+    """A chunk length per sequence, edges likely; ``at_least_one`` (``sdpa.plan``'s contract)."""
     counts = []
     for seq in seqs:
         length = 0 if seq is None else seq.length
@@ -550,8 +493,7 @@ def check_slot_mapping(
 
 
 def assert_writes(cache: torch.Tensor, write: Callable[..., None], expected: torch.Tensor) -> None:
-    """``write(k_cache, v_cache)`` on copies of ``cache`` (``[2, blocks, ...]``) leaves them
-    equal to ``expected``, bit for bit."""
+    """``write(k_cache, v_cache)`` on copies of ``cache`` gives ``expected``, bit for bit."""
     k_cache, v_cache = cache[0].clone(), cache[1].clone()
     write(k_cache, v_cache)
     assert torch.equal(k_cache, expected[0])
@@ -585,10 +527,8 @@ def check_copy_blocks(cache: torch.Tensor, pairs: object, copy_blocks: Callable[
 
 
 def load_mutant(module: ModuleType, within: str, old: str, new: str, directory: Path) -> ModuleType:
-    """A copy of ``module`` with the code ``old`` inside ``within`` replaced by ``new`` (as
-    :func:`properties.mutants.replace_code` does), imported from a file under ``directory`` so
-    that Triton sees real source. The file is named by its source's hash and not rewritten when
-    it holds it, so numba's cache of its compiled kernels stays valid between runs."""
+    """``module`` with ``old`` in ``within`` replaced by ``new`` (``replace_code``), imported from a
+    file under ``directory`` (Triton needs source) named by its hash (numba's cache stays valid)."""
     assert module.__file__ is not None
     tree = ast.parse(Path(module.__file__).read_text())
     replace_code(tree, within, old, new)
@@ -609,8 +549,7 @@ def load_mutant(module: ModuleType, within: str, old: str, new: str, directory: 
 def copy_in_order(
     cache: torch.Tensor, pairs: list[list[int]] | list[tuple[int, int]]
 ) -> torch.Tensor:
-    """``copy_blocks``'s contract: ``cache`` (``[2, blocks, ...]``) after copying each
-    ``(src, dst)`` pair, one after another."""
+    """``copy_blocks``'s contract: ``cache`` (``[2, blocks, ...]``) after each pair, in order."""
     expected = cache.clone()
     for src, dst in pairs:
         expected[:, dst] = expected[:, src].clone()

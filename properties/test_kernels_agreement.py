@@ -1,12 +1,7 @@
 """Properties: every backend computes what the spec, the torch reference and dense attention do.
 
-Each check runs over every backend it applies to (Triton, compiled on a GPU and interpreted on
-CPU; numba, CPU only; the reference; ``kernels.sdpa`` for a step's prefill and store), on caches
-filled through that backend by spec runs (``kernel_cases``). ``slot_mapping`` is
-``translate_slot``, ``store_kv`` writes exactly its slots, ``copy_blocks`` is the sequential
-loop; decode (every block size x dtype, every GQA ratio x head dim, drawn splits and windows,
-split-K, contiguous) is dense attention; varlen prefill over cached prefixes is causal dense
-attention; blocks wholly before a window may be poisoned. Their planted bugs:
+Each check runs on every backend it applies to (Triton, numba on CPU, the reference, ``sdpa``),
+on caches filled through that backend by spec runs (``kernel_cases``). Planted bugs:
 ``test_kernels_planted_bugs``.
 """
 
@@ -35,7 +30,6 @@ from properties.kernel_cases import (
     backends,
     check_attention,
     check_copy_blocks,
-    check_prefill,
     check_slot_mapping,
     check_store_kv,
     decode_on,
@@ -65,8 +59,18 @@ def dtype_id(value: object) -> str:
     return str(value).removeprefix("torch.")
 
 
-def random_cache(seed: int, dtype: torch.dtype, *size: int) -> tuple[torch.Tensor, torch.Generator]:
-    """Seeded K and V caches ``[2, *size]`` on the test device, and the generator for more."""
+def draw_caches(
+    data: st.DataObject, seed: int, kv_heads: list[int], head_dims: list[int]
+) -> tuple[torch.Tensor, torch.Generator]:
+    """Seeded K and V caches ``[2, blocks, block_size, kv_heads, head_dim]`` of a drawn geometry
+    and dtype, on the test device, and the generator for more."""
+    size = data.draw(
+        st.tuples(
+            st.integers(1, 6), st.sampled_from(BLOCK_SIZES), st.sampled_from(kv_heads),
+            st.sampled_from(head_dims),
+        ), label="num_blocks, block_size, num_kv_heads, head_dim",
+    )  # fmt: skip
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(2, *size, generator=generator).to(dtype).to(DEVICE), generator
 
@@ -122,12 +126,8 @@ def test_store_kv_writes_exactly_the_given_slots(
     strided: bool, seed: int, data: st.DataObject
 ) -> None:
     """Every backend, and ``sdpa.store`` on the tokens it is given (it takes no ``-1``)."""
-    num_blocks, block_size, num_kv_heads, head_dim, dtype = data.draw(
-        st.tuples(
-            st.integers(1, 6), st.sampled_from(BLOCK_SIZES), st.sampled_from([1, 2, 3]),
-            st.sampled_from((*HEAD_DIMS, 8)), st.sampled_from(DTYPES),
-        ), label="num_blocks, block_size, num_kv_heads, head_dim, dtype",
-    )  # fmt: skip
+    cache, generator = draw_caches(data, seed, [1, 2, 3], [*HEAD_DIMS, 8])
+    _, num_blocks, block_size, num_kv_heads, head_dim = cache.shape
     num_slots = num_blocks * block_size
     written = data.draw(
         st.lists(st.integers(0, num_slots - 1), unique=True, max_size=min(num_slots, 48)),
@@ -135,10 +135,9 @@ def test_store_kv_writes_exactly_the_given_slots(
     )
     skipped = data.draw(st.integers(0, 3), label="skipped")
     slots = data.draw(st.permutations(written + [-1] * skipped), label="slots")
-    cache, generator = random_cache(seed, dtype, num_blocks, block_size, num_kv_heads, head_dim)
     # Strided token rows, as when K and V are slices of one fused projection.
     rows = torch.randn(len(slots), num_kv_heads, 2 * head_dim, generator=generator)
-    rows = rows.to(dtype).to(DEVICE)
+    rows = rows.to(cache.dtype).to(DEVICE)
     key = rows[..., ::2] if strided else rows[..., :head_dim].contiguous()
     value = rows[..., 1::2] if strided else rows[..., head_dim:]
     for backend in ALL:
@@ -154,17 +153,10 @@ def test_store_kv_writes_exactly_the_given_slots(
 def test_copy_blocks_matches_sequential_copies(
     as_tensor: bool, seed: int, data: st.DataObject
 ) -> None:
-    """Up to 8 pairs, chains (a block copied into is copied from later), swaps and self-copies
-    included."""
-    num_blocks, block_size, num_kv_heads, head_dim, dtype = data.draw(
-        st.tuples(
-            st.integers(1, 6), st.sampled_from(BLOCK_SIZES), st.sampled_from([1, 2]),
-            st.sampled_from([8, 80]), st.sampled_from(DTYPES),
-        ), label="num_blocks, block_size, num_kv_heads, head_dim, dtype",
-    )  # fmt: skip
-    block = st.integers(0, num_blocks - 1)
+    """Up to 8 pairs, chains (a block copied into is copied from later), swaps, self-copies."""
+    cache, _ = draw_caches(data, seed, [1, 2], [8, 80])
+    block = st.integers(0, cache.shape[1] - 1)
     pairs = data.draw(st.lists(st.tuples(block, block), max_size=8), label="pairs")
-    cache, _ = random_cache(seed, dtype, num_blocks, block_size, num_kv_heads, head_dim)
     arg = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2) if as_tensor else pairs
     for backend in ALL:
         check_copy_blocks(
@@ -175,17 +167,23 @@ def test_copy_blocks_matches_sequential_copies(
 # ----------------------------------------------------------------------- decode
 
 
-@pytest.mark.parametrize(
-    ("block_size", "dtype"), list(itertools.product(BLOCK_SIZES, DTYPES)), ids=dtype_id
-)
+# Every block size x dtype, and every GQA ratio x head dim; a None is drawn.
+Grid = tuple[int | None, torch.dtype | None, int | None, int | None]
+DECODE_GRID: list[Grid] = [
+    (b, d, None, None) for b, d in itertools.product(BLOCK_SIZES, DTYPES)
+] + [(None, None, g, h) for g, h in itertools.product(GQA_RATIOS, HEAD_DIMS)]
+
+
+@pytest.mark.parametrize("grid", DECODE_GRID, ids=lambda grid: "-".join(map(dtype_id, grid)))
 @pytest.mark.parametrize("backend", KERNELS)
 @settings(max_examples=kernel_examples(8))
 @given(data=st.data())
-def test_decode_matches_dense_for_every_block_size(
-    backend: str, block_size: int, dtype: torch.dtype, data: st.DataObject
-) -> None:
-    group = data.draw(st.sampled_from(GQA_RATIOS), label="group")
-    head_dim = data.draw(st.sampled_from(HEAD_DIMS), label="head_dim")
+def test_decode_matches_dense(backend: str, grid: Grid, data: st.DataObject) -> None:
+    block_size, dtype, group, head_dim = grid
+    block_size = block_size or data.draw(st.sampled_from(BLOCK_SIZES), label="block_size")
+    dtype = dtype or data.draw(st.sampled_from(DTYPES), label="dtype")
+    group = group or data.draw(st.sampled_from(GQA_RATIOS), label="group")
+    head_dim = head_dim or data.draw(st.sampled_from(HEAD_DIMS), label="head_dim")
     cache = draw_cache(data, backend, block_size, group, head_dim, dtype)
     check_attention(
         cache,
@@ -194,19 +192,6 @@ def test_decode_matches_dense_for_every_block_size(
         padding_row=data.draw(st.booleans(), label="padding_row"),
         window=draw_window(data, cache),
     )
-
-
-@pytest.mark.parametrize(("group", "head_dim"), list(itertools.product(GQA_RATIOS, HEAD_DIMS)))
-@pytest.mark.parametrize("backend", KERNELS)
-@settings(max_examples=kernel_examples(8))
-@given(data=st.data())
-def test_decode_matches_dense_for_every_gqa_ratio_and_head_dim(
-    backend: str, group: int, head_dim: int, data: st.DataObject
-) -> None:
-    block_size = data.draw(st.sampled_from(BLOCK_SIZES), label="block_size")
-    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
-    cache = draw_cache(data, backend, block_size, group, head_dim, dtype)
-    check_attention(cache, decode_on(backend, draw_splits(data)), window=draw_window(data, cache))
 
 
 @pytest.mark.parametrize("backend", KERNELS)
@@ -280,19 +265,17 @@ def test_contiguous_decode_matches_dense(backend: str, seed: int, data: st.DataO
 def test_blocks_outside_the_window_are_never_read(
     backend: str, poison: str, data: st.DataObject
 ) -> None:
-    """Entries of blocks wholly before the window name a NaN block, or ``-1``: validation
-    accepts them and the outputs are unchanged, bit for bit."""
+    """Entries before the window name a NaN block, or ``-1``: accepted, outputs bit for bit."""
     block_size = data.draw(st.sampled_from([1, 2, 4, 16]), label="block_size")
     cache = draw_cache(data, backend, block_size, 2, 64, torch.float32)
     window = data.draw(st.integers(1, longest_context(cache)), label="window")
     attention = decode_on(backend, data.draw(st.none() | st.integers(1, 3), label="num_splits"))
-    check_attention(cache, attention, 1, padding_row=True, window=window, poison=poison)
+    check_attention(cache, attention, None, 1, padding_row=True, window=window, poison=poison)
 
 
 @pytest.mark.parametrize("backend", EVERY)
 def test_poisoning_reaches_blocks_a_window_excludes(backend: str) -> None:
-    """The poison test is not vacuous: on the fixed run, with a window of one block, entries are
-    poisoned, and without the window the same poisoned call returns NaN."""
+    """Not vacuous: a window of one block poisons entries, and without it the call gives NaN."""
     cache = KVCache(fixed_scenario(4), Shape(4, 2, 2, 64, torch.float32), fill_backend(backend))
     _, tables, lens = cache.batch()
     starts = [window_start(int(n), 1, 4) for n in lens]
@@ -305,9 +288,7 @@ def test_poisoning_reaches_blocks_a_window_excludes(backend: str) -> None:
 
 @pytest.mark.parametrize("backend", EVERY)
 def test_a_nan_key_reaches_the_output_at_every_split_count(backend: str) -> None:
-    """A NaN in a K row that a sequence reads makes that sequence's outputs NaN, whatever the
-    split count: a split whose scores are NaN must not pass for an empty one in the merge (the
-    reference, one softmax over every key, is the oracle of which outputs are NaN)."""
+    """A NaN split must not pass for an empty one in the merge (oracle: the reference's NaNs)."""
     cache = KVCache(fixed_scenario(4), Shape(4, 2, 2, 64, torch.float32))
     _, tables, lens = cache.batch()
     # The shortest sequence: its keys lie in the first split, the others are empty.
@@ -333,8 +314,7 @@ def test_a_nan_key_reaches_the_output_at_every_split_count(backend: str) -> None
 def test_prefill_matches_spec_for_every_block_size(
     backend: str, block_size: int, data: st.DataObject
 ) -> None:
-    """Chunks over cached prefixes (0 to the whole sequence) with or without a window; with
-    one, the entries of blocks wholly before it are poisoned and change nothing."""
+    """Chunks over cached prefixes, windows; entries before a window poisoned change nothing."""
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
     group = data.draw(st.sampled_from(GQA_RATIOS), label="group")
     head_dim = data.draw(st.sampled_from(HEAD_DIMS), label="head_dim")
@@ -345,8 +325,8 @@ def test_prefill_matches_spec_for_every_block_size(
     extra_columns = data.draw(st.integers(0, 2), label="extra_columns")
     window = draw_window(data, cache)
     poison = None if window is None else data.draw(st.sampled_from(["nan", "invalid"]))
-    check_prefill(
-        cache, query_lens, prefill_on(backend), extra_columns, padding_row, window=window,
+    check_attention(
+        cache, prefill_on(backend), query_lens, extra_columns, padding_row, window=window,
         poison=poison,
     )  # fmt: skip
 

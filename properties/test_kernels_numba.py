@@ -18,7 +18,6 @@ from properties.kernel_cases import (
     KVCache,
     Shape,
     check_attention,
-    check_prefill,
     decode_on,
     fixed_scenario,
     prefill_on,
@@ -68,7 +67,7 @@ def test_the_parallel_drivers_equal_the_serial_ones(
         monkeypatch.setattr(numba_runtime, "PARALLEL_MIN_BYTES", 0)
         parallel = both()
         check_attention(cache, decode_on("numba"), extra_columns=1, padding_row=True)
-        check_prefill(cache, query_lens[:-1], prefill)
+        check_attention(cache, prefill, query_lens[:-1])
     finally:
         torch.set_num_threads(threads)
     for one, other in zip(serial, parallel, strict=True):

@@ -1,12 +1,7 @@
-"""Planted bugs: the agreement checks are not vacuous; each catches one-line changes to a kernel.
+"""Planted bugs: each kernel entry point's check, on fixed spec runs, catches one-line changes.
 
-Each kernel entry point has one check, run on fixed spec runs (decode: block size 16 with an
-extra table column holding a real block, so an off-by-one read stays inside the caches, and
-block size 4 with a window of 5, the entries before it poisoned with a NaN block; prefill:
-chunks over cached prefixes, and a window of 4, poisoned likewise; slots, stores and copies:
-every token, a skipped token and slot 0, two pairs). The real modules pass; each mutant
-(``kernel_cases.load_mutant``, kept in ``MUTANT_DIR`` between runs so that numba's cache of
-its compiled kernels stays valid) fails its entry point's check.
+The real modules pass; each mutant (``load_mutant``, kept in ``MUTANT_DIR`` so that numba's cache
+stays valid between runs) fails its entry point's check.
 """
 
 from __future__ import annotations
@@ -39,7 +34,6 @@ from properties.kernel_cases import (
     Shape,
     check_attention,
     check_copy_blocks,
-    check_prefill,
     check_slot_mapping,
     check_store_kv,
     fixed_scenario,
@@ -49,8 +43,7 @@ from properties.kernel_cases import (
 
 MUTANT_DIR = Path(tempfile.gettempdir()) / "pagedkv-kernel-mutants"
 MUTANT_QUERY_LENS = [17, 1, 19]  # fixed_scenario(16)'s live sequences hold 50, 51 and 19 tokens
-# fixed_scenario(4)'s live sequences hold 14, 10 and 7 tokens: with window 4, the first two
-# have blocks wholly before their windows (chunks over cached prefixes), the third none.
+# fixed_scenario(4)'s hold 14, 10 and 7: with window 4, the first two have blocks before it.
 WINDOW_QUERY_LENS = [3, 1, 7]
 
 
@@ -62,8 +55,8 @@ def fixed_cache(block_size: int, group: int, head_dim: int) -> KVCache:
 
 
 def check_decode(decode: Callable[..., torch.Tensor]) -> None:
-    """``decode(query, k_cache, v_cache, tables, lens, scale, window=None)`` agrees with dense
-    attention and the reference on both fixed runs, and reads nothing before a window."""
+    """Block size 16 and 4, an extra column holding a real block (an off-by-one read stays in the
+    caches); at block size 4 a window of 5, the entries before it poisoned with a NaN block."""
     check_attention(fixed_cache(16, 4, 80), decode, extra_columns=1, pad=0)
     cache = fixed_cache(4, 4, 64)
     check_attention(cache, decode, extra_columns=1, pad=0)
@@ -71,10 +64,9 @@ def check_decode(decode: Callable[..., torch.Tensor]) -> None:
 
 
 def check_prefill_runs(prefill: Callable[..., torch.Tensor]) -> None:
-    """``prefill`` agrees with the spec and the reference on chunks over cached prefixes, and
-    with a window, poisoned before it."""
-    check_prefill(fixed_cache(16, 4, 80), MUTANT_QUERY_LENS, prefill, extra_columns=1, pad=0)
-    check_prefill(fixed_cache(4, 2, 64), WINDOW_QUERY_LENS, prefill, window=4, poison="nan")
+    """Chunks over cached prefixes, and with a window of 4, poisoned before it."""
+    check_attention(fixed_cache(16, 4, 80), prefill, MUTANT_QUERY_LENS, extra_columns=1, pad=0)
+    check_attention(fixed_cache(4, 2, 64), prefill, WINDOW_QUERY_LENS, window=4, poison="nan")
 
 
 def check_slots(slot_mapping: Callable[..., torch.Tensor]) -> None:
@@ -140,7 +132,8 @@ ENTRIES: dict[str, tuple[ModuleType, Callable[[Callable[..., object]], None], Re
 }
 
 # One planted bug per paragraph: "entry point: bug: function", then the code and the planted
-# code (none for a mutation-tool edit), as :func:`properties.mutants.replace_code` takes them.
+# code, on two lines or as "code => planted" (none for a mutation-tool edit), as
+# :func:`properties.mutants.replace_code` takes them.
 PLANTED_BUGS = """
 triton decode: table read off by one: _decode_kernel
     block_tables_ptr + seq * table_stride + n // BLOCK_SIZE
@@ -149,8 +142,7 @@ triton decode: wrong row inside a block: _decode_kernel
     rows = block_id * BLOCK_SIZE + n % BLOCK_SIZE
     rows = block_id * BLOCK_SIZE + (n + 1) % BLOCK_SIZE
 triton decode: query heads interleaved over KV heads: _decode_kernel
-    heads = kv_head * group + g
-    heads = kv_head + g * NUM_KV_HEADS
+    heads = kv_head * group + g => heads = kv_head + g * NUM_KV_HEADS
 triton prefill: table read off by one: _prefill_kernel
     block_tables_ptr + seq * table_stride + n // BLOCK_SIZE
     block_tables_ptr + seq * table_stride + n // BLOCK_SIZE + 1
@@ -158,14 +150,12 @@ triton prefill: wrong row inside a block: _prefill_kernel
     rows = block_id * BLOCK_SIZE + n % BLOCK_SIZE
     rows = block_id * BLOCK_SIZE + (n + 1) % BLOCK_SIZE
 triton prefill: query heads interleaved over KV heads: _prefill_kernel
-    heads = kv_head * group + g
-    heads = kv_head + g * NUM_KV_HEADS
+    heads = kv_head * group + g => heads = kv_head + g * NUM_KV_HEADS
 triton decode: split-K merge ignores each split's denominator: _decode_kernel
     lse = tl.where(has_tokens, m + tl.log(safe_denom), float("-inf"))
     lse = tl.where(has_tokens, m, float("-inf"))
 triton decode: window ignored: _decode_kernel
-    first_key = tl.maximum(context_len - window, 0)
-    first_key = context_len * 0
+    first_key = tl.maximum(context_len - window, 0) => first_key = context_len * 0
 triton decode: window one token too wide: _decode_kernel
     first_key = tl.maximum(context_len - window, 0)
     first_key = tl.maximum(context_len - window - 1, 0)
@@ -176,32 +166,25 @@ numba decode: table read off by one: _rows_of
     base = np.int64(tables[b, column]) * block_size
     base = np.int64(tables[b, column + 1]) * block_size
 numba decode: wrong row inside a block: _rows_of
-    rows[n - start + t] = base + row + t
-    rows[n - start + t] = base + (row + t + 1) % block_size
+    rows[n - start + t] = base + row + t => rows[n - start + t] = base + (row + t + 1) % block_size
 numba decode: query heads interleaved over KV heads: _decode_program
     q[g, d] = query[b, h0 + g, d] * scale
     q[g, d] = query[b, kv_head + g * num_kv_heads, d] * scale
 numba decode: split-K merge ignores each split's denominator: _attend
-    lse[r] = m + np.log(total) if total != 0 else -np.inf
-    lse[r] = m if total != 0 else -np.inf
+    lse[r] = m + np.log(total) if total != 0 else -np.inf => lse[r] = m if total != 0 else -np.inf
 numba decode: keys walked from 0 and masked: _decode_program
-    first = max(length - window, 0)
-    first = 0
+    first = max(length - window, 0) => first = 0
 numba decode: splits cut the capacity, not the window: _decode_program
-    start = min(first + split * split_len, length)
-    start = min(split * split_len, length)
+    start = min(first + split * split_len, length) => start = min(split * split_len, length)
 triton prefill: causal mask lets a query see the next token: _prefill_kernel
-    causal = n[None, :] <= positions[:, None]
-    causal = n[None, :] <= positions[:, None] + 1
+    causal = n[None, :] <= positions[:, None] => causal = n[None, :] <= positions[:, None] + 1
 triton prefill: chunk positions ignore the cached prefix: _prefill_kernel
-    positions = context_len - q_len + i
-    positions = i
+    positions = context_len - q_len + i => positions = i
 triton prefill: window one token too wide: _prefill_kernel
     in_window = n[None, :] > positions[:, None] - window
     in_window = n[None, :] >= positions[:, None] - window
 triton prefill: keys walked from 0 and masked: _prefill_kernel
-    range(first_key, end, BLOCK_N)
-    range(0, end, BLOCK_N)
+    range(first_key, end, BLOCK_N) => range(0, end, BLOCK_N)
 triton prefill: window starts at the tile's last query: _prefill_kernel
     first_key = tl.maximum(tile_position - window + 1, 0)
     first_key = tl.maximum(tile_position + BLOCK_Q - window, 0)
@@ -209,38 +192,29 @@ numba prefill: window one token too wide: _attend
     lo = max(positions[r] - window + 1, start) - start
     lo = max(positions[r] - window, start) - start
 numba prefill: causal mask lets a query see the next token: _attend
-    hi = min(positions[r] + 1, end) - start
-    hi = min(positions[r] + 2, end) - start
+    hi = min(positions[r] + 1, end) - start => hi = min(positions[r] + 2, end) - start
 numba prefill: chunk positions ignore the cached prefix: _prefill_program
-    first = lens[b] - (cu_seqlens[b + 1] - cu_seqlens[b])
-    first = lens[b] * 0
+    first = lens[b] - (cu_seqlens[b + 1] - cu_seqlens[b]) => first = lens[b] * 0
 numba prefill: keys walked from 0 and masked: _prefill_program
-    start = max(first + lo - window + 1, 0)
-    start = 0
+    start = max(first + lo - window + 1, 0) => start = 0
 reference prefill: table read off by one: gather_kv
-    tokens // block_size
-    tokens // block_size + 1
+    tokens // block_size => tokens // block_size + 1
 reference prefill: wrong row inside a block: gather_kv
-    entries * block_size + tokens % block_size
-    entries * block_size + (tokens + 1) % block_size
+    entries * block_size + tokens % block_size => entries * block_size + (tokens + 1) % block_size
 reference prefill: query heads interleaved over KV heads: masked_attention
     q = query.float().view(batch, num_queries, num_kv_heads, group, head_dim)
     q = query.float().view(batch, num_queries, group, num_kv_heads, head_dim).transpose(2, 3)
 reference prefill: causal mask lets a query see the next token: masked_attention
-    hidden = key_positions[:, None, :] > p
-    hidden = key_positions[:, None, :] > p + 1
+    hidden = key_positions[:, None, :] > p => hidden = key_positions[:, None, :] > p + 1
 reference prefill: chunk positions ignore the cached prefix: paged_prefill_attention
-    first = lens - query_lens  # position of each sequence's first query token
-    first = lens * 0
+    first = lens - query_lens  # position of each sequence's first query token => first = lens * 0
 reference prefill: window one token too wide: masked_attention
     hidden |= key_positions[:, None, :] <= p - window
     hidden |= key_positions[:, None, :] < p - window
 reference prefill: keys gathered from 0 and masked: paged_prefill_attention
-    starts = window_starts(lens, query_lens, window)
-    starts = torch.zeros_like(lens)
+    starts = window_starts(lens, query_lens, window) => starts = torch.zeros_like(lens)
 sdpa prefill: causal mask lets a query see the next token: plan
-    visible = tokens[:, None, :] <= positions
-    visible = tokens[:, None, :] <= positions + 1
+    visible = tokens[:, None, :] <= positions => visible = tokens[:, None, :] <= positions + 1
 sdpa prefill: window one key too wide: plan
     visible &= tokens[:, None, :] > positions - window
     visible &= tokens[:, None, :] >= positions - window
@@ -248,11 +222,9 @@ sdpa prefill: padding columns read unwritten slots: plan
     read = torch.where(inside, tokens, torch.where(has_keys, key_starts[:, None], 0))
     read = tokens.clamp(max=block_tables.shape[1] * block_size - 1)
 sdpa prefill: wrong row inside a block: plan
-    entries * block_size + read % block_size
-    entries * block_size + (read + 1) % block_size
+    entries * block_size + read % block_size => entries * block_size + (read + 1) % block_size
 sdpa prefill: chunk positions ignore the cached prefix: plan
-    first = lens - num_queries
-    first = lens * 0
+    first = lens - num_queries => first = lens * 0
 sdpa prefill: query heads interleaved over KV heads: attention
     q = padded.view(batch, q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     q = padded.view(batch, q_len, group, num_kv_heads, head_dim).permute(0, 3, 2, 1, 4)
@@ -260,22 +232,17 @@ triton slot mapping: slot mapping ignores the table: _slot_mapping_kernel
     slot = tl.where(live, block_id * BLOCK_SIZE + pos % BLOCK_SIZE, -1)
     slot = tl.where(live, pos + 0 * block_id, -1)
 numba slot mapping: slot mapping ignores the table: _slot_mapping
-    out[t] = block_id * block_size + pos % block_size
-    out[t] = pos + 0 * block_id
+    out[t] = block_id * block_size + pos % block_size => out[t] = pos + 0 * block_id
 triton store_kv: store skips slot 0: _store_kv_kernel
-    (row_mask & (slots >= 0))
-    (row_mask & (slots >= 1))
+    (row_mask & (slots >= 0)) => (row_mask & (slots >= 1))
 numba store_kv: store skips slot 0: _store_rows
     edit:0->1:if slot >= 0:
 sdpa store: store writes the keys into the value cache: store
-    ((k_cache, key), (v_cache, value))
-    ((k_cache, key), (v_cache, key))
+    ((k_cache, key), (v_cache, value)) => ((k_cache, key), (v_cache, key))
 triton copy_blocks: copy reads dst where it should read src: _copy_blocks_kernel
-    tl.load(pairs_ptr + 2 * pair)
-    tl.load(pairs_ptr + 2 * pair + 1)
+    tl.load(pairs_ptr + 2 * pair) => tl.load(pairs_ptr + 2 * pair + 1)
 numba copy_blocks: copy reads dst where it should read src: _copy_blocks
-    src, dst = pairs[i, 0], pairs[i, 1]
-    src, dst = pairs[i, 1], pairs[i, 1]
+    src, dst = pairs[i, 0], pairs[i, 1] => src, dst = pairs[i, 1], pairs[i, 1]
 """
 
 
@@ -283,10 +250,11 @@ def parse_bugs(table: str) -> dict[tuple[str, str], tuple[str, str, str]]:
     """``PLANTED_BUGS`` as ``{(entry point, bug): (function, code, planted code)}``."""
     bugs: dict[tuple[str, str], tuple[str, str, str]] = {}
     for paragraph in re.split(r"\n(?=\S)", table.strip()):
-        header, *code = paragraph.splitlines()
+        header, *lines = paragraph.splitlines()
         entry, bug, function = header.split(": ")
+        code = [part.strip() for line in lines for part in line.split(" => ")]
         assert (entry, bug) not in bugs and 1 <= len(code) <= 2, header
-        bugs[entry, bug] = (function, code[0].strip(), code[1].strip() if code[1:] else "")
+        bugs[entry, bug] = (function, code[0], code[1] if code[1:] else "")
     return bugs
 
 
