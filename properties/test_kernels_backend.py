@@ -1,8 +1,7 @@
 """Properties of the backend choice: the interpreter rule, import hygiene, and triton optional.
 
-Each import scenario runs in a fresh Python process, because Triton decides interpreter versus
-compiler once per process, when imported; in a temporary directory, as the repository root's
-top-level folders would shadow installed names.
+Each scenario runs in a fresh process (Triton picks interpreter or compiler once, when imported)
+in a temporary directory (the repository root's top-level folders would shadow installed names).
 """
 
 from __future__ import annotations
@@ -44,32 +43,28 @@ EVERY_KERNEL = """
 import torch
 from pagedkv import kernels
 
-def every_kernel(backend):
+def every_kernel(b):
     gen = torch.Generator().manual_seed(0)
-    k_cache, v_cache = (torch.randn(3, 4, 2, 8, generator=gen) for _ in "kv")
+    kc, vc = (torch.randn(3, 4, 2, 8, generator=gen) for _ in "kv")
     key, value = (torch.randn(2, 2, 8, generator=gen) for _ in "kv")
-    query = torch.randn(2, 4, 8, generator=gen)
+    q = torch.randn(2, 4, 8, generator=gen)
     tables = torch.tensor([[2, 0], [1, -1]], dtype=torch.int32)
     lens = torch.tensor([5, 3])
     calls = {
-        "slot_mapping": lambda: kernels.slot_mapping(
-            tables, lens - 1, 4, num_blocks=3, backend=backend
-        ),
-        "store_kv": lambda: kernels.store_kv(
-            key, value, k_cache, v_cache, torch.tensor([4, 6]), backend=backend
-        ),
+        "slot_mapping": lambda: kernels.slot_mapping(tables, lens - 1, 4, num_blocks=3, backend=b),
+        "store_kv": lambda: kernels.store_kv(key, value, kc, vc, torch.tensor([4, 6]), backend=b),
         "paged_decode_attention": lambda: kernels.paged_decode_attention(
-            query, k_cache, v_cache, tables, lens, backend=backend
+            q, kc, vc, tables, lens, backend=b
         ),
         "contiguous_decode_attention": lambda: kernels.contiguous_decode_attention(
-            query, k_cache[:2], v_cache[:2], lens - 1, backend=backend
+            q, kc[:2], vc[:2], lens - 1, backend=b
         ),
-        "copy_blocks": lambda: kernels.copy_blocks(k_cache, v_cache, [(2, 1)], backend=backend),
+        "copy_blocks": lambda: kernels.copy_blocks(kc, vc, [(2, 1)], backend=b),
     }
     results = {}
     for name, call in calls.items():
         try:
-            results[name] = (call(), k_cache.clone(), v_cache.clone())
+            results[name] = (call(), kc.clone(), vc.clone())
         except Exception as error:
             results[name] = error
     return results
@@ -110,24 +105,14 @@ print(json.dumps({{
 
 
 def run_fresh(code: str, cwd: Path, **env: str) -> dict[str, object]:
-    """Run ``code`` in a fresh interpreter in ``cwd`` with ``env`` (and no inherited choices);
-    return the JSON object it prints last."""
+    """The JSON object ``code`` prints last, run fresh in ``cwd`` with ``env`` (none inherited)."""
     clean = {k: v for k, v in os.environ.items() if k not in (INTERPRET_ENV, BACKEND_ENV)}
+    command = [sys.executable, "-c", code]
     result = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=cwd,
-        env={**clean, **env},
-        capture_output=True,
-        text=True,
-        timeout=300,
+        command, cwd=cwd, env={**clean, **env}, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads(result.stdout.splitlines()[-1])
-
-
-def probe(cwd: Path, before: str = "", **env: str) -> dict[str, object]:
-    """``PROBE`` in a fresh interpreter, after the statements ``before``."""
-    return run_fresh(PROBE.format(before=before), cwd, **env)
 
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only import behaviour")
@@ -171,7 +156,8 @@ PROBES = {
 )
 def test_the_interpreter_rule(name: str, tmp_path: Path) -> None:
     before, interpret, expected = PROBES[name]
-    seen = probe(tmp_path, before, **({} if interpret is None else {"TRITON_INTERPRET": interpret}))
+    env = {} if interpret is None else {"TRITON_INTERPRET": interpret}
+    seen = run_fresh(PROBE.format(before=before), tmp_path, **env)
     assert ("error" in seen) == ("error" in expected)
     for key, want in expected.items():
         assert want in str(seen[key]) if key == "error" else seen[key] == want, key
@@ -211,8 +197,7 @@ def test_without_triton_the_reference_runs_and_triton_says_it_is_missing(
 
 
 def test_resolve_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``auto`` is Triton for CUDA tensors and numba for CPU ones; the argument beats the
-    environment; unknown names, in either, are rejected."""
+    """``auto``: Triton on CUDA, numba on CPU; the argument beats the environment; unknown fail."""
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     assert resolve_backend(None, CUDA) == "triton"
     assert resolve_backend("auto", CPU) == "numba"

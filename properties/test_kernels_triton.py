@@ -1,18 +1,14 @@
 """The Triton backend's own properties: launches, the compile gate, GPU rounding, copy waves.
 
-Launches are built by pure config functions (``kernels.launch_config``), which the compile gate
-(``python -m pagedkv.kernels.compile_check``) compiles for sm_80, sm_90 and sm_100 with no GPU.
-Here: every split of the longest context has work; the launchers launch exactly their config;
-occupancy; the gate's budgets, and the gate (a sample; the whole grid under ``-m long``).
-A compiled kernel rounds the softmax weights to the cache dtype before the PV product, which the
-interpreter does not (docs/kernels.md, Tolerances): the reference's ``gpu_rounding=True`` does,
-stays within ``TOLERANCES``, matches the kernels, and a rounding to fp8 breaks the tolerance.
-``copy_blocks``'s hazard-free waves are each safe to run at once (the interpreter runs programs
-in order, so only this model can catch a bad wave).
+Launches come from pure config functions (``kernels.launch_config``), which the compile gate
+compiles for sm_80, sm_90 and sm_100 without a GPU. A compiled kernel rounds the softmax weights
+to the cache dtype before PV, the interpreter does not: the reference's ``gpu_rounding=True``
+models it. The interpreter runs programs in order, so only a model can catch a bad copy wave.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +39,7 @@ from properties.kernel_cases import (
     scenarios,
 )
 
+HALF_AND_FP32 = (torch.float16, torch.bfloat16, torch.float32)
 triton_decode = pytest.importorskip("pagedkv.kernels.triton_decode")
 triton_prefill = pytest.importorskip("pagedkv.kernels.triton_prefill")
 
@@ -55,14 +52,13 @@ triton_prefill = pytest.importorskip("pagedkv.kernels.triton_prefill")
     longest=st.integers(1, INT32_MAX),
     window=st.none() | st.integers(1, INT32_MAX),
     num_splits=st.integers(1, MAX_SPLITS),
-    dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+    dtype=st.sampled_from(HALF_AND_FP32),
     head_dim=st.sampled_from([48, 64, 128, 256]),
 )
 def test_every_split_has_work_for_the_longest_context(
     longest: int, window: int | None, num_splits: int, dtype: torch.dtype, head_dim: int
 ) -> None:
-    """The launch's splits cover the longest sequence's range ``[max(0, L - w), L)`` with whole
-    tiles, at most the splits asked for, and each of them starts inside it."""
+    """Whole-tile splits, at most those asked for, cover ``[max(0, L - w), L)``, each inside it."""
     reads = min(longest, window or longest)
     call = Call(2, 8, 2, head_dim, dtype, torch.int64, block_size=16, table_stride=4)
     config = triton_decode.decode_config(
@@ -98,8 +94,7 @@ def test_the_automatic_split_fills_the_resident_programs(
 
 
 def test_the_launchers_launch_their_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernels are launched with exactly what the config functions (the gate's input) say,
-    and the decode splits are cut over the ``max_context_len`` passed in, not the table."""
+    """Launched with exactly the config (the gate's input); splits cut over ``max_context_len``."""
     launched = []
     real_run = triton_decode.run
 
@@ -138,9 +133,7 @@ def test_the_launchers_launch_their_config(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_pure_decode_steps_run_the_decode_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step of decodes only goes to the split-K decode kernel with the host's longest context;
-    a step with a prompt chunk goes to the prefill kernel (the layers call the trusted entries:
-    the step was validated once)."""
+    """Decodes only: the (trusted) decode kernel with the host's longest context; else prefill."""
     calls: list[tuple[str, tuple]] = []
     for name in ("paged_decode_attention", "paged_prefill_attention"):
         real = getattr(trusted, name)
@@ -224,11 +217,12 @@ def test_the_budgets_catch_what_they_forbid(overrides: dict, why: str | None) ->
 
 
 def test_the_tile_table_is_total() -> None:
-    for kernel in ("decode", "prefill"):
-        for dtype in (torch.float16, torch.bfloat16, torch.float32):
-            for head_dim in (1, 48, 64, 80, 96, 128, 200, 256, 512):
-                tile = tiles(kernel, dtype, head_dim, 90)
-                assert tile.block_n >= 16 and tile.rows >= 16 and tile.num_warps in (4, 8)
+    head_dims = (1, 48, 64, 80, 96, 128, 200, 256, 512)
+    for kernel, dtype, head_dim in itertools.product(
+        ("decode", "prefill"), HALF_AND_FP32, head_dims
+    ):
+        tile = tiles(kernel, dtype, head_dim, 90)
+        assert tile.block_n >= 16 and tile.rows >= 16 and tile.num_warps in (4, 8)
     with pytest.raises(ValueError, match="kernel"):
         tiles("merge", torch.float16, 64, 90)
 
@@ -237,9 +231,7 @@ def test_the_tile_table_is_total() -> None:
 
 
 def test_the_compile_gate_sample_meets_the_budgets() -> None:
-    """Four variants (decode fp16 and bf16 split-K, prefill fp16 at head dim 128, decode fp32),
-    compiled for sm_80 and sm_90 in a child process: native 16-bit MMA, no spills, decode
-    occupancy at least vLLM's best, and exact fp32 on FMA."""
+    """Four variants on sm_80 and sm_90: 16-bit MMA, no spills, vLLM's occupancy, fp32 on FMA."""
     rows = compile_check.measure(sample=True, targets=(80, 90))
     assert len(rows) == 8
     assert compile_check.budget_failures(rows) == []
@@ -251,8 +243,7 @@ def test_the_compile_gate_sample_meets_the_budgets() -> None:
 
 @pytest.mark.long
 def test_the_compile_gate_meets_the_budgets_over_the_ci_grid() -> None:
-    """Every dtype, budgeted head dim and GQA group at block size 16, on sm_80 and sm_90: the
-    budgets hold. (The whole grid, every block size 1 to 256, is the gate's command by hand.)"""
+    """Every dtype, budgeted head dim and GQA group at block size 16 on sm_80 and sm_90."""
     grid = compile_check.Grid(
         head_dims=compile_check.CI_HEAD_DIMS, block_sizes=compile_check.CI_BLOCK_SIZES
     )
@@ -265,7 +256,7 @@ def test_the_compile_gate_meets_the_budgets_over_the_ci_grid() -> None:
 
 # ----------------------------------------------------------------------- GPU rounding
 
-HALF = (torch.float16, torch.bfloat16)
+HALF = HALF_AND_FP32[:2]
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
@@ -304,8 +295,7 @@ def rounding_case(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 def test_the_kernels_agree_with_the_gpu_rounding(dtype: torch.dtype) -> None:
-    """The Triton kernels (which round P too, even interpreted) vs the rounding reference, and
-    the rounding is real: it moves outputs away from the exact result."""
+    """The kernels round P (even interpreted) as the reference does, and that moves outputs."""
     args = rounding_case(dtype)
     rounded = reference.paged_decode_attention(*args, gpu_rounding=True)
     for splits in (1, 3):
@@ -315,8 +305,7 @@ def test_the_kernels_agree_with_the_gpu_rounding(dtype: torch.dtype) -> None:
 
 
 def test_a_coarser_rounding_breaks_the_tolerance(tmp_path: Path) -> None:
-    """P rounded to fp8 (e4m3) instead of the cache dtype, planted in the reference, fails the
-    fp16 tolerance: the property can tell a wrong rounding point."""
+    """P rounded to fp8 instead of the cache dtype, planted in the reference, fails fp16's."""
     mutant = load_mutant(
         reference,
         "masked_attention",
@@ -337,8 +326,7 @@ Waves = Callable[[list[tuple[int, int]]], list[list[tuple[int, int]]]]
 
 
 def check_waves(pairs: list[tuple[int, int]], order: random.Random, waves_of: Waves) -> None:
-    """Within each wave, reading the wave's starting state (all copies at once, as on a GPU)
-    and any one-at-a-time order agree; wave after wave, that is the sequential result."""
+    """Each wave run at once (as on a GPU) equals any serial order; all waves, the sequence."""
     waves = waves_of(pairs)
     assert [pair for wave in waves for pair in wave] == pairs
     sequential = list(range(5))  # block b holds the value b
@@ -370,15 +358,11 @@ def test_waves_are_safe_to_run_in_parallel(
 
 @pytest.mark.parametrize("pairs", [[(0, 1), (1, 2)], [(1, 2), (0, 1)], [(0, 1), (2, 1)]])
 def test_check_catches_one_wave_for_dependent_pairs(pairs: list[tuple[int, int]]) -> None:
-    """Planted bug: launching read-after-write, write-after-read or write-after-write pairs
-    together."""
-
-    def one_wave(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-        return [list(pairs)]
+    """Planted bug: read-after-write, write-after-read or write-after-write pairs in one wave."""
 
     class Reversed(random.Random):
         def sample(self, population, k):  # type: ignore[override]
             return list(reversed(population))[:k]
 
     with pytest.raises(AssertionError):
-        check_waves(pairs, Reversed(), one_wave)
+        check_waves(pairs, Reversed(), lambda pairs: [list(pairs)])
