@@ -1,10 +1,9 @@
 """Every layer checks its input: four pools of arguments, the error class, and nothing changed.
 
-Each argument has pools **valid** and **edge** (degenerate but valid: empty, boundaries,
-subnormal and huge numbers), which must work, **wrong type** (``TypeError``) and **out of range**
-(``ValueError``, ``IndexError``, or ``OutOfBlocksError``). Hypothesis breaks up to two arguments;
-a failing call must raise a broken pool's class and change nothing (compared with a twin that
-never saw it). One property per layer: spec, blocks (spec and impl agreeing), kernels, serving.
+Each argument has pools **valid** and **edge** (degenerate but valid), which must work, **wrong
+type** (``TypeError``) and **out of range** (``ValueError``, ``IndexError``, ``OutOfBlocksError``).
+Hypothesis breaks up to two arguments; a failing call raises a broken pool's class and changes
+nothing (compared with a twin). One property per layer: blocks (spec and impl), kernels, serving.
 """
 
 from __future__ import annotations
@@ -161,31 +160,22 @@ def manager_calls(manager: Any, tables: dict[str, list[int]]) -> dict[str, dict[
     }
 
 
-def _call_manager(data: st.DataObject, classes: tuple[type, ...]) -> None:
+@given(st.data())
+def test_blocks_check_their_input_as_the_spec_does(data: st.DataObject) -> None:
+    """The spec and the impl each check their input; they agree on the result or error class."""
     method = data.draw(st.sampled_from(sorted(manager_calls(*build_manager(SpecManager)))))
     values, expected = draw_call(data, manager_calls(*build_manager(SpecManager))[method])
     results = []
-    for cls in classes:
+    for cls in (SpecManager, ImplManager):
         manager, _ = build_manager(cls)
         result = outcome(lambda: getattr(manager, method)(**values), expected)  # noqa: B023
         twin, _ = build_manager(cls)
         if isinstance(result, Exception):
             assert snapshot(manager) == snapshot(twin), f"{cls.__module__}.{method} changed state"
         results.append((type(result) if isinstance(result, Exception) else result, manager))
-    if len(results) == 2:  # spec and impl: the same result or error class, the same state
-        (spec_result, spec), (impl_result, impl) = results
-        assert spec_result == impl_result
-        assert snapshot(spec) == snapshot(impl)
-
-
-@given(st.data())
-def test_spec_checks_its_input(data: st.DataObject) -> None:
-    _call_manager(data, (SpecManager,))
-
-
-@given(st.data())
-def test_blocks_check_their_input_as_the_spec_does(data: st.DataObject) -> None:
-    _call_manager(data, (SpecManager, ImplManager))
+    (spec_result, spec), (impl_result, impl) = results
+    assert spec_result == impl_result
+    assert snapshot(spec) == snapshot(impl)
 
 
 @pytest.mark.parametrize("returned", ["x", 1.5, None])
@@ -366,12 +356,8 @@ def test_padding_only_on_an_empty_table_maps_to_padding(backend: str) -> None:
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_slots_never_wrap_around(backend: str) -> None:
-    """``2**61`` used to return a negative slot; the largest block size keeps slots in int64."""
-    tables, positions = ints([[5, 2**31 - 1]]), ints([1])
-    with pytest.raises(ValueError, match="block_size"):
-        kernels.slot_mapping(tables, positions, 2**61, backend=backend)
-    with pytest.raises(ValueError, match="block_size"):
-        kernels.slot_mapping(tables, positions, 2**63, backend=backend)
+    """The largest block size keeps slots in int64 (2**61 and 2**63: test_kernels_validation)."""
+    tables = ints([[5, 2**31 - 1]])
     largest = kernels.slot_mapping(tables, ints([2**32], torch.int64), 2**32, backend=backend)
     assert largest.tolist() == [(2**31 - 1) * 2**32] and largest.tolist()[0] <= 2**63 - 1
 

@@ -1,8 +1,7 @@
 """Properties: invalid arguments raise a clear, typed error and leave the caches untouched.
 
-Every case runs on every backend; the entries a window does not reach are not checked. A kernel
-launched on bad block ids would read or write outside the caches (in the interpreter that kills
-the process), so these checks are what keeps it in.
+Every case runs on every backend; entries a window does not reach are not checked. A kernel on
+bad block ids would read or write outside the caches (killing the interpreter's process).
 """
 
 from __future__ import annotations
@@ -36,8 +35,7 @@ def ints(values: list[int] | list[list[int]], dtype: torch.dtype = torch.int32) 
 
 
 def valid_args() -> dict[str, Args]:
-    """A valid call of each function (decode: two sequences of 6 and 2 tokens, GQA ratio 2;
-    prefill: two of 5 and 3 computing 2 and 3); each case breaks one thing."""
+    """A valid call of each function (decode: 6 and 2 tokens, GQA 2; prefill: 2 of 5, 3 of 3)."""
     generator = torch.Generator().manual_seed(0)
 
     def randn(*size: int) -> torch.Tensor:
@@ -255,26 +253,30 @@ CASES = {
 }
 
 
-def caches_of(args: Args) -> list[torch.Tensor]:
-    """Copies of the call's tensors (the caches among them), to show that none was written."""
-    return [value.clone() for value in args.values() if isinstance(value, torch.Tensor)]
+def assert_rejected(
+    args: Args, error: type[Exception], words: str, call: Callable[[Args], object]
+) -> None:
+    """``call(args)`` raises ``error`` naming ``words``, and no tensor of ``args`` changes."""
+    before = [value.clone() for value in args.values() if isinstance(value, torch.Tensor)]
+    with pytest.raises(error, match=re.escape(words)):
+        call(args)
+    after = [value for value in args.values() if isinstance(value, torch.Tensor)]
+    assert all(map(torch.equal, after, before))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", list(CASES))
 def test_invalid_call_raises_and_changes_nothing(name: str, backend: str) -> None:
     error, words, (function, edit) = CASES[name]
-    args = valid_args()[function]
-    before = caches_of(args)
-    with pytest.raises(error, match=re.escape(words)):
-        FUNCTIONS[function](**{"backend": backend, **edit(args)})
-    assert all(map(torch.equal, caches_of(args), before))
+    assert_rejected(
+        valid_args()[function], error, words,
+        lambda args: FUNCTIONS[function](**{"backend": backend, **edit(args)}),
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_valid_calls_are_valid(backend: str) -> None:
-    """The base of every case runs, so each case fails for the one thing it breaks; prefill
-    with or without ``max_query_len`` (3, the longest chunk) gives the reference's output."""
+    """Each case fails for the one thing it breaks; prefill, ``max_query_len`` or not is right."""
     calls = valid_args()
     for function in ("decode", "contiguous", "store", "copy"):
         FUNCTIONS[function](**calls[function], backend=backend)
@@ -295,16 +297,14 @@ def test_the_valid_calls_are_valid(backend: str) -> None:
 def test_one_bad_slot_anywhere_means_no_write_at_all(
     tokens: int, bad_at: int, bad_slot: int, backend: str
 ) -> None:
-    args = valid_args()["store"]
-    before = caches_of(args)
     slot_list = list(range(tokens))
     slot_list[bad_at % tokens] = bad_slot
     key = torch.ones(tokens, KV_HEADS, HEAD_DIM, device=DEVICE)
-    with pytest.raises(IndexError, match="slot_mapping"):
-        kernels.store_kv(
-            **{**args, "key": key, "value": key, "slot_mapping": ints(slot_list)}, backend=backend
-        )
-    assert all(map(torch.equal, caches_of(args), before))
+    bad = {"key": key, "value": key, "slot_mapping": ints(slot_list)}
+    assert_rejected(
+        valid_args()["store"], IndexError, "slot_mapping",
+        lambda args: kernels.store_kv(**{**args, **bad}, backend=backend),
+    )  # fmt: skip
 
 
 @settings(max_examples=kernel_examples(30))
@@ -317,12 +317,11 @@ def test_one_bad_slot_anywhere_means_no_write_at_all(
 def test_one_bad_pair_anywhere_means_no_copy_at_all(
     pairs: list[tuple[int, int]], bad: tuple[int, int], at: int, backend: str
 ) -> None:
-    args = valid_args()["copy"]
-    before = caches_of(args)
     pairs.insert(at % (len(pairs) + 1), bad)
-    with pytest.raises(IndexError, match="pairs"):
-        kernels.copy_blocks(**{**args, "pairs": pairs}, backend=backend)
-    assert all(map(torch.equal, caches_of(args), before))
+    assert_rejected(
+        valid_args()["copy"], IndexError, "pairs",
+        lambda args: kernels.copy_blocks(**{**args, "pairs": pairs}, backend=backend),
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -31,8 +31,7 @@ def exact(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     seed=st.integers(0, 2**32 - 1),
 )  # fmt: skip
 def test_the_product_is_the_linear_one(rows: int, inputs: int, outputs: int, seed: int) -> None:
-    """Any rows (the copy is packed for ``PACK_ROWS``), any shape: ``x @ weight.T`` up to fp32
-    rounding order, also through a leading batch dimension."""
+    """Any rows and shape, batched or not: ``x @ weight.T`` up to fp32 rounding order."""
     layer, x = linear(rows, inputs, outputs, seed)
     with torch.no_grad():
         expected = exact(x, layer.weight)
@@ -44,22 +43,20 @@ def test_a_changed_weight_is_packed_again() -> None:
     """An in-place ``copy_`` (as loaders write weights), a replaced ``.data`` and a replaced
     parameter each show in the next product."""
     layer, x = linear(32, 48, 40, 0)
+    changes = (
+        lambda new: layer.weight.copy_(new),
+        lambda new: setattr(layer.weight, "data", new),
+        lambda new: setattr(layer, "weight", torch.nn.Parameter(new)),
+    )
     with torch.no_grad():
         layer(x)  # packs
-        for change in range(3):
-            new = torch.randn(40, 48) * (change + 1)
-            if change == 0:
-                layer.weight.copy_(new)
-            elif change == 1:
-                layer.weight.data = new
-            else:
-                layer.weight = torch.nn.Parameter(new)
+        for scale, change in enumerate(changes, 1):
+            change(new := torch.randn(40, 48) * scale)
             torch.testing.assert_close(layer(x), exact(x, new), rtol=1e-4, atol=1e-4)
 
 
 def test_gradients_and_other_dtypes_take_the_plain_product() -> None:
-    """With gradients wanted, and for a bf16 weight, the product is exactly the plain
-    ``torch.nn.functional.linear`` one; backward works."""
+    """With gradients wanted, and for bf16, exactly ``functional.linear``; backward works."""
     layer, x = linear(8, 16, 12, 1)
     x.requires_grad_(True)
     out = layer(x)
@@ -75,8 +72,7 @@ def test_gradients_and_other_dtypes_take_the_plain_product() -> None:
 
 
 def test_onednn_is_what_runs_on_this_cpu() -> None:
-    """With oneDNN (every x86 and arm64 wheel) fp32 products use the packed copy: a change the
-    version counter does not see (through ``.data``) is not in the next product."""
+    """oneDNN (x86, arm64) products use the packed copy: an unseen ``.data`` change is not in it."""
     if not model.ONEDNN_LINEAR:
         pytest.skip("this torch has no oneDNN")
     layer, x = linear(32, 24, 20, 2)
@@ -89,8 +85,7 @@ def test_onednn_is_what_runs_on_this_cpu() -> None:
 
 
 def test_a_layer_built_under_inference_mode_multiplies() -> None:
-    """Made and called under ``torch.inference_mode`` (tensors without a version counter): the
-    plain product, and a replaced parameter still shows."""
+    """Under ``inference_mode`` (no version counter): the plain product; a new parameter shows."""
     with torch.inference_mode():
         layer, x = linear(32, 24, 20, 3)
         torch.testing.assert_close(layer(x), exact(x, layer.weight), rtol=1e-4, atol=1e-5)
