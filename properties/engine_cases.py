@@ -110,8 +110,7 @@ def workloads(
     block_sizes: st.SearchStrategy[int] = BLOCK_SIZES,
     sampled: bool = True,
 ) -> Workload:
-    """Shared system prefixes, ``n`` up to 3, greedy and sampled requests, staggered arrivals,
-    small token budgets and pools just large enough for the largest request."""
+    """Shared prefixes, ``n`` <= 3, greedy and sampled, staggered, tight budgets and pools."""
     block_size = draw(block_sizes)
     token = st.integers(0, CONFIG.vocab_size - 1)
     systems = draw(st.lists(st.lists(token, min_size=3, max_size=24), min_size=1, max_size=2))
@@ -166,8 +165,7 @@ class Run:
 
 
 def run(workload: Workload, **engine_kwargs: object) -> Run:
-    """Add each request before the step its arrival numbers, step until all finished, checking
-    the limits (and a model's window) every step, and no request lost or doubled."""
+    """Play the workload, checking limits (and a window) every step; no request lost or doubled."""
     engine = workload.engine(**engine_kwargs)
     window = workload.model.config.sliding_window
     released = watch_window(engine, window) if window is not None else []
@@ -208,8 +206,7 @@ def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, what: str)
 
 
 def check_against_oracle(workload: Workload, result: Run) -> None:
-    """Greedy samples equal the dense oracle token for token, with close logits; sampled ones
-    have, at every token, the logits the dense model gives the same prefix (teacher forcing)."""
+    """Greedy samples are the dense oracle's, with its logits; sampled: teacher-forced logits."""
     eos = workload.eos_token_id
     for request, out in zip(workload.requests, result.outputs, strict=True):
         assert len(out.outputs) == request.n

@@ -60,8 +60,7 @@ def test_preemption_prefix_hits_and_forks_happen() -> None:
 
 
 def test_the_check_catches_a_missing_copy_on_write(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Teeth: without ``copy_blocks`` a forked sample's copy of the shared tail block lacks the
-    prompt's last K/V: NaN (sampling raises) or another sequence's stale K/V (a mismatch)."""
+    """Teeth: without ``copy_blocks`` a fork's tail block lacks the prompt's last K/V: caught."""
     monkeypatch.setattr(PagedKVCache, "copy_blocks", lambda self, pairs: None)
     workload = PRESSURE.but(total_blocks=40)
     with pytest.raises((AssertionError, RuntimeError)):
@@ -69,8 +68,7 @@ def test_the_check_catches_a_missing_copy_on_write(monkeypatch: pytest.MonkeyPat
 
 
 def test_triton_kernels_drive_the_engine() -> None:
-    """The Triton kernels (the interpreter on CPU) in the engine: slot mapping, store_kv, paged
-    decode attention and copy_blocks, with forks and a preemption."""
+    """The Triton kernels (the CPU interpreter) drive the engine, with forks and a preemption."""
     requests = (Request((5, 6, 7, 8, 9), 4, 2, 1.0, 0), Request((5, 6, 7, 8, 1, 2), 4, 1, 0.0, 0))
     workload = Workload(requests, block_size=2, total_blocks=5, max_num_seqs=3,
                         max_num_batched_tokens=16)  # fmt: skip
@@ -140,8 +138,7 @@ WINDOW_REQUESTS = tuple(Request(*request, arrival=0) for request in [
 def test_sliding_window_releases_blocks_and_matches_dense(
     block_size: int, total_blocks: int, budget: int
 ) -> None:
-    """The windowed model with prefix caching, forks, a tight pool and chunked prompts: the dense
-    oracle's tokens (greedy) and logits (all), blocks really released, all freed at the end."""
+    """A window with prefix hits, forks, a tight pool, chunks: dense outputs, blocks released."""
     workload = Workload(WINDOW_REQUESTS, block_size, total_blocks, 6, budget, model=WINDOW_MODEL)
     result = run(workload)
     metrics = result.engine.metrics
@@ -153,9 +150,7 @@ def test_sliding_window_releases_blocks_and_matches_dense(
 
 @pytest.mark.parametrize("window", [2**31, 2**63, 2**64], ids=["2**31", "2**63", "2**64"])
 def test_a_window_wider_than_any_context_is_no_window_in_every_layer(window: int) -> None:
-    """A window above ``INT32_MAX`` is accepted and hides nothing in every layer: the managers and
-    the store release nothing, the scheduler takes it, the kernels' check reads it as no window,
-    and the engine serves it as the model without one (each used to raise)."""
+    """A window above ``INT32_MAX`` hides nothing in any layer, served as no window."""
     for manager in (SpecBlockManager(8, 4), ImplBlockManager(8, 4)):
         table = manager.allocate(3)
         assert manager.release_outside_window(table, 12, window) == table
@@ -178,8 +173,7 @@ def test_a_window_wider_than_any_context_is_no_window_in_every_layer(window: int
 
 
 def test_sliding_window_with_speculative_decoding() -> None:
-    """Partly right drafts: the rollback truncates the rejected ones and the window releases only
-    blocks before the committed tokens' window, so the output is the oracle's."""
+    """Partly right drafts under a window: rollback and release keep the oracle's output."""
     greedy = tuple(dataclasses.replace(r, n=1, temperature=0.0) for r in WINDOW_REQUESTS)
 
     def drafts(tokens: list[int], k: int) -> list[int]:

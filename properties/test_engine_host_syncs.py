@@ -45,8 +45,7 @@ class HostRead(AssertionError):
 
 @contextmanager
 def no_host_reads_in_layers() -> Iterator[list[int]]:
-    """While a ``DecoderLayer`` runs, host reads and value checks raise :class:`HostRead`; yields
-    a list that gets one entry per layer call."""
+    """Inside a ``DecoderLayer`` host reads and value checks raise; yields the layer calls."""
     inside = [False]
     calls: list[int] = []
 
@@ -93,9 +92,7 @@ WINDOWED = CausalLM.from_seed(dataclasses.replace(CONFIG, sliding_window=5), see
     ids=["pressure", "window", "triton"],
 )
 def test_the_layers_read_nothing_on_the_host(workload: Workload, kwargs: dict) -> None:
-    """Chunked prompts beside decodes, prefix hits (forks and preemption with the pressure
-    workload), a window, the triton backend (the interpreter here) under the guard: the dense
-    oracle's outputs."""
+    """Chunks beside decodes, prefix hits, a window, triton, under the guard: dense outputs."""
     with no_host_reads_in_layers() as calls:
         result = run(workload, **kwargs)
     check_against_oracle(workload, result)
@@ -118,8 +115,7 @@ def validate_again(self: PagedStep, layer: int, query: torch.Tensor) -> None:
 def test_the_guard_catches_a_host_read_in_the_layers(
     planted: Callable[..., None], match: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Teeth: an attention that reads the context lengths on the host, or validates its kernel
-    arguments again (``validate=True``), is caught."""
+    """Teeth: an attention reading context lengths on the host, or validating again, is caught."""
     attend = PagedStep.attend
 
     def reading(self: PagedStep, layer: int, query: torch.Tensor, *args: Any) -> torch.Tensor:
@@ -133,8 +129,7 @@ def test_the_guard_catches_a_host_read_in_the_layers(
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_no_cuda_synchronization_in_the_layers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a GPU: the layers run under ``set_sync_debug_mode("error")``, which raises on any
-    synchronizing call, with the engine on CUDA."""
+    """On CUDA the layers run under ``set_sync_debug_mode("error")``: no synchronizing call."""
     layer_forward = DecoderLayer.forward
 
     def forward(self: DecoderLayer, *args: Any) -> torch.Tensor:
@@ -151,8 +146,7 @@ def test_no_cuda_synchronization_in_the_layers(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_device_tables_upload_only_changed_rows() -> None:
-    """The persistent buffer equals each step's tables, uploading only rows that differ from
-    what it holds (a grown row, a new sequence), and grows for a wider batch."""
+    """The buffer equals each step's tables, uploading only changed rows, growing when wider."""
     tables = DeviceBlockTables(torch.device("cpu"))
     first = torch.tensor([[3, -1], [5, 6]], dtype=torch.int32)
     assert torch.equal(tables.update(first), first) and tables.num_uploaded_rows == 2
@@ -166,8 +160,7 @@ def test_device_tables_upload_only_changed_rows() -> None:
 
 
 def test_an_engine_uploads_a_decode_step_s_changed_rows_only() -> None:
-    """Decoding 8 sequences with blocks of 4 for 8 steps: a row is uploaded when its sequence
-    takes a block, not every step."""
+    """Decoding 8 sequences: a row uploads when its sequence takes a block, not every step."""
     engine = PagedAttentionEngine(MODEL, 64, 4, max_num_seqs=8, max_num_batched_tokens=128)
     engine.generate([[i + 1] * 6 for i in range(8)], 9)
     decode_steps = len(engine.metrics) - 1
@@ -175,8 +168,7 @@ def test_an_engine_uploads_a_decode_step_s_changed_rows_only() -> None:
 
 
 def test_a_checked_step_is_validated_before_anything_changes() -> None:
-    """With ``check_tables`` (debug mode) ``PagedKVCache.step`` refuses, by name and before the
-    buffer changes, tables not on the host, an entry outside the pool, a slot written twice."""
+    """``check_tables`` refuses off-host tables, out-of-pool entries, doubled slots, unchanged."""
     cache = PagedKVCache(CONFIG, 4, 2, check_tables=True)
     good = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32)
     cache.step(good, [3, 1], [3, 1])
@@ -192,8 +184,7 @@ def test_a_checked_step_is_validated_before_anything_changes() -> None:
 
 
 def test_a_step_trusts_the_store_s_tables(monkeypatch: pytest.MonkeyPatch) -> None:
-    """By default a step checks no value of the store's tables and lengths (a wrong entry
-    passes), maps every slot once, and a run still equals the oracle; ``check_tables`` is a bool."""
+    """By default a step checks no table value, maps each slot once; ``check_tables`` is a bool."""
     for name in VALUE_CHECKS:
         if hasattr(paged_kv, name):
             monkeypatch.setattr(paged_kv, name, _refuse)

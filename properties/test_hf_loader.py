@@ -66,8 +66,7 @@ def test_each_named_family_is_refused_by_name_and_by_field(family: str) -> None:
 def test_every_field_that_changes_the_computation_is_checked(
     family: str, field: str, value: object
 ) -> None:
-    """The base config passes; the field alone is refused by name (and value, but a dict's; a
-    Mistral window ``CausalLM`` cannot take too)."""
+    """The base passes; the field alone is refused by name and value (a dict's by name)."""
     config = tiny_hf_model(
         family, **({"sliding_window": None} if family == "Mistral" else {})
     ).config

@@ -39,8 +39,7 @@ def layer_of_module(name: str) -> str | None:
 
 
 def imported_names(tree: ast.AST) -> list[tuple[int, str]]:
-    """Each module an import names, with its line (relative: ``"."``; ``from pagedkv import x``:
-    ``pagedkv.x``)."""
+    """Each module an import names, with its line (``"."``: relative; ``from pagedkv import x``)."""
     names: list[tuple[int, str]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

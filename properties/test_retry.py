@@ -21,8 +21,7 @@ BACKENDS = ("numba", "reference", "triton")
 
 @st.composite
 def pending_lists(draw: st.DrawFn, num_blocks: int) -> list[tuple[int, int]]:
-    """Up to 8 pairs as a store leaves them pending: no destination is a block read so far or its
-    own source; sources and destinations repeat, a destination is read later."""
+    """Up to 8 pending pairs as a store leaves them: no destination read so far or its source."""
     pairs: list[tuple[int, int]] = []
     read: set[int] = set()
     for _ in range(draw(st.integers(0, 8))):

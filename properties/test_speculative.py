@@ -77,8 +77,7 @@ class Recorder:
         return drafts
 
     def expected_accepted(self, result: Run, eos_token_id: int | None) -> int:
-        """Each call's leading drafts equal to the real continuation (the longest finished sample
-        extending its tokens), none EOS: the drafts the engine should have kept."""
+        """Per call, the leading drafts equal to the real continuation (none EOS): the kept ones."""
         samples = [(tuple(out.prompt), tuple(s)) for out in result.outputs for s in out.outputs]
         kept = 0
         for tokens, drafts in self.calls:
@@ -107,9 +106,7 @@ def ample(workload: Workload) -> Workload:
 def speculate(
     workload: Workload, source: Source, k: int, exact: bool = True, **kwargs: object
 ) -> tuple[Run, Recorder]:
-    """Run speculatively: the dense oracle's outputs and logits, every block freed, and (``exact``:
-    no preemption) every draft counted, the kept ones those :meth:`Recorder.expected_accepted`
-    names."""
+    """Dense outputs and logits, all freed; ``exact`` (no preemption): the expected drafts kept."""
     recorder = Recorder(source)
     result = run(workload, draft_source=recorder, num_speculative_tokens=k, **kwargs)
     check_against_oracle(workload, result)
@@ -215,8 +212,7 @@ def test_sampling_with_speculation_is_refused() -> None:
     [({1, 2}, TypeError), ([1, 2, 3], ValueError), ([VOCAB], ValueError), ([1.0], TypeError)],
 )
 def test_a_bad_draft_fails_the_step_and_loses_nothing(drafts: object, error: type) -> None:
-    """A source returning anything but up to ``k`` token ids fails the step before the drafts
-    change anything; with a good source the same engine then finishes with the greedy tokens."""
+    """A bad draft fails the step, changing nothing; a good source then finishes greedily."""
     behaviour = {"bad": True}
 
     def source(tokens: list[int], k: int) -> object:
@@ -251,8 +247,7 @@ def finish(workload: Workload, engine: PagedAttentionEngine, outputs: list) -> N
 def test_a_failed_speculative_step_loses_nothing(
     where: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A fault in the verify pass, the rollback or the scheduler's update: the step raises, its
-    drafts are undone (tables and tokens as before), and the engine then finishes greedily."""
+    """A fault in verify, rollback or update undoes the step's drafts; the engine then finishes."""
     workload, engine = queued(3, oracle, 3)
     target, name = {"model": (engine.model, "forward"), "truncate": (engine.store, "truncate"),
                     "update": (engine.scheduler, "update")}[where]  # fmt: skip

@@ -204,8 +204,7 @@ def test_the_store_agrees_with_the_managers() -> None:
 
 
 def test_a_window_the_loader_takes_is_one_the_engine_serves() -> None:
-    """A ``sliding_window`` the loader accepts is served by every layer below (store, scheduler,
-    kernels) with the output of its plain value."""
+    """A ``sliding_window`` the loader accepts is served by every layer as its plain value."""
     base = tiny_hf_model("Mistral", sliding_window=None).config.to_dict()
     for label, value in ZOO.items():
         config = SimpleNamespace(to_dict=lambda value=value: {**base, "sliding_window": value})

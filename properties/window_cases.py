@@ -7,9 +7,7 @@ from pagedkv.spec.block_manager import blocks_needed, blocks_outside_window
 
 
 def check_window(scheduler: Scheduler, window: int | None) -> int:
-    """Each running sequence released exactly the blocks outside its next query's window (-1 in
-    its row; none without a window) and, decoding, holds at most the window's blocks plus one for
-    the token it writes. Returns the number released."""
+    """Running tables release exactly the blocks outside the window; decoding ones hold it + 1."""
     store = scheduler.store
     bs, total = store.block_size, 0
     for seq in scheduler.running:
