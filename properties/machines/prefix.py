@@ -1,15 +1,7 @@
-"""The prefix-caching machines (run by ``properties/test_impl_prefix_cache.py``).
-
-* :class:`PrefixDifferentialMachine`: spec and impl managers in lockstep (results, exception
-  classes and KV events), then the whole state after every step. Prompts are a few shared
-  system prompts plus a tiny alphabet, with salts and sometimes a colliding hash, so hits,
-  revivals, evictions and exhaustion are frequent.
-* :class:`PrefixStoreMachine`: the store machine on prefix-caching managers, plus
-  ``add_prompt``, ``cache_blocks`` and ``blocks_to_allocate`` against the spec's calls;
-  :class:`WindowPrefixStoreMachine` adds sliding-window releases.
-
-Keys are compared by content (:func:`describe`), never with ``==``, and ``IMPL`` and ``STORE``
-are class attributes, so the planted-bug tests can swap in copies with their own classes.
+"""Prefix-caching machines: spec and impl managers in lockstep (results, errors, KV events, then
+the whole state), and the store machine with ``add_prompt``/``cache_blocks`` against the spec.
+Prompts share system prompts and a tiny alphabet, so hits, revivals and evictions are frequent;
+keys are compared by content (:func:`describe`); ``IMPL``/``STORE`` let planted bugs swap classes.
 """
 
 from __future__ import annotations
@@ -23,18 +15,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import pagedkv.spec.prefix_cache as spec_pc
 from pagedkv.impl.blocks import CapacityError
-from pagedkv.impl.blocks.prefix_cache import (
-    PrefixCachingBlockManager,
-)
+from pagedkv.impl.blocks.prefix_cache import PrefixCachingBlockManager
 from pagedkv.spec import OutOfBlocksError, blocks_needed
 from properties.machines.differential import IntSubclass, assert_same_construction
 from properties.machines.lockstep import Lockstep
-from properties.machines.prefix_cache import (
-    ALPHABET,
-    SALTS,
-    SYSTEM_PROMPTS,
-    colliding_hash,
-)
+from properties.machines.prefix_cache import ALPHABET, SALTS, SYSTEM_PROMPTS, colliding_hash
 from properties.machines.store import StoreMachine, WindowStoreMachine
 from properties.outcomes import outcome
 
@@ -62,7 +47,6 @@ def describe(key: Any) -> Any:
 
 
 def describe_event(item: Any) -> tuple[str, Any, Any]:
-    """A KV event's class name, block and key content; works across key classes."""
     return (
         type(item).__name__,
         getattr(item, "block_id", None),
@@ -71,7 +55,6 @@ def describe_event(item: Any) -> tuple[str, Any, Any]:
 
 
 def prompts() -> st.SearchStrategy[list[int]]:
-    """A shared system prompt followed by a few tokens from a tiny alphabet."""
     return st.builds(
         lambda system, suffix: system + suffix,
         st.sampled_from(SYSTEM_PROMPTS),
@@ -79,19 +62,14 @@ def prompts() -> st.SearchStrategy[list[int]]:
     )
 
 
-# ----------------------------------------------------------------- spec vs impl in lockstep
-
-
 @dataclasses.dataclass(eq=False)
 class Seq:
     table: list[int | None]  # None: released by a sliding window
-    tokens: list[int]  # the tokens its blocks hold (computed or not)
+    tokens: list[int]  # computed or not
     salt: object
 
 
 class PrefixDifferentialMachine(Lockstep, RuleBasedStateMachine):
-    """spec and impl prefix-caching managers, driven by the same calls."""
-
     IMPL: ClassVar[type] = PrefixCachingBlockManager
 
     def __init__(self) -> None:
@@ -112,14 +90,10 @@ class PrefixDifferentialMachine(Lockstep, RuleBasedStateMachine):
         self.impl = self.IMPL(total_blocks, block_size, **kwargs)
         self.total_blocks, self.block_size = total_blocks, block_size
 
-    # ----------------------------------------------------------------- helpers
-
     def view(self, value: Any) -> Any:
-        """Keys are compared by content."""
         return ("key", describe(value)) if hasattr(value, "hash_value") else value
 
     def after(self, name: str, args: tuple[Any, ...], expected: tuple[str, Any]) -> None:
-        """The call's KV events are the same, in order."""
         spec_events = list(map(describe_event, self.model.take_events()))
         impl_events = list(map(describe_event, self.impl.take_events()))
         assert impl_events == spec_events, f"{name}{args}: events {impl_events} != {spec_events}"
@@ -127,7 +101,6 @@ class PrefixDifferentialMachine(Lockstep, RuleBasedStateMachine):
             event("kv events")
 
     def cache(self, seq: Seq, num_tokens: int | None = None) -> None:
-        """Register the blocks of a sequence whose first ``num_tokens`` tokens are computed."""
         self.both("cache_blocks", seq.table, seq.tokens[:num_tokens], seq.salt)
 
     def pick(self, data: st.DataObject) -> Seq:
@@ -143,14 +116,7 @@ class PrefixDifferentialMachine(Lockstep, RuleBasedStateMachine):
             for spec_key, impl_key in zip(spec_keys, impl_keys, strict=True):
                 assert self.model.cached_block(spec_key) == self.impl.cached_block(impl_key)
 
-    # ----------------------------------------------------------------- prompts
-
-    @rule(
-        tokens=prompts(),
-        salt=st.sampled_from(SALTS),
-        data=st.data(),
-        as_tuple=st.booleans(),
-    )
+    @rule(tokens=prompts(), salt=st.sampled_from(SALTS), data=st.data(), as_tuple=st.booleans())
     def prompt(self, tokens: list[int], salt: object, data: st.DataObject, as_tuple: bool) -> None:
         self.submit(tokens, salt, data, as_tuple)
 
@@ -210,8 +176,7 @@ class PrefixDifferentialMachine(Lockstep, RuleBasedStateMachine):
     @precondition(lambda self: self.seqs)
     @rule(data=st.data(), window=st.integers(1, 6), new=st.lists(ALPHABET, min_size=1, max_size=8))
     def decode_with_window(self, data: st.DataObject, window: int, new: list[int]) -> None:
-        """Mistral's decode loop: each token is written and cached, then the blocks that left
-        the window go back (cached ones stay cached in the queue)."""
+        """Mistral's decode loop: write and cache each token, release what left the window."""
         seq = self.pick(data)
         for token in new:
             if not self.write(seq, [token]):
@@ -243,8 +208,7 @@ class PrefixDifferentialMachine(Lockstep, RuleBasedStateMachine):
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
     def roll_back(self, data: st.DataObject) -> None:
-        """Truncate to any count: into the last blocks, anywhere, past the capacity, or not an
-        int."""
+        """Truncate to any count: into the last blocks, anywhere, past capacity, or not an int."""
         seq = self.pick(data)
         length, capacity = len(seq.tokens), len(seq.table) * self.block_size
         count = data.draw(
@@ -258,8 +222,7 @@ class PrefixDifferentialMachine(Lockstep, RuleBasedStateMachine):
     @precondition(lambda self: self.seqs)
     @rule(data=st.data(), cut=st.integers(1, 3), token=ALPHABET)
     def write_where_a_fork_was(self, data: st.DataObject, cut: int, token: int) -> None:
-        """Fork, cut the original into a block the fork shares, free the fork, then write into
-        that block: it is the original's alone by then, and loses its key first."""
+        """Fork, cut into a shared block, free the fork, write there: the block loses its key."""
         seq = self.pick(data)
         _, fork = self.both("fork", seq.table)
         self.truncate(seq, max(0, len(seq.tokens) - cut))
@@ -292,8 +255,6 @@ class PrefixDifferentialMachine(Lockstep, RuleBasedStateMachine):
     @rule()
     def take_stats(self) -> None:
         self.both("take_stats")
-
-    # ----------------------------------------------------------------- queries and bad input
 
     @rule(
         tokens=prompts(),
@@ -361,12 +322,9 @@ class PrefixDifferentialMachine(Lockstep, RuleBasedStateMachine):
             spec_pc.PrefixCachingBlockManager, self.IMPL, total_blocks, block_size
         )
 
-    # ----------------------------------------------------------------- invariants
-
     @invariant()
     def same_state(self) -> None:
-        """Queue, reference counts, keys, counters and pending copy pairs agree (the pairs are
-        read from copies, so the invariant changes nothing)."""
+        """Queue, reference counts, keys, counters and (copies of) pending copy pairs agree."""
         spec, impl = self.model, self.impl
         if spec.stats.evictions:
             event("evicted")
@@ -390,16 +348,8 @@ class PrefixDifferentialMachine(Lockstep, RuleBasedStateMachine):
                 assert impl.cached_block(key) == block_id
 
 
-# ----------------------------------------------------------------- the block-table store
-
-
 class PrefixStoreMachine(StoreMachine):
-    """``StoreMachine``'s rules on prefix-caching managers, plus the store's prefix API.
-
-    The spec model is a ``spec.prefix_cache.PrefixCachingBlockManager`` driven sequence by
-    sequence. Tokens are tracked for the sequences this class adds; positions added by the base
-    rules (``add``, ``grow``, ``fork``) hold ``FILLER``.
-    """
+    """``StoreMachine`` on prefix-caching managers plus the prefix API; base rules add FILLER."""
 
     @initialize(
         total_blocks=st.integers(1, 24),
@@ -426,14 +376,12 @@ class PrefixStoreMachine(StoreMachine):
         return (*super().snapshot(), keys, dataclasses.astuple(manager.stats))
 
     def tokens_of(self, seq_id: int) -> list[int]:
-        """The tokens ``seq_id`` holds: those chosen here, then ``FILLER``."""
         known = self.tokens.setdefault(seq_id, [])
         known += [FILLER] * (self.seqs[seq_id][1] - len(known))
         return known
 
     def cache_both(self, seq_id: int, tokens: Any, salt: object) -> None:
-        """``store.cache_blocks`` equals the spec's ``cache_blocks`` on the sequence's table,
-        except that the store also refuses more tokens than the sequence holds."""
+        """``store.cache_blocks`` is the spec's, but refuses more tokens than the sequence holds."""
         table, count = self.seqs[seq_id]
         if self.spec_refuses(tokens) is None and len(tokens) > count:
             expected = ("raised", ValueError)
@@ -446,7 +394,6 @@ class PrefixStoreMachine(StoreMachine):
             assert actual == expected, f"cache_blocks: store {actual}, spec {expected}"
 
     def spec_refuses(self, tokens: Any) -> type[Exception] | None:
-        """The exception class the spec raises for these token ids, if any (state unchanged)."""
         kind, error = outcome(self.spec.lookup, tokens)
         return error if kind == "raised" else None
 
@@ -493,10 +440,7 @@ class PrefixStoreMachine(StoreMachine):
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
     def speculate_and_cache(self, data: st.DataObject) -> None:
-        """A speculative step over some sequences (maybe caching the drafts' full blocks before
-        the rollback), then each caches what it kept: the keys of its kept full blocks still
-        hold, the later ones are made again. Maybe the dropped drafts are then written again,
-        the same tokens, and cached: their blocks must be registered anew."""
+        """Speculate (maybe caching drafts), keep some, cache: rewritten drafts register anew."""
         ids = self.some_live(data, min_size=1)
         before = {seq_id: self.seqs[seq_id][1] for seq_id in ids}
         drafts = [data.draw(st.integers(0, 2 * self.block_size), label="k") for _ in ids]
@@ -539,12 +483,8 @@ class PrefixStoreMachine(StoreMachine):
         fork=st.sampled_from(["none", "removed", "cut in the same batch"]),
     )
     def cut_a_cached_block_then_write(self, data: st.DataObject, token: int, fork: str) -> None:
-        """Cut a sequence into one of its cached blocks, then write there. Held alone, the
-        block loses its key at the cut. With a fork sharing it, it keeps its key; the fork then
-        drops it (removed, or cut shorter in the same batch), and the block must lose its key
-        before the write lands in it. Or cut into its last full block and write that block's
-        tokens again, or other ones from the cut on: it must be registered anew, under its
-        content's key (the sequence's own keys were cut)."""
+        """A cached block cut into loses its key before a write lands (alone, or once a fork drops
+        it); one refilled from the cut is registered anew under its content's key."""
         parent = data.draw(st.sampled_from(sorted(set(self.tokens) & set(self.seqs))))
         count = self.seqs[parent][1]
         bs, full = self.block_size, count // self.block_size
@@ -637,6 +577,4 @@ class PrefixStoreMachine(StoreMachine):
 
 
 class WindowPrefixStoreMachine(PrefixStoreMachine, WindowStoreMachine):
-    """The prefix store machine with sliding-window releases among its steps: released cached
-    blocks stay cached in the queue, and a later prompt revives or evicts them as the spec
-    does."""
+    """The prefix store machine with sliding-window releases: released cached blocks stay cached."""

@@ -1,11 +1,6 @@
-"""The store machines: ``impl.BlockTableStore`` against a ``spec.BlockManager`` called once per
-sequence, in batch order (``add`` is ``allocate``, ``remove`` is ``free``, ``grow`` is
-``append_slot`` with ``OutOfBlocksError`` caught, and so on; a released entry is the spec's
-``None`` and the store's ``-1``). Every ``slot_mapping`` entry is the spec's ``translate_slot``;
-the FlashInfer and FlashAttention exports round-trip to the same tables and counts; bad input
-raises the documented error and changes nothing. After every step the table array (padding and
-free rows included), the queue and every reference count agree with the model. ``STORE`` and
-``PAGE_TABLES`` are class attributes for the planted-bug tests.
+"""The store machines: ``BlockTableStore`` against the spec called per sequence in batch order
+(a released entry: spec ``None``, store ``-1``); slots, exports and errors match, and after every
+step the table array, queue and reference counts agree. ``STORE``/``PAGE_TABLES`` are swappable.
 """
 
 from __future__ import annotations
@@ -33,8 +28,6 @@ def padded_table(table: list[int | None]) -> list[int]:
 
 
 class StoreMachine(Lockstep, RuleBasedStateMachine):
-    """A BlockTableStore on an impl manager, and the spec driven sequence by sequence."""
-
     STORE: ClassVar[type] = BlockTableStore
     PAGE_TABLES: ClassVar[Any] = page_tables
 
@@ -48,22 +41,16 @@ class StoreMachine(Lockstep, RuleBasedStateMachine):
         self.spec = spec_bm.BlockManager(total_blocks, block_size)
         self.store = self.STORE(BlockManager(total_blocks, block_size), max_seqs, max_blocks)
         self.block_size, self.max_seqs, self.max_blocks = block_size, max_seqs, max_blocks
-        # seq id -> (table, token count); a table's released entries are None, as in the spec
+        # seq id -> (table, token count); released entries are None, as in the spec
         self.seqs: dict[int, tuple[list[int | None], int]] = {}
         self.batches: list[SeqBatch] = []
-
-    # ----------------------------------------------------------------- helpers
 
     def snapshot(self) -> tuple[Any, ...]:
         store = self.store
         return (
-            store.tables.tobytes(),
-            store.num_blocks.tobytes(),
-            store.token_counts.tobytes(),
-            store.seq_ids,
-            store.manager.free_block_ids(),
-            store.manager.ref_counts().tobytes(),
-        )
+            store.tables.tobytes(), store.num_blocks.tobytes(), store.token_counts.tobytes(),
+            store.seq_ids, store.manager.free_block_ids(), store.manager.ref_counts().tobytes(),
+        )  # fmt: skip
 
     def some_live(self, data: st.DataObject, min_size: int = 0) -> list[int]:
         """A batch: distinct live ids in random order."""
@@ -87,7 +74,6 @@ class StoreMachine(Lockstep, RuleBasedStateMachine):
         return ids
 
     def fork_both(self, parent: int, child: int) -> int:
-        """``store.fork`` and the spec's ``fork``; the parent's token count."""
         self.store.fork(parent, child)
         table, count = self.seqs[parent]
         self.seqs[child] = (self.spec.fork(table), count)
@@ -98,8 +84,6 @@ class StoreMachine(Lockstep, RuleBasedStateMachine):
         actual = self.store.pop_copy_pairs()
         assert actual.dtype == np.int32 and actual.shape == (len(expected), 2)
         assert [tuple(pair) for pair in actual.tolist()] == expected
-
-    # ----------------------------------------------------------------- lifecycle
 
     @rule(seq_id=SEQ_IDS, data=st.data())
     def add(self, seq_id: int, data: st.DataObject) -> None:
@@ -133,8 +117,6 @@ class StoreMachine(Lockstep, RuleBasedStateMachine):
         self.store.remove(self.as_batch(data, ids))
         for seq_id in ids:
             self.spec.free(self.seqs.pop(seq_id)[0])
-
-    # ----------------------------------------------------------------- a step
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
@@ -174,8 +156,7 @@ class StoreMachine(Lockstep, RuleBasedStateMachine):
     def check_grow(
         self, data: st.DataObject, ids: list[int], steps: list[int], argument: Any
     ) -> None:
-        """``grow`` equals the spec's ``append_slot`` per sequence, in order; an ``atomic`` grow
-        that some sequence cannot make changes nothing."""
+        """``grow`` is per-sequence ``append_slot``; a failed ``atomic`` grow changes nothing."""
         batch = self.as_batch(data, ids)
         fits = all(
             spec_bm.blocks_needed(self.seqs[s][1] + k, self.block_size) <= self.max_blocks
@@ -224,8 +205,7 @@ class StoreMachine(Lockstep, RuleBasedStateMachine):
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
     def speculate(self, data: st.DataObject) -> None:
-        """A speculative step: some sequences write their last token and ``k`` drafts, then
-        keep ``1 + j`` of them."""
+        """A speculative step: write the last token and ``k`` drafts, keep ``1 + j`` of them."""
         ids = self.some_live(data, min_size=1)
         drafts = [data.draw(st.integers(0, 5), label="k") for _ in ids]
         before = {seq_id: self.seqs[seq_id][1] for seq_id in ids}
@@ -247,8 +227,7 @@ class StoreMachine(Lockstep, RuleBasedStateMachine):
     @precondition(lambda self: self.seqs and len(self.seqs) < self.max_seqs)
     @rule(data=st.data(), cut=st.integers(1, 4))
     def fork_cut_then_decode(self, data: st.DataObject, cut: int) -> None:
-        """Fork, cut one of the two into the blocks they share, then decode: the cut block is
-        shared and partly filled, so the next write into it must copy it."""
+        """Fork, cut one into a shared block, decode: the write into it must copy it."""
         child = min(set(range(len(self.seqs) + 1)) - set(self.seqs))
         parent = data.draw(st.sampled_from(sorted(self.seqs)))
         count = self.fork_both(parent, child)
@@ -336,8 +315,6 @@ class StoreMachine(Lockstep, RuleBasedStateMachine):
             assert pages or int(last_page_len[i]) == 0  # no page: its last page holds nothing
             assert tokens == count
 
-    # ----------------------------------------------------------------- bad input
-
     @rule(data=st.data())
     def bad_input(self, data: st.DataObject) -> None:
         """Unknown, repeated or non-int ids, bad counts: the documented error, nothing changes."""
@@ -357,20 +334,10 @@ class StoreMachine(Lockstep, RuleBasedStateMachine):
         def release(seqs: Any) -> object:
             return store.release_outside_window(seqs, 1)
 
-        call = data.draw(
-            st.sampled_from(
-                [
-                    store.grow,
-                    store.remove,
-                    store.slot_mapping,
-                    block_tables,
-                    flashinfer_page_table,
-                    store.batch,
-                    truncate,
-                    release,
-                ]
-            )
-        )
+        call = data.draw(st.sampled_from([
+            store.grow, store.remove, store.slot_mapping, block_tables, flashinfer_page_table,
+            store.batch, truncate, release,
+        ]))  # fmt: skip
         case = data.draw(
             st.sampled_from(["unknown", "repeated", "type", "count", "too many", "seq id"])
         )
@@ -407,13 +374,9 @@ class StoreMachine(Lockstep, RuleBasedStateMachine):
                 self.refuses(TypeError, store.fork, live[0], seq_id)
             self.refuses(KeyError, store.remove, [-(2**70)])
 
-    # ----------------------------------------------------------------- invariants
-
     @invariant()
     def same_state(self) -> None:
-        """Tables, padding, free rows, queue, reference counts and pending copy pairs agree.
-
-        The pending pairs are read from copies, so the invariant changes nothing."""
+        """Tables, padding, free rows, queue, reference counts and (copied) pending pairs agree."""
         store = self.store
         assert sorted(store.seq_ids) == sorted(self.seqs) and len(store) == len(self.seqs)
         assert (store.max_seqs, store.max_blocks_per_seq) == (self.max_seqs, self.max_blocks)
@@ -440,19 +403,12 @@ class StoreMachine(Lockstep, RuleBasedStateMachine):
 
 
 class WindowStoreMachine(StoreMachine):
-    """``StoreMachine`` with sliding-window releases among its steps.
-
-    A subclass, so the searches that find the planted bugs of the base machine (and of the
-    prefix store machine built on it) stay as they were; the base machine's rules already
-    handle released entries (writes into them and their slots refused as by the spec).
-    """
+    """``StoreMachine`` plus window releases (a subclass, so the base searches are unchanged)."""
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
     def release_outside_window(self, data: st.DataObject) -> None:
-        """Sliding window: some sequences, in any order, release the blocks no query from
-        their next position on reads: at their token counts (the default), or at drawn
-        positions up to their tables' capacity (one for all, or one each); or a refused call."""
+        """Release what no later query reads, at token counts or drawn positions; or refused."""
         window = data.draw(st.just(1) | st.integers(1, 3 * self.block_size), label="window")
         ids = self.some_live(data)
         capacity = {s: len(self.seqs[s][0]) * self.block_size for s in ids}
@@ -497,8 +453,7 @@ class WindowStoreMachine(StoreMachine):
     @precondition(lambda self: any(count % self.block_size for _, count in self.seqs.values()))
     @rule(data=st.data())
     def release_a_partly_filled_last_block_then_decode(self, data: st.DataObject) -> None:
-        """A release at a table's capacity with a window of 1 gives back even its partly
-        filled last block; the next write there is refused, on the decode path too."""
+        """A window-1 release at capacity frees a partly filled last block; writing there fails."""
         partial = sorted(s for s, (_, count) in self.seqs.items() if count % self.block_size)
         seq_id = data.draw(st.sampled_from(partial), label="sequence")
         table, count = self.seqs[seq_id]
