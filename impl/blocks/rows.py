@@ -155,7 +155,7 @@ class SeqRows:
     @property
     def flat(self) -> NDArray[np.int32]:
         """``tables`` as one flat view: row ``r``, column ``c`` is entry ``r * width + c``."""
-        return self.tables.reshape(-1)
+        return self.tables.ravel()
 
     def held(self, row: int) -> NDArray[np.int32]:
         """The blocks row ``row`` holds (its entries after the released ones), a view."""
