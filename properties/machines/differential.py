@@ -1,11 +1,6 @@
-"""The differential machine: ``impl.BlockManager`` against ``spec.BlockManager``, in lockstep.
-
-Every rule makes the same call on both (:class:`~properties.machines.lockstep.Lockstep`: the
-same result, of the same types, or the same exception class); after every step the whole state
-agrees. Pools are small (1..32 blocks) so exhaustion is common; rules also feed bad input (wrong
-types, unknown, repeated, stale and free ids, negative counts) and ``impl``'s array API.
-``IMPL`` is a class attribute for the planted-bug tests. Also the strategies the other
-differential machines share.
+"""``impl.BlockManager`` against ``spec.BlockManager`` in lockstep (same results and exception
+classes, then the whole state), on small pools, with bad input (wrong types, unknown, repeated,
+stale, free ids) and the array API; ``IMPL`` is swappable. Also the shared bad-input strategies.
 """
 
 from __future__ import annotations
@@ -71,14 +66,12 @@ def assert_same_construction(spec_cls: type, impl_cls: type, *args: object) -> N
 
 @dataclass(eq=False)
 class Table:
-    """A table both managers hand out: its current ids, and every table it has been, in order
-    (the current one last). ``free`` takes it out of ``tables``; it stays in ``every_table``."""
+    """A table both managers hand out, and every table it has been (the current one last)."""
 
     blocks: list[int | None]  # None: released by a sliding window
     history: list[list[int | None]]
 
     def replace(self, blocks: list[int | None]) -> None:
-        """``append_slot`` returned a new table; the old one is now stale."""
         self.blocks = blocks
         self.history.append(blocks)
 
@@ -89,11 +82,7 @@ def made(kind: str, blocks: Any) -> Any:
 
 
 class DifferentialMachine(Lockstep, RuleBasedStateMachine):
-    """spec and impl block managers, driven by the same calls.
-
-    ``tables`` holds the tables both hold; ``every_table`` also the freed and replaced ones,
-    whose blocks may be free or owned by others now (only "spec and impl agree" is expected).
-    """
+    """``tables``: the live tables; ``every_table`` also the freed and replaced ones."""
 
     IMPL: ClassVar[type] = ImplBlockManager
     tables = Bundle("tables")
@@ -105,11 +94,8 @@ class DifferentialMachine(Lockstep, RuleBasedStateMachine):
         self.impl = self.IMPL(total_blocks, block_size)
         self.total_blocks, self.block_size = total_blocks, block_size
 
-    # ----------------------------------------------------------------- helpers
-
     def step(self, table: Table, name: str, *args: Any, as_tuple: bool = False) -> bool:
-        """``name(table.blocks, *args)`` on both (the blocks as a tuple, maybe); on success the
-        table is replaced by the result. Whether it succeeded."""
+        """``name(table.blocks, *args)`` on both; on success the result replaces the table."""
         kind, result = self.both(name, tuple(table.blocks) if as_tuple else table.blocks, *args)
         if kind == "ok":
             table.replace(result)
@@ -119,16 +105,13 @@ class DifferentialMachine(Lockstep, RuleBasedStateMachine):
         self.step(table, "append_slot", *args)
 
     def free_array(self, table: list[int | None]) -> None:
-        """``free_array`` against the spec's ``free``; a table with released entries (which no
-        id array holds) goes through ``free`` instead."""
+        """``free_array`` against the spec's ``free`` (a table with released entries: ``free``)."""
         if None in table:
             self.both("free", table)
             return
         expected = outcome(self.model.free, list(table))
         actual = outcome(self.impl.free_array, np.array(table, dtype=np.int64))
         assert expected == actual, f"free {table}: spec {expected}, impl free_array {actual}"
-
-    # ----------------------------------------------------------------- allocation
 
     @rule(
         targets=(tables, every_table),
@@ -156,8 +139,7 @@ class DifferentialMachine(Lockstep, RuleBasedStateMachine):
         where=st.sampled_from(["token_count", "new_tokens", "token_pos", "truncate"]),
     )
     def odd_scalar_on_a_table(self, table: Table, value: object, count: int, where: str) -> None:
-        """The same for the int parameters of ``append_slot``, ``translate_slot`` and
-        ``truncate``."""
+        """The same for the int parameters of ``append_slot``, ``translate_slot``, ``truncate``."""
         if where == "token_pos":
             self.both("translate_slot", table.blocks, value)
         elif where == "truncate":
@@ -166,8 +148,6 @@ class DifferentialMachine(Lockstep, RuleBasedStateMachine):
             self.grow(table, value, min(count, 2))
         else:
             self.grow(table, count, value)
-
-    # ----------------------------------------------------------------- table operations
 
     @rule(table=tables, data=st.data())
     def append_slot(self, table: Table, data: st.DataObject) -> None:
@@ -206,15 +186,13 @@ class DifferentialMachine(Lockstep, RuleBasedStateMachine):
         capacity = len(table.blocks) * self.block_size
         count = data.draw(st.integers(0, capacity) | st.integers(-1, capacity + 2), label="count")
         window = data.draw(
-            st.integers(1, 3 * self.block_size) | st.integers(-1, 0) | bad_scalars(),
-            label="window",
+            st.integers(1, 3 * self.block_size) | st.integers(-1, 0) | bad_scalars(), label="window"
         )
         self.step(table, "release_outside_window", count, window, as_tuple=as_tuple)
 
     @rule(table=tables, window=st.integers(1, 8), steps=st.integers(1, 8))
     def decode_with_window(self, table: Table, window: int, steps: int) -> None:
-        """Mistral's decode loop on a full table: one token more, then release what left the
-        window, ``steps`` times."""
+        """Mistral's decode loop on a full table: a token, then release what left the window."""
         for _ in range(steps):
             count = len(table.blocks) * self.block_size + 1
             self.grow(table, count)
@@ -240,8 +218,7 @@ class DifferentialMachine(Lockstep, RuleBasedStateMachine):
 
     @rule(targets=(tables, every_table), table=tables, data=st.data(), write_copy=st.booleans())
     def fork_then_write(self, table: Table, data: st.DataObject, write_copy: bool) -> Any:
-        """Beam search: fork a table, then write into the original or the copy: one token, or
-        a few that run from a shared block into a new one (copy-on-write and growth at once)."""
+        """Beam search: fork, write into either from a shared block on (copy-on-write, growth)."""
         kind, blocks = self.both("fork", table.blocks)
         if kind == "raised":  # a stale free released this table's blocks: spec and impl agree
             return multiple()
@@ -257,8 +234,6 @@ class DifferentialMachine(Lockstep, RuleBasedStateMachine):
         self.both("pop_copy_pairs")
         if twice:
             self.both("pop_copy_pairs")
-
-    # ----------------------------------------------------------------- bad tables
 
     @rule(
         targets=(tables, every_table),
@@ -308,8 +283,7 @@ class DifferentialMachine(Lockstep, RuleBasedStateMachine):
         ),
     )
     def forged_table(self, table: Any, operation: str) -> Any:
-        """Any list (unknown ids, wrong types, released entries anywhere, free or held blocks,
-        in any order), or no list."""
+        """Any list (unknown, wrong-type, released, free or held ids, any order), or no list."""
         args = {
             "append_slot": (table, 3),
             "translate_slot": (table, 0),
@@ -334,13 +308,9 @@ class DifferentialMachine(Lockstep, RuleBasedStateMachine):
     def construct(self, total_blocks: object, block_size: object) -> None:
         assert_same_construction(spec_bm.BlockManager, self.IMPL, total_blocks, block_size)
 
-    # ----------------------------------------------------------------- invariants
-
     @invariant()
     def same_state(self) -> None:
-        """Queue order, free count, every reference count and the pending copy pairs agree.
-
-        The pending pairs are read from copies of the managers, so this changes nothing."""
+        """Queue order, free count, reference counts and (copied) pending copy pairs agree."""
         assert self.model.free_block_ids() == self.impl.free_block_ids()
         assert self.model.num_free_blocks == self.impl.num_free_blocks
         assert self.model.usage == self.impl.usage

@@ -1,12 +1,7 @@
-"""Prefix caching against :class:`~properties.prefix_model.PrefixCacheModel` (an independent
-model: its own key map, queue order and counters), in lockstep, over any class with the spec's
-API. After every step the whole observable state is the model's; simulated KV data checks that
-cached keys name exactly the tokens their blocks hold and every request reads its own tokens.
-
-Prompts are a few shared "system prompts" plus a tiny alphabet, with two salts and sometimes a
-hash under which most keys collide, so hits, revivals, evictions and exhaustion are frequent.
-With KV events on (drawn per run), each call's events are the model's, in order, and a mirror
-rebuilt from them alone (as a router keeps it) equals the model's key map after every step.
+"""Any class with the spec's prefix API in lockstep with the independent ``PrefixCacheModel``:
+the whole state after every step; simulated KV data (each request reads its own tokens); KV
+events in order, and a mirror rebuilt from them alone equals the key map. Shared prompts, two
+salts and a colliding hash make hits, revivals and evictions frequent.
 """
 
 from __future__ import annotations
@@ -36,8 +31,7 @@ SYSTEM_PROMPTS = [[], [7, 7, 8, 9, 7, 8], [7, 7, 8, 9, 1, 2, 3, 4, 5], [5, 5, 5,
 ALPHABET = st.integers(0, 2)
 SALTS = [None, "tenant-b"]
 SALT_DRAWS = st.sampled_from(SALTS) | st.builds(lambda: "".join(["tenant", "-b"]))
-"""A salt of ``SALTS``, or a new string equal to ``"tenant-b"`` but not the same object: equal
-salts share blocks whatever their identity."""
+"""A salt of ``SALTS``, or an equal new string: equal salts share blocks whatever their identity."""
 WRONG_TOKEN = 10  # a token no prompt holds
 OTHER_SALT = "tenant-z"  # a salt no request uses
 
@@ -48,8 +42,7 @@ def colliding_hash(parent: object, tokens: tuple[int, ...], extra: object) -> in
 
 
 def content_of(key: Any) -> Content | None:
-    """What a key (any class with ``parent``, ``tokens``, ``extra``) names, as the model names
-    it: ``(extra, the whole token prefix)``; None for no key."""
+    """What a key of any class names, as the model does: ``(extra, the whole token prefix)``."""
     if key is None:
         return None
     levels = []
@@ -72,8 +65,6 @@ def event_of(item: KVEvent) -> Event:
 
 @dataclass(eq=False)
 class Request:
-    """A live sequence: its table, the tokens written through it, and its salt."""
-
     table: list[int | None]  # None: released by a sliding window
     tokens: list[int]
     salt: Hashable
@@ -88,8 +79,7 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
         def __init__(self) -> None:
             super().__init__()
             self.live: list[Request] = []
-            # physical slot -> (salt, token) written there: a block computed under one salt
-            # must never be read under another, even when the tokens agree
+            # slot -> (salt, token): a block computed under one salt is never read under another
             self.kv: dict[int, tuple[Hashable, int]] = {}
 
         @initialize(
@@ -107,8 +97,6 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             self.size = block_size
             self.events_on = events_on
             self.mirror: dict[Content, int] = {}  # the key map, rebuilt from events alone
-
-        # ------------------------------------------------------------ helpers
 
         def slot(self, table: list[int], pos: int) -> int:
             return table[pos // self.size] * self.size + pos % self.size
@@ -182,8 +170,6 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
                 ):
                     assert self.both("cache_blocks", *claim) == ("raised", BlockTableError)
 
-        # ------------------------------------------------------------ rules
-
         @rule(
             target=requests,
             system=st.sampled_from(SYSTEM_PROMPTS),
@@ -233,20 +219,14 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
 
         @rule(request=requests, cut=st.integers(1, 3), token=ALPHABET)
         def write_where_a_fork_was(self, request: Request, cut: int, token: int) -> None:
-            """Fork, cut the original into a block the fork shares (it keeps its key), free the
-            fork, then write there: the block is the original's alone now and must lose its key
-            before the write lands in it."""
+            """Fork, cut into a shared block, free the fork, write there: it loses its key first."""
             self.both("fork", request.table)
             fork = list(request.table)
             self.truncate(request, max(0, len(request.tokens) - cut))
             self.both("free", fork)
             self.decode(request, token)
 
-        @rule(
-            request=requests,
-            guesses=st.lists(ALPHABET, min_size=1, max_size=6),
-            data=st.data(),
-        )
+        @rule(request=requests, guesses=st.lists(ALPHABET, min_size=1, max_size=6), data=st.data())
         def speculate(self, request: Request, guesses: list[int], data: st.DataObject) -> None:
             """Write the next token and drafts in one step, keep ``1 + j`` of them, register."""
             count = len(request.tokens) + len(guesses)
@@ -286,16 +266,14 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             tokens=st.lists(ALPHABET, min_size=1, max_size=8),
         )
         def decode_with_window(self, request: Request, window: int, tokens: list[int]) -> None:
-            """Mistral's decode loop: each token is written and cached, then the blocks that
-            left the window go back."""
+            """Mistral's decode loop: write and cache each token, release what left the window."""
             for token in tokens:
                 self.decode(request, token)
                 self.slide(request, window)
 
         @rule(request=requests, window=st.integers(1, 6))
         def slide(self, request: Request, window: int) -> None:
-            """Sliding window: the blocks no later query reads are released like a freed
-            table's; cached ones stay cached in the queue, to be hit (revived) or evicted."""
+            """Blocks no later query reads are released like a freed table's; cached ones stay."""
             _, table = self.both(
                 "release_outside_window", request.table, len(request.tokens), window
             )
@@ -327,8 +305,6 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
         def read_stats(self) -> None:
             """The counters so far; reading them starts them again at zero."""
             self.both("take_stats")
-
-        # ------------------------------------------------------------ invariants
 
         @invariant()
         def events_rebuild_the_key_map(self) -> None:
