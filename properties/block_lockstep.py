@@ -1,10 +1,5 @@
-"""A ``BlockTableStore`` and the spec run in lockstep, for directed examples.
-
-Each store call is paired with the spec's per-sequence calls (``add`` is ``allocate``,
-``prompt`` is ``allocate_prompt``, ``grow`` is ``append_slot`` with ``OutOfBlocksError`` caught,
-and so on); :meth:`Both.check` compares every table, the free queue, reference counts, pending
-copy pairs and (with prefix caching) every block's key.
-"""
+"""A ``BlockTableStore`` and the spec's per-sequence calls in lockstep, for directed examples;
+:meth:`Both.check` compares tables, queue, reference counts, pending copy pairs and keys."""
 
 from __future__ import annotations
 
@@ -61,8 +56,7 @@ class Both:
             self.tables[seq_id] = self.spec.truncate(self.tables[seq_id], count)
 
     def grow(self, steps: dict[int, int], method: str = "grow") -> list[int]:
-        """The store's ``method`` (``grow`` or ``grow_or_preempt`` with no victim expected)
-        and each id's ``append_slot`` in turn; the ids that could not grow, as both report."""
+        """The store's ``method`` (no victim expected) and ``append_slot`` per id; ids not grown."""
         result = getattr(self.store, method)(list(steps), list(steps.values()))
         failed = []
         for seq_id, step in steps.items():

@@ -1,7 +1,5 @@
-"""An independent, minimal model of the block manager's rules, the state machine's oracle.
-
-Written differently from ``spec`` on purpose (a list as the queue, explicit loops, no validation
-helpers): each method returns the outcome the rules demand and changes state only on success.
+"""An independent, minimal model of the block manager's rules (unlike ``spec`` on purpose: a list
+queue, explicit loops); each method returns the rules' outcome and changes state only on success.
 """
 
 from __future__ import annotations
@@ -149,8 +147,7 @@ class BlockModel:
     def release_outside_window(
         self, table: list[int | None], token_count: int, window: int
     ) -> Outcome:
-        """Release every leading block whose slots all lie before the window of position
-        ``token_count`` (the next query reads ``token_count - window + 1`` on)."""
+        """Release each leading block wholly before ``token_count - window + 1`` (the next read)."""
         error = self.table_error(table)
         if error is None and not (0 <= token_count <= len(table) * self.block_size and window >= 1):
             error = ValueError

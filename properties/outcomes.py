@@ -1,5 +1,4 @@
-"""What a call did, as ``("ok", result)`` or ``("raised", class)``: differential properties compare
-the spec's and an implementation's outcomes with ``==``."""
+"""What a call did, ``("ok", result)`` or ``("raised", class)``: outcomes compare with ``==``."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""An independent model of prefix caching (docs/design.md section 8), the prefix machine's oracle.
-
-It shares nothing with ``spec.prefix_cache`` but the exception classes. A block's content is
-the whole token prefix it ends plus the salt, ``(salt, tokens[: (i + 1) * size])``, a plain tuple
-where the spec chains hashed ``BlockKey`` objects; its maps and counters sit on top of
-:class:`~properties.block_model.BlockModel`, and it changes only on success.
+"""An independent model of prefix caching (docs/design.md section 8), sharing nothing with the
+spec but its exceptions: a block's content is a plain ``(salt, whole token prefix)`` tuple.
 """
 
 from __future__ import annotations
@@ -17,8 +13,7 @@ Content = tuple[Hashable, tuple[int, ...]]
 """What a cached block holds: ``(salt, the whole token prefix up to the block's end)``."""
 
 Event = tuple[str, int | None, Content | None]
-"""A KV event as the model names it: ``("stored" | "removed", block, content)`` or
-``("cleared", None, None)``."""
+"""A KV event: ``("stored" | "removed", block, content)`` or ``("cleared", None, None)``."""
 
 
 class PrefixCacheModel(BlockModel):
@@ -53,8 +48,7 @@ class PrefixCacheModel(BlockModel):
         return hits
 
     def blocks_to_allocate(self, tokens: list[int], salt: Hashable) -> int:
-        """Fresh blocks plus hit blocks in the queue now (reviving one consumes a free block;
-        one parked for a copy is not free)."""
+        """Fresh blocks plus hits in the queue (reviving consumes a free block; parked is not)."""
         hits = self.lookup(tokens, salt)
         table_len = -(-len(tokens) // self.block_size)
         return table_len - len(hits) + sum(b in self.queue for b in hits)
@@ -77,8 +71,7 @@ class PrefixCacheModel(BlockModel):
         self.events.append(("removed", block_id, content))
 
     def append_slot(self, table: list[int], token_count: int, new_tokens: int) -> Outcome:
-        """No write lands in a cached block: one this table holds alone forgets its content
-        first (a shared one was copied on write: the written block is the fresh copy)."""
+        """A cached block written into (held alone: shared ones were copied) forgets its content."""
         outcome = super().append_slot(table, token_count, new_tokens)
         if outcome.error is None:
             for pos in range(token_count - new_tokens, token_count):
@@ -88,8 +81,7 @@ class PrefixCacheModel(BlockModel):
         return outcome
 
     def truncate(self, table: list[int], token_count: int) -> Outcome:
-        """Dropped blocks keep their content; a kept last block cut into, held by this table
-        alone, forgets it: the rest of it is about to be written with other tokens."""
+        """Dropped blocks keep their content; a kept last block cut into, held alone, forgets it."""
         outcome = super().truncate(table, token_count)
         if outcome.error is None and token_count % self.block_size:
             last = outcome.value[-1]
@@ -112,8 +104,7 @@ class PrefixCacheModel(BlockModel):
         return Outcome(value=(hits + fresh, len(hits) * self.block_size))
 
     def cache_blocks(self, table: list[int], tokens: list[int], salt: Hashable) -> Outcome:
-        """Register the table's full blocks (released entries hold nothing to register); a block
-        holding other content refuses them all."""
+        """Register the table's full held blocks; a block holding other content refuses them all."""
         error = self.table_error(table)
         if error is None and len(tokens) > len(table) * self.block_size:
             error = ValueError

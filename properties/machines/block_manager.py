@@ -1,9 +1,6 @@
-"""A block manager against ``BlockModel``, in lockstep: ``block_manager_machine(manager_cls)``
-builds the machine for any class with the spec's API (the spec, its planted-bug mutants, impl).
-
-It also simulates the KV data: every written token stores a unique value at its physical slot,
-copy-on-write pairs copy whole blocks, and after every step each live sequence must read back
-exactly its own tokens through its table ("no two sequences ever write the same slot").
+"""Any class with the spec's API in lockstep with ``BlockModel``, simulating KV data: each token
+stores a unique value at its slot, copy pairs copy blocks, and every live sequence reads back
+exactly its own tokens ("no two sequences ever write the same slot").
 """
 
 from __future__ import annotations
@@ -33,14 +30,11 @@ BAD_COUNTS = st.one_of(
     st.tuples(st.integers(0, 50), st.integers(-3, -1)),
     st.integers(0, 49).flatmap(lambda count: st.tuples(st.just(count), st.integers(count + 1, 50))),
 )
-"""``(token_count, new_tokens)`` that ``append_slot`` refuses: a negative count, or more new
-tokens than tokens."""
+"""``(token_count, new_tokens)`` that ``append_slot`` refuses: negative, or more new than tokens."""
 
 
 @dataclass(eq=False)
 class Sequence:
-    """A live sequence: its table and the value stored at each of its positions."""
-
     table: list[int | None]  # None: a block a sliding window released
     tokens: list[int] = field(default_factory=list)  # the value stored for each position
 
@@ -72,10 +66,7 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             self.model = BlockModel(total_blocks, block_size)
             self.size = block_size
 
-        # ------------------------------------------------------------ helpers
-
         def snapshot(self) -> tuple[object, ...]:
-            """Every observable, pending copy pairs included (read from a copy)."""
             refs = tuple(self.impl.ref_count(b) for b in range(self.model.total_blocks))
             pending = self.impl.pending_copy_pairs()
             waiting = list(self.impl.waiting_for_copy)
@@ -100,8 +91,6 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
                 if slot in self.cache:
                     self.cache[dst * self.size + offset] = self.cache[slot]
 
-        # ------------------------------------------------------------ rules
-
         @rule(target=seqs, prompt_len=st.integers(0, 40))
         def new_sequence(self, prompt_len: int) -> object:
             kind, table = self.both("allocate", -(-prompt_len // self.size))
@@ -123,9 +112,8 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             self.write_tokens(seq, new_tokens, lookahead)
 
         def write_tokens(self, seq: Sequence, new_tokens: int, lookahead: int) -> bool:
-            """``append``'s calls and writes; returns whether the tokens were written."""
+            """Reserve ``lookahead`` slots unwritten, then write; whether the tokens were."""
             count = len(seq.tokens)
-            # Reserve lookahead slots without writing, then write the new tokens.
             for target, written in ((count + lookahead, 0), (count + new_tokens, new_tokens)):
                 kind, table = self.both("append_slot", seq.table, target, written)
                 if kind == "raised":
@@ -170,8 +158,7 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
 
         @rule(seq=seqs, window=st.integers(1, 20), data=st.data())
         def slide(self, seq: Sequence, window: int, data: st.DataObject) -> None:
-            """Sliding window: release the blocks no query from the next position on reads;
-            sometimes at another count the table can hold, or one it cannot."""
+            """Release what no later query reads, at the count or any other (maybe refused)."""
             capacity = len(seq.table) * self.size
             count = data.draw(
                 st.just(len(seq.tokens)) | st.integers(-1, capacity + 1), label="count"
@@ -180,8 +167,7 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
 
         @rule(seq=seqs, window=st.integers(1, 8), back=st.integers(1, 8))
         def rewrite_behind_the_window(self, seq: Sequence, window: int, back: int) -> None:
-            """Release at the sequence's count, roll ``back`` tokens back, write them again: a
-            write that reaches a released block is refused."""
+            """Release, roll ``back`` tokens back, rewrite: writing a released block is refused."""
             self.release_at(seq, len(seq.tokens), window)
             self.roll_back(seq, max(0, len(seq.tokens) - back))
             self.write_tokens(seq, back, 0)
@@ -222,13 +208,9 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
         def translate(self, seq: Sequence, pos: int) -> None:
             self.both("translate_slot", seq.table, pos)
 
-        # ------------------------------------------------------------ bad input
-
         @rule(seq=freed, pos=st.integers(0, 3))
         def double_free(self, seq: Sequence, pos: int) -> None:
-            """Freeing a table again is refused, and so is reading through it, unless all its
-            blocks were handed out again: then it reads as live, and freeing it would free
-            another owner's blocks, so only the read is made."""
+            """A stale table's free and read are refused (only read if its blocks were reissued)."""
             self.both("translate_slot", seq.table, pos)
             if self.model.table_error(seq.table) is BlockTableError:  # stale, not just released
                 self.both("free", seq.table)
@@ -284,8 +266,6 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             assert observe(self.impl.truncate, value, 0).error is TypeError
             assert self.snapshot() == before
 
-        # ------------------------------------------------------------ invariants
-
         @invariant()
         def queue_matches_model(self) -> None:
             assert self.impl.free_block_ids() == self.model.queue
@@ -295,8 +275,7 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
 
         @invariant()
         def pending_pairs_match(self) -> None:
-            """Pairs made and not yet taken, and the sources waiting for them; no pending pair
-            writes a block that it or an earlier one reads (so copying again is exact)."""
+            """Untaken pairs and waiting sources match; no pair writes what an earlier one reads."""
             assert self.impl.pending_copy_pairs() == self.pending_pairs
             assert list(self.impl.waiting_for_copy) == self.model.parked
             read: set[int] = set()

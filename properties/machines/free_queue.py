@@ -1,5 +1,4 @@
-"""The free-queue machine: ``FreeBlockQueue`` against a Python list (run by
-``properties/test_impl_free_queue.py``; ``QUEUE`` is a class attribute for planted bugs)."""
+"""The free-queue machine: ``FreeBlockQueue`` against a list (``QUEUE``: swappable)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""The lockstep driver every differential machine shares.
-
-A machine holds ``self.model`` (what is expected: the spec, or an independent model) and
-``self.impl`` (what is checked). :meth:`Lockstep.both` makes one call on both sides and asserts
-the same outcome (:func:`~properties.outcomes.outcome`: an equal result of the same types, or
-the same exception class), that the implementation left its list arguments as the model did, and
-that a refused call changed nothing the machine observes (:meth:`snapshot`);
-:meth:`Lockstep.refuses` checks one refusal alone. So each machine is its rules and its
-invariant.
+"""The lockstep driver of the differential machines: :meth:`Lockstep.both` calls ``self.model``
+and ``self.impl`` and asserts the same outcome (equal results of the same types, or the same
+exception class), list arguments left alike, and a refusal changing nothing (:meth:`snapshot`).
 """
 
 from __future__ import annotations
@@ -20,8 +14,7 @@ from properties.outcomes import outcome
 
 
 def same_types(expected: Any, actual: Any, view: Callable[[Any], Any] | None = None) -> bool:
-    """Equal and of the same types, element by element (so no numpy ints slip through); with
-    ``view``, each element is compared as ``view`` shows it."""
+    """Equal and of the same types, element by element (no numpy ints), seen through ``view``."""
     if view is not None:
         expected, actual = view(expected), view(actual)
     if type(expected) is not type(actual):
@@ -40,8 +33,7 @@ class Lockstep:
     impl: Any
 
     def view(self, value: Any) -> Any:
-        """How results are compared (with :func:`same_types`): as they are, unless a machine
-        says."""
+        """How results are compared (with :func:`same_types`): as they are, unless overridden."""
         return value
 
     def snapshot(self) -> object:
@@ -56,9 +48,7 @@ class Lockstep:
         """Checks after every call (a machine's KV events, say)."""
 
     def both(self, name: str, *args: Any, impl_name: str | None = None) -> tuple[str, Any]:
-        """``name(*args)`` on the model, ``impl_name or name`` on impl: the same outcome, the
-        list arguments left as the model left them, and nothing changed by a refusal. Returns
-        the model's outcome."""
+        """``name(*args)`` on the model, ``impl_name or name`` on impl; the model's outcome."""
         before = self.snapshot()
         model_args = [list(arg) if isinstance(arg, list) else arg for arg in args]
         expected = self.expect(name, *model_args)
