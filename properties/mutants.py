@@ -1,21 +1,10 @@
 """Planted bugs: load a copy of a module with one piece of code replaced.
 
-A planted bug is keyed by where it lives and what it replaces, as code: the module, the function
-or class it is planted in (a dotted name, ``"BlockManager.free"``), and ``old`` and ``new``,
-parsed. ``old`` must match exactly one place of that function's syntax tree (one expression, or
-one run of statements), compared without positions, so layout, comments and line breaks do not
-matter, and reformatting a file, editing another function or moving the function to another
-module (with its key's module) never moves a planted bug; a bug whose code is gone raises
-``LookupError`` instead of planting nothing. ``old`` may also be one of the mutation tool's
-edits of the function (``"edit:Lt->LtE:<statement's first line>"``, see
-:mod:`properties.mutation`), so a planted bug and a mutant can share one id.
-A mutant is executed as a fresh module, and the names in ``shared`` (typically exception
-classes) are re-bound to the real module's, so a mutant raises the same types as the original
-and a test can only fail because of the planted behaviour.
-
-A bug planted in a module that others import (the free queue under the pool, the pool under
-the managers, ...) reaches them through :func:`load_chain`: each module after the mutated one
-is loaded again with the copies before it standing in for the real modules in its imports.
+A bug is keyed by its module, the dotted function or class it is in, and ``old`` and ``new`` as
+code: ``old`` must match exactly one place of that syntax tree (compared without positions, so
+layout never moves a bug; a vanished one raises ``LookupError``), or be a mutation-tool edit
+(``"edit:Lt->LtE:<statement's first line>"``). Names in ``shared`` (exception classes) are the
+real module's; :func:`load_chain` reloads the modules importing the mutated one over its copy.
 """
 
 from __future__ import annotations
@@ -31,33 +20,23 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 FIND = settings(
-    max_examples=300,
-    stateful_step_count=50,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    report_multiple_bugs=False,
-    suppress_health_check=list(HealthCheck),
+    max_examples=300, stateful_step_count=50, derandomize=True, database=None, deadline=None,
+    report_multiple_bugs=False, suppress_health_check=list(HealthCheck),
     phases=[Phase.generate],  # a planted bug only has to be found, not shrunk
-)
-"""The search every planted-bug run makes: explicit, so it does not depend on the Hypothesis
-profile. A control's full search (:data:`CONTROL_SEARCHES`) is the same, so it proves the
-loading path sound for every example a mutant is hunted with."""
+)  # fmt: skip
+"""The search every planted-bug run makes, explicit so that no Hypothesis profile changes it."""
 
 CONTROL_SEARCHES = (
     pytest.param(settings(FIND, max_examples=30), id="sample"),
     pytest.param(FIND, id="full", marks=pytest.mark.long),
 )
-"""The searches a control runs, as a ``search`` parameter: 30 examples in the quick command,
-and :data:`FIND`'s whole search, every example a planted bug can be hunted with, in the long
-command (``-m long``). A control is an unmutated copy, so it passes either way unless the
-loading path itself is broken."""
+"""A control's (unmutated copy's) searches: 30 examples, and under ``-m long`` :data:`FIND`'s
+whole search, so the loading path is proved sound for every example a bug is hunted with."""
 
 
 def bug_table(text: str) -> dict[str, tuple[str, ...]]:
-    """Planted bugs written as a table: ``name | field ...`` (more fields on lines starting
-    ``|``), then the code it replaces on ``-`` lines and its replacement on ``+`` lines, as in
-    a diff. Returns each name's ``(*fields, old, new)``."""
+    """``name | field ...`` rows (more fields on ``|`` lines), then ``-`` old and ``+`` new code
+    lines as in a diff: each name's ``(*fields, old, new)``."""
     rows: list[tuple[str, list[str], list[str], list[str]]] = []
     for line in textwrap.dedent(text).strip().splitlines():
         if line[:1] in ("-", "+"):
@@ -94,12 +73,8 @@ def _scope(tree: ast.Module, within: str) -> ast.AST:
 
 
 def replace_code(tree: ast.Module, within: str, old: str, new: str) -> None:
-    """Replace, in place, the one place of ``tree`` inside the function or class ``within``
-    whose code is ``old`` by ``new``. ``old`` is one expression (matched anywhere, and
-    replaced by ``new``'s expression), one or more statements (matched as a run of one
-    statement list, and replaced by ``new``'s statements, none for an empty ``new``), or a
-    mutation-tool edit (``"edit:OPERATOR:CODE"``, with ``new`` empty). ``LookupError``
-    unless exactly one place matches."""
+    """Replace in place the one place in ``within`` whose code is ``old`` (an expression, a run of
+    statements, or an ``"edit:OPERATOR:CODE"``) by ``new``; ``LookupError`` unless exactly one."""
     if old.startswith(EDIT):
         apply_edit(tree, within, old, new)
         return
@@ -152,8 +127,7 @@ EDIT = "edit:"
 
 
 def apply_edit(tree: ast.Module, within: str, old: str, new: str) -> None:
-    """Make, in place, the mutation tool's edit ``old`` (``"edit:OPERATOR:CODE"``: the edit's
-    operator and its statement's first line, as in a mutant's id) inside ``within``."""
+    """Make in place the mutation tool's edit ``old`` (``"edit:OPERATOR:CODE"``) in ``within``."""
     from properties import mutation
 
     operator, code = old.removeprefix(EDIT).split(":", 1)
@@ -176,9 +150,8 @@ def load_copy(
     using: Mapping[str, types.ModuleType] | None = None,
     tree: ast.Module | None = None,
 ) -> types.ModuleType:
-    """Execute ``module`` (or ``tree``, its edited syntax) as a new module; return it.
-    ``using`` maps module names to copies that the new module's imports receive instead of
-    the real modules. Names in ``shared`` are taken from the real module."""
+    """``module`` (or ``tree``) run as a new module, its imports of ``using``'s names served the
+    copies, ``shared`` names taken from the real module."""
     if tree is None:
         tree = ast.parse(inspect.getsource(module))
     mutant = types.ModuleType(f"{module.__name__}_mutant")
@@ -219,15 +192,9 @@ def load_mutant(
 
 
 def load_chain(
-    modules: Sequence[types.ModuleType],
-    within: str,
-    old: str,
-    new: str,
-    shared: Sequence[str] = (),
+    modules: Sequence[types.ModuleType], within: str, old: str, new: str, shared: Sequence[str] = ()
 ) -> types.ModuleType:
-    """Plant ``old -> new`` in ``modules[0]``, then load each later module again with the
-    copies of those before it in its imports; return the copy of the last one. Each module
-    re-binds ``shared`` names it has to the real ones."""
+    """Plant ``old -> new`` in ``modules[0]``, reload each later one over the copies; the last."""
     first, *rest = modules
     copies = {first.__name__: load_mutant(first, within, old, new, _own(first, shared))}
     for module in rest:
@@ -240,9 +207,7 @@ def _own(module: types.ModuleType, names: Sequence[str]) -> tuple[str, ...]:
 
 
 def planted_store(module: types.ModuleType, within: str, old: str, new: str) -> type:
-    """``BlockTableStore`` with ``old -> new`` planted in ``module``: the store itself, or one of
-    the parts it is built from (its tables, growth, block hashes or prefix cache), loaded again
-    under the store. Exception classes stay the real ones."""
+    """``BlockTableStore`` with ``old -> new`` planted in ``module`` (the store or a part)."""
     import pagedkv.impl.blocks.store as store
 
     chain = [store] if module is store else [module, store]

@@ -3,12 +3,10 @@
 ``python -m properties.mutation [PATH ...] [--sample N] [--only ID ...] [--list] [--json FILE]
 [--markdown]``
 
-A mutant is one edit of a file's syntax tree (:func:`_edits`; never a docstring, annotation or
-f-string). Each runs in a forked child whose import hook (:class:`MutantFinder`) serves the
-mutated module to an in-process ``pytest`` of :data:`PYTEST_ARGS`; nothing is written. It is
-killed when pytest fails (exit 1, or 2: it fails at import) or passes the timeout (three times
-the unmutated baseline's, which must pass first, plus 10 s), and survives when all pass: a
-missing property, or an equivalent mutant (:data:`EQUIVALENT`, with the reason). Linux only.
+A mutant is one edit of a syntax tree (:func:`_edits`; no docstring, annotation or f-string),
+served by an import hook to ``pytest`` in a forked child (nothing is written). It is killed when
+pytest fails (exit 1 or 2) or times out (3 x the passing baseline + 10 s); a survivor is a
+missing property or listed in :data:`EQUIVALENT` with the reason. Linux only.
 """
 
 from __future__ import annotations
@@ -50,8 +48,7 @@ BLOCK_MANAGEMENT_TESTS = (
     "properties/test_store_hash_work.py", "properties/test_store_preemption.py",
     "properties/test_trusted_api.py", "properties/test_utilization_and_demo.py",
 )  # fmt: skip
-"""The property files of block management a mutant runs; not the planted-bug tests (they check
-the tests) nor the exhaustive check (a minute a mutant; its own planted bugs show its teeth)."""
+"""Block management's property files; not the planted-bug tests nor the (slow) exhaustive check."""
 
 PYTEST_ARGS = (
     *BLOCK_MANAGEMENT_TESTS,
@@ -59,8 +56,8 @@ PYTEST_ARGS = (
 )
 
 EQUIVALENT_FILE = ROOT / "properties" / "equivalent_mutants.json"
-"""Survivors that behave as the original, with the reason: ``{"file", "scope", "operator", "code",
-"occurrence" (default 1), "reason"}`` objects, naming a mutant as :attr:`Mutant.ident` does."""
+"""Survivors equivalent to the original: ``{"file", "scope", "operator", "code", "occurrence"
+(default 1), "reason"}`` objects, naming a mutant as :attr:`Mutant.ident` does."""
 
 
 def load_equivalents(path: Path = EQUIVALENT_FILE) -> dict[str, str]:
@@ -166,8 +163,7 @@ def sites(tree: ast.Module) -> list[Site]:
             for index, child in enumerate(value if isinstance(value, list) else [value]):
                 if not isinstance(child, ast.AST) or _is_docstring(child):
                     continue
-                # a statement's first line as ast.unparse writes it (a decorated one's decorator):
-                # the same however the source lays it out
+                # a statement's (or its decorator's) first line as unparsed: layout-independent
                 here = ast.unparse(child).split("\n", 1)[0] if isinstance(child, ast.stmt) else code
                 position = index if isinstance(value, list) else None
                 line = getattr(child, "lineno", getattr(node, "lineno", 0))
@@ -189,8 +185,7 @@ def apply(site: Site) -> None:
 
 @dataclass(frozen=True)
 class Mutant:
-    """One edit of one file; ``ident`` names its function, operator and statement, so it stays
-    while that statement exists, wherever the file moves it."""
+    """One edit of one file; its ``ident`` (function, operator, statement) survives moves."""
 
     path: str  # relative to the repository root
     index: int  # position among the file's sites
@@ -248,9 +243,8 @@ class MutantFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def run_pytest(code: tuple[str, types.CodeType] | None, timeout: float) -> tuple[str, float]:
-    """:data:`PYTEST_ARGS` in a forked child with ``code = (module, compiled mutant)`` installed
-    (None: the baseline): ``(verdict, seconds)``, the verdict ``"passed"``, ``"failed"`` (a test
-    or collection failed), ``"timeout"`` or ``"error: N"`` for another pytest exit status."""
+    """:data:`PYTEST_ARGS` in a forked child with ``code = (module, compiled)`` (None: baseline);
+    ``(verdict, seconds)``, verdict ``"passed"``, ``"failed"``, ``"timeout"`` or ``"error: N"``."""
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:  # the child: never returns
