@@ -1,5 +1,4 @@
-"""``impl.BlockTableStore`` against the spec called once per sequence: the store machines (with
-and without sliding-window releases), and directed examples of its rules and argument checks."""
+"""``BlockTableStore`` against the spec per sequence: the store machines and directed examples."""
 
 from __future__ import annotations
 
@@ -89,11 +88,8 @@ def test_a_refused_prompt_retried_with_another_salt_is_planned_again() -> None:
 
 
 BAD_CALLS: list[tuple[Callable[[BlockTableStore], object], type[Exception], str]] = [
-    (
-        lambda s: s.admit(5, [1, 2, 3, 4, 5]),
-        CapacityError,
-        "max_blocks_per_seq",
-    ),  # wider than a row
+    # a prompt wider than a row:
+    (lambda s: s.admit(5, [1, 2, 3, 4, 5]), CapacityError, "max_blocks_per_seq"),
     *((lambda s, t=t: s.cache_blocks(0, t), TypeError, "token_ids") for t in ("123", 3, None)),
     *(
         (call, error, name)
@@ -151,8 +147,8 @@ def test_a_bad_argument_is_a_typed_error_naming_it_and_changes_nothing(
 
 
 def test_views_are_read_only_and_good_calls_work() -> None:
-    """Batch rows and the store's arrays are read-only; a default slot mapping is each
-    sequence's last position; ``admit`` without headroom may take the last free blocks."""
+    """Batch rows and arrays are read-only; slot mapping defaults to the last position; ``admit``
+    without headroom may take the last free blocks."""
     store = BlockTableStore(BlockManager(4, 2), 3, 4)
     store.add(0, 3)
     for batch in (store.batch(np.array([0])), store.resolve(None)):
@@ -188,8 +184,7 @@ def test_an_int_subclass_count_is_the_int_it_equals() -> None:
 
 @pytest.mark.parametrize("step", [1, 2])
 def test_a_batch_grow_at_block_boundaries_is_the_spec_per_sequence(step: int) -> None:
-    """Sequences at and inside block boundaries grow (step 1: the decode fast path) as the
-    spec's ``append_slot`` of each."""
+    """Sequences at and inside block boundaries grow (step 1: the fast path) as the spec's."""
     both = Both(12, 2, 3, 6, prefix=False)
     for seq_id, prompt_len in ((0, 2), (1, 3), (2, 4)):
         both.add(seq_id, prompt_len)
@@ -199,8 +194,7 @@ def test_a_batch_grow_at_block_boundaries_is_the_spec_per_sequence(step: int) ->
 
 
 def test_a_write_into_a_cached_block_a_truncate_left_alone_removes_its_key() -> None:
-    """A truncate into a shared cached block, its other holder gone: the next in-place write
-    removes the key first, as the spec's ``append_slot`` does."""
+    """A truncate into a shared cached block, its other holder gone: a write removes the key."""
     prompt = [1, 2, 3, 4]
     both = Both(8, 2, 2, 4)
     both.prompt(0, prompt)
@@ -300,8 +294,7 @@ def test_a_prompt_registered_with_other_tokens_than_planned_is_keyed_by_them() -
 
 
 def test_a_general_path_growth_keeps_the_keys_of_blocks_it_does_not_write() -> None:
-    """Grow's general path removes a key only from a block written in place; a batch mate
-    growing into a fresh block keeps its cached last block's key, as the spec does."""
+    """Grow's general path removes only keys of blocks written in place, as the spec does."""
     both = Both(10, 2, 3, 4)
     for seq_id, prompt in ((0, [1, 2, 3, 4]), (1, [1, 2, 3, 4, 5]), (2, [7, 8, 9, 10])):
         both.prompt(seq_id, prompt)
@@ -317,8 +310,7 @@ def test_a_general_path_growth_keeps_the_keys_of_blocks_it_does_not_write() -> N
 
 @pytest.mark.parametrize("another_fails", [False, True])
 def test_a_zero_token_growth_leaves_a_shared_tail_to_be_copied(another_fails: bool) -> None:
-    """A 0-token grow writes nothing: its forked tail is copied at its next write (as spec),
-    batched or (``another_fails``) in order."""
+    """A 0-token grow writes nothing: a forked tail is copied at its next write (as spec)."""
     both = Both(4, 2, 4, 4, prefix=False)
     both.add(0, 3)
     both.fork(0, 1)
@@ -429,8 +421,7 @@ def test_the_undo_calls_do_what_remove_and_truncate_do(prefix: bool) -> None:
 
 
 def test_a_batched_truncate_into_cached_blocks_removes_the_keys_the_spec_removes() -> None:
-    """One truncate cutting an alone-held cached block, a shared one and at a boundary: the
-    spec's keys."""
+    """One truncate into alone-held and shared cached blocks and at a boundary: the spec's keys."""
     both = Both(16, 4, 4, 4)
     for seq_id, tokens in ((0, list(range(8))), (1, list(range(10, 18))), (3, list(range(20, 28)))):
         both.prompt(seq_id, tokens)

@@ -1,11 +1,6 @@
-"""``BlockTableStore.grow_or_preempt`` against the spec driven one call at a time.
-
-For each sequence in batch order: ``append_slot`` until it succeeds, each ``OutOfBlocksError``
-answered by freeing the batch's last remaining sequence, stopping when the sequence itself was
-freed. Victims, tables, counts, the free queue, reference counts, pending copy pairs and (with
-prefix caching) keys agree after every step. Subclasses add a copy-source preemption and
-sliding-window releases (subclasses, so the planted-bug searches of the base stay as they
-were). ``STORE`` is a class attribute so that planted bugs can swap in broken copies.
+"""``BlockTableStore.grow_or_preempt`` against the spec's ``append_slot`` per sequence in batch
+order, each ``OutOfBlocksError`` freeing the batch's last remaining sequence: victims and the whole
+state agree after every step. Subclasses add copy-source preemption and windows; planted bugs.
 """
 
 from __future__ import annotations
@@ -61,9 +56,7 @@ class PreemptionMachine(RuleBasedStateMachine):
     seqs = Bundle("seqs")
 
     @initialize(
-        total_blocks=st.integers(1, 16),
-        block_size=st.sampled_from([1, 2, 4]),
-        prefix=st.booleans(),
+        total_blocks=st.integers(1, 16), block_size=st.sampled_from([1, 2, 4]), prefix=st.booleans()
     )
     def start(self, total_blocks: int, block_size: int, prefix: bool) -> None:
         impl_class = self.PREFIX_MANAGER if prefix else BlockManager
@@ -105,8 +98,7 @@ class PreemptionMachine(RuleBasedStateMachine):
         retry=st.sampled_from(["same", "other tokens", "other salt"]),
     )
     def admit(self, tokens: list[int], headroom: int, salt: str | None, retry: str) -> Any:
-        """``admit`` under a salt; on refusal retried with no headroom after a cache change:
-        the same prompt (reusing its keys), or other tokens or salt (which must not)."""
+        """``admit``; a refused one retried after a cache change reuses keys for the same prompt."""
         seq_id = self.next_id
         for attempt in range(2):
             headroom = 0 if attempt else headroom
@@ -232,8 +224,7 @@ class CopySourcePreemptionMachine(PreemptionMachine):
     @precondition(lambda self: 0 < len(self.model) < 8)
     @rule(data=st.data())
     def fork_then_preempt_the_child(self, data: st.DataObject) -> None:
-        """Fork, then one growth where the parent copies and the child (the source's last
-        holder) is preempted: the source waits for its copy (docs/design.md §5)."""
+        """Fork; the parent copies, the child is preempted: the source waits (docs/design.md §5)."""
         parent = data.draw(st.sampled_from(list(self.model)), label="parent")
         self.fork(parent)
         ids = list(self.model)  # the child is the last: the first victim
@@ -288,8 +279,7 @@ WRITERS = {  # sequences added, forks (parent, child), and the writers of one ba
 @pytest.mark.parametrize("method", ["grow", "grow_or_preempt"])
 @pytest.mark.parametrize("case", sorted(WRITERS))
 def test_writers_of_a_shared_block_copy_it_in_batch_order(method: str, case: str) -> None:
-    """Every writer of a shared partly filled block but the last copies it, in batch order,
-    as the spec's calls decide."""
+    """Every writer of a shared partly filled block but the last copies it, in batch order."""
     added, forks, writers = WRITERS[case]
     both = Both(12, 4, 8, 8, prefix=False)
     for seq_id in added:
@@ -350,8 +340,7 @@ CONTROLS = [  # identity "mutations": the loading paths are sound
 def planted_machine(
     base: type[PreemptionMachine], module: Any, within: str, old: str, new: str
 ) -> type:
-    """``base`` over the store with ``old -> new`` planted in ``within`` of ``module`` (with the
-    prefix cache, the machine's prefix manager is the planted copy too)."""
+    """``base`` over the store (and prefix manager) with ``old -> new`` planted in ``module``."""
     if module is prefix_cache:
         prefix = load_mutant(module, within, old, new, ("BlockTableError",))
         planted = load_copy(store_module, ("CapacityError",), using={module.__name__: prefix})
