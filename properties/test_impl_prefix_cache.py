@@ -1,5 +1,4 @@
-"""``impl``'s prefix cache against ``spec.prefix_cache``: the spec's prefix-cache machine on impl,
-the lockstep and prefix-store machines (with and without windows), the spec's scenarios on impl,
+"""``impl``'s prefix cache against the spec: the prefix machines, the spec's scenarios on impl,
 and directed examples of the store's prefix API."""
 
 from __future__ import annotations
@@ -110,8 +109,6 @@ def test_store_prefix_lifecycle() -> None:
     assert (stats.queried_blocks, stats.hit_blocks, stats.evictions) == (2 + 2 + 3, 2 + 3, 0)
 
 
-# ----------------------------------------------------------------- the spec's scenarios on impl
-
 SCENARIOS: dict[str, Callable[[], None]] = {
     name: function
     for name, function in vars(spec_scenarios).items()
@@ -127,8 +124,7 @@ def test_spec_scenario_on_impl(name: str, monkeypatch: pytest.MonkeyPatch) -> No
 
 @pytest.mark.parametrize("manager_class", [SpecPrefixManager, PrefixCachingBlockManager])
 def test_a_hit_revives_a_cached_block_waiting_for_its_copy(manager_class: type) -> None:
-    """A cached copy source let go waits with its key: hits revive a free cached block from
-    the queue and the waiting one from the waiting blocks; neither rejoins at the pop."""
+    """Hits revive cached blocks from the queue or the waiting ones; none rejoins at the pop."""
     manager = manager_class(6, 2)
     other, _ = manager.allocate_prompt([5, 6])  # [0]
     manager.cache_blocks(other, [5, 6])

@@ -1,5 +1,4 @@
-"""Prefix caching rules of the spec: the state machine, and worked scenarios (after vLLM's
-prefix-caching tests; ``test_impl_prefix_cache`` reruns each on impl)."""
+"""The spec's prefix caching: the state machine, and scenarios after vLLM's (rerun on impl)."""
 
 from __future__ import annotations
 
@@ -121,8 +120,7 @@ def test_caching_other_tokens_into_a_cached_block_is_refused() -> None:
 
 
 def test_other_tokens_before_a_cached_block_are_refused() -> None:
-    """A key covers its whole prefix: other tokens in an uncached duplicate first block name
-    another key for the cached second: BlockTableError, nothing changed."""
+    """A key covers its whole prefix: other tokens before a cached block are refused, unchanged."""
     manager = PrefixCachingBlockManager(8, 2)
     a, _ = manager.allocate_prompt([1, 2, 3, 4, 0])
     b, _ = manager.allocate_prompt([1, 2, 5, 6, 0])  # computed concurrently: no hit yet
@@ -199,8 +197,7 @@ def test_a_reset_forgets_both_directions_of_the_key_map() -> None:
 
 
 def test_lookup_stops_at_the_first_miss_though_a_later_block_is_cached() -> None:
-    """A block is found only through its whole prefix: a cached child of an evicted parent
-    is no hit."""
+    """A block is found only through its whole prefix: a child of an evicted parent misses."""
     manager = PrefixCachingBlockManager(6, 2)
     first, _ = manager.allocate_prompt([1, 1, 2, 2, 0])  # blocks 0 1 2, prefill still running
     second = prefill(manager, [1, 1, 3, 3, 0])  # blocks 3 4 5: caches [1, 1] in 3
@@ -222,12 +219,9 @@ def test_a_hash_that_is_not_an_int_is_refused() -> None:
     assert manager.num_free_blocks == 4 and manager.num_cached_blocks == 0
 
 
-# ----------------------------------------------------------------- stable keys
-
 KEY_PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]
 GOLDEN_SALTED = [4134609230749097507, 2022915652591636899, -5562750073687475860]
-"""``block_keys(KEY_PROMPT, "tenant-a")``'s hashes, block size 4 (also checked in two other
-processes by ``test_keys_salts_events``)."""
+"""``block_keys(KEY_PROMPT, "tenant-a")``'s hashes, block size 4 (as other processes see them)."""
 
 
 def test_block_hashes_are_the_written_down_values() -> None:
@@ -244,8 +238,7 @@ def test_salts_change_every_block_hash() -> None:
 
 
 def test_an_unstable_extra_key_is_refused_by_the_first_call_that_receives_it() -> None:
-    """Even with no full block (no key hashed): every call taking an extra key refuses it,
-    ``allocate_prompt`` included (it used to fail only at ``cache_blocks``); nothing changes."""
+    """Every call taking an extra key refuses an unstable one, even with no block hashed."""
     manager = PrefixCachingBlockManager(8, 4)
     for call in (
         lambda: manager.allocate_prompt([1, 2], frozenset()),
@@ -273,17 +266,13 @@ def test_an_extra_key_without_a_stable_encoding_is_refused() -> None:
 
 
 EQUAL_EXTRA_KEYS: list[tuple[object, list[object]]] = [
-    (1, [True, 1.0, np.float64(1.0)]),
-    (0.0, [-0.0, 0, False]),
-    (("t", 1), [("t", True), ("t", 1.0)]),
-    ("t", [np.str_("t")]),
-    (b"t", [np.bytes_(b"t")]),
-]
+    (1, [True, 1.0, np.float64(1.0)]), (0.0, [-0.0, 0, False]),
+    (("t", 1), [("t", True), ("t", 1.0)]), ("t", [np.str_("t")]), (b"t", [np.bytes_(b"t")]),
+]  # fmt: skip
 
 
 def test_equal_extra_keys_hash_equal_and_hit() -> None:
-    """Equal extra keys hash equal and hit each other's blocks under both hashes (``1``/``True``
-    used to miss); different ones miss."""
+    """Equal extra keys (``1``, ``True``) hash equal and hit under both hashes; others miss."""
     cases = [(h, stored, equal) for h in (default_block_hash, colliding_hash)
              for stored, equal in EQUAL_EXTRA_KEYS]  # fmt: skip
     for hash_fn, stored, equal in cases:

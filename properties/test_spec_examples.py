@@ -176,8 +176,7 @@ def test_constructor_rejects_bad_sizes(args, error) -> None:
 def test_module_translate_slot_rejects_bad_input(
     table: object, token_pos: object, block_size: object, error: type
 ) -> None:
-    """Tables, positions (a negative one would read from the end) and block sizes are checked
-    like every count: ints, a bool is not one."""
+    """Tables, positions (negative would read from the end) and block sizes: ints, not bools."""
     match = (
         "token_pos" if token_pos != 0 else "block_size" if block_size != 4 else "block(_table| id)"
     )
@@ -253,8 +252,7 @@ def test_blocks_outside_window_is_the_rule() -> None:
 
 @SPEC_AND_IMPL
 def test_a_write_after_released_entries_copies_only_what_it_writes(manager_cls: type) -> None:
-    """Released entries shift the table's indices, not the written range: with blocks 2 and 3
-    reserved ahead and shared with a fork, a write into block 1 copies block 1 alone."""
+    """Released entries shift indices, not the written range: a write copies only its block."""
     manager = manager_cls(10, 2)
     table = manager.release_outside_window(manager.allocate(4), 3, 1)
     assert table == [None, 1, 2, 3]

@@ -1,6 +1,5 @@
-"""The unchecked pool's one-block operations against the spec's ``allocate(1)``/``free``/``fork``
-(ids, queue order, reference counts, eviction), and the queue's ``pop_one``/``push_one``
-against a list through removals and compaction; planted bugs in copies are caught."""
+"""The unchecked pool's one-block operations against the spec's, and the queue's
+``pop_one``/``push_one`` against a list; planted bugs in copies are caught."""
 
 from __future__ import annotations
 
@@ -148,11 +147,8 @@ def planted(module: Any, within: str, old: str, new: str, base: type) -> type:
         return type("PlantedQueue", (base,), {"QUEUE": queue.FreeBlockQueue})
     prefix = load_chain(  # the prefix manager over a copy of the mutant pool
         [module, pagedkv.impl.blocks.manager, pagedkv.impl.blocks.prefix_cache],
-        within,
-        old,
-        new,
-        ("BlockTableError", "OutOfBlocksError"),
-    )
+        within, old, new, ("BlockTableError", "OutOfBlocksError"),
+    )  # fmt: skip
     return type("PlantedManager", (base,), {"IMPL": prefix.PrefixCachingBlockManager})
 
 
