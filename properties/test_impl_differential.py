@@ -1,7 +1,4 @@
-"""``impl.BlockManager`` against ``spec.BlockManager``, in lockstep: the differential machine of
-``properties.machines.differential``, and the spec's own model-based machine
-(``properties.machines.block_manager``) run on ``impl``.
-"""
+"""``impl.BlockManager``: the differential machine, and the spec's model-based machine on impl."""
 
 from __future__ import annotations
 
@@ -11,5 +8,4 @@ from properties.machines.differential import DifferentialMachine
 
 TestImplDifferential = DifferentialMachine.TestCase
 
-# The spec's own model-based machine (KV data simulated through every table) on impl as well.
 TestSpecMachineOnImpl = block_manager_machine(ImplBlockManager).TestCase

@@ -1,10 +1,4 @@
-"""``pagedkv.impl.blocks.free_queue.FreeBlockQueue`` against a Python list, including removal from
-the middle.
-
-The block manager only pops and pushes; ``remove`` (for the prefix cache) and the compaction it
-can trigger are exercised here. Pools are small so the ring wraps and compacts often.
-``QUEUE`` is a class attribute so that ``test_impl_planted_bugs`` can swap in broken copies.
-"""
+"""``FreeBlockQueue`` against a list, with ``remove`` from the middle and its compaction."""
 
 from __future__ import annotations
 

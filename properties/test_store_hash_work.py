@@ -1,7 +1,5 @@
-"""The store hashes each full block once while a sequence's tokens keep extending: its keys from
-admission and from earlier ``cache_blocks`` calls are kept, and a fork starts with its parent's.
-``hash_fn`` is the user's, so its call count is part of the contract: counted here against token
-counts, through ``add_prompt`` and ``admit``, decode growth, forks and truncation."""
+"""The store hashes each full block once as tokens extend (keys from admission and earlier
+``cache_blocks`` are kept; a fork starts with its parent's): ``hash_fn``'s call count is counted."""
 
 from __future__ import annotations
 
@@ -12,11 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pagedkv.impl.blocks.manager import BlockManager
-from pagedkv.impl.blocks.prefix_cache import (
-    BlockKey,
-    PrefixCachingBlockManager,
-    default_block_hash,
-)
+from pagedkv.impl.blocks.prefix_cache import BlockKey, PrefixCachingBlockManager, default_block_hash
 from pagedkv.impl.blocks.store import BlockTableStore
 
 BLOCK_SIZE = 4
@@ -75,9 +69,7 @@ def test_each_full_block_is_hashed_once(
 
 
 @given(
-    prompt_len=st.integers(BLOCK_SIZE, 40),
-    child_growth=st.integers(0, 9),
-    cut=st.integers(0, 40),
+    prompt_len=st.integers(BLOCK_SIZE, 40), child_growth=st.integers(0, 9), cut=st.integers(0, 40)
 )
 def test_a_forked_child_keeps_its_parents_keys(
     prompt_len: int, child_growth: int, cut: int
@@ -109,8 +101,7 @@ def test_a_forked_child_keeps_its_parents_keys(
 def test_a_refused_prompt_is_not_hashed_again(
     prompt_len: int, retry_id: int, refusals: int
 ) -> None:
-    """A refused prompt's retry (any id) and its caching hash nothing more; another prompt is
-    hashed in full."""
+    """A refused prompt's retry (any id) and caching hash nothing more; another prompt is hashed."""
     store, counting = make_store()
     twin, _ = make_store()  # the same calls without the refusals: the plan to match
     cached = list(range(100, 100 + BLOCK_SIZE))  # a block both find cached

@@ -58,13 +58,10 @@ def test_contiguous_waste_is_the_unused_reservation(counts: list[int], spare: in
 
 @pytest.mark.parametrize(
     ("call", "error"),
-    [
-        (lambda: contiguous_usage([1], -1), ValueError),
-        (lambda: contiguous_usage([1], True), TypeError),
-        (lambda: paged_usage([1], 0), ValueError),
-        (lambda: paged_usage([1], 2.0), TypeError),
-    ],
-)
+    [(lambda: contiguous_usage([1], -1), ValueError),
+     (lambda: contiguous_usage([1], True), TypeError),
+     (lambda: paged_usage([1], 0), ValueError), (lambda: paged_usage([1], 2.0), TypeError)],
+)  # fmt: skip
 def test_bad_reservations_and_block_sizes_are_refused(call: Any, error: type) -> None:
     with pytest.raises(error):
         call()
@@ -83,12 +80,8 @@ def test_contiguous_rejects_requests_longer_than_the_reservation() -> None:
 def test_run_py_prints_the_chapters_expected_output_line_by_line() -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "run.py")],
-        capture_output=True,
-        text=True,
-        check=True,
-        encoding="utf-8",
-        cwd=ROOT,
-    )
+        capture_output=True, text=True, check=True, encoding="utf-8", cwd=ROOT,
+    )  # fmt: skip
     expected = GOLDEN.read_text(encoding="utf-8").splitlines()
     actual = result.stdout.splitlines()
     for number, (want, got) in enumerate(zip(expected, actual, strict=False), start=1):
