@@ -12,8 +12,6 @@ from pagedkv.impl.blocks import BlockManager, BlockTableStore, PrefixCachingBloc
 
 
 class Both:
-    """A store over an impl manager and the spec manager of the same pool, one table per id."""
-
     def __init__(
         self, total: int, block_size: int, max_seqs: int, max_blocks: int, prefix: bool = True
     ) -> None:
@@ -30,14 +28,12 @@ class Both:
         self.tables[seq_id] = self.spec.allocate(spec_bm.blocks_needed(prompt_len, self.block_size))
 
     def prompt(self, seq_id: int, tokens: list[int], extra: Hashable = None) -> int:
-        """``add_prompt`` and ``allocate_prompt``: the same cached tokens, returned."""
         cached = self.store.add_prompt(seq_id, tokens, extra)
         self.tables[seq_id], spec_cached = self.spec.allocate_prompt(tokens, extra)
         assert cached == spec_cached
         return cached
 
     def cache(self, seq_id: int, tokens: list[int], extra: Hashable = None) -> int:
-        """``cache_blocks`` on both: the same count, returned."""
         newly = self.store.cache_blocks(seq_id, tokens, extra)
         assert newly == self.spec.cache_blocks(self.tables[seq_id], tokens, extra)
         return newly

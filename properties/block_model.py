@@ -11,14 +11,11 @@ from pagedkv.spec import BlockTableError, OutOfBlocksError
 
 @dataclass
 class Outcome:
-    """What a call did: returned ``value`` or raised an exception of type ``error``."""
-
     value: object = None
     error: type[BaseException] | None = None
 
 
 def observe(call, *args, **kwargs) -> Outcome:
-    """Run ``call`` and record its result or the type of what it raised."""
     try:
         return Outcome(value=call(*args, **kwargs))
     except Exception as exc:  # every exception type is part of the observed behaviour
@@ -26,8 +23,6 @@ def observe(call, *args, **kwargs) -> Outcome:
 
 
 class BlockModel:
-    """The rules of docs/design.md, as directly as they can be written."""
-
     def __init__(self, total_blocks: int, block_size: int) -> None:
         self.total_blocks = total_blocks
         self.block_size = block_size
@@ -38,7 +33,6 @@ class BlockModel:
 
     @staticmethod
     def _released(table: list[int | None]) -> int:
-        """How many leading entries a sliding window released (``None``)."""
         count = 0
         for block_id in table:
             if block_id is not None:

@@ -57,7 +57,6 @@ def _shape(node: ast.AST) -> str:
 
 
 def _scope(tree: ast.Module, within: str) -> ast.AST:
-    """The function or class named by the dotted path ``within``."""
     node: ast.AST = tree
     for name in within.split("."):
         found = [

@@ -176,7 +176,6 @@ def sites(tree: ast.Module) -> list[Site]:
 
 
 def apply(site: Site) -> None:
-    """Make the edit in place."""
     if site.index is None:
         setattr(site.parent, site.field, site.new)
     else:
@@ -201,7 +200,6 @@ def module_name(path: str) -> str:
 
 
 def mutants_of(path: str) -> list[Mutant]:
-    """Every mutant of one file, in site order."""
     return mutants_in((ROOT / path).read_text(), path)
 
 

@@ -30,7 +30,6 @@ class PrefixCacheModel(BlockModel):
         self.events: list[Event] = []  # every key stored and removed since the last take
 
     def contents(self, tokens: list[int], salt: Hashable) -> list[Content]:
-        """The content names of the full blocks of ``tokens``, in order."""
         full = len(tokens) // self.block_size
         return [(salt, tuple(tokens[: (i + 1) * self.block_size])) for i in range(full)]
 

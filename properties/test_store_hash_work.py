@@ -17,8 +17,6 @@ BLOCK_SIZE = 4
 
 
 class CountingHash:
-    """``default_block_hash``, counting its calls."""
-
     def __init__(self) -> None:
         self.calls = 0
         self.token_types: set[type] = set()

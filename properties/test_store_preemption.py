@@ -49,8 +49,6 @@ SALTS = st.sampled_from([None, None, None, "tenant-a"])  # mostly unsalted: pref
 
 
 class PreemptionMachine(RuleBasedStateMachine):
-    """A store and the spec, with sequences in a bundle."""
-
     STORE: ClassVar[type] = BlockTableStore
     PREFIX_MANAGER: ClassVar[type] = PrefixCachingBlockManager
     seqs = Bundle("seqs")
@@ -219,8 +217,6 @@ TestPreemption = PreemptionMachine.TestCase
 
 
 class CopySourcePreemptionMachine(PreemptionMachine):
-    """Adds a step preempting the last holder of a block copied on write in the same growth."""
-
     @precondition(lambda self: 0 < len(self.model) < 8)
     @rule(data=st.data())
     def fork_then_preempt_the_child(self, data: st.DataObject) -> None:
@@ -237,8 +233,6 @@ TestCopySourcePreemption = CopySourcePreemptionMachine.TestCase
 
 
 class WindowPreemptionMachine(PreemptionMachine):
-    """The preemption machine with sliding-window releases between steps."""
-
     @precondition(lambda self: self.model)
     @rule(data=st.data(), window=st.integers(1, 9))
     def release_outside_window(self, data: st.DataObject, window: int) -> None:

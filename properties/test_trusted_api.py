@@ -90,8 +90,6 @@ TestSingleBlock = SingleBlockMachine.TestCase
 
 
 class OneIdQueueMachine(RuleBasedStateMachine):
-    """``pop_one``/``push_one`` and ``remove`` against a list."""
-
     QUEUE: ClassVar[type] = FreeBlockQueue
 
     @initialize(size=st.integers(1, 12))
@@ -141,7 +139,6 @@ PLANTED = {  # bug: (module, scope, old, new, the machine that catches it)
 
 
 def planted(module: Any, within: str, old: str, new: str, base: type) -> type:
-    """``base`` over a copy of ``module`` with ``old`` replaced by ``new`` in ``within``."""
     if module is pagedkv.impl.blocks.free_queue:
         queue = load_mutant(module, within, old, new)
         return type("PlantedQueue", (base,), {"QUEUE": queue.FreeBlockQueue})

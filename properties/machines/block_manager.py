@@ -47,7 +47,6 @@ class Sequence:
 
 
 def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
-    """Return a state machine class checking ``manager_cls`` against the model."""
 
     class BlockManagerMachine(Lockstep, RuleBasedStateMachine):
         seqs = Bundle("seqs")  # live sequences

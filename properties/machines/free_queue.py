@@ -13,8 +13,6 @@ from properties.machines.lockstep import Lockstep
 
 
 class FreeQueueMachine(Lockstep, RuleBasedStateMachine):
-    """A FreeBlockQueue and the list it must equal; a refused call changes nothing."""
-
     QUEUE: ClassVar[type] = FreeBlockQueue
 
     @initialize(num_blocks=st.integers(1, 40))

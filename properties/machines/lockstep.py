@@ -27,8 +27,6 @@ def same_types(expected: Any, actual: Any, view: Callable[[Any], Any] | None = N
 
 
 class Lockstep:
-    """The shared step of the lockstep machines (a mixin of ``RuleBasedStateMachine``s)."""
-
     model: Any
     impl: Any
 
@@ -41,7 +39,6 @@ class Lockstep:
         return None
 
     def expect(self, name: str, *args: Any) -> tuple[str, Any]:
-        """The model's outcome of ``name(*args)``."""
         return outcome(getattr(self.model, name), *args)
 
     def after(self, name: str, args: tuple[Any, ...], expected: tuple[str, Any]) -> None:

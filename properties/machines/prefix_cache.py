@@ -54,7 +54,6 @@ def content_of(key: Any) -> Content | None:
 
 
 def event_of(item: KVEvent) -> Event:
-    """A KV event, as the model names it."""
     if isinstance(item, BlockStored):
         return ("stored", item.block_id, content_of(item.key))
     if isinstance(item, BlockRemoved):
@@ -71,7 +70,6 @@ class Request:
 
 
 def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
-    """Return a state machine class checking ``manager_cls`` against the prefix-cache model."""
 
     class PrefixCacheMachine(Lockstep, RuleBasedStateMachine):
         requests = Bundle("requests")
@@ -152,7 +150,6 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
                     self.mirror.clear()
 
         def view(self, value: Any) -> Any:
-            """The counters are compared as the model's tuple."""
             if hasattr(value, "queried_blocks"):
                 return value.queried_blocks, value.hit_blocks, value.evictions, value.resets
             return value
