@@ -401,13 +401,10 @@ def test_the_undo_calls_do_what_remove_and_truncate_do(prefix: bool) -> None:
         manager = store.manager
         keys = [manager.key_of(b) for b in range(12)] if prefix else []
         return (
-            [store.table(s) for s in store.seq_ids],
-            store.token_counts_of(None),
-            manager.free_block_ids(),
-            manager.ref_counts().tolist(),
-            store.pending_copy_pairs().tolist(),
-            keys,
-        )
+            [store.table(s) for s in store.seq_ids], store.token_counts_of(None),
+            manager.free_block_ids(), manager.ref_counts().tolist(),
+            store.pending_copy_pairs().tolist(), keys,
+        )  # fmt: skip
 
     undone, checked = made(), made()
     undone.undo_fork([2, 1])

@@ -35,12 +35,9 @@ class IntSubclass(int):
 def not_ints() -> st.SearchStrategy[object]:
     """Things the spec refuses where it wants an int (``TypeError``)."""
     return st.one_of(
-        st.booleans(),
-        st.floats(allow_nan=False, min_value=-2, max_value=40),
-        st.none(),
-        st.text(max_size=2),
-        st.sampled_from([np.int64(1), np.int32(2), np.float64(3.0)]),
-    )
+        st.booleans(), st.floats(allow_nan=False, min_value=-2, max_value=40), st.none(),
+        st.text(max_size=2), st.sampled_from([np.int64(1), np.int32(2), np.float64(3.0)]),
+    )  # fmt: skip
 
 
 def odd_ints() -> st.SearchStrategy[object]:

@@ -352,12 +352,9 @@ class PrefixStoreMachine(StoreMachine):
     """``StoreMachine`` on prefix-caching managers plus the prefix API; base rules add FILLER."""
 
     @initialize(
-        total_blocks=st.integers(1, 24),
-        block_size=st.sampled_from([1, 2, 3, 4]),
-        max_seqs=st.integers(1, 8),
-        max_blocks=st.integers(1, 10),
-        collide=st.booleans(),
-    )
+        total_blocks=st.integers(1, 24), block_size=st.sampled_from([1, 2, 3, 4]),
+        max_seqs=st.integers(1, 8), max_blocks=st.integers(1, 10), collide=st.booleans(),
+    )  # fmt: skip
     def start(
         self, total_blocks: int, block_size: int, max_seqs: int, max_blocks: int, collide: bool
     ) -> None:

@@ -104,28 +104,22 @@ def prefix_cache_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             blocks = range(self.model.total_blocks)
             stats = manager.stats
             return (
-                manager.free_block_ids(),
-                [manager.ref_count(b) for b in blocks],
-                [content_of(manager.key_of(b)) for b in blocks],
-                manager.num_cached_blocks,
+                manager.free_block_ids(), [manager.ref_count(b) for b in blocks],
+                [content_of(manager.key_of(b)) for b in blocks], manager.num_cached_blocks,
                 (stats.queried_blocks, stats.hit_blocks, stats.evictions, stats.resets),
-                manager.pending_copy_pairs(),
-                list(manager.waiting_for_copy),
+                manager.pending_copy_pairs(), list(manager.waiting_for_copy),
                 manager.usage,
-            )
+            )  # fmt: skip
 
         def expected_snapshot(self) -> tuple[object, ...]:
             model = self.model
             return (
-                model.queue,
-                model.refs,
-                [model.content_of.get(b) for b in range(model.total_blocks)],
-                len(model.content_of),
+                model.queue, model.refs,
+                [model.content_of.get(b) for b in range(model.total_blocks)], len(model.content_of),
                 (model.queried_blocks, model.hit_blocks, model.evictions, model.resets),
-                model.copy_pairs,
-                model.parked,
+                model.copy_pairs, model.parked,
                 (model.total_blocks - len(model.queue)) / model.total_blocks,
-            )
+            )  # fmt: skip
 
         def expect(self, name: str, *args: object) -> tuple[str, object]:
             if name == "append_slot" and len(args) == 2:
