@@ -1,6 +1,5 @@
 """An independent, minimal model of the block manager's rules (unlike ``spec`` on purpose: a list
-queue, explicit loops); each method returns the rules' outcome and changes state only on success.
-"""
+queue, explicit loops); each method returns the rules' outcome and changes state only on success."""
 
 from __future__ import annotations
 

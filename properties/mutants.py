@@ -4,8 +4,7 @@ A bug is keyed by its module, the dotted function or class it is in, and ``old``
 code: ``old`` must match exactly one place of that syntax tree (compared without positions, so
 layout never moves a bug; a vanished one raises ``LookupError``), or be a mutation-tool edit
 (``"edit:Lt->LtE:<statement's first line>"``). Names in ``shared`` (exception classes) are the
-real module's; :func:`load_chain` reloads the modules importing the mutated one over its copy.
-"""
+real module's; :func:`load_chain` reloads the modules importing the mutated one over its copy."""
 
 from __future__ import annotations
 

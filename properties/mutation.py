@@ -1,13 +1,9 @@
 """Mutation testing: every small edit of ``spec/`` and ``impl/blocks/`` must fail a property.
 
-``python -m properties.mutation [PATH ...] [--sample N] [--only ID ...] [--list] [--json FILE]
-[--markdown]``
-
 A mutant is one edit of a syntax tree (:func:`_edits`; no docstring, annotation or f-string),
 served by an import hook to ``pytest`` in a forked child (nothing is written). It is killed when
 pytest fails (exit 1 or 2) or times out (3 x the passing baseline + 10 s); a survivor is a
-missing property or listed in :data:`EQUIVALENT` with the reason. Linux only.
-"""
+missing property or listed in :data:`EQUIVALENT` with the reason. Linux only."""
 
 from __future__ import annotations
 

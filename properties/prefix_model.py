@@ -1,6 +1,5 @@
 """An independent model of prefix caching (docs/design.md section 8), sharing nothing with the
-spec but its exceptions: a block's content is a plain ``(salt, whole token prefix)`` tuple.
-"""
+spec but its exceptions: a block's content is a plain ``(salt, whole token prefix)`` tuple."""
 
 from __future__ import annotations
 

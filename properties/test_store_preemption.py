@@ -1,7 +1,6 @@
 """``BlockTableStore.grow_or_preempt`` against the spec's ``append_slot`` per sequence in batch
 order, each ``OutOfBlocksError`` freeing the batch's last remaining sequence: victims and the whole
-state agree after every step. Subclasses add copy-source preemption and windows; planted bugs.
-"""
+state agree after every step. Subclasses add copy-source preemption and windows; planted bugs."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Any class with the spec's API in lockstep with ``BlockModel``, simulating KV data: each token
 stores a unique value at its slot, copy pairs copy blocks, and every live sequence reads back
-exactly its own tokens ("no two sequences ever write the same slot").
-"""
+exactly its own tokens ("no two sequences ever write the same slot")."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """``impl.BlockManager`` against ``spec.BlockManager`` in lockstep (same results and exception
 classes, then the whole state), on small pools, with bad input (wrong types, unknown, repeated,
-stale, free ids) and the array API; ``IMPL`` is swappable. Also the shared bad-input strategies.
-"""
+stale, free ids) and the array API; ``IMPL`` is swappable. Also the shared bad-input strategies."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The lockstep driver of the differential machines: :meth:`Lockstep.both` calls ``self.model``
 and ``self.impl`` and asserts the same outcome (equal results of the same types, or the same
-exception class), list arguments left alike, and a refusal changing nothing (:meth:`snapshot`).
-"""
+exception class), list arguments left alike, and a refusal changing nothing (:meth:`snapshot`)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Prefix-caching machines: spec and impl managers in lockstep (results, errors, KV events, then
-the whole state), and the store machine with ``add_prompt``/``cache_blocks`` against the spec.
-Prompts share system prompts and a tiny alphabet, so hits, revivals and evictions are frequent;
-keys are compared by content (:func:`describe`); ``IMPL``/``STORE`` let planted bugs swap classes.
-"""
+"""Prefix-caching machines: spec and impl managers in lockstep (results, errors, KV events, the
+whole state), and the store machine's prefix API against the spec, on shared prompts (frequent
+hits, revivals, evictions); keys compare by content (:func:`describe`); ``IMPL``/``STORE`` swap."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Any class with the spec's prefix API in lockstep with the independent ``PrefixCacheModel``:
-the whole state after every step; simulated KV data (each request reads its own tokens); KV
-events in order, and a mirror rebuilt from them alone equals the key map. Shared prompts, two
-salts and a colliding hash make hits, revivals and evictions frequent.
-"""
+"""Any class with the spec's prefix API in lockstep with the independent ``PrefixCacheModel``: the
+whole state, simulated KV data (each request reads its own tokens), KV events in order (a mirror
+rebuilt from them is the key map); shared prompts and a colliding hash make hits frequent."""
 
 from __future__ import annotations
 

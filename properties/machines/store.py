@@ -1,7 +1,6 @@
 """The store machines: ``BlockTableStore`` against the spec called per sequence in batch order
 (a released entry: spec ``None``, store ``-1``); slots, exports and errors match, and after every
-step the table array, queue and reference counts agree. ``STORE``/``PAGE_TABLES`` are swappable.
-"""
+step the table array, queue and reference counts agree. ``STORE``/``PAGE_TABLES`` are swappable."""
 
 from __future__ import annotations
 
