@@ -1,5 +1,4 @@
-"""vLLM's Triton unified attention agrees with ours (``properties/vllm_attention.py``, run in
-``.venv-vllm`` under ``pytest -m long``, nothing skipped; a missing vLLM is a failure)."""
+"""vLLM's Triton attention agrees with ours: ``properties/vllm_attention.py`` in ``.venv-vllm``."""
 
 from __future__ import annotations
 

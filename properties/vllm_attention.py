@@ -1,15 +1,11 @@
 """vLLM 0.32's Triton unified attention beside ours: same answers, and its compiled figures.
 
-Runs in ``.venv-vllm`` (``properties/test_vllm_attention.py`` runs it under ``pytest -m long``).
-Both kernels run in the Triton interpreter (:func:`load_unified_attention` keeps Triton on,
-which vLLM's CPU build turns off when it finds no driver) on the same spec-run paged caches
-(shuffled tables, forks, copy-on-write, reused blocks): mixed batches (vLLM's 2D kernel against
-our prefill kernel) and pure decode (its 3D segmented kernel against our split-K decode), with
-GQA and sliding windows, agreeing within ``TOLERANCES``. fp16 and fp32 only: the Triton 3.9
-interpreter's ``tl.dot`` multiplies bf16 operands' raw storage bits, so vLLM's bf16 path cannot
-run there (ours upcasts; docs/kernels.md). ``python -m properties.vllm_attention --compile``
-compiles vLLM's kernel with the arguments its own launcher passes (captured, not re-typed)
-through the compile gate's ``compile_variant`` and prints its figures for docs/results.md.
+Runs in ``.venv-vllm`` (``properties/test_vllm_attention.py``). Both kernels run in the Triton
+interpreter on the same spec-run paged caches: mixed batches (vLLM's 2D kernel against our
+prefill kernel) and pure decode (its 3D segmented kernel against our split-K decode), with GQA
+and windows, within ``TOLERANCES``. fp16 and fp32 only: the Triton 3.9 interpreter's ``tl.dot``
+multiplies bf16 operands' raw bits (docs/kernels.md). ``--compile`` compiles vLLM's kernel with
+the arguments its launcher passes (captured) through ``compile_variant``: docs/results.md's figures.
 """
 
 from __future__ import annotations
@@ -19,12 +15,15 @@ import os
 import sys
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import Tensor
 
 from pagedkv import kernels
+from pagedkv.kernels import compile_check
 from pagedkv.kernels.launch_config import INDEX_TYPES, SCALAR_TYPES, LaunchConfig
 from properties.kernel_cases import (
     BLOCK_SIZES,
@@ -45,9 +44,8 @@ MIN_LAUNCH_GRID_SIZE_2D = 128  # vLLM's: below this many sequences x KV heads, d
 
 
 def load_unified_attention() -> ModuleType:
-    """vLLM's ``triton_unified_attention`` with Triton on (interpreted when
-    ``TRITON_INTERPRET=1``): a ``"cpu"`` backend entry is shown to vLLM's import-time check
-    only while the module is imported."""
+    """vLLM's ``triton_unified_attention`` with Triton on (vLLM's CPU build turns it off without a
+    driver): its import-time check sees a ``"cpu"`` backend entry while it is imported."""
     if VLLM_MODULE in sys.modules:
         return sys.modules[VLLM_MODULE]
     import importlib
@@ -61,35 +59,34 @@ def load_unified_attention() -> ModuleType:
         del backends["cpu"]
 
 
-def vllm_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    tables: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    lens: torch.Tensor,
-    scale: float,
-    window: int | None,
-) -> torch.Tensor:
-    """vLLM's ``unified_attention`` with the arguments its Triton backend passes: causal, the
-    window as ``(w - 1, 0)``, no softcap, and the 3D segment buffers, which it uses for a pure
-    decode batch of fewer than ``128 / num_kv_heads`` sequences."""
+def unified_call(
+    query: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, cu_seqlens: Tensor,
+    lens: Tensor, scale: float, window: int | None,
+) -> dict[str, Any]:  # fmt: skip
+    """The arguments vLLM's Triton backend passes ``unified_attention``: causal, the window as
+    ``(w - 1, 0)``, no softcap, and the 3D segment buffers, which it uses for a pure decode batch
+    of fewer than ``128 / num_kv_heads`` sequences."""
     _, num_heads, head_dim = query.shape
     threshold = MIN_LAUNCH_GRID_SIZE_2D // k_cache.shape[2]
     padded = 1 << (head_dim - 1).bit_length()
     scalars = torch.empty(threshold, num_heads, SEGMENTS)
-    out = torch.empty_like(query)
-    query_lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    load_unified_attention().unified_attention(
-        q=query, k=k_cache, v=v_cache, out=out, cu_seqlens_q=cu_seqlens.int(),
-        max_seqlen_q=int(query_lens.max()), seqused_k=lens.int(), max_seqlen_k=int(lens.max()),
-        softmax_scale=scale, causal=True, window_size=(-1, -1) if window is None else
-        (window - 1, 0), block_table=tables, softcap=0, q_descale=None, k_descale=None,
-        v_descale=None, seq_threshold_3D=threshold, num_par_softmax_segments=SEGMENTS,
+    window_size = (-1, -1) if window is None else (window - 1, 0)
+    return dict(
+        q=query, k=k_cache, v=v_cache, out=torch.empty_like(query), cu_seqlens_q=cu_seqlens.int(),
+        max_seqlen_q=int((cu_seqlens[1:] - cu_seqlens[:-1]).max()), seqused_k=lens.int(),
+        max_seqlen_k=int(lens.max()), softmax_scale=scale, causal=True, window_size=window_size,
+        block_table=tables, softcap=0, q_descale=None, k_descale=None, v_descale=None,
+        seq_threshold_3D=threshold, num_par_softmax_segments=SEGMENTS,
         softmax_segm_output=torch.empty(threshold, num_heads, SEGMENTS, padded),
         softmax_segm_max=scalars, softmax_segm_expsum=scalars.clone(),
     )  # fmt: skip
-    return out
+
+
+def vllm_attention(*args: Any) -> torch.Tensor:
+    """vLLM's ``unified_attention`` on :func:`unified_call`'s arguments: its output."""
+    call = unified_call(*args)
+    load_unified_attention().unified_attention(**call)
+    return call["out"]
 
 
 def draw_case(data: st.DataObject) -> tuple[KVCache, list, torch.Tensor, torch.Tensor, int | None]:
@@ -111,8 +108,7 @@ def draw_case(data: st.DataObject) -> tuple[KVCache, list, torch.Tensor, torch.T
 @settings(max_examples=kernel_examples(40), deadline=None)
 @given(data=st.data())
 def test_mixed_batches_agree(data: st.DataObject) -> None:
-    """Prompt chunks over cached prefixes and decodes in one batch: vLLM's 2D kernel and our
-    prefill kernel (both interpreted) agree."""
+    """Prompt chunks over cached prefixes beside decodes: vLLM's 2D kernel, our prefill kernel."""
     cache, seqs, tables, lens, window = draw_case(data)
     if not seqs:
         return
@@ -140,35 +136,25 @@ def test_decode_batches_agree(data: st.DataObject) -> None:
         query, cache.k_cache, cache.v_cache, tables, lens, scale, num_splits=splits,
         window=window, max_context_len=int(lens.max()), backend="triton",
     )  # fmt: skip
-    cu_seqlens = torch.arange(len(seqs) + 1)
-    theirs = vllm_attention(query, cache.k_cache, cache.v_cache, tables, cu_seqlens, lens,
-                            scale, window)  # fmt: skip
-    assert_close(ours, theirs, "ours vs vLLM, decode")
+    args = (query, cache.k_cache, cache.v_cache, tables, torch.arange(len(seqs) + 1), lens, scale)
+    assert_close(ours, vllm_attention(*args, window), "ours vs vLLM, decode")
 
 
-# ----------------------------------------------------------------------- compiled figures
+class _Launch(dict):
+    """Stands in for a Triton kernel: ``kernel[grid](**kwargs)`` records ``grid`` and ``kw``."""
 
-
-class _Launcher:
-    """Stands in for a Triton kernel: ``kernel[grid](**kwargs)`` calls ``record(grid, kwargs)``."""
-
-    def __init__(self, record: Callable[[tuple, dict], None]) -> None:
-        self.record = record
-
-    def __getitem__(self, grid: tuple) -> Callable[..., None]:
-        return lambda **kwargs: self.record(grid, kwargs)
+    def __missing__(self, grid: tuple) -> Callable[..., None]:
+        return lambda **kwargs: self.update(grid=grid, kw=kwargs)
 
 
 def capture_launch(call: dict) -> LaunchConfig:
-    """The launch vLLM's ``unified_attention`` makes for the arguments ``call``, captured by
-    standing in for its kernel, as a :class:`LaunchConfig` (Triton's defaults, 4 warps and 3
-    stages, where vLLM passes none)."""
+    """The launch vLLM's ``unified_attention`` makes for ``call``, captured in place of its
+    kernel, as a :class:`LaunchConfig` (Triton's 4 warps and 3 stages where vLLM passes none)."""
     vua = load_unified_attention()
     kernel, reduce = vua.kernel_unified_attention, vua.reduce_segments
-    captured: dict = {}
+    captured = _Launch()
     # the 3D path's segment reduction, launched after the kernel, is ignored
-    vua.kernel_unified_attention = _Launcher(lambda grid, kw: captured.update(grid=grid, kw=kw))
-    vua.reduce_segments = _Launcher(lambda grid, kw: None)
+    vua.kernel_unified_attention, vua.reduce_segments = captured, _Launch()
     try:
         vua.unified_attention(**call)
     finally:
@@ -199,27 +185,15 @@ def capture_launch(call: dict) -> LaunchConfig:
 
 
 def figures(targets: tuple[int, ...] = (80, 90)) -> list[dict]:
-    """vLLM's kernel compiled as its launcher launches it: fp16, head dim 128, block 16, GQA 4
-    (32 query heads over 8 KV heads), a 4k context; decode (3D, 16 segments) and a 512-token
-    prefill chunk (2D)."""
-    from pagedkv.kernels import compile_check
-
+    """vLLM's kernel compiled as launched: fp16, head dim 128, block 16, 32 query heads over 8 KV
+    heads, a 4k context; decode (3D, 16 segments) and a 512-token prefill chunk (2D)."""
     rows = []
-    for kind, num_tokens, query_len in (("decode", 1, 1), ("prefill", 512, 512)):
-        query = torch.empty(num_tokens, 32, 128, dtype=torch.float16)
+    for kind, query_len in (("decode", 1), ("prefill", 512)):
+        query = torch.empty(query_len, 32, 128, dtype=torch.float16)
         cache = torch.empty(2048, 16, 8, 128, dtype=torch.float16)
         tables = torch.zeros(1, 256, dtype=torch.int32)
-        call = dict(
-            q=query, k=cache, v=cache, out=torch.empty_like(query),
-            cu_seqlens_q=torch.tensor([0, query_len], dtype=torch.int32), max_seqlen_q=query_len,
-            seqused_k=torch.tensor([4096], dtype=torch.int32), max_seqlen_k=4096,
-            softmax_scale=128**-0.5, causal=True, window_size=(-1, -1), block_table=tables,
-            softcap=0, q_descale=None, k_descale=None, v_descale=None, seq_threshold_3D=16,
-            num_par_softmax_segments=SEGMENTS,
-            softmax_segm_output=torch.empty(16, 32, SEGMENTS, 128),
-            softmax_segm_max=torch.empty(16, 32, SEGMENTS),
-            softmax_segm_expsum=torch.empty(16, 32, SEGMENTS),
-        )  # fmt: skip
+        lens, cu_seqlens = torch.tensor([4096]), torch.tensor([0, query_len])
+        call = unified_call(query, cache, cache, tables, cu_seqlens, lens, 128**-0.5, None)
         config = capture_launch(call)
         variant = compile_check.Variant(VLLM_MODULE, kind, "fp16", 128, 16, 4, config)
         for capability in compile_check.targets_supported(targets):
@@ -237,8 +211,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("nothing to do: pass --compile (the properties run under pytest)")
     if os.environ.get("TRITON_INTERPRET") != "0":
         raise SystemExit("run with TRITON_INTERPRET=0: the kernels are compiled, not interpreted")
-    from pagedkv.kernels import compile_check
-
     print(compile_check.markdown(figures(tuple(args.targets))))
     return 0
 
