@@ -174,9 +174,7 @@ def preemption_plan(g: Growth, free: int, rows: SeqRows, pool: BlockPool) -> Gro
     stop = preemption_stop(g.growth, held_counts.astype(np.int64), free)
     victims = rows.tables[g.rows[stop:]]
     held = victims[victims != PAD].astype(np.intp)
-    if held.size and (
-        pool.refs_of(held).max() != 1 or (pool.copy_pairs and pool.is_source.take(held).any())
-    ):
+    if held.size and (pool.refs_of(held).max() != 1 or pool.is_source.take(held).any()):
         return None
     grown = np.arange(n) < stop
     removed = list(range(n - 1, stop - 1, -1))
@@ -208,9 +206,8 @@ def plan_in_order(
     tail = n - 1
     growth, writes_last = g.growth.tolist(), g.writes_last.tolist()
     last, last_refs = g.last.tolist(), g.last_refs.tolist()
-    for i in range(n):
-        if i > tail:  # every later sequence was removed
-            break
+    i = 0
+    while i <= tail:  # past the tail, every sequence was removed
         while True:
             owners = refs.get(last[i], last_refs[i]) if writes_last[i] else 1
             need = growth[i] + (owners > 1)
@@ -236,6 +233,7 @@ def plan_in_order(
                 copies[i] = True
                 refs[last[i]] = owners - 1
                 sources.add(last[i])
+        i += 1
     return GrowthPlan(g, grown, copies, removed, steps)
 
 
