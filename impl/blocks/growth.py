@@ -66,15 +66,19 @@ class DecodePlan(NamedTuple):
 
 
 class GrowthPlan(NamedTuple):
-    """Who grows (``grown``) and copies on write (``copies``), who is removed (``victims``,
-    batch indices in removal order), and ``steps``: the order to apply them in, as runs of
+    """Who copies on write (``copies``), who is removed (``victims``, batch indices in removal
+    order), and ``steps``: who grows and is removed in the order to apply them, as runs of
     ``(grow, batch indices)``."""
 
     growth: Growth
-    grown: NDArray[np.bool_]
     copies: NDArray[np.bool_]
     victims: list[int]
     steps: list[tuple[bool, list[int]]]
+
+    def not_grown(self) -> list[int]:
+        """The batch indices that do not grow, in batch order."""
+        grown = {i for grows, indices in self.steps if grows for i in indices}
+        return [i for i in range(len(self.copies)) if i not in grown]
 
 
 Plan = DecodePlan | GrowthPlan
@@ -176,10 +180,9 @@ def preemption_plan(g: Growth, free: int, rows: SeqRows, pool: BlockPool) -> Gro
     held = victims[victims != PAD].astype(np.intp)
     if held.size and (pool.refs_of(held).max() != 1 or pool.is_source.take(held).any()):
         return None
-    grown = np.arange(n) < stop
     removed = list(range(n - 1, stop - 1, -1))
     steps = [(False, removed), (True, list(range(stop)))]
-    return GrowthPlan(g, grown, g.shared & grown, removed, steps)
+    return GrowthPlan(g, g.shared, removed, [step for step in steps if step[1]])
 
 
 def plan_in_order(
@@ -199,7 +202,6 @@ def plan_in_order(
     refs: dict[int, int] = {}  # the blocks whose counts the plan has changed so far
     # Copy-on-write sources: of pairs already pending, then of the plan's own copies.
     sources = set(pool.pending_sources()) if pool.copy_pairs else set()
-    grown = np.zeros(n, dtype=np.bool_)
     copies = np.zeros(n, dtype=np.bool_)
     removed: list[int] = []
     steps: list[tuple[bool, list[int]]] = []
@@ -227,14 +229,13 @@ def plan_in_order(
             break
         if need <= free:
             free -= need
-            grown[i] = True
             _record(steps, True, i)
             if owners > 1:
                 copies[i] = True
                 refs[last[i]] = owners - 1
                 sources.add(last[i])
         i += 1
-    return GrowthPlan(g, grown, copies, removed, steps)
+    return GrowthPlan(g, copies, removed, steps)
 
 
 def _record(steps: list[tuple[bool, list[int]]], grow: bool, index: int) -> None:
@@ -279,18 +280,15 @@ def apply(
             rows.num_blocks[decided.growing] = decided.lengths + 1
         rows.token_counts[decided.rows] = decided.new_counts
         return
-    g = decided.growth
-    if not decided.victims:
-        keep = None if decided.grown.all() else decided.grown.nonzero()[0]
-        copies = decided.copies if keep is None else decided.copies[keep]
-        grow(rows, pool, take_fresh, g, keep, copies)
-        return
+    g, copies = decided.growth, decided.copies
     for grows, indices in decided.steps:
-        if grows:
-            chosen = np.array(indices, dtype=np.intp)
-            grow(rows, pool, take_fresh, g, chosen, decided.copies[chosen])
-        else:
+        if not grows:
             remove(indices)
+        elif len(indices) == g.rows.size:  # the whole batch
+            grow(rows, pool, take_fresh, g, None, copies)
+        else:
+            chosen = np.array(indices, dtype=np.intp)
+            grow(rows, pool, take_fresh, g, chosen, copies[chosen])
 
 
 def grow(

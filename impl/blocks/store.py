@@ -332,8 +332,8 @@ class BlockTableStore:
         if decided is None:
             return []
         failed = []
-        if isinstance(decided, GrowthPlan):
-            failed = [batch.seq_ids[i] for i in (~decided.grown).nonzero()[0].tolist()]
+        if isinstance(decided, GrowthPlan):  # a DecodePlan grows every sequence
+            failed = [batch.seq_ids[i] for i in decided.not_grown()]
         if atomic and failed:
             return failed
         self._apply(batch, decided)
