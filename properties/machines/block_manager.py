@@ -196,6 +196,15 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             self.live.append(child)
             return child
 
+        @rule(target=seqs, parent=consumes(seqs), new_tokens=st.integers(1, 8))
+        def replace_by_a_fork(self, parent: Sequence, new_tokens: int) -> Sequence:
+            """A beam step: fork, write the child (copy-on-write), free the parent: a pending
+            copy's source may lose its last table before the pairs are taken."""
+            child = self.fork(parent)
+            self.write_tokens(child, new_tokens, 0)
+            self.free(parent)
+            return child
+
         @rule(target=freed, seq=consumes(seqs))
         def free(self, seq: Sequence) -> Sequence:
             self.both("free", seq.table)
