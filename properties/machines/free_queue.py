@@ -57,10 +57,24 @@ class FreeQueueMachine(Lockstep, RuleBasedStateMachine):
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
-    def remove(self, data: st.DataObject) -> None:
-        block_id = data.draw(st.sampled_from(self.model))
+    def remove_one(self, data: st.DataObject) -> None:
+        self.remove(data.draw(st.sampled_from(self.model)))
+
+    def remove(self, block_id: int) -> None:
         self.queue.remove(block_id)
         self.model.remove(block_id)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), rounds=st.integers(1, 4))
+    def recycle(self, data: st.DataObject, rounds: int) -> None:
+        """Evict queued blocks and push them back, ``rounds`` times: the tombstones fill the
+        ring until a push compacts it, and later removals find the blocks where they moved."""
+        for _ in range(rounds):
+            taken = data.draw(st.lists(st.sampled_from(self.model), min_size=1, unique=True))
+            for block_id in taken:
+                self.remove(block_id)
+            self.queue.extend(np.array(taken, dtype=np.intp))
+            self.model += taken
 
     @precondition(lambda self: len(self.model) < self.num_blocks)
     @rule(data=st.data())
