@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,9 +25,10 @@ from pagedkv.impl.blocks.prefix_cache import PrefixCachingBlockManager as ImplMa
 from pagedkv.impl.serving.engine import PagedAttentionEngine
 from pagedkv.impl.serving.model import CausalLM, ModelConfig
 from pagedkv.impl.serving.sampling import sample_token
+from pagedkv.impl.serving.scheduler import RequestTooLargeError
 from pagedkv.spec.block_manager import OutOfBlocksError
 from pagedkv.spec.prefix_cache import PrefixCachingBlockManager as SpecManager
-from properties.engine_cases import MODEL, check_all_freed, one_thread
+from properties.engine_cases import MODEL, check_all_freed, single_thread  # noqa: F401
 
 VALID, EDGE, WRONG_TYPE, OUT_OF_RANGE = "valid", "edge", "wrong type", "out of range"
 ERRORS: dict[str, tuple[type[Exception], ...]] = {
@@ -76,12 +77,6 @@ def outcome(call: Callable[[], object], expected: tuple) -> object:
         return error
     assert not expected, f"bad arguments were accepted, returning {result!r}"
     return result
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    with one_thread():
-        yield
 
 
 # ------------------------------------------------------------------ spec and blocks
@@ -199,47 +194,39 @@ SHAPE = (6, 4, 2, 8)  # num_blocks, block_size, kv heads, head_dim
 NUMEL = math.prod(SHAPE)
 
 
-@dataclass
-class KernelState:
-    """The caches, views of larger buffers so that overlapping views can be made."""
-
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-
-    @classmethod
-    def build(cls) -> KernelState:
-        generator = torch.Generator().manual_seed(0)
-        buffers = [torch.randn(2 * NUMEL, generator=generator) for _ in range(2)]
-        return cls(*(buffer[:NUMEL].view(SHAPE) for buffer in buffers))
-
-    def overlapping(self, cache: torch.Tensor) -> torch.Tensor:
-        """A cache-shaped view that overlaps half of ``cache``'s memory."""
-        return cache.view(-1).as_strided(SHAPE, cache.stride(), NUMEL // 2)
+def kernel_caches() -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V caches, views of larger buffers so that overlapping views can be made."""
+    generator = torch.Generator().manual_seed(0)
+    buffers = [torch.randn(2 * NUMEL, generator=generator) for _ in range(2)]
+    k_cache, v_cache = (buffer[:NUMEL].view(SHAPE) for buffer in buffers)
+    return k_cache, v_cache
 
 
 def ints(values: object, dtype: torch.dtype = torch.int32) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype)
 
 
-def kernel_calls(s: KernelState) -> dict[str, tuple[Callable[..., object], dict[str, Arg]]]:
+def kernel_calls(
+    cache_k: torch.Tensor, cache_v: torch.Tensor
+) -> dict[str, tuple[Callable[..., object], dict[str, Arg]]]:
+    overlapping_k = cache_k.view(-1).as_strided(SHAPE, cache_k.stride(), NUMEL // 2)  # half of K
     generator = torch.Generator().manual_seed(1)
     query = torch.randn(2, 4, 8, generator=generator)
     key, value = (torch.randn(3, 2, 8, generator=generator) for _ in range(2))
     tables = ints([[3, 0, -1], [5, -1, -1]])
+    padded = ints([[3, 0, -1, -1], [5, -1, -1, -1]])
+    block_tables = Arg(
+        [tables], [padded], [tables.tolist(), tables.long(), tables.float()], [tables[:1]]
+    )
     backend = Arg(["reference"], [" Reference ", None], [1, b"reference"], ["gpu"])
     validate = Arg([True], [], [1, "yes", None])
-    k_cache = Arg([s.k_cache], [], [s.k_cache.double(), s.k_cache.tolist()], [])
-    v_cache = Arg([s.v_cache], [], [s.v_cache.double()], [s.overlapping(s.k_cache)])
+    k_cache = Arg([cache_k], [], [cache_k.double(), cache_k.tolist()], [])
+    v_cache = Arg([cache_v], [], [cache_v.double()], [overlapping_k])
     return {
         "slot_mapping": (
             kernels.slot_mapping,
             {
-                "block_tables": Arg(
-                    [tables],
-                    [ints([[3, 0, -1, -1], [5, -1, -1, -1]])],
-                    [tables.tolist(), tables.long(), tables.float()],
-                    [tables[:1]],
-                ),
+                "block_tables": block_tables,
                 "positions": Arg(
                     [ints([5, 1])],
                     [ints([-1, -1]), ints([4, 3], torch.int64)],
@@ -261,9 +248,9 @@ def kernel_calls(s: KernelState) -> dict[str, tuple[Callable[..., object], dict[
                     [key],
                     [key.transpose(0, 1).contiguous().transpose(0, 1)],
                     [key.double(), key.tolist()],
-                    [key[:, :1], s.k_cache.view(-1)[:48].view(3, 2, 8)],
+                    [key[:, :1], cache_k.view(-1)[:48].view(3, 2, 8)],
                 ),
-                "value": Arg([value], [], [value.half()], [s.v_cache[0, :3]]),
+                "value": Arg([value], [], [value.half()], [cache_v[0, :3]]),
                 "k_cache": k_cache,
                 "v_cache": v_cache,
                 "slot_mapping": Arg(
@@ -287,12 +274,7 @@ def kernel_calls(s: KernelState) -> dict[str, tuple[Callable[..., object], dict[
                 ),
                 "k_cache": k_cache,
                 "v_cache": v_cache,
-                "block_tables": Arg(
-                    [tables],
-                    [ints([[3, 0, -1, -1], [5, -1, -1, -1]])],
-                    [tables.long()],
-                    [tables[:1]],
-                ),
+                "block_tables": block_tables,
                 "context_lens": Arg(
                     [ints([6, 2])],
                     [ints([0, 0]), ints([8, 4], torch.int64)],
@@ -331,15 +313,15 @@ def kernel_calls(s: KernelState) -> dict[str, tuple[Callable[..., object], dict[
 @settings(max_examples=100)
 @given(st.data())
 def test_kernels_check_their_input(data: st.DataObject) -> None:
-    state = KernelState.build()
-    name = data.draw(st.sampled_from(sorted(kernel_calls(state))))
-    function, args = kernel_calls(state)[name]
+    caches = kernel_caches()
+    name = data.draw(st.sampled_from(sorted(kernel_calls(*caches))))
+    function, args = kernel_calls(*caches)[name]
     values, expected = draw_call(data, args)
     tensors = {k: v.clone() for k, v in values.items() if isinstance(v, torch.Tensor)}
-    buffers = [state.k_cache.clone(), state.v_cache.clone()]
+    buffers = [cache.clone() for cache in caches]
     result = outcome(lambda: function(**values), expected)
     if isinstance(result, Exception) or name in ("slot_mapping", "paged_decode_attention"):
-        assert torch.equal(state.k_cache, buffers[0]) and torch.equal(state.v_cache, buffers[1])
+        assert all(map(torch.equal, caches, buffers))
         for key, before in tensors.items():
             assert torch.equal(values[key], before), f"{name} changed {key}"
     if name == "paged_decode_attention" and not isinstance(result, Exception):
@@ -519,18 +501,14 @@ def test_a_bad_prompt_anywhere_in_generate_queues_nothing() -> None:
 def test_max_model_len_bounds_the_prompt_plus_output_exactly() -> None:
     """Block size 4, ``max_model_len=10``: prompt plus output of 10 is served, 11 refused (as
     vLLM), though three blocks hold 12."""
-    from pagedkv.impl.serving.scheduler import RequestTooLargeError
-
     eng = PagedAttentionEngine(MODEL, 16, 4, max_num_seqs=2, max_model_len=10)
     for prompt_len, max_new in ((5, 6), (1, 10), (10, 1)):
         with pytest.raises(RequestTooLargeError, match="max_model_len=10"):
             eng.add_request([1] * prompt_len, max_new)
     assert not eng.has_unfinished_requests()
-    with one_thread():
-        outputs = eng.generate([[1] * 5, [2] * 9], 1)
+    outputs = eng.generate([[1] * 5, [2] * 9], 1)
     assert [len(out.outputs[0]) for out in outputs] == [1, 1]
     eng.add_request([1] * 5, 5)
-    with one_thread():
-        while eng.has_unfinished_requests():
-            eng.step()
+    while eng.has_unfinished_requests():
+        eng.step()
     check_all_freed(eng)
