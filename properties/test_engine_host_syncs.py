@@ -148,15 +148,13 @@ def test_no_cuda_synchronization_in_the_layers(monkeypatch: pytest.MonkeyPatch) 
 def test_device_tables_upload_only_changed_rows() -> None:
     """The buffer equals each step's tables, uploading only changed rows, growing when wider."""
     tables = DeviceBlockTables(torch.device("cpu"))
-    first = torch.tensor([[3, -1], [5, 6]], dtype=torch.int32)
-    assert torch.equal(tables.update(first), first) and tables.num_uploaded_rows == 2
-    grown = torch.tensor([[3, 4], [5, 6]], dtype=torch.int32)
-    assert torch.equal(tables.update(grown), grown) and tables.num_uploaded_rows == 3
-    assert torch.equal(tables.update(grown), grown) and tables.num_uploaded_rows == 3
-    wider = torch.tensor([[3, 4], [5, 6], [7, -1]], dtype=torch.int32)
-    assert torch.equal(tables.update(wider), wider) and tables.num_uploaded_rows == 6
-    fewer = torch.tensor([[5, 6]], dtype=torch.int32)
-    assert torch.equal(tables.update(fewer), fewer) and tables.num_uploaded_rows == 7
+    steps = [  # the tables, and the rows uploaded so far: first, grown, unchanged, wider, fewer
+        ([[3, -1], [5, 6]], 2), ([[3, 4], [5, 6]], 3), ([[3, 4], [5, 6]], 3),
+        ([[3, 4], [5, 6], [7, -1]], 6), ([[5, 6]], 7),
+    ]  # fmt: skip
+    for rows, uploaded in steps:
+        table = torch.tensor(rows, dtype=torch.int32)
+        assert torch.equal(tables.update(table), table) and tables.num_uploaded_rows == uploaded
 
 
 def test_an_engine_uploads_a_decode_step_s_changed_rows_only() -> None:
@@ -187,7 +185,7 @@ def test_a_step_trusts_the_store_s_tables(monkeypatch: pytest.MonkeyPatch) -> No
     """By default a step checks no table value, maps each slot once; ``check_tables`` is a bool."""
     for name in VALUE_CHECKS:
         if hasattr(paged_kv, name):
-            monkeypatch.setattr(paged_kv, name, _refuse)
+            monkeypatch.setattr(paged_kv, name, lambda *_: pytest.fail("a trusted step checked"))
     calls: list[str] = []
     for owner, name in ((paged_kv.kernels, "slot_mapping"), (PagedKVCache, "step")):
         real = getattr(owner, name)
@@ -204,7 +202,3 @@ def test_a_step_trusts_the_store_s_tables(monkeypatch: pytest.MonkeyPatch) -> No
     assert calls.count("slot_mapping") == calls.count("step") > 2
     with pytest.raises(TypeError, match="check_tables must be a bool"):
         PagedKVCache(CONFIG, 4, 2, check_tables=1)  # type: ignore[arg-type]
-
-
-def _refuse(*args: object) -> None:
-    raise AssertionError("a trusted step checked a value")
