@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 LAYER_FOLDERS = {  # layer -> the folder of the repository that holds it
@@ -173,18 +175,9 @@ def test_a_wrong_import_fails_the_contract(tmp_path: Path) -> None:
     }
 
 
-def run_python(source: str, cwd: Path) -> str:
-    """Run ``source`` in a fresh interpreter outside the repository root; return its stdout."""
-    code = textwrap.dedent(source)
-    result = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True,
-                            timeout=300)  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    return result.stdout
-
-
-def test_block_management_and_the_scheduler_load_no_torch(tmp_path: Path) -> None:
-    """The block-management API and the scheduler import, and schedule a step, without torch."""
-    out = run_python(
+FRESH_PROCESSES = {  # rule -> (a script, what it prints run by a fresh interpreter in tmp_path)
+    # The block-management API and the scheduler import, and schedule a step, without torch.
+    "blocks-and-scheduler-without-torch": (
         """
         import sys
         from pagedkv.impl.blocks import BlockManager, BlockTableStore, PrefixCachingBlockManager
@@ -200,17 +193,10 @@ def test_block_management_and_the_scheduler_load_no_torch(tmp_path: Path) -> Non
         print(len(plan.seqs), tables.tolist(), BlockManager.__name__, spec.__name__)
         print("torch" in sys.modules, "pagedkv.kernels" in sys.modules)
         """,
-        tmp_path,
-    )
-    assert out.splitlines() == [
-        "1 [[0, 1, -1, -1, -1, -1, -1, -1]] BlockManager pagedkv.spec",
-        "False False",
-    ]
-
-
-def test_pagedkv_kernels_coexists_with_hugging_face_kernels(tmp_path: Path) -> None:
-    """Both packages import in one process, each under its own name, and both work."""
-    out = run_python(
+        ["1 [[0, 1, -1, -1, -1, -1, -1, -1]] BlockManager pagedkv.spec", "False False"],
+    ),
+    # pagedkv.kernels and Hugging Face's kernels import in one process, each under its own name.
+    "beside-hugging-face-kernels": (
         """
         import torch
         import kernels as hf_kernels
@@ -226,14 +212,10 @@ def test_pagedkv_kernels_coexists_with_hugging_face_kernels(tmp_path: Path) -> N
         print(hf_kernels.__name__, paged_kernels.__name__, hf_kernels is not paged_kernels)
         print(Doubler()(torch.ones(2)).tolist(), slot.tolist())
         """,
-        tmp_path,
-    )
-    assert out.splitlines() == ["kernels pagedkv.kernels True", "[2.0, 2.0] [1]"]
-
-
-def test_short_names_refuse_to_import(tmp_path: Path) -> None:
-    """With the repository root on ``sys.path`` the short names refuse: one module, one name."""
-    out = run_python(
+        ["kernels pagedkv.kernels True", "[2.0, 2.0] [1]"],
+    ),
+    # With the repository root on ``sys.path`` the short names refuse: one module, one name.
+    "short-names-refuse": (
         f"""
         import sys
         sys.path.insert(0, {str(ROOT)!r})
@@ -243,9 +225,18 @@ def test_short_names_refuse_to_import(tmp_path: Path) -> None:
             except ImportError as error:
                 print(error)
         """,
-        tmp_path,
-    )
-    assert out.splitlines() == [
-        f"import pagedkv.{name}, not {name}: one module, one name"
-        for name in ("spec", "impl", "kernels")
-    ]
+        [
+            f"import pagedkv.{name}, not {name}: one module, one name"
+            for name in ("spec", "impl", "kernels")
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("rule", list(FRESH_PROCESSES))
+def test_in_a_fresh_process_outside_the_root(rule: str, tmp_path: Path) -> None:
+    source, expected = FRESH_PROCESSES[rule]
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(source)], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == expected
