@@ -35,8 +35,6 @@ from properties.engine_cases import (  # single_thread: an autouse fixture
 from properties.mutants import load_mutant
 
 VOCAB = CONFIG.vocab_size
-
-
 Source = Callable[[list[int], int], list[int]]
 
 
@@ -109,9 +107,9 @@ def speculate(
     """Dense outputs and logits, all freed; ``exact`` (no preemption): the expected drafts kept."""
     recorder = Recorder(source)
     result = run(workload, draft_source=recorder, num_speculative_tokens=k, **kwargs)
-    check_against_oracle(workload, result)
-    check_all_freed(result.engine)
     engine = result.engine
+    check_against_oracle(workload, result)
+    check_all_freed(engine)
     assert engine.num_accepted_tokens <= engine.num_draft_tokens
     if exact:
         assert engine.num_draft_tokens == sum(len(drafts) for _, drafts in recorder.calls)
