@@ -259,6 +259,19 @@ class WindowPreemptionMachine(PreemptionMachine):
         self.release_in_model(ids, [len(self.model[s][1]) for s in ids], window)
         self.grow_or_preempt(data, decode)
 
+    @precondition(lambda self: self.model)
+    @rule(window=st.integers(1, 4), step=st.integers(2, 8))
+    def window_step_under_pressure(self, window: int, step: int) -> None:
+        """Release, then grow every sequence by ``step`` tokens: the pool runs short, and a
+        victim's released entries free nothing."""
+        ids = list(self.model)
+        self.store.release_outside_window(ids, window)
+        self.release_in_model(ids, [len(self.model[s][1]) for s in ids], window)
+        room = 64 * self.block_size - max(len(self.model[s][1]) for s in ids)  # 64 entries
+        step = min(step, room)
+        victims = self.store.grow_or_preempt(ids, step)
+        assert victims == self.expected_victims(ids, [step] * len(ids))
+
 
 TestWindowPreemption = WindowPreemptionMachine.TestCase
 
