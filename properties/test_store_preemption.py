@@ -142,6 +142,20 @@ class PreemptionMachine(RuleBasedStateMachine):
         self.store.fork(parent, child)
         return child
 
+    @precondition(lambda self: self.prefix and len(self.model) < 7)
+    @rule(target=seqs, tokens=st.lists(VOCAB, min_size=1, max_size=12))
+    def twins(self, tokens: list[int]) -> Any:
+        """Two sequences admitted with one prompt before either registers hold its tokens in
+        blocks of their own: the second's keys are taken (left uncached), the first leaves, and
+        a later registration of the second retries them once the first's blocks are evicted."""
+        twins = [self.add(tokens) for _ in range(2)]
+        if not all(isinstance(seq, int) for seq in twins):
+            return multiple(*(seq for seq in twins if isinstance(seq, int)))
+        for seq in twins:
+            self.register(seq)
+        self.remove(twins[0])
+        return twins[1]
+
     @rule(seq=consumes(seqs))
     def remove(self, seq: int) -> None:
         if seq in self.model:
