@@ -1,9 +1,7 @@
 """Shared pieces of the kernel property tests: sizes, tolerances, caches filled by spec runs.
 
-A *script* (new sequence, extend, fork, free) is played on the spec's ``BlockManager`` (shuffled
-ids, reuse after frees, forks, copy-on-write); ``KVCache`` replays it through the kernels under
-test, keeping each sequence's logical K/V for the dense oracles. On CUDA Triton runs compiled
-(``bench/gpu_kernels.py``), on CPU interpreted.
+A *script* (new sequence, extend, fork, free) is played on the spec's ``BlockManager``; ``KVCache``
+replays it through the kernels under test, keeping each sequence's logical K/V for the oracles.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from hypothesis import assume, currently_in_test_context, event, settings
+from hypothesis import currently_in_test_context, event, settings
 from hypothesis import strategies as st
 
 from pagedkv import kernels
@@ -33,37 +31,23 @@ BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 GQA_RATIOS = (1, 2, 4, 8)
 HEAD_DIMS = (64, 80, 128)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-MAX_CHUNK = 64  # longest drawn prefill query chunk: the interpreter runs every query tile
 ON_CPU = pytest.mark.skipif(DEVICE.type != "cpu", reason="the numba backend runs on CPU")
 
-
-def backends(*names: str) -> list[object]:
-    """``names`` as pytest parameters; ``numba`` runs on CPU only."""
-    return [pytest.param(name, marks=ON_CPU) if name == "numba" else name for name in names]
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    """``|actual - expected| <= atol + rtol * |expected|``, elementwise."""
-
-    atol: float
-    rtol: float
-
-
-# How close the kernels must be: all accumulate in fp32, so summation order and the output's
-# rounding (about an ulp of fp16 or bf16 at outputs of a few units) differ, plus TF32 on GPUs.
-TOLERANCES: dict[torch.dtype, Tolerance] = {
-    torch.float32: Tolerance(atol=2e-5, rtol=2e-5),
-    torch.float16: Tolerance(atol=2e-3, rtol=2e-3),
-    torch.bfloat16: Tolerance(atol=1.6e-2, rtol=1.6e-2),
+# (atol, rtol): ``|actual - expected| <= atol + rtol * |expected|``, elementwise. All kernels
+# accumulate in fp32, so summation order and the output's rounding (about an ulp of fp16 or bf16
+# at outputs of a few units) differ, plus TF32 on GPUs.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
 }
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     """Assert agreement within ``TOLERANCES[expected.dtype]``; the message says where it fails."""
-    tol = TOLERANCES[expected.dtype]
+    atol, rtol = TOLERANCES[expected.dtype]
     torch.testing.assert_close(
-        actual, expected, atol=tol.atol, rtol=tol.rtol, msg=lambda detail: f"{what}: {detail}"
+        actual, expected, atol=atol, rtol=rtol, msg=lambda detail: f"{what}: {detail}"
     )
 
 
@@ -84,11 +68,6 @@ class Seq:
     table: list[int]
     length: int = 0
     kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-
-    def logical_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[length, num_kv_heads, head_dim]`` K and V, token order."""
-        keys, values = zip(*self.kv, strict=True)
-        return torch.cat(keys), torch.cat(values)
 
 
 @dataclass(frozen=True)
@@ -220,7 +199,6 @@ class Shape:
 
     @property
     def num_heads(self) -> int:
-        """Query heads."""
         return self.num_kv_heads * self.group
 
 
@@ -239,7 +217,6 @@ class KVCache:
         self.run = scenario.play(self.write)
 
     def randn(self, *size: int) -> torch.Tensor:
-        """Seeded standard normal values in the cache dtype, on the test device."""
         return torch.randn(*size, generator=self.generator).to(self.shape.dtype).to(DEVICE)
 
     def write(self, write: Write) -> None:
@@ -277,9 +254,7 @@ def dense_attention(
 
 def window_start(length: int, num_queries: int, window: int | None) -> int:
     """The first key the last ``num_queries`` queries of ``length`` tokens see (0: no window)."""
-    if window is None:
-        return 0
-    return max(0, length - num_queries - window + 1)
+    return 0 if window is None else max(0, length - num_queries - window + 1)
 
 
 def poison_outside_window(
@@ -346,43 +321,6 @@ def check_attention(
     assert_close(actual, ref, "kernel vs reference")
 
 
-def fill_backend(backend: str) -> str:
-    """The backend that fills the caches for a check of ``backend`` (the reference for sdpa)."""
-    return backend if backend in ("triton", "numba") else "reference"
-
-
-def draw_cache(
-    data: st.DataObject,
-    backend: str,
-    block_size: int,
-    group: int,
-    head_dim: int,
-    dtype: torch.dtype,
-) -> KVCache:
-    """A cache filled through ``fill_backend(backend)`` by a drawn scenario, 1 or 2 KV heads."""
-    scenario = data.draw(scenarios(block_size), label="scenario")
-    num_kv_heads = data.draw(st.sampled_from([1, 2]), label="num_kv_heads")
-    shape = Shape(block_size, num_kv_heads, group, head_dim, dtype)
-    return KVCache(scenario, shape, backend=fill_backend(backend))
-
-
-def longest_context(cache: KVCache) -> int:
-    """The longest live sequence's length (1 when the scenario freed every sequence)."""
-    return max((seq.length for seq in cache.run.seqs), default=1)
-
-
-def draw_window(data: st.DataObject, cache: KVCache) -> int | None:
-    """No window, or one from 1 (the query alone) to past the longest context (no effect)."""
-    longest = longest_context(cache)
-    edges = st.sampled_from([1, 2, cache.shape.block_size, longest, longest + 1, 10**6])
-    return data.draw(st.none() | edges | st.integers(1, longest), label="window")
-
-
-def draw_splits(data: st.DataObject) -> int | None:
-    """A split count for decode: automatic (``None``) or 1 to 5."""
-    return data.draw(st.none() | st.integers(1, 5), label="num_splits")
-
-
 def decode_on(backend: str, num_splits: int | None = None) -> Attention:
     """The public decode function on ``backend``, with ``num_splits`` fixed."""
 
@@ -434,7 +372,7 @@ def dense_prefill(
     for seq, count in zip(seqs, query_lens, strict=True):
         if count:
             assert seq is not None
-            key, value = seq.logical_kv()
+            key, value = (torch.cat(parts) for parts in zip(*seq.kv, strict=True))  # [L, kv, dim]
             group = query.shape[1] // key.shape[1]
             k = key.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, L, dim]
             v = value.float().repeat_interleave(group, dim=1).transpose(0, 1)
@@ -446,22 +384,6 @@ def dense_prefill(
             out[start : start + count] = o.transpose(0, 1).to(query.dtype)
         start += count
     return out
-
-
-def draw_query_lens(
-    data: st.DataObject, seqs: list[Seq | None], block_size: int, at_least_one: bool = False
-) -> list[int]:
-    """A chunk length per sequence, edges likely; ``at_least_one`` (``sdpa.plan``'s contract)."""
-    counts = []
-    for seq in seqs:
-        length = 0 if seq is None else seq.length
-        cap = min(length, MAX_CHUNK)
-        edges = sorted({n for n in (0, 1, block_size, block_size + 1, length) if n <= cap})
-        counts.append(data.draw(st.sampled_from(edges) | st.integers(0, cap), label="query_len"))
-    if at_least_one and not any(counts):
-        assume(seqs and seqs[0] is not None)
-        counts[0] = 1
-    return counts
 
 
 # ----------------------------------------------------------------------- slots, stores, copies

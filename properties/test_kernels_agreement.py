@@ -23,25 +23,19 @@ from properties.kernel_cases import (
     DTYPES,
     GQA_RATIOS,
     HEAD_DIMS,
+    ON_CPU,
     KVCache,
     Seq,
     Shape,
     assert_close,
-    backends,
     check_attention,
     check_copy_blocks,
     check_slot_mapping,
     check_store_kv,
     decode_on,
     dense_attention,
-    draw_cache,
-    draw_query_lens,
-    draw_splits,
-    draw_window,
-    fill_backend,
     fixed_scenario,
     kernel_examples,
-    longest_context,
     padded_tables,
     poison_outside_window,
     prefill_on,
@@ -49,14 +43,71 @@ from properties.kernel_cases import (
     window_start,
 )
 
+MAX_CHUNK = 64  # longest drawn prefill query chunk: the interpreter runs every query tile
 ALL = ("triton", "numba", "reference")
+
+
+def backends(*names: str) -> list[object]:
+    """``names`` as pytest parameters; ``numba`` runs on CPU only."""
+    return [pytest.param(name, marks=ON_CPU) if name == "numba" else name for name in names]
+
+
 KERNELS = backends("triton", "numba")  # decode kernels, checked against the reference
 EVERY = backends(*ALL)
 PREFILLS = backends("triton", "numba", "sdpa")
 
 
-def dtype_id(value: object) -> str:
-    return str(value).removeprefix("torch.")
+def fill_backend(backend: str) -> str:
+    """The backend that fills the caches for a check of ``backend`` (the reference for sdpa)."""
+    return backend if backend in ("triton", "numba") else "reference"
+
+
+def draw_cache(
+    data: st.DataObject,
+    backend: str,
+    block_size: int | None = None,
+    dtype: torch.dtype | None = None,
+    group: int | None = None,
+    head_dim: int | None = None,
+) -> KVCache:
+    """A cache filled through ``fill_backend(backend)`` by a drawn scenario, 1 or 2 KV heads; a
+    size left ``None`` is drawn from all (``BLOCK_SIZES``, ``DTYPES``, ...)."""
+    block_size = block_size or data.draw(st.sampled_from(BLOCK_SIZES), label="block_size")
+    dtype = dtype or data.draw(st.sampled_from(DTYPES), label="dtype")
+    group = group or data.draw(st.sampled_from(GQA_RATIOS), label="group")
+    head_dim = head_dim or data.draw(st.sampled_from(HEAD_DIMS), label="head_dim")
+    scenario = data.draw(scenarios(block_size), label="scenario")
+    num_kv_heads = data.draw(st.sampled_from([1, 2]), label="num_kv_heads")
+    shape = Shape(block_size, num_kv_heads, group, head_dim, dtype)
+    return KVCache(scenario, shape, backend=fill_backend(backend))
+
+
+def longest_context(cache: KVCache) -> int:
+    """The longest live sequence's length (1 when the scenario freed every sequence)."""
+    return max((seq.length for seq in cache.run.seqs), default=1)
+
+
+def draw_window(data: st.DataObject, cache: KVCache) -> int | None:
+    """No window, or one from 1 (the query alone) to past the longest context (no effect)."""
+    longest = longest_context(cache)
+    edges = st.sampled_from([1, 2, cache.shape.block_size, longest, longest + 1, 10**6])
+    return data.draw(st.none() | edges | st.integers(1, longest), label="window")
+
+
+def draw_query_lens(
+    data: st.DataObject, seqs: list[Seq | None], block_size: int, at_least_one: bool = False
+) -> list[int]:
+    """A chunk length per sequence, edges likely; ``at_least_one`` (``sdpa.plan``'s contract)."""
+    counts = []
+    for seq in seqs:
+        length = 0 if seq is None else seq.length
+        cap = min(length, MAX_CHUNK)
+        edges = sorted({n for n in (0, 1, block_size, block_size + 1, length) if n <= cap})
+        counts.append(data.draw(st.sampled_from(edges) | st.integers(0, cap), label="query_len"))
+    if at_least_one and not any(counts):
+        assume(seqs and seqs[0] is not None)
+        counts[0] = 1
+    return counts
 
 
 def draw_caches(
@@ -85,9 +136,10 @@ def draw_caches(
     index_dtype=st.sampled_from([torch.int32, torch.int64]),
     data=st.data(),
 )
-def test_slot_mapping_per_token_matches_spec(
+def test_slot_mapping_matches_spec(
     block_size: int, extra_columns: int, index_dtype: torch.dtype, data: st.DataObject
 ) -> None:
+    """Per token (a sequence id each), and one position per sequence (decode): its newest slot."""
     run = data.draw(scenarios(block_size), label="scenario").play()
     assume(run.seqs)
     tables = [seq.table for seq in run.seqs]
@@ -96,28 +148,17 @@ def test_slot_mapping_per_token_matches_spec(
         lambda b: st.tuples(st.just(b), st.integers(-1, len(tables[b]) * block_size - 1))
     )
     tokens = data.draw(st.lists(token, min_size=1, max_size=64), label="tokens")
+    newest = [translate_slot(seq.table, seq.length - 1, block_size) for seq in run.seqs]
+    positions = torch.tensor([seq.length - 1 for seq in run.seqs], dtype=index_dtype, device=DEVICE)
     for backend in ALL:
 
         def mapping(*args: torch.Tensor | int, backend: str = backend) -> torch.Tensor:
             return kernels.slot_mapping(*args, num_blocks=run.manager.total_blocks, backend=backend)
 
         check_slot_mapping(tables, tokens, block_size, mapping, extra_columns, index_dtype)
-
-
-@settings(max_examples=kernel_examples(50))
-@given(block_size=st.sampled_from(BLOCK_SIZES), data=st.data())
-def test_slot_mapping_per_sequence_gives_each_newest_slot(
-    block_size: int, data: st.DataObject
-) -> None:
-    """One position per sequence (decode): the slot of each sequence's newest token."""
-    run = data.draw(scenarios(block_size), label="scenario").play()
-    assume(run.seqs)
-    expected = [translate_slot(seq.table, seq.length - 1, block_size) for seq in run.seqs]
-    positions = torch.tensor([seq.length - 1 for seq in run.seqs], device=DEVICE)
-    block_tables = padded_tables([seq.table for seq in run.seqs], 0)
-    for backend in ALL:
+        block_tables = padded_tables(tables, extra_columns)
         slots = kernels.slot_mapping(block_tables, positions, block_size, backend=backend)
-        assert slots.tolist() == expected, backend
+        assert slots.tolist() == newest, backend
 
 
 @settings(max_examples=kernel_examples(60))
@@ -174,20 +215,17 @@ DECODE_GRID: list[Grid] = [
 ] + [(None, None, g, h) for g, h in itertools.product(GQA_RATIOS, HEAD_DIMS)]
 
 
-@pytest.mark.parametrize("grid", DECODE_GRID, ids=lambda grid: "-".join(map(dtype_id, grid)))
+@pytest.mark.parametrize(
+    "grid", DECODE_GRID, ids=lambda grid: "-".join(str(v).removeprefix("torch.") for v in grid)
+)
 @pytest.mark.parametrize("backend", KERNELS)
 @settings(max_examples=kernel_examples(8))
 @given(data=st.data())
 def test_decode_matches_dense(backend: str, grid: Grid, data: st.DataObject) -> None:
-    block_size, dtype, group, head_dim = grid
-    block_size = block_size or data.draw(st.sampled_from(BLOCK_SIZES), label="block_size")
-    dtype = dtype or data.draw(st.sampled_from(DTYPES), label="dtype")
-    group = group or data.draw(st.sampled_from(GQA_RATIOS), label="group")
-    head_dim = head_dim or data.draw(st.sampled_from(HEAD_DIMS), label="head_dim")
-    cache = draw_cache(data, backend, block_size, group, head_dim, dtype)
+    cache = draw_cache(data, backend, *grid)
     check_attention(
         cache,
-        decode_on(backend, draw_splits(data)),
+        decode_on(backend, data.draw(st.none() | st.integers(1, 5), label="num_splits")),
         extra_columns=data.draw(st.integers(0, 2), label="extra_columns"),
         padding_row=data.draw(st.booleans(), label="padding_row"),
         window=draw_window(data, cache),
@@ -198,10 +236,7 @@ def test_decode_matches_dense(backend: str, grid: Grid, data: st.DataObject) -> 
 @settings(max_examples=kernel_examples(25))
 @given(data=st.data())
 def test_split_k_matches_single_pass(backend: str, data: st.DataObject) -> None:
-    block_size = data.draw(st.sampled_from(BLOCK_SIZES), label="block_size")
-    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
-    group = data.draw(st.sampled_from(GQA_RATIOS), label="group")
-    cache = draw_cache(data, backend, block_size, group, 64, dtype)
+    cache = draw_cache(data, backend, head_dim=64)
     num_splits = data.draw(st.integers(2, 9), label="num_splits")
     _, tables, lens = cache.batch(extra_columns=data.draw(st.integers(0, 2)), padding_row=True)
     query = cache.randn(tables.shape[0], cache.shape.num_heads, cache.shape.head_dim)
@@ -267,7 +302,7 @@ def test_blocks_outside_the_window_are_never_read(
 ) -> None:
     """Entries before the window name a NaN block, or ``-1``: accepted, outputs bit for bit."""
     block_size = data.draw(st.sampled_from([1, 2, 4, 16]), label="block_size")
-    cache = draw_cache(data, backend, block_size, 2, 64, torch.float32)
+    cache = draw_cache(data, backend, block_size, torch.float32, 2, 64)
     window = data.draw(st.integers(1, longest_context(cache)), label="window")
     attention = decode_on(backend, data.draw(st.none() | st.integers(1, 3), label="num_splits"))
     check_attention(cache, attention, None, 1, padding_row=True, window=window, poison=poison)
@@ -315,10 +350,7 @@ def test_prefill_matches_spec_for_every_block_size(
     backend: str, block_size: int, data: st.DataObject
 ) -> None:
     """Chunks over cached prefixes, windows; entries before a window poisoned change nothing."""
-    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
-    group = data.draw(st.sampled_from(GQA_RATIOS), label="group")
-    head_dim = data.draw(st.sampled_from(HEAD_DIMS), label="head_dim")
-    cache = draw_cache(data, backend, block_size, group, head_dim, dtype)
+    cache = draw_cache(data, backend, block_size)
     padding_row = data.draw(st.booleans(), label="padding_row")
     seqs, _, _ = cache.batch(padding_row=padding_row)
     query_lens = draw_query_lens(data, seqs, block_size, at_least_one=backend == "sdpa")
