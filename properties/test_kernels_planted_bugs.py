@@ -6,10 +6,10 @@ stays valid between runs) fails its entry point's check.
 
 from __future__ import annotations
 
-import functools
 import re
 import tempfile
 from collections.abc import Callable
+from functools import cache, partial
 from pathlib import Path
 from types import ModuleType
 
@@ -47,7 +47,7 @@ MUTANT_QUERY_LENS = [17, 1, 19]  # fixed_scenario(16)'s live sequences hold 50, 
 WINDOW_QUERY_LENS = [3, 1, 7]
 
 
-@functools.cache
+@cache
 def fixed_cache(block_size: int, group: int, head_dim: int) -> KVCache:
     """The fixed run at ``block_size`` in fp32, two KV heads (the checks only read it)."""
     shape = Shape(block_size, 2, group, head_dim, torch.float32)
@@ -100,16 +100,8 @@ def written_only(store: Callable[..., None]) -> Callable[..., None]:
 # Each entry point: its module, its check, and how to reach it in the module or a mutant of it.
 Reach = Callable[[ModuleType], Callable[..., object]]
 ENTRIES: dict[str, tuple[ModuleType, Callable[[Callable[..., object]], None], Reach]] = {
-    "triton decode": (
-        triton_decode,
-        check_decode,
-        lambda m: lambda q, k, v, t, n, s, window=None: m.launch(q, k, v, t, n, s, 3, window),
-    ),
-    "numba decode": (
-        numba_attention,
-        check_decode,
-        lambda m: lambda q, k, v, t, n, s, window=None: m.decode(q, k, v, t, n, s, 3, window),
-    ),
+    "triton decode": (triton_decode, check_decode, lambda m: partial(m.launch, num_splits=3)),
+    "numba decode": (numba_attention, check_decode, lambda m: partial(m.decode, num_splits=3)),
     "triton prefill": (triton_prefill, check_prefill_runs, lambda m: m.launch),
     "numba prefill": (numba_attention, check_prefill_runs, lambda m: m.prefill),
     "reference prefill": (reference, check_prefill_runs, lambda m: m.paged_prefill_attention),
