@@ -123,24 +123,19 @@ ENTRIES: dict[str, tuple[ModuleType, Callable[[Callable[..., object]], None], Re
     "numba copy_blocks": (numba_cache, check_copy, lambda m: m.copy_blocks),
 }
 
-# One planted bug per paragraph: "entry point: bug: function", then the code and the planted
-# code, on two lines or as "code => planted" (none for a mutation-tool edit), as
+# One planted bug per paragraph: "entry point: bug: function" (entry points and their functions
+# joined by " | " when the same code is planted in each), then the code and the planted code, on
+# two lines or as "code => planted" (none for a mutation-tool edit), as
 # :func:`properties.mutants.replace_code` takes them.
 PLANTED_BUGS = """
-triton decode: table read off by one: _decode_kernel
+triton decode | triton prefill: table read off by one: _decode_kernel | _prefill_kernel
     block_tables_ptr + seq * table_stride + n // BLOCK_SIZE
     block_tables_ptr + seq * table_stride + n // BLOCK_SIZE + 1
-triton decode: wrong row inside a block: _decode_kernel
+triton decode | triton prefill: wrong row inside a block: _decode_kernel | _prefill_kernel
     rows = block_id * BLOCK_SIZE + n % BLOCK_SIZE
     rows = block_id * BLOCK_SIZE + (n + 1) % BLOCK_SIZE
 triton decode: query heads interleaved over KV heads: _decode_kernel
     heads = kv_head * group + g => heads = kv_head + g * NUM_KV_HEADS
-triton prefill: table read off by one: _prefill_kernel
-    block_tables_ptr + seq * table_stride + n // BLOCK_SIZE
-    block_tables_ptr + seq * table_stride + n // BLOCK_SIZE + 1
-triton prefill: wrong row inside a block: _prefill_kernel
-    rows = block_id * BLOCK_SIZE + n % BLOCK_SIZE
-    rows = block_id * BLOCK_SIZE + (n + 1) % BLOCK_SIZE
 triton prefill: query heads interleaved over KV heads: _prefill_kernel
     heads = kv_head * group + g => heads = kv_head + g * NUM_KV_HEADS
 triton decode: split-K merge ignores each split's denominator: _decode_kernel
@@ -243,10 +238,11 @@ def parse_bugs(table: str) -> dict[tuple[str, str], tuple[str, str, str]]:
     bugs: dict[tuple[str, str], tuple[str, str, str]] = {}
     for paragraph in re.split(r"\n(?=\S)", table.strip()):
         header, *lines = paragraph.splitlines()
-        entry, bug, function = header.split(": ")
+        entries, bug, functions = header.split(": ")
         code = [part.strip() for line in lines for part in line.split(" => ")]
-        assert (entry, bug) not in bugs and 1 <= len(code) <= 2, header
-        bugs[entry, bug] = (function, code[0], code[1] if code[1:] else "")
+        for entry, function in zip(entries.split(" | "), functions.split(" | "), strict=True):
+            assert (entry, bug) not in bugs and 1 <= len(code) <= 2, header
+            bugs[entry, bug] = (function, code[0], code[1] if code[1:] else "")
     return bugs
 
 
