@@ -56,8 +56,6 @@ def kernel_examples(base: int) -> int:
     return max(base, base * settings.default.max_examples // 200)
 
 
-# ----------------------------------------------------------------------- spec runs
-
 Op = tuple[str, int, int]  # (kind, sequence index, token count)
 
 
@@ -182,9 +180,6 @@ def scenarios(draw: st.DrawFn, block_size: int) -> Scenario:
     free_order = tuple(draw(st.permutations(range(total_blocks))))
     seed = draw(st.integers(0, 2**31 - 1))
     return Scenario(block_size, total_blocks, free_order, script, seed)
-
-
-# ----------------------------------------------------------------------- caches
 
 
 @dataclass(frozen=True)
@@ -386,9 +381,6 @@ def dense_prefill(
     return out
 
 
-# ----------------------------------------------------------------------- slots, stores, copies
-
-
 def padded_tables(tables: list[list[int]], extra_columns: int, pad: int = -1) -> torch.Tensor:
     """int32 ``[len(tables), longest + extra_columns]``, padded with ``pad``."""
     width = max((len(t) for t in tables), default=0) + extra_columns
@@ -443,9 +435,6 @@ def check_copy_blocks(cache: torch.Tensor, pairs: object, copy_blocks: Callable[
     """``copy_blocks`` equals the sequential loop (``copy_in_order``)."""
     in_order = torch.as_tensor(pairs, dtype=torch.int64).reshape(-1, 2).tolist()
     assert_writes(cache, lambda k, v: copy_blocks(k, v, pairs), copy_in_order(cache, in_order))
-
-
-# ----------------------------------------------------------------------- planted bugs
 
 
 def load_mutant(module: ModuleType, within: str, old: str, new: str, directory: Path) -> ModuleType:

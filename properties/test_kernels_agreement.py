@@ -126,9 +126,6 @@ def draw_caches(
     return torch.randn(2, *size, generator=generator).to(dtype).to(DEVICE), generator
 
 
-# ----------------------------------------------------------------------- slots, stores, copies
-
-
 @settings(max_examples=kernel_examples(100))
 @given(
     block_size=st.sampled_from(BLOCK_SIZES),
@@ -203,9 +200,6 @@ def test_copy_blocks_matches_sequential_copies(
         check_copy_blocks(
             cache, arg, lambda k, v, p, b=backend: kernels.copy_blocks(k, v, p, backend=b)
         )
-
-
-# ----------------------------------------------------------------------- decode
 
 
 # Every block size x dtype, and every GQA ratio x head dim; a None is drawn.
@@ -337,9 +331,6 @@ def test_a_nan_key_reaches_the_output_at_every_split_count(backend: str) -> None
     for num_splits in (1, 2, 3, 4):
         out = kernels.paged_decode_attention(*args, num_splits=num_splits, backend=backend)
         assert torch.equal(out.isnan(), expected), num_splits
-
-
-# ----------------------------------------------------------------------- prefill
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)

@@ -40,11 +40,9 @@ from properties.kernel_cases import (
 )
 
 HALF_AND_FP32 = (torch.float16, torch.bfloat16, torch.float32)
+HALF = HALF_AND_FP32[:2]
 triton_decode = pytest.importorskip("pagedkv.kernels.triton_decode")
 triton_prefill = pytest.importorskip("pagedkv.kernels.triton_prefill")
-
-
-# ----------------------------------------------------------------------- split-K
 
 
 @settings(max_examples=500)
@@ -129,9 +127,6 @@ def test_the_launchers_launch_their_config(monkeypatch: pytest.MonkeyPatch) -> N
     assert launched == [expected]
 
 
-# ----------------------------------------------------------------------- the engine's routing
-
-
 def test_pure_decode_steps_run_the_decode_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """Decodes only: the (trusted) decode kernel with the host's longest context; else prefill."""
     calls: list[tuple[str, tuple]] = []
@@ -159,9 +154,6 @@ def test_pure_decode_steps_run_the_decode_kernel(monkeypatch: pytest.MonkeyPatch
     attend([1, 1], [6, 4])
     assert [name for name, _ in calls] == ["paged_prefill_attention", "paged_decode_attention"]
     assert calls[1][1][-2:] == (6, "triton")  # max_context_len, and the backend
-
-
-# ----------------------------------------------------------------------- occupancy and budgets
 
 
 def test_programs_per_sm_follows_the_limits() -> None:
@@ -227,9 +219,6 @@ def test_the_tile_table_is_total() -> None:
         tiles("merge", torch.float16, 64, 90)
 
 
-# ----------------------------------------------------------------------- the gate
-
-
 def test_the_compile_gate_sample_meets_the_budgets() -> None:
     """Four variants on sm_80 and sm_90: 16-bit MMA, no spills, vLLM's occupancy, fp32 on FMA."""
     rows = compile_check.measure(sample=True, targets=(80, 90))
@@ -252,11 +241,6 @@ def test_the_compile_gate_meets_the_budgets_over_the_ci_grid() -> None:
     assert {r["dtype"] for r in rows} == set(compile_check.DTYPES)
     assert {r["head_dim"] for r in rows} == set(compile_check.CI_HEAD_DIMS)
     assert compile_check.budget_failures(rows) == []
-
-
-# ----------------------------------------------------------------------- GPU rounding
-
-HALF = HALF_AND_FP32[:2]
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
@@ -319,8 +303,6 @@ def test_a_coarser_rounding_breaks_the_tolerance(tmp_path: Path) -> None:
     with pytest.raises(AssertionError):
         assert_close(mutant.paged_decode_attention(*args, gpu_rounding=True), exact, "fp8 P")
 
-
-# ----------------------------------------------------------------------- copy waves
 
 Waves = Callable[[list[tuple[int, int]]], list[list[tuple[int, int]]]]
 
