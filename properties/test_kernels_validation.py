@@ -49,14 +49,10 @@ def valid_args() -> dict[str, Args]:
     prefill = {"query": randn(5, 4, 8), "k_cache": randn(4, 4, 2, 8), "v_cache": randn(4, 4, 2, 8)}
     prefill.update(block_tables=ints([[2, 0], [3, -1]]), cu_seqlens_q=ints([0, 2, 5], torch.int64))
     slot_mapping = ints([0, 7, -1], torch.int64)
+    contiguous = {"query": query, "key": k_cache[:2], "value": v_cache[:2]}
     return {
         "decode": {"query": query, **caches, "block_tables": tables, "context_lens": ints([6, 2])},
-        "contiguous": {
-            "query": query,
-            "key": k_cache[:2],
-            "value": v_cache[:2],
-            "context_lens": ints([4, 2]),
-        },
+        "contiguous": {**contiguous, "context_lens": ints([4, 2])},
         "store": {"key": key, "value": value, **caches, "slot_mapping": slot_mapping},
         "slots": {"block_tables": tables, "positions": ints([5, 1]), "block_size": BLOCK_SIZE},
         "copy": {**caches, "pairs": [(0, 1)]},
@@ -113,13 +109,9 @@ def overlapping(args: Args) -> Args:
     allocation into K and V wrongly would pass."""
     k, v = args["k_cache"], args["v_cache"]
     assert isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
-    buffer, start = torch.cat([k.view(-1), v.view(-1)]), k.numel() // 2
-    size = k.numel()
-    return {
-        **args,
-        "k_cache": buffer[:size].view(k.shape),
-        "v_cache": buffer[start:][:size].view(k.shape),
-    }
+    buffer, size = torch.cat([k.view(-1), v.view(-1)]), k.numel()
+    k_view, v_view = buffer[:size].view(k.shape), buffer[size // 2 :][:size].view(k.shape)
+    return {**args, "k_cache": k_view, "v_cache": v_view}
 
 
 def key_in_cache(args: Args) -> Args:
