@@ -12,6 +12,7 @@ import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import pairwise
 from pathlib import Path
 from types import ModuleType
@@ -318,13 +319,7 @@ def check_attention(
 
 def decode_on(backend: str, num_splits: int | None = None) -> Attention:
     """The public decode function on ``backend``, with ``num_splits`` fixed."""
-
-    def attention(*args: torch.Tensor | float, window: int | None = None) -> torch.Tensor:
-        return kernels.paged_decode_attention(
-            *args, num_splits=num_splits, window=window, backend=backend
-        )
-
-    return attention
+    return partial(kernels.paged_decode_attention, num_splits=num_splits, backend=backend)
 
 
 def sdpa_prefill(module: ModuleType = sdpa) -> Attention:
@@ -346,11 +341,7 @@ def prefill_on(backend: str) -> Attention:
     """The public prefill function on ``backend``, or ``sdpa``'s plan and attention."""
     if backend == "sdpa":
         return sdpa_prefill()
-
-    def prefill(*args: torch.Tensor | float, window: int | None = None) -> torch.Tensor:
-        return kernels.paged_prefill_attention(*args, window=window, backend=backend)
-
-    return prefill
+    return partial(kernels.paged_prefill_attention, backend=backend)
 
 
 def dense_prefill(
