@@ -8,6 +8,7 @@ on caches filled through that backend by spec runs (``kernel_cases``). Planted b
 from __future__ import annotations
 
 import itertools
+from functools import partial
 
 import pytest
 import torch
@@ -148,10 +149,9 @@ def test_slot_mapping_matches_spec(
     newest = [translate_slot(seq.table, seq.length - 1, block_size) for seq in run.seqs]
     positions = torch.tensor([seq.length - 1 for seq in run.seqs], dtype=index_dtype, device=DEVICE)
     for backend in ALL:
-
-        def mapping(*args: torch.Tensor | int, backend: str = backend) -> torch.Tensor:
-            return kernels.slot_mapping(*args, num_blocks=run.manager.total_blocks, backend=backend)
-
+        mapping = partial(
+            kernels.slot_mapping, num_blocks=run.manager.total_blocks, backend=backend
+        )
         check_slot_mapping(tables, tokens, block_size, mapping, extra_columns, index_dtype)
         block_tables = padded_tables(tables, extra_columns)
         slots = kernels.slot_mapping(block_tables, positions, block_size, backend=backend)
@@ -179,9 +179,7 @@ def test_store_kv_writes_exactly_the_given_slots(
     key = rows[..., ::2] if strided else rows[..., :head_dim].contiguous()
     value = rows[..., 1::2] if strided else rows[..., head_dim:]
     for backend in ALL:
-        check_store_kv(
-            cache, key, value, slots, lambda *a, b=backend: kernels.store_kv(*a, backend=b)
-        )
+        check_store_kv(cache, key, value, slots, partial(kernels.store_kv, backend=backend))
     live = [t for t, slot in enumerate(slots) if slot >= 0]
     check_store_kv(cache, key[live], value[live], [slots[t] for t in live], sdpa.store)
 
@@ -197,9 +195,7 @@ def test_copy_blocks_matches_sequential_copies(
     pairs = data.draw(st.lists(st.tuples(block, block), max_size=8), label="pairs")
     arg = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2) if as_tensor else pairs
     for backend in ALL:
-        check_copy_blocks(
-            cache, arg, lambda k, v, p, b=backend: kernels.copy_blocks(k, v, p, backend=b)
-        )
+        check_copy_blocks(cache, arg, partial(kernels.copy_blocks, backend=backend))
 
 
 # Every block size x dtype, and every GQA ratio x head dim; a None is drawn.
