@@ -225,9 +225,7 @@ def plan_in_order(
                 refs[block] = left
                 # A pending copy's source waits for the copy instead of joining the queue.
                 free += left == 0 and block not in sources
-        if tail < i:  # it was itself removed
-            break
-        if need <= free:
+        if i <= tail and need <= free:  # not itself removed, and it fits
             free -= need
             _record(steps, True, i)
             if owners > 1:
