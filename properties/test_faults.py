@@ -749,7 +749,7 @@ LOSES_PAIRS = "a failed copy loses its copy-on-write pairs"
 RETRY_RULE = "the block layer without the retry rule"
 
 ENGINE_FIND = settings(
-    ENGINE_SETTINGS, max_examples=60, database=None, derandomize=True,
+    ENGINE_SETTINGS, max_examples=60, database=None, derandomize=FIND.derandomize,
     report_multiple_bugs=False, phases=[Phase.generate],
 )  # fmt: skip
 
