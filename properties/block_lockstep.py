@@ -51,9 +51,11 @@ class Both:
         for seq_id, count in counts.items():
             self.tables[seq_id] = self.spec.truncate(self.tables[seq_id], count)
 
-    def grow(self, steps: dict[int, int], method: str = "grow") -> list[int]:
-        """The store's ``method`` (no victim expected) and ``append_slot`` per id; ids not grown."""
-        result = getattr(self.store, method)(list(steps), list(steps.values()))
+    def grow(self, steps: dict[int, int], method: str = "grow", decode: bool = False) -> list[int]:
+        """The store's ``method`` (no victim expected) and ``append_slot`` per id; ids not grown.
+        ``decode``: every step is 1, passed as one int (the store's decode step)."""
+        assert not decode or set(steps.values()) == {1}
+        result = getattr(self.store, method)(list(steps), 1 if decode else list(steps.values()))
         failed = []
         for seq_id, step in steps.items():
             count = self.store.token_count(seq_id) - (0 if seq_id in result else step)

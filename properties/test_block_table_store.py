@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import pagedkv.spec.block_manager as spec_bm
-from pagedkv.impl.blocks import BlockTableStore, CapacityError, page_tables
+from pagedkv.impl.blocks import BlockTableStore, CapacityError, growth, page_tables
 from pagedkv.impl.blocks.manager import BlockManager
 from pagedkv.impl.blocks.prefix_cache import PrefixCachingBlockManager
 from properties.block_lockstep import Both
@@ -320,9 +320,26 @@ def test_a_zero_token_growth_leaves_a_shared_tail_to_be_copied(another_fails: bo
     # Sequence 1 copies the shared block (the last free one); 0 and 2 still share it.
     assert both.grow(steps) == ([3] if another_fails else [])
     both.remove(3)
-    both.grow({0: 1})
+    both.grow({0: 1}, decode=True)  # the decode step's own path must see the shared tail too
     both.check()
     assert both.store.pop_copy_pairs().tolist() == [list(p) for p in both.spec.pop_copy_pairs()]
+
+
+def test_a_decode_over_tails_no_table_shares_skips_the_general_planner(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fork flags both rows (their last block is shared); a write into the last block once it
+    is the row's own, or freeing the row, clears the flag. A decode over unflagged rows takes the
+    fast path: the general planner (``growth_of``) is never asked."""
+    both = Both(8, 2, 2, 4, prefix=False)
+    both.add(0, 3)
+    both.fork(0, 1)
+    both.remove(1)
+    both.grow({0: 1})  # writes its last block, its own again: in place
+    both.add(2, 3)  # into the freed row
+    monkeypatch.setattr(growth, "growth_of", lambda *_: pytest.fail("the general planner ran"))
+    assert both.grow({0: 1, 2: 1}, decode=True) == []
+    both.check()
 
 
 def test_a_removed_sequences_keys_do_not_outlive_it() -> None:
