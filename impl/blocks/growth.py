@@ -321,8 +321,9 @@ def grow(
         place_fresh(rows, pool, fresh, base, lengths, growth, last, shared)
     rows.num_blocks[batch_rows] = needed
     rows.token_counts[batch_rows] = new_counts
-    # A write copied or filled the last block, or passed it.
-    rows.tail_shared[batch_rows[writes_last | (growth > 0)]] = False
+    # A write into the last block copied it or found it the row's own. (A flagged row's last
+    # block is partly filled, so each growth of one writes it.)
+    rows.tail_shared[batch_rows[writes_last]] = False
 
 
 def place_fresh(
