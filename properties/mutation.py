@@ -19,7 +19,7 @@ import sys
 import time
 import types
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -46,10 +46,18 @@ BLOCK_MANAGEMENT_TESTS = (
 )  # fmt: skip
 """Block management's property files; not the planted-bug tests nor the (slow) exhaustive check."""
 
-PYTEST_ARGS = (
-    *BLOCK_MANAGEMENT_TESTS,
-    *("-x", "-q", "-p", "no:cacheprovider", "--hypothesis-profile=mutation"),
-)
+READERS = {"spec/checks.py": ("properties/test_scheduler.py",)}
+"""Files whose names other layers read too: their mutants also face those readers' tests (the
+serving layer refuses token ids past ``INT64_MAX``)."""
+
+PYTEST_OPTIONS = ("-x", "-q", "-p", "no:cacheprovider", "--hypothesis-profile=mutation")
+
+
+def tests_of(paths: Sequence[str]) -> tuple[str, ...]:
+    """The test files a mutant of any of ``paths`` runs against."""
+    readers = [test for path in paths for test in READERS.get(path, ())]
+    return (*BLOCK_MANAGEMENT_TESTS, *dict.fromkeys(readers))
+
 
 EQUIVALENT_FILE = ROOT / "properties" / "equivalent_mutants.json"
 """Survivors equivalent to the original: ``{"file", "scope", "operator", "code", "occurrence"
@@ -236,8 +244,10 @@ class MutantFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         exec(self.code, module.__dict__)
 
 
-def run_pytest(code: tuple[str, types.CodeType] | None, timeout: float) -> tuple[str, float]:
-    """:data:`PYTEST_ARGS` in a forked child with ``code = (module, compiled)`` (None: baseline);
+def run_pytest(
+    code: tuple[str, types.CodeType] | None, timeout: float, tests: Sequence[str]
+) -> tuple[str, float]:
+    """``tests`` in a forked child with ``code = (module, compiled)`` (None: baseline);
     ``(verdict, seconds)``, verdict ``"passed"``, ``"failed"``, ``"timeout"`` or ``"error: N"``."""
     start = time.monotonic()
     pid = os.fork()
@@ -253,7 +263,7 @@ def run_pytest(code: tuple[str, types.CodeType] | None, timeout: float) -> tuple
                 sys.meta_path.insert(0, MutantFinder(name, Path(compiled.co_filename), compiled))
             import pytest
 
-            status = int(pytest.main(list(PYTEST_ARGS)))
+            status = int(pytest.main([*tests, *PYTEST_OPTIONS]))
         finally:
             os._exit(status)
     while True:
@@ -340,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy  # noqa: F401  (imported once here, not again in every child)
     import pytest  # noqa: F401
 
-    verdict, seconds = run_pytest(None, timeout=600)
+    verdict, seconds = run_pytest(None, 600, tests_of(args.paths))  # every test a mutant faces
     if verdict != "passed":
         print(f"the unmutated code does not pass: {verdict}", file=sys.stderr)
         return 2
@@ -348,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"baseline passed in {seconds:.1f} s; {len(mutants)} mutants, timeout {timeout:.0f} s")
     results: list[Result] = []
     for mutant in mutants:
-        verdict, seconds = run_pytest((module_name(mutant.path), mutated_code(mutant)), timeout)
+        code = (module_name(mutant.path), mutated_code(mutant))
+        verdict, seconds = run_pytest(code, timeout, tests_of([mutant.path]))
         if verdict.startswith("error"):
             raise RuntimeError(f"{mutant.ident}: pytest ended with {verdict}")
         outcome = {"failed": "killed", "passed": "survived"}.get(verdict, verdict)

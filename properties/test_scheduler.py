@@ -309,7 +309,8 @@ def test_update_refuses_bad_sampled_tokens_and_changes_nothing(bad: object, erro
 
 
 def test_a_request_keeps_plain_ints_and_refuses_an_eos_past_int64() -> None:
-    """An int-subclass prompt and EOS are kept as plain ints; an EOS past int64 changes nothing."""
+    """An int-subclass prompt and EOS are kept as plain ints; an EOS past int64 changes nothing,
+    int64's largest is taken."""
 
     class Token(int):
         pass
@@ -320,6 +321,8 @@ def test_a_request_keeps_plain_ints_and_refuses_an_eos_past_int64() -> None:
     with pytest.raises(ValueError, match="eos_token_id"):
         scheduler.add_request(1, [1, 2], max_new_tokens=3, eos_token_id=2**63)
     assert [s.request_id for s in scheduler.waiting] == [0]
+    scheduler.add_request(2, [1, 2], max_new_tokens=3, eos_token_id=2**63 - 1)  # int64's largest
+    assert [s.request_id for s in scheduler.waiting] == [0, 2]
     assert scheduler.schedule().seq_ids.dtype == np.int64
 
 
