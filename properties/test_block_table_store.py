@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import pagedkv.spec.block_manager as spec_bm
-from pagedkv.impl.blocks import BlockTableStore, CapacityError, growth, page_tables
+from pagedkv.impl.blocks import BlockTableStore, CapacityError, growth, page_tables, rows
 from pagedkv.impl.blocks.manager import BlockManager
 from pagedkv.impl.blocks.prefix_cache import PrefixCachingBlockManager
 from properties.block_lockstep import Both
@@ -337,8 +337,39 @@ def test_a_decode_over_tails_no_table_shares_skips_the_general_planner(
     both.remove(1)
     both.grow({0: 1})  # writes its last block, its own again: in place
     both.add(2, 3)  # into the freed row
+    both.store.release_outside_window([2], 2)  # its first block; the partly filled last stays
+    both.tables[2] = both.spec.release_outside_window(both.tables[2], 3, 2)
     monkeypatch.setattr(growth, "growth_of", lambda *_: pytest.fail("the general planner ran"))
     assert both.grow({0: 1, 2: 1}, decode=True) == []
+    both.check()
+
+
+def test_a_window_past_the_tokens_that_releases_the_last_block_refuses_the_next_write() -> None:
+    """A count past the tokens can release the partly filled last block: the next write into
+    it is refused, on the decode step's path too, as the spec refuses it."""
+    both = Both(4, 2, 2, 4, prefix=False)
+    both.add(0, 3)
+    both.store.release_outside_window([0], 1, [4])
+    both.tables[0] = both.spec.release_outside_window(both.tables[0], 4, 1)
+    with pytest.raises(spec_bm.BlockTableError):
+        both.spec.append_slot(both.tables[0], 4, 1)
+    with pytest.raises(spec_bm.BlockTableError):
+        both.store.grow([0])
+    both.check()
+
+
+def test_growth_with_preemption_and_no_copy_is_planned_by_the_batched_shortcut(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No sequence writes a block another holds (a fork at a block boundary shares a full last
+    block; an unshared tail is written in place): ``grow_or_preempt`` takes the batched plan,
+    and ``plan_in_order`` (one sequence at a time) is never asked."""
+    both = Both(8, 2, 3, 4, prefix=False)
+    both.add(0, 4)
+    both.fork(0, 1)
+    both.add(2, 3)
+    monkeypatch.setattr(growth, "plan_in_order", lambda *_: pytest.fail("the in-order plan ran"))
+    assert both.grow({0: 1, 1: 1, 2: 1}, "grow_or_preempt") == []
     both.check()
 
 
@@ -442,4 +473,15 @@ def test_a_batched_truncate_into_cached_blocks_removes_the_keys_the_spec_removes
         both.cache(seq_id, tokens)
     both.fork(1, 2)
     both.truncate({0: 5, 1: 6, 3: 4})
+    both.check()
+
+
+def test_a_list_of_valid_counts_is_checked_in_bulk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain non-negative ints, 0 included, pass one bulk check; only a bad list is checked
+    entry by entry, for the first bad entry's exact error."""
+    both = Both(8, 2, 2, 4, prefix=False)
+    both.add(0, 2)
+    both.add(1, 2)
+    monkeypatch.setattr(rows, "check_int", lambda *_: pytest.fail("checked entry by entry"))
+    assert both.grow({0: 0, 1: 3}) == []
     both.check()
