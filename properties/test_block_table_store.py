@@ -344,6 +344,18 @@ def test_a_decode_over_tails_no_table_shares_skips_the_general_planner(
     both.check()
 
 
+def test_a_decode_taking_every_free_block_takes_the_fast_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As many sequences at a block boundary as free blocks: the decode fast path decides."""
+    both = Both(4, 2, 2, 4, prefix=False)
+    both.add(0, 2)
+    both.add(1, 2)
+    monkeypatch.setattr(growth, "growth_of", lambda *_: pytest.fail("the general planner ran"))
+    assert both.grow({0: 1, 1: 1}, decode=True) == [] and both.manager.num_free_blocks == 0
+    both.check()
+
+
 def test_a_window_past_the_tokens_that_releases_the_last_block_refuses_the_next_write() -> None:
     """A count past the tokens can release the partly filled last block: the next write into
     it is refused, on the decode step's path too, as the spec refuses it."""
