@@ -1,10 +1,14 @@
 """A ``BlockTableStore`` and the spec's per-sequence calls in lockstep, for directed examples;
-:meth:`Both.check` compares tables, queue, reference counts, pending copy pairs and keys."""
+:meth:`Both.check` compares tables, queue, reference counts, pending copy pairs, keys and
+cache counters."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable
 from typing import Any
+
+import numpy as np
 
 import pagedkv.spec.block_manager as spec_bm
 import pagedkv.spec.prefix_cache as spec_pc
@@ -73,5 +77,9 @@ class Both:
         pairs = [list(pair) for pair in self.spec.pending_copy_pairs()]
         assert self.store.pending_copy_pairs().tolist() == pairs
         if self.prefix:
-            for block in range(self.manager.total_blocks):
+            blocks = range(self.manager.total_blocks)
+            for block in blocks:
                 assert self.manager.key_of(block) == self.spec.key_of(block)
+            keyed = {block for block in blocks if self.spec.key_of(block) is not None}
+            assert self.manager.cached_among(np.arange(len(blocks))) == keyed
+            assert dataclasses.astuple(self.manager.stats) == dataclasses.astuple(self.spec.stats)

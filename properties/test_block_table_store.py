@@ -497,3 +497,16 @@ def test_a_list_of_valid_counts_is_checked_in_bulk(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(rows, "check_int", lambda *_: pytest.fail("checked entry by entry"))
     assert both.grow({0: 0, 1: 3}) == []
     both.check()
+
+
+def test_a_decode_step_taking_a_cached_free_block_evicts_it() -> None:
+    """The decode fast path's single block, taken from the free queue, loses its key: an
+    eviction, counted as the spec counts it."""
+    both = Both(2, 2, 2, 4)
+    both.prompt(0, [1, 2])
+    both.cache(0, [1, 2])
+    both.remove(0)  # its block is free and cached, behind the other free block
+    both.prompt(1, [3, 4])
+    both.grow({1: 1}, decode=True)
+    assert both.manager.stats.evictions == 1
+    both.check()
