@@ -33,3 +33,15 @@ def test_an_empty_pool_is_refused() -> None:
         except ValueError:
             continue
         raise AssertionError(f"FreeBlockQueue({num_blocks}) must raise ValueError")
+
+
+def test_a_small_ring_compacts_when_a_push_finds_it_full() -> None:
+    """Two blocks, a ring of three slots: the second revival's push finds it full and compacts;
+    a pop of nothing past a tombstone returns an empty array."""
+    queue = FreeBlockQueue(2)
+    for block_id in (0, 1):  # revive a block from the queue, free it again
+        queue.remove(block_id)
+        queue.extend(np.array([block_id], dtype=np.intp))
+    assert queue.compactions == 1 and queue.to_array().tolist() == [0, 1]
+    queue.remove(0)  # a tombstone at the head
+    assert queue.popleft(0).tolist() == [] and queue.to_array().tolist() == [1]
