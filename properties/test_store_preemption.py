@@ -129,6 +129,16 @@ class PreemptionMachine(RuleBasedStateMachine):
         self.salt_of[seq_id] = salt
         return seq_id
 
+    @precondition(lambda self: self.prefix and 0 < len(self.model) < 8)
+    @rule(target=seqs, data=st.data(), retry=st.sampled_from(["other tokens", "other salt"]))
+    def retry_a_cached_prompt(self, data: st.DataObject, retry: str) -> Any:
+        """A live sequence's tokens, its blocks registered: refused for headroom, then retried
+        with other tokens or under another salt, whose keys must be planned anew."""
+        seq = data.draw(st.sampled_from(list(self.model)), label="seq")
+        self.register(seq)
+        tokens, salt = self.model[seq][1], self.salt_of.get(seq)
+        return self.admit(tokens, self.spec.num_free_blocks + 1, salt, retry)
+
     @precondition(lambda self: len(self.model) < 8)
     @rule(target=seqs, parent=seqs)
     def fork(self, parent: int) -> Any:
