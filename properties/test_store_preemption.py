@@ -45,6 +45,7 @@ REFUSED = (
     "and isinstance(token_ids, (list, tuple)) and list(token_ids) == refused.tokens"
 )
 SALTS = st.sampled_from([None, None, None, "tenant-a"])  # mostly unsalted: prefixes match often
+TABLE_WIDTH = 64  # the store's max_blocks_per_seq
 
 
 class PreemptionMachine(RuleBasedStateMachine):
@@ -60,7 +61,7 @@ class PreemptionMachine(RuleBasedStateMachine):
         self.spec: Any = (SpecPrefixManager if prefix else SpecBlockManager)(
             total_blocks, block_size
         )
-        self.store = self.STORE(impl_class(total_blocks, block_size), 8, 64)
+        self.store = self.STORE(impl_class(total_blocks, block_size), 8, TABLE_WIDTH)
         self.prefix, self.block_size = prefix, block_size
         self.model: dict[int, tuple[list[int], list[int]]] = {}  # id -> (table, tokens)
         self.salt_of: dict[int, str | None] = {}  # the salt each sequence was admitted with
@@ -191,8 +192,16 @@ class PreemptionMachine(RuleBasedStateMachine):
         """Every live sequence in the order added, by one token (decode) or drawn counts."""
         ids = list(self.model)
         steps = [1] * len(ids) if decode else [data.draw(st.integers(0, 5)) for _ in ids]
-        victims = self.store.grow_or_preempt(ids, 1 if decode else steps)
-        assert victims == self.expected_victims(ids, steps)
+        self.grow_all(ids, steps, decode)
+
+    def grow_all(self, ids: list[int], steps: list[int], decode: bool = False) -> None:
+        """``grow_or_preempt`` of ``ids`` by ``steps`` (one int for a decode step), each capped
+        at what its table's ``TABLE_WIDTH`` entries hold, against the spec."""
+        room = [TABLE_WIDTH * self.block_size - len(self.model[s][1]) for s in ids]
+        capped = [min(step, left) for step, left in zip(steps, room, strict=True)]
+        decode = decode and capped == steps
+        victims = self.store.grow_or_preempt(ids, 1 if decode else capped)
+        assert victims == self.expected_victims(ids, capped)
 
     def expected_victims(self, ids: list[int], steps: list[int]) -> list[int]:
         """The spec, one call at a time; updates the model."""
@@ -248,8 +257,7 @@ class CopySourcePreemptionMachine(PreemptionMachine):
         self.fork(parent)
         ids = list(self.model)  # the child is the last: the first victim
         steps = [1 if s == parent else data.draw(st.integers(0, 8)) for s in ids[:-1]] + [1]
-        victims = self.store.grow_or_preempt(ids, steps)
-        assert victims == self.expected_victims(ids, steps)
+        self.grow_all(ids, steps)
 
 
 TestCopySourcePreemption = CopySourcePreemptionMachine.TestCase
@@ -291,10 +299,7 @@ class WindowPreemptionMachine(PreemptionMachine):
         ids = list(self.model)
         self.store.release_outside_window(ids, window)
         self.release_in_model(ids, [len(self.model[s][1]) for s in ids], window)
-        room = 64 * self.block_size - max(len(self.model[s][1]) for s in ids)  # 64 entries
-        step = min(step, room)
-        victims = self.store.grow_or_preempt(ids, step)
-        assert victims == self.expected_victims(ids, [step] * len(ids))
+        self.grow_all(ids, [step] * len(ids))
 
 
 TestWindowPreemption = WindowPreemptionMachine.TestCase
