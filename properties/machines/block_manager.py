@@ -136,7 +136,10 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             """Roll back to any count the table can hold; past its capacity is refused."""
             capacity = len(seq.table) * self.size
             count = data.draw(
-                st.integers(0, capacity) | st.integers(-2, capacity + self.size), label="count"
+                st.integers(0, capacity)
+                | st.integers(-2, capacity + self.size)
+                | st.integers(capacity + 1, capacity + self.size),  # past the capacity: refused
+                label="count",
             )
             self.roll_back(seq, count)
 
@@ -159,7 +162,10 @@ def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
             """Release what no later query reads, at the count or any other (maybe refused)."""
             capacity = len(seq.table) * self.size
             count = data.draw(
-                st.just(len(seq.tokens)) | st.integers(-1, capacity + 1), label="count"
+                st.just(len(seq.tokens))
+                | st.integers(-1, capacity + 1)
+                | st.integers(capacity + 1, capacity + self.size),  # past the capacity: refused
+                label="count",
             )
             self.release_at(seq, count, window)
 
