@@ -46,9 +46,11 @@ BLOCK_MANAGEMENT_TESTS = (
 )  # fmt: skip
 """Block management's property files; not the planted-bug tests nor the (slow) exhaustive check."""
 
-READERS = {"spec/checks.py": ("properties/test_scheduler.py",)}
+READERS = {
+    "spec/checks.py": ("properties/test_scheduler.py", "properties/test_keys_salts_events.py"),
+}
 """Files whose names other layers read too: their mutants also face those readers' tests (the
-serving layer refuses token ids past ``INT64_MAX``)."""
+scheduler refuses token ids past ``INT64_MAX`` and checks a cache salt with ``check_str``)."""
 
 PYTEST_OPTIONS = ("-x", "-q", "-p", "no:cacheprovider", "--hypothesis-profile=mutation")
 
