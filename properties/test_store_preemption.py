@@ -286,19 +286,22 @@ class WindowPreemptionMachine(PreemptionMachine):
     @rule(window=st.integers(1, 4), decode=st.booleans(), data=st.data())
     def window_step(self, window: int, decode: bool, data: st.DataObject) -> None:
         """The scheduler's step under a window: release, then grow (preempting)."""
+        self.release_all(window)
+        self.grow_or_preempt(data, decode)
+
+    def release_all(self, window: int) -> list[int]:
+        """Every live sequence releases at its token count, in the store and the model."""
         ids = list(self.model)
         self.store.release_outside_window(ids, window)
         self.release_in_model(ids, [len(self.model[s][1]) for s in ids], window)
-        self.grow_or_preempt(data, decode)
+        return ids
 
     @precondition(lambda self: self.model)
     @rule(window=st.integers(1, 4), step=st.integers(2, 8))
     def window_step_under_pressure(self, window: int, step: int) -> None:
         """Release, then grow every sequence by ``step`` tokens: the pool runs short, and a
         victim's released entries free nothing."""
-        ids = list(self.model)
-        self.store.release_outside_window(ids, window)
-        self.release_in_model(ids, [len(self.model[s][1]) for s in ids], window)
+        ids = self.release_all(window)
         self.grow_all(ids, [step] * len(ids))
 
 
