@@ -55,11 +55,10 @@ class Both:
         for seq_id, count in counts.items():
             self.tables[seq_id] = self.spec.truncate(self.tables[seq_id], count)
 
-    def release(self, seq_id: int, window: int, count: int | None = None) -> None:
-        """``release_outside_window`` at the sequence's token count, or at ``count``."""
-        self.store.release_outside_window([seq_id], window, None if count is None else [count])
-        at = self.store.token_count(seq_id) if count is None else count
-        self.tables[seq_id] = self.spec.release_outside_window(self.tables[seq_id], at, window)
+    def release(self, seq_id: int, window: int, count: int) -> None:
+        """``release_outside_window`` of one sequence, its next query at ``count``."""
+        self.store.release_outside_window([seq_id], window, [count])
+        self.tables[seq_id] = self.spec.release_outside_window(self.tables[seq_id], count, window)
 
     def grow(self, steps: dict[int, int], method: str = "grow", decode: bool = False) -> list[int]:
         """The store's ``method`` (no victim expected) and ``append_slot`` per id; ids not grown.

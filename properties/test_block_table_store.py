@@ -337,7 +337,7 @@ def test_a_decode_over_tails_no_table_shares_skips_the_general_planner(
     both.remove(1)
     both.grow({0: 1})  # writes its last block, its own again: in place
     both.add(2, 3)  # into the freed row
-    both.release(2, 2)  # its first block; the partly filled last stays
+    both.release(2, 2, 3)  # its first block; the partly filled last stays
     monkeypatch.setattr(growth, "growth_of", lambda *_: pytest.fail("the general planner ran"))
     assert both.grow({0: 1, 2: 1}, decode=True) == []
     both.check()
@@ -360,7 +360,7 @@ def test_a_window_past_the_tokens_that_releases_the_last_block_refuses_the_next_
     it is refused, on the decode step's path too, as the spec refuses it."""
     both = Both(4, 2, 2, 4, prefix=False)
     both.add(0, 3)
-    both.release(0, 1, count=4)
+    both.release(0, 1, 4)
     with pytest.raises(spec_bm.BlockTableError):
         both.spec.append_slot(both.tables[0], 4, 1)
     with pytest.raises(spec_bm.BlockTableError):
