@@ -16,12 +16,14 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 import types
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -246,12 +248,29 @@ class MutantFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         exec(self.code, module.__dict__)
 
 
+class FailureLog:
+    """A pytest plugin: the node ids of the tests that failed (setup, call or teardown)."""
+
+    def __init__(self) -> None:
+        self.failed: list[str] = []
+
+    def pytest_runtest_logreport(self, report: Any) -> None:
+        if report.failed and report.nodeid not in self.failed:
+            self.failed.append(report.nodeid)
+
+
 def run_pytest(
-    code: tuple[str, types.CodeType] | None, timeout: float, tests: Sequence[str]
-) -> tuple[str, float]:
+    code: tuple[str, types.CodeType] | None,
+    timeout: float,
+    tests: Sequence[str],
+    options: Sequence[str] = PYTEST_OPTIONS,
+) -> tuple[str, float, list[str]]:
     """``tests`` in a forked child with ``code = (module, compiled)`` (None: baseline);
-    ``(verdict, seconds)``, verdict ``"passed"``, ``"failed"``, ``"timeout"`` or ``"error: N"``."""
+    ``(verdict, seconds, failed test ids)``, verdict ``"passed"``, ``"failed"``, ``"timeout"``
+    or ``"error: N"``."""
     start = time.monotonic()
+    handle, log_path = tempfile.mkstemp(suffix=".json")
+    os.close(handle)
     pid = os.fork()
     if pid == 0:  # the child: never returns
         os.setpgid(0, 0)  # its own process group, so a timeout ends what it started
@@ -265,21 +284,28 @@ def run_pytest(
                 sys.meta_path.insert(0, MutantFinder(name, Path(compiled.co_filename), compiled))
             import pytest
 
-            status = int(pytest.main([*tests, *PYTEST_OPTIONS]))
+            log = FailureLog()
+            status = int(pytest.main([*tests, *options], plugins=[log]))
+            Path(log_path).write_text(json.dumps(log.failed))
         finally:
             os._exit(status)
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        elapsed = time.monotonic() - start
-        if done:
-            exit_code = os.waitstatus_to_exitcode(status)
-            verdict = {0: "passed", 1: "failed", 2: "failed"}.get(exit_code, f"error: {exit_code}")
-            return verdict, elapsed
-        if elapsed > timeout:
-            os.killpg(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return "timeout", elapsed
-        time.sleep(0.02)
+    try:
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            elapsed = time.monotonic() - start
+            if done:
+                exit_code = os.waitstatus_to_exitcode(status)
+                verdict = {0: "passed", 1: "failed", 2: "failed"}.get(exit_code)
+                text = Path(log_path).read_text()
+                failed = json.loads(text) if text else []
+                return verdict or f"error: {exit_code}", elapsed, failed
+            if elapsed > timeout:
+                os.killpg(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return "timeout", elapsed, []
+            time.sleep(0.02)
+    finally:
+        os.unlink(log_path)
 
 
 @dataclass
@@ -292,6 +318,7 @@ class Result:
     operator: str
     verdict: str
     seconds: float
+    failed: list[str]  # the failing tests (the first only, unless run with --matrix)
 
 
 def score_table(results: list[Result]) -> str:
@@ -330,6 +357,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="list the mutants, run nothing")
     parser.add_argument("--json", type=Path, help="write every result here (after each)")
     parser.add_argument("--markdown", action="store_true", help="print the score table")
+    parser.add_argument("--tests", nargs="+", help="run these test files, not the default ones")
+    parser.add_argument("--keyword", help="only the tests pytest's -k expression selects")
+    parser.add_argument(
+        "--matrix", action="store_true", help="run every test (no -x): record all that fail"
+    )
     args = parser.parse_args(argv)
     mutants = [m for path in args.paths for m in mutants_of(path)]
     if args.only:
@@ -352,7 +384,13 @@ def main(argv: list[str] | None = None) -> int:
     import numpy  # noqa: F401  (imported once here, not again in every child)
     import pytest  # noqa: F401
 
-    verdict, seconds = run_pytest(None, 600, tests_of(args.paths))  # every test a mutant faces
+    options = [o for o in PYTEST_OPTIONS if o != "-x" or not args.matrix]
+    options += ["-k", args.keyword] if args.keyword else []
+
+    def tests(paths: Sequence[str]) -> Sequence[str]:
+        return args.tests or tests_of(paths)
+
+    verdict, seconds, _ = run_pytest(None, 600, tests(args.paths), options)  # all it faces
     if verdict != "passed":
         print(f"the unmutated code does not pass: {verdict}", file=sys.stderr)
         return 2
@@ -361,11 +399,13 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result] = []
     for mutant in mutants:
         code = (module_name(mutant.path), mutated_code(mutant))
-        verdict, seconds = run_pytest(code, timeout, tests_of([mutant.path]))
+        verdict, seconds, failed = run_pytest(code, timeout, tests([mutant.path]), options)
         if verdict.startswith("error"):
             raise RuntimeError(f"{mutant.ident}: pytest ended with {verdict}")
         outcome = {"failed": "killed", "passed": "survived"}.get(verdict, verdict)
-        result = Result(mutant.ident, mutant.path, mutant.line, mutant.operator, outcome, seconds)
+        result = Result(
+            mutant.ident, mutant.path, mutant.line, mutant.operator, outcome, seconds, failed
+        )
         results.append(result)
         if args.json:  # after every mutant, so a run cut short keeps what it did
             args.json.write_text(json.dumps([asdict(r) for r in results], indent=1))
