@@ -1,7 +1,5 @@
-"""Planted bugs: each kernel entry point's check, on fixed spec runs, catches one-line changes.
-
-The real modules pass; each mutant (``load_mutant``, kept in ``MUTANT_DIR`` so that numba's cache
-stays valid between runs) fails its entry point's check.
+"""Planted bugs: each kernel entry point's check, on fixed spec runs, catches one-line changes;
+the real modules pass (mutants stay in ``MUTANT_DIR``, so numba's cache stays valid between runs).
 """
 
 from __future__ import annotations
@@ -9,7 +7,7 @@ from __future__ import annotations
 import re
 import tempfile
 from collections.abc import Callable
-from functools import cache, partial
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 
@@ -47,9 +45,8 @@ MUTANT_QUERY_LENS = [17, 1, 19]  # fixed_scenario(16)'s live sequences hold 50, 
 WINDOW_QUERY_LENS = [3, 1, 7]
 
 
-@cache
 def fixed_cache(block_size: int, group: int, head_dim: int) -> KVCache:
-    """The fixed run at ``block_size`` in fp32, two KV heads (the checks only read it)."""
+    """The fixed run at ``block_size`` in fp32, two KV heads; fresh, so its queries' RNG too."""
     shape = Shape(block_size, 2, group, head_dim, torch.float32)
     return KVCache(fixed_scenario(block_size), shape, backend="reference")
 
@@ -87,16 +84,6 @@ def check_copy(copy_blocks: Callable[..., None]) -> None:
     check_copy_blocks(cache, [(0, 1), (2, 3)], copy_blocks)
 
 
-def written_only(store: Callable[..., None]) -> Callable[..., None]:
-    """``sdpa.store`` (which takes no ``-1``) given only the tokens that are written."""
-
-    def store_kv(key, value, k_cache, v_cache, slots) -> None:
-        live = slots >= 0
-        store(key[live], value[live], k_cache, v_cache, slots[live])
-
-    return store_kv
-
-
 # Each entry point: its module, its check, and how to reach it in the module or a mutant of it.
 Reach = Callable[[ModuleType], Callable[..., object]]
 ENTRIES: dict[str, tuple[ModuleType, Callable[[Callable[..., object]], None], Reach]] = {
@@ -118,7 +105,11 @@ ENTRIES: dict[str, tuple[ModuleType, Callable[[Callable[..., object]], None], Re
     ),
     "triton store_kv": (triton_store_kv, check_store, lambda m: m.launch),
     "numba store_kv": (numba_cache, check_store, lambda m: m.store_kv),
-    "sdpa store": (sdpa, check_store, lambda m: written_only(m.store)),
+    "sdpa store": (  # sdpa.store takes no -1: it is given only the tokens that are written
+        sdpa,
+        check_store,
+        lambda m: lambda key, value, k, v, s: m.store(key[s >= 0], value[s >= 0], k, v, s[s >= 0]),
+    ),
     "triton copy_blocks": (triton_copy_blocks, check_copy, lambda m: m.launch),
     "numba copy_blocks": (numba_cache, check_copy, lambda m: m.copy_blocks),
 }
