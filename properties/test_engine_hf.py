@@ -70,7 +70,8 @@ def hf_model(request: pytest.FixtureRequest) -> torch.nn.Module:
 
 def test_paged_engine_generates_what_transformers_generates(hf_model: torch.nn.Module) -> None:
     model = load_hf(hf_model)
-    assert model.config.rope_theta == 500.0 and model.config.rms_norm_eps == 1e-5
+    config = model.config  # a wrong head_dim or num_kv_heads fails to load the weights
+    assert (config.rope_theta, config.rms_norm_eps, config.sliding_window) == (500.0, 1e-5, None)
     prompts = seeded_prompts(1, 9, (1, 4, 7, 12, 3, 25))
     new = 16
     # EOS: a token the model emits, for the first time, a few tokens into the first output.

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from pagedkv.impl.serving.cli import main
-from pagedkv.impl.serving.engine import PagedAttentionEngine
 from pagedkv.impl.serving.hf_loader import config_from_hf, load_hf, load_tokenizer
 from properties.hf_cases import hf_greedy, tiny_hf_model
 
@@ -76,24 +75,10 @@ def test_every_field_that_changes_the_computation_is_checked(
         config_from_hf(_relabelled(config, **{field: value}))
 
 
-def test_the_config_is_read_exactly() -> None:
-    model = tiny_hf_model("Mistral", sliding_window=None, head_dim=24, rope_theta=500.0)
-    config = load_hf(model).config
-    assert (config.head_dim, config.rope_theta, config.num_kv_heads) == (24, 500.0, 2)
-    assert config.sliding_window is None
-    assert load_hf(tiny_hf_model("Mistral", sliding_window=12)).config.sliding_window == 12
-    assert load_hf(tiny_hf_model("Llama")).config.sliding_window is None
-
-
-def test_a_window_wider_than_any_context_loads_as_no_window() -> None:
-    """A Mistral ``sliding_window`` of ``2**64`` is kept and served as no window (once raised)."""
-    served = []
-    for window in (None, 2**64):
-        model = load_hf(tiny_hf_model("Mistral", sliding_window=window))
-        assert model.config.sliding_window == window
-        engine = PagedAttentionEngine(model, total_blocks=16, block_size=4)
-        served.append([out.outputs for out in engine.generate([[5, 6, 7, 8, 9], [3]], 5)])
-    assert served[1] == served[0]
+def test_a_window_wider_than_any_context_loads() -> None:
+    """A Mistral ``sliding_window`` of ``2**64`` is kept (once raised; served as no window:
+    test_engine's test_a_window_wider_than_any_context_is_no_window_in_every_layer)."""
+    assert load_hf(tiny_hf_model("Mistral", sliding_window=2**64)).config.sliding_window == 2**64
 
 
 def test_a_saved_directory_loads_the_same_weights(tmp_path: Path) -> None:

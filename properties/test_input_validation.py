@@ -1,9 +1,8 @@
 """Every layer checks its input: four pools of arguments, the error class, and nothing changed.
 
-Each argument has pools **valid** and **edge** (degenerate but valid), which must work, **wrong
-type** (``TypeError``) and **out of range** (``ValueError``, ``IndexError``, ``OutOfBlocksError``).
-Hypothesis breaks up to two arguments; a failing call raises a broken pool's class and changes
-nothing (compared with a twin). One property per layer: blocks (spec and impl), kernels, serving.
+Pools: **valid** and **edge** (degenerate but valid) must work, **wrong type** raises ``TypeError``,
+**out of range** ``ValueError``, ``IndexError`` or ``OutOfBlocksError``. Hypothesis breaks up to
+two arguments; a failing call changes nothing (compared with a twin). Blocks, kernels, serving.
 """
 
 from __future__ import annotations
@@ -487,15 +486,6 @@ def test_a_tiny_temperature_samples_the_greedy_tokens() -> None:
         sampled = engine.generate(prompts, 6, temperature=temperature, n=2)
         assert [out.outputs[:1] for out in sampled] == greedy
         assert all(out.outputs[0] == out.outputs[1] for out in sampled)
-
-
-def test_a_bad_prompt_anywhere_in_generate_queues_nothing() -> None:
-    engine = PagedAttentionEngine(MODEL, **ENGINE_ARGS)
-    with pytest.raises(ValueError, match="at least one token"):
-        engine.generate([[1, 2, 3], [4, 5], [], [7]], 3)
-    assert not engine.has_unfinished_requests()
-    outputs = engine.generate([[1, 2, 3]], 3)
-    assert outputs[0].request_id == 0 and len(outputs[0].outputs[0]) == 3
 
 
 def test_max_model_len_bounds_the_prompt_plus_output_exactly() -> None:
