@@ -1,13 +1,10 @@
-"""A bounded exhaustive check: every sequence of operations up to a depth, on tiny pools.
+"""A bounded exhaustive check: every sequence of operations up to a depth, on tiny pools
+(``python -m properties.exhaustive`` prints the distinct states each pool visited).
 
-``python -m properties.exhaustive`` prints, for each pool, how many distinct states it visited.
-Breadth first from the empty pool, spec, impl and the independent model
-(``properties.block_model`` or ``properties.prefix_model``) run in lockstep: every call's result
-or exception class agrees; after every operation the observable state agrees (queue order,
-reference counts, pending copy pairs and waiting sources, and for prefix caching every key and
-the counters), reference counts equal the live tables' holds, and every position translates
-alike. States are deduplicated by what they observably are (counters left out), so each is
-expanded once. :class:`BlockSystem` and :class:`PrefixSystem` list their operations.
+Breadth first from the empty pool, spec, impl and the independent model run in lockstep: every
+call's result or exception class agrees; after every operation the observable state agrees,
+reference counts equal the live tables' holds, and every position translates alike. States are
+deduplicated by what they observably are (counters left out), so each is expanded once.
 """
 
 from __future__ import annotations
@@ -65,7 +62,9 @@ class Mismatch(AssertionError):
 
 
 class System:
-    """What a pool under check offers: how to build it, its operations and its observables."""
+    """What a pool under check offers: how to build it, its observables, and (a subclass's)
+    ``operations(world)``, every operation that can follow it, and ``apply(world, operation)``,
+    carrying it out on all three systems, asserting they agree."""
 
     spec_cls: type
     impl_cls: type
@@ -77,14 +76,6 @@ class System:
     def initial(self) -> World:
         args = (self.total_blocks, self.block_size)
         return World(self.spec_cls(*args), self.impl_cls(*args), self.model_cls(*args))
-
-    def operations(self, world: World) -> Iterator[Operation]:
-        """Every operation that can follow ``world``."""
-        raise NotImplementedError
-
-    def apply(self, world: World, operation: Operation) -> None:
-        """Carry ``operation`` out on all three systems, asserting they agree."""
-        raise NotImplementedError
 
     def observe(self, manager: Any) -> tuple[object, ...]:
         """Queue, reference counts, pending copy pairs and the sources waiting for them."""
@@ -131,21 +122,12 @@ class System:
             parent = world.live[args[0]]
             table = self.same(world, "fork", parent.table).value
             world.live.append(Live(table, list(parent.tokens), parent.salt))
-        elif name == "double free":
-            self.double_free(world)
+        elif name == "double free":  # refused, unless its blocks have owners again (then read)
+            if self.same(world, "translate_slot", world.freed, 0).error is BlockTableError:
+                self.same(world, "free", world.freed)
         else:
             return False
         return True
-
-    def double_free(self, world: World) -> None:
-        """Free the table freed last again: refused, unless its blocks have owners again
-        (then it is only read)."""
-        read = self.same(world, "translate_slot", world.freed, 0)
-        if read.error is BlockTableError:
-            self.same(world, "free", world.freed)
-
-    def take_pairs(self, world: World) -> None:
-        self.same(world, "pop_copy_pairs")
 
 
 class BlockSystem(System):
@@ -176,7 +158,7 @@ class BlockSystem(System):
             if made.error is None:
                 world.live.append(Live(made.value, [0] * length))
         elif name == "pop_copy_pairs":
-            self.take_pairs(world)
+            self.same(world, "pop_copy_pairs")
         elif not self.apply_shared(world, operation):
             live = world.live[args[0]]
             count = len(live.tokens)
@@ -260,7 +242,7 @@ class PrefixSystem(System):
         elif not self.apply_shared(world, operation):
             live = world.live[args[0]]
             grown = self.same(world, "append_slot", live.table, len(live.tokens) + 1, 1)
-            self.take_pairs(world)
+            self.same(world, "pop_copy_pairs")
             if grown.error is None:
                 live.table, live.tokens = grown.value, [*live.tokens, args[1]]
                 self.same(world, "cache_blocks", live.table, live.tokens, live.salt)

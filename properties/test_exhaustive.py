@@ -22,24 +22,11 @@ from properties.test_prefix_cache_planted_bugs import EVENT_CLASSES, PREFIX_BUGS
 from properties.test_spec_planted_bugs import SHARED_NAMES, SPEC_BUGS
 
 STATES = {
-    ("BlockSystem", 1, 1, 6): 85,
-    ("BlockSystem", 1, 2, 6): 126,
-    ("BlockSystem", 2, 1, 6): 583,
-    ("BlockSystem", 2, 2, 6): 1159,
-    ("BlockSystem", 3, 1, 5): 926,
-    ("BlockSystem", 3, 2, 5): 1964,
-    ("BlockSystem", 4, 1, 5): 1983,
-    ("BlockSystem", 4, 2, 5): 4398,
-    ("PrefixSystem", 1, 1, 5): 19,
-    ("PrefixSystem", 1, 2, 5): 54,
-    ("PrefixSystem", 2, 1, 5): 459,
-    ("PrefixSystem", 2, 2, 4): 1113,
-    ("PrefixSystem", 3, 1, 4): 1409,
-    ("PrefixSystem", 3, 2, 3): 1736,
-    ("PrefixSystem", 4, 1, 3): 807,
-    ("PrefixSystem", 4, 2, 3): 3918,
+    BlockSystem: (BLOCK_POOLS, [85, 126, 583, 1159, 926, 1964, 1983, 4398]),
+    PrefixSystem: (PREFIX_POOLS, [19, 54, 459, 1113, 1409, 1736, 807, 3918]),
 }
-"""Distinct states per ``(system, total_blocks, block_size, depth)`` (docs/results.md)."""
+"""Each system's pools ``(total_blocks, block_size, depth)`` and the distinct states each visits,
+in order (docs/results.md)."""
 
 # The planted bugs left to the machines: the exhaustive check enumerates no rollbacks, window
 # releases, KV events, resets or stats reads.
@@ -78,34 +65,26 @@ POOLS = [
     pytest.param(
         system_cls,
         *pool,
+        states,
         id=f"{system_cls.__name__}-{pool[0]}x{pool[1]}-depth{pool[2]}",
-        marks=[pytest.mark.long] if STATES[(system_cls.__name__, *pool)] >= QUICK_STATES else [],
+        marks=[pytest.mark.long] if states >= QUICK_STATES else [],
     )
-    for system_cls, pools in ((BlockSystem, BLOCK_POOLS), (PrefixSystem, PREFIX_POOLS))
-    for pool in pools
+    for system_cls, (pools, counts) in STATES.items()
+    for pool, states in zip(pools, counts, strict=True)
 ]
 
 
-@pytest.mark.parametrize(("system_cls", "total_blocks", "block_size", "depth"), POOLS)
+@pytest.mark.parametrize(("system_cls", "total_blocks", "block_size", "depth", "states"), POOLS)
 def test_every_sequence_agrees(
-    system_cls: type[System], total_blocks: int, block_size: int, depth: int
+    system_cls: type[System], total_blocks: int, block_size: int, depth: int, states: int
 ) -> None:
-    states = explore(system_cls(total_blocks, block_size), depth)
-    assert states == STATES[(system_cls.__name__, total_blocks, block_size, depth)]
+    assert explore(system_cls(total_blocks, block_size), depth) == states
 
 
 def planted(system_cls: type[System], spec_cls: type, block_size: int) -> System:
     """``system_cls`` on a pool of 3 blocks of ``block_size`` with ``spec_cls`` as its spec."""
     attrs = {"spec_cls": spec_cls}
     return type(f"Planted{system_cls.__name__}", (system_cls,), attrs)(3, block_size)
-
-
-def block_mutant(within: str, old: str, new: str) -> type:
-    return load_mutant(spec_block_manager, within, old, new, SHARED_NAMES).BlockManager
-
-
-def prefix_mutant(within: str, old: str, new: str) -> type:
-    return load_mutant(spec_prefix_cache, within, old, new, EVENT_CLASSES).PrefixCachingBlockManager
 
 
 def test_the_bugs_left_to_the_machines_are_planted_bugs() -> None:
@@ -125,14 +104,13 @@ FIVE_OPERATIONS = {"the blocks waiting for a copy stay out of the queue after it
 
 @pytest.mark.parametrize("bug", sorted(set(SPEC_BUGS) - ROLLBACK_BUGS - WINDOW_BUGS))
 def test_planted_block_manager_bug_is_caught(bug: str) -> None:
+    mutant = load_mutant(spec_block_manager, *SPEC_BUGS[bug], SHARED_NAMES).BlockManager
     with pytest.raises(Mismatch):
-        explore(
-            planted(BlockSystem, block_mutant(*SPEC_BUGS[bug]), 2),
-            5 if bug in FIVE_OPERATIONS else 4,
-        )
+        explore(planted(BlockSystem, mutant, 2), 5 if bug in FIVE_OPERATIONS else 4)
 
 
 @pytest.mark.parametrize("bug", sorted(set(PREFIX_BUGS) - ROLLBACK_BUGS - OBSERVER_BUGS))
 def test_planted_prefix_cache_bug_is_caught(bug: str) -> None:
+    mutant = load_mutant(spec_prefix_cache, *PREFIX_BUGS[bug], EVENT_CLASSES)
     with pytest.raises(Mismatch):
-        explore(planted(PrefixSystem, prefix_mutant(*PREFIX_BUGS[bug]), 1), 4)
+        explore(planted(PrefixSystem, mutant.PrefixCachingBlockManager, 1), 4)
