@@ -85,46 +85,30 @@ def replace_code(tree: ast.Module, within: str, old: str, new: str) -> None:
         return
     old_body = ast.parse(textwrap.dedent(old)).body
     new_body = ast.parse(textwrap.dedent(new)).body
-    scope = _scope(tree, within)
-    one_expression = (
-        len(old_body) == 1
-        and isinstance(old_body[0], ast.Expr)
-        and len(new_body) == 1
-        and isinstance(new_body[0], ast.Expr)
-    )
-    matches: list[tuple[ast.AST, str, int | None, int]] = []
-    if one_expression:
-        target = _shape(old_body[0].value)  # type: ignore[attr-defined]
-        for parent in ast.walk(scope):
-            for field, value in ast.iter_fields(parent):
+    one_expression = all(len(b) == 1 and isinstance(b[0], ast.Expr) for b in (old_body, new_body))
+    target = [_shape(s.value if one_expression else s) for s in old_body]  # type: ignore[attr-defined]
+    size = len(target)
+    matches: list[tuple[ast.AST, str, int | None]] = []
+    for parent in ast.walk(_scope(tree, within)):
+        for field, value in ast.iter_fields(parent):
+            if one_expression:
                 children = value if isinstance(value, list) else [value]
                 for index, child in enumerate(children):
-                    if isinstance(child, ast.expr) and _shape(child) == target:
-                        position = index if isinstance(value, list) else None
-                        matches.append((parent, field, position, 1))
-    else:
-        target_run = [_shape(statement) for statement in old_body]
-        size = len(target_run)
-        for parent in ast.walk(scope):
-            for field, value in ast.iter_fields(parent):
-                if not (isinstance(value, list) and value and isinstance(value[0], ast.stmt)):
-                    continue
+                    if isinstance(child, ast.expr) and [_shape(child)] == target:
+                        matches.append((parent, field, index if isinstance(value, list) else None))
+            elif isinstance(value, list) and value and isinstance(value[0], ast.stmt):
                 shapes = [_shape(statement) for statement in value]
                 for start in range(len(shapes) - size + 1):
-                    if shapes[start : start + size] == target_run:
-                        matches.append((parent, field, start, size))
+                    if shapes[start : start + size] == target:
+                        matches.append((parent, field, start))
     if len(matches) != 1:
         raise LookupError(f"{len(matches)} places in {within} match the code {old!r}")
-    parent, field, index, size = matches[0]
-    if one_expression:
-        replacement = new_body[0].value  # type: ignore[attr-defined]
-        if index is None:
-            setattr(parent, field, replacement)
-        else:
-            getattr(parent, field)[index] = replacement
+    parent, field, index = matches[0]
+    if index is None:
+        setattr(parent, field, new_body[0].value)  # type: ignore[attr-defined]
     else:
-        statements = getattr(parent, field)
-        statements[index : index + size] = new_body or [ast.Pass()]
+        replacement = [new_body[0].value] if one_expression else new_body or [ast.Pass()]  # type: ignore[attr-defined]
+        getattr(parent, field)[index : index + size] = replacement
 
 
 EDIT = "edit:"

@@ -52,15 +52,10 @@ def test_mutant_ids_survive_edits_elsewhere() -> None:
 @pytest.mark.long
 def test_a_sample_of_spec_mutants_is_killed() -> None:
     """Exit status 0: every sampled mutant killed or known equivalent (after a passing baseline)."""
-    command = [
-        sys.executable,
-        "-m",
-        "properties.mutation",
-        "spec/block_manager.py",
-        "--sample",
-        "6",
-    ]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    command = [sys.executable, "-m", "properties.mutation", "spec/block_manager.py"]
+    result = subprocess.run(
+        [*command, "--sample", "6"], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "6 mutants run" in result.stdout
 
