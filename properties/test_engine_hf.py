@@ -97,18 +97,6 @@ WINDOW = 8
 WINDOW_MAX_NEW_TOKENS = 24
 
 
-def test_our_window_is_the_one_transformers_masks_with() -> None:
-    """``transformers``' window mask lets ``q`` see ``kv`` iff ``q - w < kv <= q``, as ours does."""
-    from transformers.masking_utils import sliding_window_causal_mask_function
-
-    q, kv = torch.arange(20)[:, None], torch.arange(20)[None, :]
-    zero = torch.tensor(0)
-    for window in (1, 2, 3, 8):
-        theirs = sliding_window_causal_mask_function(window)(zero, zero, q, kv)
-        ours = (q - window < kv) & (kv <= q)
-        assert torch.equal(theirs.expand(20, 20), ours), window
-
-
 @pytest.fixture(scope="module", params=["eager", "sdpa"])
 def hf_mistral_window(request: pytest.FixtureRequest) -> torch.nn.Module:
     return tiny_hf_model(

@@ -328,16 +328,13 @@ def test_kernels_check_their_input(data: st.DataObject) -> None:
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_padding_only_on_an_empty_table_maps_to_padding(backend: str) -> None:
+def test_slot_mapping_edges(backend: str) -> None:
+    """Padding only on an empty table maps to padding; the largest block size keeps slots in
+    int64 (2**61 and 2**63: test_kernels_validation)."""
     for shape in ((0, 3), (2, 0)):
         tables = torch.zeros(shape, dtype=torch.int32)
         slots = kernels.slot_mapping(tables, ints([-1, -1]), 2, ints([0, 0]), backend=backend)
         assert slots.tolist() == [-1, -1]
-
-
-@pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_slots_never_wrap_around(backend: str) -> None:
-    """The largest block size keeps slots in int64 (2**61 and 2**63: test_kernels_validation)."""
     tables = ints([[5, 2**31 - 1]])
     largest = kernels.slot_mapping(tables, ints([2**32], torch.int64), 2**32, backend=backend)
     assert largest.tolist() == [(2**31 - 1) * 2**32] and largest.tolist()[0] <= 2**63 - 1

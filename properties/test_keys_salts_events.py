@@ -19,7 +19,7 @@ from pagedkv.impl.serving.engine import PagedAttentionEngine
 from pagedkv.impl.serving.scheduler import Scheduler, SchedulerConfig
 from pagedkv.spec.prefix_cache import AllBlocksCleared, BlockRemoved, BlockStored
 from pagedkv.spec.prefix_cache import PrefixCachingBlockManager as SpecPrefixManager
-from properties.engine_cases import MODEL, one_thread
+from properties.engine_cases import MODEL, single_thread  # noqa: F401 - an autouse fixture
 from properties.mutants import load_mutant
 from properties.test_prefix_cache_spec import GOLDEN_SALTED
 from properties.test_prefix_cache_spec import KEY_PROMPT as PROMPT
@@ -111,7 +111,8 @@ def test_a_salt_that_is_not_a_str_is_refused(salt: object) -> None:
 
 
 def test_a_str_subclass_salt_is_the_str_it_equals() -> None:
-    """A ``numpy.str_`` salt is the plain str (it once wedged the default hash): same blocks."""
+    """A ``numpy.str_`` salt is the plain str (it once wedged the default hash): same blocks (the
+    engine serves it so: test_type_zoo's add_request zoo)."""
     scheduler = salt_scheduler()
     seq = scheduler.add_request(0, PROMPT, 1, cache_salt=np.str_("tenant-a"))
     assert type(seq.cache_salt) is str
@@ -119,16 +120,6 @@ def test_a_str_subclass_salt_is_the_str_it_equals() -> None:
     assert not scheduler.has_unfinished()
     assert run_prompt(scheduler, 1, "tenant-a") == FULL
     assert run_prompt(scheduler, 2, "tenant-b") == 0
-    engine = PagedAttentionEngine(
-        MODEL, total_blocks=12, block_size=4, max_num_seqs=2, enable_prefix_caching=True
-    )
-    outputs = []
-    with one_thread():
-        for salt in ("t", np.str_("t")):
-            engine.add_request(PROMPT, 3, cache_salt=salt)
-            while engine.has_unfinished_requests():
-                outputs.extend(engine.step().finished)
-    assert [out.outputs for out in outputs[1:]] == [outputs[0].outputs]
 
 
 # ----------------------------------------------------------------- the engine's events and reset
@@ -157,17 +148,16 @@ def test_engine_events_rebuild_the_cache_and_reset_waits_for_idle() -> None:
         return {key: block for block, key in keys.items() if key is not None}
 
     prompts = [PROMPT, [*PROMPT[:9], 0, 0, 0, 0, 0], [7] * 13, PROMPT]
-    with one_thread():
-        for prompt in prompts:
-            engine.add_request(prompt, max_new_tokens=6, cache_salt="tenant-a")
-        evicted = False
-        while engine.has_unfinished_requests():
-            engine.step()
-            if engine.kv_cache_usage > 0:  # some request holds blocks
-                assert engine.reset_prefix_cache() is False
-            replay()
-            assert mirror == cached()
-            evicted = evicted or engine.store.prefix_cache_stats.evictions > 0
+    for prompt in prompts:
+        engine.add_request(prompt, max_new_tokens=6, cache_salt="tenant-a")
+    evicted = False
+    while engine.has_unfinished_requests():
+        engine.step()
+        if engine.kv_cache_usage > 0:  # some request holds blocks
+            assert engine.reset_prefix_cache() is False
+        replay()
+        assert mirror == cached()
+        evicted = evicted or engine.store.prefix_cache_stats.evictions > 0
     assert evicted and mirror, "the workload must store and evict blocks"
     assert engine.kv_cache_usage == 0.0
     stats = engine.take_prefix_cache_stats()

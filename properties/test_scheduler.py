@@ -326,15 +326,6 @@ def test_a_request_keeps_plain_ints_and_refuses_an_eos_past_int64() -> None:
     assert scheduler.schedule().seq_ids.dtype == np.int64
 
 
-def test_kv_occupancy_counts_shared_blocks_once() -> None:
-    store = BlockTableStore(BlockManager(8, 4), 4, 8)
-    store.add(0, 6)  # blocks [0, 1]: 4 + 2 slots filled
-    store.fork(0, 1)  # shares both
-    store.grow([1], 1)  # copy-on-write of block 1 into block 2, now 3 filled
-    assert kv_occupancy(store) == (4 + 2 + 3, 3) == recount_occupancy(store)
-    assert np.count_nonzero(store.manager.ref_counts()) == 3
-
-
 def test_occupancy_leaves_out_a_block_waiting_for_its_copy() -> None:
     """A block waiting for its copy-on-write (its holders preempted) is not used (CI found it)."""
     store = BlockTableStore(BlockManager(5, 4), 4, 4)
