@@ -1,17 +1,14 @@
 """Nothing is lost under faults: an exception from any call a step makes, or from two of them,
 leaves the engine (and the scheduler over its store) able to continue correctly.
 
-The fault model (docs/design.md §10): an injected call raises :class:`InjectedFault` before it
-runs (every store, kernel, model, draw and draft source call is atomic) and its step raises; a
-second fault right after the first hits the undo of what the first failed, where that undo
-crosses a boundary (``undo_fork`` and ``undo_growth`` check nothing, take no block, cannot fail
-and are not injected). After every step the machines check that no request is lost or
-duplicated, no block leaks, every running table holds its tokens and reads them back (no pair
-dropped, no draft kept) and (the engine) every token is greedy decoding's; at the end they drain
-without faults (no wedge), compare with a fault-free run and find every block free.
+The fault model (docs/design.md §10): an injected call raises before it runs (every call is
+atomic) and its step raises; a second fault right after the first hits the undo of what the first
+failed (``undo_fork`` and ``undo_growth`` cannot fail and are not injected). After every step
+the machines check that no request is lost or duplicated, no block leaks, every running table
+reads its tokens back and (the engine) every token is greedy decoding's; at the end they drain
+without faults, compare with a fault-free run and find every block free.
 :class:`SchedulerFaultMachine` (fast) simulates the K/V cache and the model;
-:class:`EngineFaultMachine` injects at every traced seam (``properties/seams.py``). :func:`sweep`
-makes every single fault and every fault with the next call over a fixed run.
+:class:`EngineFaultMachine` injects at every traced seam (``properties/seams.py``).
 """
 
 from __future__ import annotations
@@ -41,7 +38,6 @@ from pagedkv.impl.blocks import store as blocks_store
 from pagedkv.impl.serving import engine as serving_engine
 from pagedkv.impl.serving import scheduler as serving_scheduler
 from pagedkv.impl.serving import speculative
-from pagedkv.impl.serving.dense import dense_generate
 from pagedkv.impl.serving.engine import PagedAttentionEngine
 from pagedkv.impl.serving.model import CausalLM, ModelConfig
 from pagedkv.impl.serving.scheduler import Scheduler, SchedulerConfig, SeqStatus
@@ -61,12 +57,12 @@ class InjectedFault(RuntimeError):
 
 class FaultInjector:
     """Counts the calls of the functions it wraps; in an armed step, up to two of them raise
-    before they run, where ``decide`` says (a machine draws it: faults at any boundary)."""
+    before they run, where ``decide`` says; ``observe`` is told of each call before it."""
 
     MAX_FAULTS = 2
 
     def __init__(self, observe: Callable[[str], None]) -> None:
-        self.calls, self.observe = 0, observe  # observe: told of each call before it is made
+        self.calls, self.observe = 0, observe
         self.fired: list[str] = []
         self.decide: Decide | None = None
 
@@ -108,8 +104,8 @@ def drawn_faults(data: st.DataObject) -> Decide:
 
 @contextmanager
 def failing_calls(target: Any, name: str, calls: tuple[int, ...]) -> Iterator[list[bool]]:
-    """Make ``target.name`` raise :class:`InjectedFault` at its ``calls``-th calls (from 1) in
-    the block; yields an entry per call made, True where it raised."""
+    """Make ``target.name`` raise at its ``calls``-th calls (from 1) in the block; yields an entry
+    per call made, True where it raised."""
     original = getattr(target, name)
     made: list[bool] = []
 
@@ -139,8 +135,8 @@ def drain(engine: Any) -> list[Any]:
 
 
 HUNT_STATS: collections.Counter[tuple[str, str]] = collections.Counter()
-"""Per machine class: ``steps`` run, ``faults`` injected and ``chains``: steps whose copy found a
-source every table had let go of (waiting for its copy, or without the rule handed out again)."""
+"""Per machine class: ``steps``, ``faults`` and ``chains`` (steps whose copy found a source every
+table had let go of)."""
 
 
 def started(**strategies: st.SearchStrategy[Any]) -> Callable[..., None]:
@@ -168,19 +164,12 @@ def forking_requests(vocab: int, most: int) -> Callable[..., None]:
 
 class FaultMachine(RuleBasedStateMachine):
     """What the fault machines share: steps with drawn faults, their counts, the block
-    accounting after each, and the fault-free drain at the end."""
+    accounting after each, and the fault-free drain at the end. A subclass's ``set_up`` sets
+    ``injector``, ``store``, ``scheduler``, ``unfinished`` (whether a step is still to run),
+    ``requests``, ``total_blocks`` and ``block_size``; it defines ``add_request``, ``run_step``
+    and ``check_outputs`` (after the drain: the outputs are a fault-free run's)."""
 
     VOCAB: ClassVar[int]
-    injector: FaultInjector
-    store: Any
-    scheduler: Any
-    unfinished: Callable[[], bool]  # whether a step is still to run
-    requests: dict[int, Any]
-    add_request: Callable[..., None]
-    run_step: Callable[[], None]
-    check_outputs: Callable[[], None]  # after the drain: the outputs are a fault-free run's
-    total_blocks: int
-    block_size: int
     chained = False
 
     @rule(data=st.data())
@@ -368,9 +357,8 @@ TestSchedulerFaults = SchedulerFaultMachine.TestCase
 
 
 class WindowSchedulerFaultMachine(SchedulerFaultMachine):
-    """The same under a sliding window: blocks that left it are released, and a fault anywhere,
-    ``release_outside_window`` included, loses nothing (a subclass: the base machine's search
-    for planted bugs stays as it was)."""
+    """The same under a sliding window, ``release_outside_window`` faulted too (a subclass: the
+    base machine's search for planted bugs stays as it was)."""
 
     start = started(**SCHEDULER_SETUP, window=st.integers(1, 6))
 
@@ -420,9 +408,8 @@ class ChainRequests(FaultMachine):
 
 
 class ChainSchedulerFaultMachine(ChainRequests, SchedulerFaultMachine):
-    """The scheduler machine on workloads that chain copy-on-write (design.md §5): pools of 4
-    to 8 blocks, rows for every sample, requests that fork into 2 to 4 (a subclass, so the base
-    machine's search for planted bugs stays as it was)."""
+    """The scheduler machine on workloads that chain copy-on-write (design.md §5): small pools,
+    rows for every sample, requests that fork (a subclass, as above)."""
 
     start = started(
         total_blocks=st.integers(4, 8),
@@ -457,12 +444,6 @@ MODELS = {w: MODEL if w is None else CausalLM.from_seed(ModelConfig(sliding_wind
 """The tiny model, and the same with a sliding window."""
 
 
-@functools.lru_cache(maxsize=4096)
-def dense_tokens(model: CausalLM, prompt: tuple[int, ...], max_new: int) -> list[int]:
-    """The dense model's greedy continuation (cached: the machine asks after every step)."""
-    return dense_generate(model, prompt, max_new).tokens
-
-
 class GreedyDrafts:
     """A partly right draft source: the greedy continuation, the draft at a position the tokens'
     hash picks shifted by one token id (none if past the drafts). It reads continuations
@@ -473,7 +454,7 @@ class GreedyDrafts:
         self.after: dict[tuple[int, ...], list[int]] = {}  # known tokens -> greedy tokens after
 
     def learn(self, prompt: list[int], max_new: int) -> None:
-        tokens = [*prompt, *dense_tokens(self.model, tuple(prompt), max_new)]
+        tokens = [*prompt, *greedy_oracle(tuple(prompt), max_new, self.model).tokens]
         for end in range(len(prompt), len(tokens)):
             self.after[tuple(tokens[:end])] = tokens[end:]
 
@@ -490,9 +471,8 @@ ENGINE_SEAMS = listed_seams()
 
 
 class EngineFaultMachine(FaultMachine):
-    """The engine on every backend, greedy or sampled, speculative or not, with a sliding
-    window or not, ``n`` up to 4, and up to two faults a step at every :data:`ENGINE_SEAMS`
-    seam and in the draft source."""
+    """The engine on every backend, greedy or sampled, speculative or not, windowed or not, and
+    up to two faults a step at every :data:`ENGINE_SEAMS` seam and in the draft source."""
 
     VOCAB = MODEL.config.vocab_size
     ENGINE: ClassVar[type] = PagedAttentionEngine
@@ -564,7 +544,7 @@ class EngineFaultMachine(FaultMachine):
         for seq in [*scheduler.running, *scheduler.waiting]:
             prompt, max_new, _, seed = self.requests[seq.request_id]
             if seed is None:
-                greedy = dense_tokens(self.model, tuple(prompt), max_new)
+                greedy = greedy_oracle(tuple(prompt), max_new, self.model).tokens
                 assert seq.output == greedy[: len(seq.output)], "a token greedy never gives"
 
     def teardown(self) -> None:
@@ -584,7 +564,7 @@ class EngineFaultMachine(FaultMachine):
                 sampled = {out.request_id: out.outputs for out in drain(engine)}
         for request_id, (prompt, max_new, n, seed) in self.requests.items():
             if seed is None:
-                expected = dense_tokens(self.model, tuple(prompt), max_new)
+                expected = greedy_oracle(tuple(prompt), max_new, self.model).tokens
                 assert self.outputs[request_id] == [expected] * n
             else:
                 assert self.outputs[request_id] == sampled[request_id], "a draw repeated"
@@ -600,8 +580,7 @@ TestEngineFaults.settings = ENGINE_SETTINGS
 
 
 class ChainEngineFaultMachine(ChainRequests, EngineFaultMachine):
-    """The engine machine on workloads that chain copy-on-write: pools of 4 to 8 blocks and
-    rows for every sample."""
+    """The engine machine on workloads that chain copy-on-write."""
 
     LIMITS: ClassVar[dict[str, int]] = {"max_num_seqs": 8, "max_num_batched_tokens": 32}
     SETUP: ClassVar[dict[str, st.SearchStrategy[Any]]] = {
@@ -662,9 +641,8 @@ def sweep(
     machine_class: type, setup: dict[str, Any], requests: list[dict[str, Any]], steps: int
 ) -> int:
     """Every way to fail one call of one of the first ``steps`` steps of a fixed run, alone or
-    with the call right after it (the undo's, where the undo crosses a boundary): each run
-    replays the steps before fault-free, checks the invariant after the faulty step, then
-    drains and checks the outputs and the pool. Returns the runs made."""
+    with the call right after it (the undo's): each run replays the steps before fault-free,
+    checks the invariant after the faulty step, then drains and checks. Returns the runs made."""
 
     def replay(faulty: int, decide: Decide) -> int:
         machine = machine_class()
@@ -783,42 +761,42 @@ def planted_machine(edits: list[tuple[Any, str, str, str]]) -> tuple[type, setti
     return type("PlantedChainScheduler", (ChainSchedulerFaultMachine,), attrs), FIND
 
 
-def faithful(bug: str) -> list[tuple[Any, str, str, str]]:
-    """The control of ``bug``: its copies, unmutated (``old`` for ``new``)."""
-    return [(module, within, old, old) for module, within, old, _ in PLANTED[bug]]
+def catcher(bug: str, control: bool = False) -> Callable[..., None]:
+    """What catches ``bug`` over its copies (``control``: unmutated): an old undo path, its
+    machine's sweeps of every pair; the others, its machine's search (the engine's after the
+    failed-copy run), or ``search``."""
+    edits = PLANTED[bug]
+    if control:
+        edits = [(module, within, old, old) for module, within, old, _ in edits]
+    machine, found_by = planted_machine(edits)
+    engine = issubclass(machine, EngineFaultMachine)
+
+    def run(search: settings | None = None) -> None:
+        if bug in UNDO:
+            sweep(machine, *SWEEPS[EngineFaultMachine if engine else SchedulerFaultMachine])
+            return
+        if engine:
+            check_found(RETRIED_COPY, machine.ENGINE)
+        run_state_machine_as_test(machine, settings=search or found_by)
+
+    return run
 
 
 @pytest.mark.parametrize("bug", sorted(PLANTED))
 def test_planted_fault_bug_is_caught(bug: str) -> None:
-    """Each planted bug fails its machine (the engine's bug, or the failed-copy run below); an
-    old undo path fails its machine's sweep of every pair."""
-    machine, search = planted_machine(PLANTED[bug])
-    engine = issubclass(machine, EngineFaultMachine)
+    run = catcher(bug)
     with pytest.raises(Exception):  # noqa: B017 - an assertion, a crash or the engine wedged
-        if bug in UNDO:
-            sweep(machine, *SWEEPS[EngineFaultMachine if engine else SchedulerFaultMachine])
-        else:
-            if engine:
-                check_found(RETRIED_COPY, machine.ENGINE)
-            run_state_machine_as_test(machine, settings=search)
+        run()
 
 
 @pytest.mark.parametrize("bug", [LOSES_PAIRS, *sorted(UNDO)])
 def test_control_unmutated_copies_pass(bug: str) -> None:
-    """The unmutated copies pass what catches the bug: the sweeps of every pair (an old undo),
-    or its machine's search."""
-    machine, search = planted_machine(faithful(bug))
-    engine = issubclass(machine, EngineFaultMachine)
-    if bug in UNDO:
-        sweep(machine, *SWEEPS[EngineFaultMachine if engine else SchedulerFaultMachine])
-    else:
-        check_found(RETRIED_COPY, machine.ENGINE)
-        run_state_machine_as_test(machine, settings=search)
+    catcher(bug, control=True)()
 
 
 @pytest.mark.parametrize("search", CONTROL_SEARCHES)
 def test_control_unmutated_block_layer_passes_the_chain_machine(search: settings) -> None:
-    run_state_machine_as_test(planted_machine(faithful(RETRY_RULE))[0], settings=search)
+    catcher(RETRY_RULE, control=True)(search)
 
 
 # ----------------------------------------------------------------- faults found once
