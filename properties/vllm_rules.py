@@ -46,15 +46,8 @@ EVICTIONS_AS_EVENTS mapping: evictions = the hashes in BlockRemoved events; rout
 NO_FORK scope: the machine does not fork, so no copy is ever pending and no block waits
 NO_EMPTY_PROMPT scope: prompts have a token; vLLM's lookup of an empty one must raise ValueError
 """
-
-
-def _divergence(line: str) -> tuple[str, Divergence]:
-    head, translation = line.split(": ", 1)
-    name, kind = head.split()
-    return name, Divergence(name, kind, translation)
-
-
-DIVERGENCES: dict[str, Divergence] = dict(map(_divergence, TABLE.strip().splitlines()))
+_ROWS = (line.split(" ", 2) for line in TABLE.strip().splitlines())  # name, "kind:", translation
+DIVERGENCES = {name: Divergence(name, kind[:-1], text) for name, kind, text in _ROWS}
 BEHAVIOUR_RULES = frozenset(name for name, d in DIVERGENCES.items() if d.kind == "rule")
 """The divergences :class:`VllmRules` implements; the rest are mappings or out of scope."""
 
