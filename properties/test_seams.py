@@ -1,8 +1,7 @@
 """The engine fault machine injects at every seam a real step crosses, and only there: the seams
-traced on each backend (``properties/seams.py``) must equal ``properties/fault_seams.txt``, so a
-new seam fails until the machine injects at it, and so does a listed one no step reaches any
-more. Triton's interpreter is traced in a subprocess: ``TRITON_INTERPRET`` must be set before
-triton is imported.
+traced on each backend (``properties/seams.py``) must equal ``properties/fault_seams.txt``.
+Triton's interpreter is traced in a subprocess: ``TRITON_INTERPRET`` must be set before triton
+is imported.
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 The ``long`` tests build or reuse ``.venv-vllm`` (``properties/vllm_env.py``) and run the
 conformance machine (``properties/machines/vllm.py``) and bench_trace's vLLM systems there; an
-environment that cannot be built FAILS them. The rest need no vLLM: the design table names
-exactly the divergences, the rules with none on are the spec, the builder runs the right steps.
+environment that cannot be built FAILS them. The rest need no vLLM.
 """
 
 from __future__ import annotations

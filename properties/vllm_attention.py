@@ -1,11 +1,9 @@
 """vLLM 0.32's Triton unified attention beside ours: same answers, and its compiled figures.
 
-Runs in ``.venv-vllm`` (``properties/test_vllm_attention.py``). Both kernels run in the Triton
-interpreter on the same spec-run paged caches: mixed batches (vLLM's 2D kernel against our
-prefill kernel) and pure decode (its 3D segmented kernel against our split-K decode), with GQA
-and windows, within ``TOLERANCES``. fp16 and fp32 only: the Triton 3.9 interpreter's ``tl.dot``
-multiplies bf16 operands' raw bits (docs/kernels.md). ``--compile`` compiles vLLM's kernel with
-the arguments its launcher passes (captured) through ``compile_variant``: docs/results.md's figures.
+Runs in ``.venv-vllm``, both kernels in the Triton interpreter on the same spec-run paged caches,
+with GQA and windows; fp16 and fp32 only: the Triton 3.9 interpreter's ``tl.dot`` multiplies bf16
+operands' raw bits (docs/kernels.md). ``--compile`` compiles vLLM's kernel with the arguments its
+launcher passes (captured) through ``compile_variant``: docs/results.md's figures.
 """
 
 from __future__ import annotations
