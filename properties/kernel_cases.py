@@ -1,7 +1,5 @@
-"""Shared pieces of the kernel property tests: sizes, tolerances, caches filled by spec runs.
-
-A *script* (new sequence, extend, fork, free) is played on the spec's ``BlockManager``; ``KVCache``
-replays it through the kernels under test, keeping each sequence's logical K/V for the oracles.
+"""Shared pieces of the kernel property tests: sizes, tolerances, oracles, and ``KVCache``, which
+replays a script played on the spec's ``BlockManager`` through the kernels, keeping the logical K/V.
 """
 
 from __future__ import annotations
@@ -401,8 +399,7 @@ def assert_writes(cache: torch.Tensor, write: Callable[..., None], expected: tor
     """``write(k_cache, v_cache)`` on copies of ``cache`` gives ``expected``, bit for bit."""
     k_cache, v_cache = cache[0].clone(), cache[1].clone()
     write(k_cache, v_cache)
-    assert torch.equal(k_cache, expected[0])
-    assert torch.equal(v_cache, expected[1])
+    assert torch.equal(torch.stack([k_cache, v_cache]), expected)
 
 
 def check_store_kv(
@@ -448,9 +445,7 @@ def load_mutant(module: ModuleType, within: str, old: str, new: str, directory: 
     return mutant
 
 
-def copy_in_order(
-    cache: torch.Tensor, pairs: list[list[int]] | list[tuple[int, int]]
-) -> torch.Tensor:
+def copy_in_order(cache: torch.Tensor, pairs: Sequence[Sequence[int]]) -> torch.Tensor:
     """``copy_blocks``'s contract: ``cache`` (``[2, blocks, ...]``) after each pair, in order."""
     expected = cache.clone()
     for src, dst in pairs:
