@@ -1,8 +1,6 @@
-"""Properties of the backend choice: the interpreter rule, import hygiene, and triton optional.
-
-Each scenario runs in a fresh process (Triton picks interpreter or compiler once, when imported)
-in a temporary directory (the repository root's top-level folders would shadow installed names).
-"""
+"""Properties of the backend choice: the interpreter rule, import hygiene, triton optional. Each
+runs in a fresh process (Triton picks interpreter or compiler once, when imported) in a temporary
+directory (the repository root's top-level folders would shadow installed names)."""
 
 from __future__ import annotations
 

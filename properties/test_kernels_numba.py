@@ -1,7 +1,5 @@
-"""The numba backend's own properties (what it computes is in ``test_kernels_agreement``): the
-split count follows the threads and the length; the parallel drivers equal the serial ones, bit
-for bit; ``exp32`` is exp within its bound; ``sum_in_order`` adds left to right.
-"""
+"""The numba backend's own properties: its split count, parallel drivers equal to the serial ones,
+``exp32`` and ``sum_in_order`` (what it computes is in ``test_kernels_agreement``)."""
 
 from __future__ import annotations
 

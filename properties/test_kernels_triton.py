@@ -1,10 +1,6 @@
-"""The Triton backend's own properties: launches, the compile gate, GPU rounding, copy waves.
-
-Launches come from pure config functions (``kernels.launch_config``), which the compile gate
-compiles for sm_80, sm_90 and sm_100 without a GPU. A compiled kernel rounds the softmax weights
-to the cache dtype before PV, the interpreter does not: the reference's ``gpu_rounding=True``
-models it. The interpreter runs programs in order, so only a model can catch a bad copy wave.
-"""
+"""The Triton backend's own properties: launch configs, the compile gate, GPU rounding (modelled
+by the reference's ``gpu_rounding=True``), copy waves (the interpreter runs programs in order, so
+only a model can catch a bad wave)."""
 
 from __future__ import annotations
 
@@ -28,6 +24,7 @@ from pagedkv.kernels.triton_copy_blocks import hazard_free_waves
 from pagedkv.spec.checks import INT32_MAX
 from properties.kernel_cases import (
     BLOCK_SIZES,
+    DTYPES,
     GQA_RATIOS,
     KVCache,
     Shape,
@@ -39,8 +36,7 @@ from properties.kernel_cases import (
     scenarios,
 )
 
-HALF_AND_FP32 = (torch.float16, torch.bfloat16, torch.float32)
-HALF = HALF_AND_FP32[:2]
+HALF = DTYPES[1:]
 triton_decode = pytest.importorskip("pagedkv.kernels.triton_decode")
 triton_prefill = pytest.importorskip("pagedkv.kernels.triton_prefill")
 
@@ -50,7 +46,7 @@ triton_prefill = pytest.importorskip("pagedkv.kernels.triton_prefill")
     longest=st.integers(1, INT32_MAX),
     window=st.none() | st.integers(1, INT32_MAX),
     num_splits=st.integers(1, MAX_SPLITS),
-    dtype=st.sampled_from(HALF_AND_FP32),
+    dtype=st.sampled_from(DTYPES),
     head_dim=st.sampled_from([48, 64, 128, 256]),
 )
 def test_every_split_has_work_for_the_longest_context(
@@ -210,9 +206,7 @@ def test_the_budgets_catch_what_they_forbid(overrides: dict, why: str | None) ->
 
 def test_the_tile_table_is_total() -> None:
     head_dims = (1, 48, 64, 80, 96, 128, 200, 256, 512)
-    for kernel, dtype, head_dim in itertools.product(
-        ("decode", "prefill"), HALF_AND_FP32, head_dims
-    ):
+    for kernel, dtype, head_dim in itertools.product(("decode", "prefill"), DTYPES, head_dims):
         tile = tiles(kernel, dtype, head_dim, 90)
         assert tile.block_n >= 16 and tile.rows >= 16 and tile.num_warps in (4, 8)
     with pytest.raises(ValueError, match="kernel"):

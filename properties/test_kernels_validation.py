@@ -1,8 +1,5 @@
-"""Properties: invalid arguments raise a clear, typed error and leave the caches untouched.
-
-Every case runs on every backend; entries a window does not reach are not checked. A kernel on
-bad block ids would read or write outside the caches (killing the interpreter's process).
-"""
+"""Properties: invalid arguments raise a clear, typed error and leave the caches untouched, on every
+backend (a kernel on bad block ids would read or write outside the caches, killing the process)."""
 
 from __future__ import annotations
 
