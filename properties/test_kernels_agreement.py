@@ -254,12 +254,10 @@ def test_contiguous_decode_matches_dense(backend: str, seed: int, data: st.DataO
         ), label="batch, max_len, group, head_dim, dtype",
     )  # fmt: skip
     generator = torch.Generator().manual_seed(seed)
-
-    def randn(*size: int) -> torch.Tensor:
-        return torch.randn(*size, generator=generator).to(dtype).to(DEVICE)
-
-    key, value = randn(batch, max_len, 2, head_dim), randn(batch, max_len, 2, head_dim)
-    query = randn(batch, 2 * group, head_dim)
+    key, value = (
+        torch.randn(2, batch, max_len, 2, head_dim, generator=generator).to(dtype).to(DEVICE)
+    )
+    query = torch.randn(batch, 2 * group, head_dim, generator=generator).to(dtype).to(DEVICE)
     lens = data.draw(st.lists(st.integers(0, max_len), min_size=batch, max_size=batch))
     seqs = [Seq([], n, [(key[b, :n], value[b, :n])]) for b, n in enumerate(lens)]
     window = data.draw(st.none() | st.integers(1, max_len + 2), label="window")

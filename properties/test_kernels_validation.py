@@ -174,10 +174,11 @@ VALUE_ERRORS: dict[str, tuple[str, Case]] = {
         decode(max_context_len=5),
     ),
     "contiguous max_context_len negative": ("max_context_len", contiguous(max_context_len=-1)),
-    "window zero": ("window", decode(window=0)),
-    "window negative": ("window", decode(window=-3)),
-    "contiguous window zero": ("window", contiguous(window=0)),
-    "contiguous window negative": ("window", contiguous(window=-3)),
+    **{
+        f"{function} window {window}": ("window", changing(function)(window=window))
+        for function in ("decode", "contiguous", "prefill")
+        for window in (0, -3)
+    },
     "caches overlap": ("k_cache and v_cache must not share memory", ("decode", overlapping)),
     "context beyond int32": (
         "context_lens[0] = 2147483648 exceeds 2147483647",
@@ -208,8 +209,6 @@ VALUE_ERRORS: dict[str, tuple[str, Case]] = {
     "prefill heads not a multiple": ("query", prefill(query=lambda q: q[:, :3])),
     "max_query_len not the longest chunk": ("max_query_len", prefill(max_query_len=2)),
     "max_query_len negative": ("max_query_len", prefill(max_query_len=-1)),
-    "prefill window zero": ("window", prefill(window=0)),
-    "prefill window negative": ("window", prefill(window=-1)),
 }
 TYPES: dict[str, tuple[str, Case]] = {
     "context_lens float": ("context_lens", decode(context_lens=lambda t: t.float())),
@@ -217,10 +216,11 @@ TYPES: dict[str, tuple[str, Case]] = {
     "query dtype": ("query", decode(query=lambda q: q.half())),
     "query not a tensor": ("query", decode(query=lambda _: [1.0])),
     "v_cache dtype": ("v_cache", decode(v_cache=lambda v: v.double())),
-    "window float": ("window", decode(window=2.0)),
-    "window bool": ("window", decode(window=True)),
-    "contiguous window float": ("window", contiguous(window=2.0)),
-    "contiguous window bool": ("window", contiguous(window=True)),
+    **{
+        f"{function} window {window}": ("window", changing(function)(window=window))
+        for function in ("decode", "contiguous", "prefill")
+        for window in (2.0, True, False)
+    },
     "key dtype": ("key", store(key=lambda k: k.half())),
     "integer cache": ("k_cache", store(k_cache=lambda k: k.int())),
     "validate not a bool": ("validate", store(validate=1)),
@@ -232,8 +232,6 @@ TYPES: dict[str, tuple[str, Case]] = {
     "prefill block_tables int64": ("block_tables", prefill(block_tables=lambda t: t.long())),
     "prefill query dtype": ("query", prefill(query=lambda q: q.half())),
     "max_query_len not an int": ("max_query_len", prefill(max_query_len=3.0)),
-    "prefill window float": ("window", prefill(window=3.0)),
-    "prefill window bool": ("window", prefill(window=False)),
 }
 CASES = {
     name: (error, words, case)
