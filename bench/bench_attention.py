@@ -14,11 +14,14 @@ alike, ``kernels.numba_runtime``), so the figure is the kernel's, not the schedu
 is ``pedantic``: ``WARMUP`` warm-up rounds, then ``ROUNDS`` rounds of enough calls to last about
 ``ROUND_SECONDS`` (20 ms: several of the OS's time slices, so a timer tick or a short preemption is
 a small part of any round; on this project's 2-core VM, rounds of 2 ms left 8 to 10 of the 81 cases
-with a spread of 10% or more, rounds of 20 ms 4). Paged rounds are timed by pytest-benchmark; before
-each, its untimed ``setup`` times a contiguous round of as many calls, so the two alternate and the
-ratio is the median over rounds of each pair's. The report puts the spread, interquartile range /
-median, beside each median. On a shared machine run it at real-time priority, pinned to
-one core (``docs/results.md`` says why and how).
+with a spread of 10% or more, rounds of 20 ms 4). The calls per round follow from the bytes a call
+reads and :data:`CALL_COST`, not from a timing, so two runs' rounds hold as many calls and
+pytest-benchmark's compare, which reads round times, compares like with like (timed, the count
+moved by up to 2x between two runs of the same code). Paged rounds are timed by
+pytest-benchmark; before each, its untimed ``setup`` times a contiguous round of as many calls,
+so the two alternate and the ratio is the median over rounds of each pair's. The report puts
+the spread, interquartile range / median, beside each median. On a shared machine run it at
+real-time priority, pinned to one core (``docs/results.md`` says why and how).
 
 Context 256 is the quick suite's (with ``--benchmark-disable`` every case runs once and both
 layouts are checked against the reference); contexts 1,024 and 4,096 are marked ``long``
@@ -54,6 +57,9 @@ CONTEXTS = (
 NUM_KV_HEADS, GROUP, HEAD_DIM = 2, 4, 128 if DEVICE.type == "cuda" else 64
 CPU_THREADS = 1
 WARMUP, ROUNDS, ROUND_SECONDS = 3, 21, 20e-3
+CALL_COST = {"cpu": (35e-6, 10e9), "cuda": (10e-6, 3e12)}
+"""A call's rough cost by device: (seconds of overhead, bytes of K/V read a second); measured
+on the 2-core development machine (numba, one thread) and estimated for an H200."""
 TOLERANCE = {torch.float16: 2e-3, torch.float32: 2e-5}[DTYPE]
 
 
@@ -106,14 +112,11 @@ def synchronized(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
     return run
 
 
-def iterations_per_round(call: Callable[[], torch.Tensor]) -> int:
-    """Calls per round: about ``ROUND_SECONDS`` of them, from the fastest of three timed calls."""
-    fastest = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        call()
-        fastest = min(fastest, time.perf_counter() - start)
-    return max(1, round(ROUND_SECONDS / max(fastest, 1e-7)))
+def calls_per_round(kv_bytes: int) -> int:
+    """Calls per round: about ``ROUND_SECONDS`` of calls reading ``kv_bytes`` each, by
+    :data:`CALL_COST`."""
+    overhead, bytes_per_second = CALL_COST[DEVICE.type]
+    return max(1, round(ROUND_SECONDS / (overhead + kv_bytes / bytes_per_second)))
 
 
 def round_of(call: Callable[[], torch.Tensor], calls: int) -> Callable[[], torch.Tensor]:
@@ -142,7 +145,8 @@ def test_decode_attention(benchmark: Any, block_size: int, context: int, batch: 
     contiguous = synchronized(
         lambda: kernels.contiguous_decode_attention(*contiguous_args, validate=False)
     )
-    calls = iterations_per_round(paged) if not benchmark.disabled else 1
+    kv_bytes = 2 * inputs["key"].numel() * inputs["key"].element_size()
+    calls = calls_per_round(kv_bytes) if not benchmark.disabled else 1
     contiguous_rounds: list[float] = []
 
     def time_contiguous_round() -> None:
@@ -150,7 +154,6 @@ def test_decode_attention(benchmark: Any, block_size: int, context: int, batch: 
         round_of(contiguous, calls)()
         contiguous_rounds.append((time.perf_counter() - start) / calls)
 
-    kv_bytes = 2 * inputs["key"].numel() * inputs["key"].element_size()
     benchmark.group = f"attention-bs{block_size}"
     benchmark.extra_info.update(
         backend=resolve_backend(None, DEVICE),

@@ -20,6 +20,8 @@ import pytest
 from pytest_benchmark.plugin import pytest_benchmark_generate_machine_info
 
 from bench.conftest import natural_key, stable_machine_info
+from bench.reporting.diff import timings_moved
+from bench.reporting.run import Run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -100,3 +102,66 @@ def test_groups_sort_by_their_numbers() -> None:
         "attention-bs128",
         "decode-bs4-batch32",
     ]
+
+
+SLOWER_ATTENTION = '''
+"""A planted slowdown: paged decode attention spins a quarter of its own time after each call."""
+import time
+
+from pagedkv import kernels
+
+original = kernels.paged_decode_attention
+
+
+def slower(*args, **kwargs):
+    start = time.perf_counter()
+    out = original(*args, **kwargs)
+    until = time.perf_counter() + 0.25 * (time.perf_counter() - start)
+    while time.perf_counter() < until:
+        pass
+    return out
+
+
+kernels.paged_decode_attention = slower
+'''
+
+COMPARED = ("bench/bench_attention.py", "bench/bench_block_manager.py")
+SELECTED = "test_decode_attention or test_decode_step"
+
+
+def bench_run(storage: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``pytest`` over :data:`COMPARED` (the cases :data:`SELECTED`) from the repository root,
+    its runs saved under ``storage``."""
+    outer = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    command = [sys.executable, "-m", "pytest", *COMPARED, "-k", SELECTED, "-m", "not long"]
+    command += ["-p", "no:cacheprovider", f"--benchmark-storage={storage}", *args]
+    return subprocess.run(command, cwd=ROOT, env=outer, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.long
+def test_the_documented_compare_flags_a_planted_slowdown_where_it_runs_and_nowhere_else(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Baseline, then the same code, then paged attention 25% slower (a plugin every pytest
+    process loads, re-timings included): ``report.py --diff`` (the README's compare) flags
+    nothing in the second and, in the third, exactly the paged-attention benchmarks, slower."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), str(tmp_path)]))
+    (tmp_path / "planted_slowdown.py").write_text(SLOWER_ATTENTION)
+    storage = tmp_path / "storage"
+    baseline = bench_run(storage, "--benchmark-save=baseline")
+    assert baseline.returncode == 0, baseline.stdout[-3000:] + baseline.stderr[-3000:]
+    same = bench_run(storage, "--benchmark-save=same", "--benchmark-compare")
+    assert same.returncode == 0, same.stdout[-3000:]
+    runs = [Run.load(path) for path in sorted(storage.glob("*/*.json"))]
+    assert [moved for moved in timings_moved(*runs) if moved[2] > 1] == []
+
+    monkeypatch.setenv("PYTEST_PLUGINS", "planted_slowdown")
+    planted = bench_run(storage, "--benchmark-save=planted", "--benchmark-compare")
+    assert planted.returncode == 0, planted.stdout[-3000:]
+    attention = {
+        b["name"] for b in runs[0].benchmarks if b["name"].startswith("test_decode_attention")
+    }
+    planted_run = Run.load(next(storage.glob("*/0003_planted.json")))
+    moved = timings_moved(runs[1], planted_run)
+    slower = {name.rsplit("::", 1)[-1] for name, _, ratio, _ in moved if ratio > 1}
+    assert slower == attention, moved

@@ -1,16 +1,24 @@
-"""The deterministic figures that moved between two saved runs (``bench/report.py --diff``).
-
-pytest-benchmark's own comparison covers only timings; the ``extra_info`` figures of
-:data:`DIFF_KEYS` are what a change to the memory management moves.
+"""What moved between two saved runs (``bench/report.py --diff``): the deterministic figures
+of :data:`DIFF_KEYS` (what a change to the memory management moves), and the timings that moved
+beyond the band two runs of the same code stay within (:mod:`bench.reporting.noise`). A timing
+beyond its band is timed :data:`RETIMES` more times in this tree (the new code) and stays
+flagged only if the median of the new run and the re-timings is still beyond it: a slow stretch
+of the machine during one benchmark is not a regression.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.reporting.noise import beyond_bands, load_bands
 from bench.reporting.run import ROOT, Run
+
+RETIMES = 2
 
 DIFF_KEYS = (
     "utilization", "share_token_states", "share_reservation", "share_internal_fragmentation",
@@ -41,10 +49,45 @@ def newest_saved_runs(root: Path = ROOT) -> list[Path]:
     return saved[-2:]
 
 
-def print_diff(paths: Sequence[Path]) -> None:
-    """Print :func:`diff` of the runs at ``paths`` (old, new), one moved figure a line."""
+def retimed(names: Sequence[str], times: int = RETIMES) -> list[Run]:
+    """The benchmarks ``names`` (their pytest node ids) timed ``times`` more times, each time in
+    a fresh ``pytest`` process from the repository root."""
+    runs = []
+    with tempfile.TemporaryDirectory() as folder:
+        for attempt in range(times):
+            path = Path(folder) / f"retimed-{attempt}.json"
+            options = ["-q", "-p", "no:cacheprovider", "-o", "addopts=", f"--benchmark-json={path}"]
+            command = [sys.executable, "-m", "pytest", *names, *options]
+            subprocess.run(command, cwd=ROOT, check=True, capture_output=True)
+            runs.append(Run.load(path))
+    return runs
+
+
+def timings_moved(old: Run, new: Run) -> list[tuple[str, str, float, float]]:
+    """:func:`~bench.reporting.noise.beyond_bands`, the flagged benchmarks timed again."""
+    bands = load_bands()
+    flagged = beyond_bands(old, [new], bands)
+    if not flagged:
+        return []
+    return beyond_bands(old, [new, *retimed([name for name, *_ in flagged])], bands)
+
+
+def print_diff(paths: Sequence[Path]) -> int:
+    """Print :func:`diff` and :func:`timings_moved` between the runs at ``paths`` (old, new),
+    one a line; 1 if a timing got slower beyond its band, else 0."""
     old, new = (Run.load(path) for path in paths)
     changes = diff(old, new)
     print(f"{old.source} -> {new.source}: {len(changes)} deterministic figures moved")
     for fullname, key, before, after in changes:
         print(f"  {fullname.rsplit('/', 1)[-1]}  {key}: {before} -> {after}")
+    moved = timings_moved(old, new)
+    again = f"timed {RETIMES} more times, the median of {RETIMES + 1}"
+    for slower, what in (
+        (True, "slower: flagged"),
+        (False, "faster: a speed-up, or a slow old run"),
+    ):
+        rows = [row for row in moved if (row[2] > 1) == slower]
+        print(f"{len(rows)} timings {what} beyond their bands ({again})")
+        for fullname, key, ratio, band in rows:
+            print(f"  {fullname.rsplit('/', 1)[-1]}  {key} {ratio:.2f}x (band {band:.0%})")
+    return int(any(ratio > 1 for *_, ratio, _ in moved))
