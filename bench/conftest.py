@@ -1,9 +1,10 @@
 """pytest-benchmark settings for ``bench/``: a stable ``machine_info`` and groups in natural order.
 
-The workflow (documented in ``docs/results.md``)::
+The workflow (README, "Did a change move utilization or latency?")::
 
-    pytest bench --benchmark-save=baseline            # before a change
-    pytest bench --benchmark-compare --benchmark-compare-fail=median:15%   # after it
+    pytest bench --benchmark-save=baseline                          # before a change
+    pytest bench --benchmark-compare --benchmark-save=change        # after it
+    python bench/report.py --diff                                   # what moved beyond its band
 
 ``--benchmark-compare`` warns when the saved run's ``machine_info`` differs from this run's.
 pytest-benchmark's default holds values that change between two runs on the same machine (the

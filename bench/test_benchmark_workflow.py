@@ -1,10 +1,13 @@
-"""The documented pytest-benchmark workflow works, on a tiny benchmark in a temporary directory.
+"""The documented compare works.
 
-``pytest --benchmark-save=baseline``, then ``pytest --benchmark-compare
+pytest-benchmark's own, on a tiny benchmark in a temporary directory: ``pytest
+--benchmark-save=baseline``, then ``pytest --benchmark-compare
 --benchmark-compare-fail=median:15%``: the second run compares without a machine_info warning
 and passes, and fails once the benchmark is made slower. Each run is a fresh pytest process
 with ``bench/conftest.py`` loaded as a plugin (``-p bench.conftest``), as ``pytest bench``
-loads it. The benchmark sleeps, so its median is stable to well under 15%.
+loads it. The benchmark sleeps, so its median is stable to well under 15%. Then README's whole
+compare (``report.py --diff``) on the real attention and decode-step benchmarks, against a
+planted slowdown (long).
 """
 
 from __future__ import annotations

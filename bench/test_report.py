@@ -315,11 +315,9 @@ def slower_contiguous(run: Run, factor: float) -> Run:
 
 def test_noise_and_latency_sentences_follow_the_timings() -> None:
     quiet = rendered(header_section, small_run(), "cmd")
-    assert "medians of the same work stay within 15%: the contiguous" in quiet
     assert "span up to 1.00x (batch 8, context 1024)." in quiet
     noisy = rendered(header_section, slower_contiguous(small_run(), 2.0), "cmd")
-    assert "move by more than 15%: " in noisy
-    assert "span up to 2.00x (batch 8, context 1024). Compare on a quiet machine" in noisy
+    assert "span up to 2.00x (batch 8, context 1024)." in noisy
     even = rendered(latency_section, small_run())
     assert "Paged / contiguous ranges from 1.00x to 1.00x (median 1.00x)" in even
     assert "paged within 10% of contiguous, holds at 1 of the 1 points (worst 1.00x)" in even
