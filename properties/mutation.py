@@ -31,6 +31,7 @@ FOLDER_PACKAGES = {"spec": "pagedkv.spec", "impl": "pagedkv.impl"}  # as pyproje
 
 DEFAULT_PATHS = (
     "spec/block_manager.py", "spec/prefix_cache.py", "spec/utilization.py", "spec/checks.py",
+    "spec/fp8.py",
     "impl/blocks/free_queue.py", "impl/blocks/pool.py", "impl/blocks/manager.py",
     "impl/blocks/prefix_cache.py", "impl/blocks/rows.py", "impl/blocks/growth.py",
     "impl/blocks/window.py", "impl/blocks/prefix_store.py", "impl/blocks/admission.py",
@@ -50,9 +51,12 @@ BLOCK_MANAGEMENT_TESTS = (
 
 READERS = {
     "spec/checks.py": ("properties/test_scheduler.py", "properties/test_keys_salts_events.py"),
+    "spec/fp8.py": ("properties/test_fp8_spec.py",),
+    "spec/utilization.py": ("properties/test_fp8_spec.py",),
 }
-"""Files whose names other layers read too: their mutants also face those readers' tests (the
-scheduler refuses token ids past ``INT64_MAX`` and checks a cache salt with ``check_str``)."""
+"""Files whose rules are checked outside block management's property files too: their mutants
+also face those tests (the scheduler refuses token ids past ``INT64_MAX`` and checks a cache salt
+with ``check_str``; the fp8 storage rules and the KV byte budget have their own file)."""
 
 PYTEST_OPTIONS = ("-x", "-q", "-p", "no:cacheprovider", "--hypothesis-profile=mutation")
 

@@ -1,15 +1,19 @@
-"""KV-cache memory utilization: contiguous reservation versus paged allocation.
+"""KV-cache memory: utilization of contiguous reservation versus paged allocation, and the bytes
+a block takes.
 
 Utilization is the fraction of the KV slots set aside for requests that actually hold a token's
 K/V state: ``used_slots / reserved_slots``. Everything is computed from per-request token counts.
+A KV byte budget holds as many blocks as :func:`bytes_per_block` divides into it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedkv.spec.block_manager import blocks_needed, check_int
+from pagedkv.spec.fp8 import ALIASES
 
 
 @dataclass(frozen=True)
@@ -64,3 +68,32 @@ def paged_usage(token_counts: Sequence[int], block_size: int) -> Usage:
     return Usage(
         reserved_slots=sum(counts) + sum(waste), used_slots=sum(counts), waste_per_request=waste
     )
+
+
+KV_ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+"""Bytes a K or V element takes in the cache, by ``kv_cache_dtype`` (``fp8`` is ``fp8_e4m3``)."""
+
+
+def bytes_per_block(
+    block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, kv_cache_dtype: str
+) -> int:
+    """Rule: a block holds K and V of ``block_size`` tokens for every layer and KV head:
+    ``2 * num_layers * block_size * num_kv_heads * head_dim * element bytes``. An fp8 cache's
+    scales are per layer (and KV head), outside the blocks."""
+    sizes = [
+        check_int(name, value, 1)
+        for name, value in (
+            ("block_size", block_size), ("num_layers", num_layers),
+            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+        )
+    ]  # fmt: skip
+    dtype = ALIASES.get(kv_cache_dtype, kv_cache_dtype) if isinstance(kv_cache_dtype, str) else None
+    if dtype not in KV_ELEMENT_BYTES:
+        accepted = sorted([*KV_ELEMENT_BYTES, *ALIASES])
+        raise ValueError(f"kv_cache_dtype must be one of {accepted}, got {kv_cache_dtype!r}")
+    return 2 * math.prod(sizes) * KV_ELEMENT_BYTES[dtype]
+
+
+def blocks_in_budget(budget_bytes: int, block_bytes: int) -> int:
+    """Rule: a KV byte budget holds ``floor(budget_bytes / block_bytes)`` blocks."""
+    return check_int("budget_bytes", budget_bytes, 0) // check_int("block_bytes", block_bytes, 1)
