@@ -23,7 +23,7 @@ import pytest
 from pytest_benchmark.plugin import pytest_benchmark_generate_machine_info
 
 from bench.conftest import natural_key, stable_machine_info
-from bench.reporting.diff import timings_moved
+from bench.reporting.diff import plain_environment, timings_moved
 from bench.reporting.run import Run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,10 +43,7 @@ def test_sleep(benchmark):
 
 
 def pytest_run(directory: Path, delay: float, *args: str) -> subprocess.CompletedProcess[str]:
-    # The child is a plain pytest run: under pytest-xdist this test's worker variables would make
-    # pytest-benchmark in the child believe it is an xdist worker too, and save nothing.
-    outer = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
-    env = {**outer, "BENCH_DELAY": str(delay), "PYTHONPATH": str(ROOT)}
+    env = {**plain_environment(), "BENCH_DELAY": str(delay), "PYTHONPATH": str(ROOT)}
     plugins = ["-p", "bench.conftest", "-p", "no:cacheprovider", "-p", "no:hypothesispytest"]
     command = [sys.executable, "-m", "pytest", *plugins]
     return subprocess.run(
@@ -135,10 +132,11 @@ SELECTED = "test_decode_attention or test_decode_step"
 def bench_run(storage: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """``pytest`` over :data:`COMPARED` (the cases :data:`SELECTED`) from the repository root,
     its runs saved under ``storage``."""
-    outer = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
     command = [sys.executable, "-m", "pytest", *COMPARED, "-k", SELECTED, "-m", "not long"]
     command += ["-p", "no:cacheprovider", f"--benchmark-storage={storage}", *args]
-    return subprocess.run(command, cwd=ROOT, env=outer, capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        command, cwd=ROOT, env=plain_environment(), capture_output=True, text=True, timeout=900
+    )
 
 
 @pytest.mark.long

@@ -8,6 +8,7 @@ of the machine during one benchmark is not a regression.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -49,6 +50,13 @@ def newest_saved_runs(root: Path = ROOT) -> list[Path]:
     return saved[-2:]
 
 
+def plain_environment() -> dict[str, str]:
+    """This process's environment without pytest-xdist's worker variables: with them (``diff``
+    run inside an xdist worker, as the long test does) pytest-benchmark in the child believes it
+    is a worker too and saves nothing."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+
+
 def retimed(names: Sequence[str], times: int = RETIMES) -> list[Run]:
     """The benchmarks ``names`` (their pytest node ids) timed ``times`` more times, each time in
     a fresh ``pytest`` process from the repository root."""
@@ -58,7 +66,9 @@ def retimed(names: Sequence[str], times: int = RETIMES) -> list[Run]:
             path = Path(folder) / f"retimed-{attempt}.json"
             options = ["-q", "-p", "no:cacheprovider", "-o", "addopts=", f"--benchmark-json={path}"]
             command = [sys.executable, "-m", "pytest", *names, *options]
-            subprocess.run(command, cwd=ROOT, check=True, capture_output=True)
+            subprocess.run(
+                command, cwd=ROOT, env=plain_environment(), capture_output=True, check=True
+            )
             runs.append(Run.load(path))
     return runs
 
