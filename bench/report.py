@@ -53,6 +53,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--figures", type=Path, default=FIGURES)
     args = parser.parse_args(argv)
+    if args.write_bands and args.noise is None:
+        parser.error("--write-bands goes with --noise")
     if args.diff is not None:
         if len(args.diff) not in (0, 2):
             parser.error("--diff takes two JSON files, or none for the two newest saved runs")

@@ -13,6 +13,7 @@ planted slowdown (long).
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from pytest_benchmark.plugin import pytest_benchmark_generate_machine_info
 
 from bench.conftest import natural_key, stable_machine_info
 from bench.reporting.diff import plain_environment, timings_moved
+from bench.reporting.noise import beyond_bands, not_compared
 from bench.reporting.run import Run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -163,6 +165,40 @@ def test_the_documented_compare_flags_a_planted_slowdown_where_it_runs_and_nowhe
         b["name"] for b in runs[0].benchmarks if b["name"].startswith("test_decode_attention")
     }
     planted_run = Run.load(next(storage.glob("*/0003_planted.json")))
+    decode_steps = [b for b in planted_run.benchmarks if b["name"].startswith("test_decode_step")]
+    assert len(attention) == 27 and len(decode_steps) == 45
     moved = timings_moved(runs[1], planted_run)
     slower = {name.rsplit("::", 1)[-1] for name, _, ratio, _ in moved if ratio > 1}
     assert slower == attention, moved
+
+
+def timed(name: str, low: float, paired: float | None = None) -> dict[str, Any]:
+    """A benchmark as a saved run holds it: ``min`` and, if given, ``paired_ratio``."""
+    info = {"paired_ratio": paired} if paired is not None else {}
+    return {
+        "fullname": f"bench/b.py::{name}",
+        "stats": {"min": low, "median": low},
+        "extra_info": info,
+    }
+
+
+def run_of(*benchmarks: dict[str, Any]) -> Run:
+    return Run(list(benchmarks), {}, {}, "", "hand-built")
+
+
+def test_a_timing_is_compared_where_both_runs_timed_it_and_nan_is_flagged() -> None:
+    """The figure is ``paired_ratio`` only where both runs have one, else ``min``; a NaN figure
+    is flagged; a benchmark one run lacks is listed, not compared."""
+    old = run_of(timed("test_a", 1.0), timed("test_b", 1.0, 1.0), timed("test_gone", 1.0))
+    new = run_of(timed("test_a", 1.05, paired=9.0), timed("test_b", 3.0, 1.5), timed("test_c", 1.0))
+    flagged = beyond_bands(old, [new], {})
+    assert [(name.rsplit("::")[-1], key) for name, key, _, _ in flagged] == [
+        ("test_b", "paired_ratio")
+    ]
+    nan = beyond_bands(old, [run_of(timed("test_a", math.nan))], {})
+    assert [key for _, key, _, _ in nan] == ["min"]
+    assert [n.rsplit("::")[-1] for n in not_compared(old, new)] == ["test_gone", "test_c"]
+    steady = beyond_bands(
+        old, [new, run_of(timed("test_b", 3.0, 1.0)), run_of(timed("test_b", 3.0, 1.02))], {}
+    )
+    assert steady == []  # the median of three paired ratios is 1.02: within the 10% floor

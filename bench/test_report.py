@@ -134,7 +134,7 @@ def test_diff_lists_the_deterministic_figures_that_moved() -> None:
         bench = {"fullname": "bench/x.py::t", "extra_info": info, "stats": {"median": median}}
         return Run([bench], {}, {}, "today", "x")
 
-    assert diff(run(0.98, 1.0), run(0.98, 2.0)) == []  # timings are pytest-benchmark's job
+    assert diff(run(0.98, 1.0), run(0.98, 2.0)) == []  # timings: noise.beyond_bands
     assert diff(run(0.98, 1.0), run(0.97, 1.0)) == [("bench/x.py::t", "utilization", 0.98, 0.97)]
 
 

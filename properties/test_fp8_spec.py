@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from pagedkv.spec import fp8
@@ -93,9 +94,26 @@ def test_within_range_a_store_is_torchs_cast(fmt: fp8.Fp8Format, value: float) -
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@given(data=st.data(), scale=st.sampled_from([3.0, 0.1, 0.007, 1.0, 17.5]))
+def test_a_store_divides_in_fp32_then_rounds_as_torch_does(
+    fmt: fp8.Fp8Format, data: st.DataObject, scale: float
+) -> None:
+    """``x / scale`` in fp32, then the cast: x near ``midpoint * scale`` (where multiplying by
+    ``1 / scale``, or dividing in double, lands on the other side of the tie)."""
+    values = fp8.finite_values(fmt)
+    index = data.draw(st.integers(0, len(values) - 2))
+    middle = (values[index] + values[index + 1]) / 2
+    x = fp8.to_fp32(middle * scale) * data.draw(st.sampled_from([1.0, 1 + 2**-23, 1 - 2**-24]))
+    x = fp8.to_fp32(x)
+    tensors = torch.tensor([x]) / torch.tensor([scale])
+    cast = tensors.to(TORCH_DTYPES[fmt.name]).view(torch.uint8).item()
+    assert fp8.quantize(x, scale, fmt) == cast
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 def test_nan_infinity_and_signed_zero(fmt: fp8.Fp8Format) -> None:
     largest = fp8.largest_finite(fmt)
-    assert math.isnan(fp8.decode(fp8.encode(math.nan, fmt), fmt))
+    assert fp8.encode(math.nan, fmt) == fp8.encode(-math.nan, fmt) == 0x7F
     assert fp8.decode(fp8.encode(math.inf, fmt), fmt) == largest
     assert fp8.decode(fp8.encode(-math.inf, fmt), fmt) == -largest
     assert fp8.encode(-0.0, fmt) == 0x80 and fp8.encode(0.0, fmt) == 0
@@ -110,8 +128,7 @@ def test_a_round_trip_is_within_half_a_step(fmt: fp8.Fp8Format, x: float, scale:
     """Within range, the read value is ``x`` to half the format's step at ``x / scale`` (the
     subnormal step below the smallest normal), times the scale, plus fp32's own rounding."""
     stored = fp8.to_fp32(fp8.to_fp32(x) / fp8.to_fp32(scale))
-    if abs(stored) > fp8.largest_finite(fmt):
-        return
+    assume(abs(stored) <= fp8.largest_finite(fmt))
     back = fp8.dequantize(fp8.quantize(x, scale, fmt), scale, fmt)
     exponent = max(math.frexp(abs(stored))[1] - 1, 1 - fmt.bias) if stored else 1 - fmt.bias
     step = 2.0 ** (exponent - fmt.mantissa_bits)
@@ -129,6 +146,8 @@ def test_a_round_trip_is_within_half_a_step(fmt: fp8.Fp8Format, x: float, scale:
         (lambda: fp8.check_kv_scale("k_scale", math.inf), ValueError),
         (lambda: fp8.check_kv_scale("k_scale", 1e39), ValueError),  # inf in fp32
         (lambda: fp8.check_kv_scale("k_scale", 1e-50), ValueError),  # 0 in fp32
+        (lambda: fp8.check_kv_scale("k_scale", 10**400), ValueError),  # past a double too
+        (lambda: fp8.decode(256, fp8.FORMATS["fp8_e4m3"]), ValueError),
         (lambda: fp8.check_kv_scale("k_scale", True), TypeError),
         (lambda: fp8.check_kv_scale("k_scale", "1"), TypeError),
         (lambda: bytes_per_block(16, 1, 1, 64, "int8"), ValueError),
@@ -136,7 +155,9 @@ def test_a_round_trip_is_within_half_a_step(fmt: fp8.Fp8Format, x: float, scale:
         (lambda: blocks_in_budget(-1, 16), ValueError),
     ],
 )
-def test_bad_names_scales_and_sizes_are_refused_by_name(call, error: type) -> None:
+def test_bad_names_scales_and_sizes_are_refused_by_name(
+    call: Callable[[], object], error: type
+) -> None:
     with pytest.raises(error):
         call()
 

@@ -13,9 +13,10 @@ Rules (every backend matches them bit for bit; docs/kernels.md, "An fp8 cache", 
 - Store (:func:`quantize`): ``x / scale`` is computed in fp32 (round to nearest even), then
   rounded to the nearest value of the format, ties to the even code (the one whose lowest bit is
   0), subnormals included. A finite value past the largest finite one, and an infinity, is
-  stored as the largest finite value of its sign: a cache entry is never infinite. NaN is stored
-  as NaN (code ``0x7F``): the caches are NaN-initialised, so that attention reading a slot no
-  step wrote shows. The sign of zero is kept.
+  stored as the largest finite value of its sign: a cache entry is never infinite. NaN, of either
+  sign, is stored as the NaN ``0x7F`` (as the GPU's conversion writes it; torch's cast keeps a
+  NaN's sign): the caches are NaN-initialised, so that attention reading a slot no step wrote
+  shows. The sign of zero is kept.
 - Read (:func:`dequantize`): the code's value, times the scale, in fp32.
 """
 
@@ -67,6 +68,8 @@ def fp8_format(name: str) -> Fp8Format:
 
 def decode(code: int, fmt: Fp8Format) -> float:
     """The value of the byte ``code`` (0 to 255) in ``fmt``."""
+    if not 0 <= code <= 0xFF:
+        raise ValueError(f"an fp8 code is a byte, 0 to 255, got {code}")
     sign = -1.0 if code & 0x80 else 1.0
     exponent = (code >> fmt.mantissa_bits) & (2**fmt.exponent_bits - 1)
     mantissa = code & (2**fmt.mantissa_bits - 1)
@@ -93,11 +96,8 @@ def largest_finite(fmt: Fp8Format) -> float:
 
 
 def to_fp32(value: float) -> float:
-    """``value`` rounded to the nearest fp32 (ties to even), as a Python float."""
-    try:
-        return struct.unpack("f", struct.pack("f", value))[0]
-    except OverflowError:  # past fp32's range: fp32's infinity
-        return math.copysign(math.inf, value)
+    """``value`` rounded to the nearest fp32 (ties to even; past fp32's range, its infinity)."""
+    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 def encode(value: float, fmt: Fp8Format) -> int:
@@ -127,7 +127,11 @@ def check_kv_scale(name: str, scale: object) -> float:
     """A K or V scale is a real number (not a bool) that is positive and finite in fp32, where
     the kernels apply it: ``TypeError`` / ``ValueError`` naming ``name`` otherwise."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(scale).__name__}")
-    if not 0 < to_fp32(scale) < math.inf:
+        raise TypeError(f"{name} must be a real number, got {type(scale).__name__}")
+    try:
+        in_fp32 = to_fp32(float(scale))
+    except OverflowError:  # an int past a double's range
+        in_fp32 = math.inf
+    if not 0 < in_fp32 < math.inf:
         raise ValueError(f"{name} must be positive and finite in fp32, got {scale}")
     return float(scale)

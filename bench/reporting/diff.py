@@ -16,10 +16,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.reporting.noise import beyond_bands, load_bands
+from bench.reporting.noise import beyond_bands, load_bands, not_compared
 from bench.reporting.run import ROOT, Run
 
 RETIMES = 2
+RETIME_SECONDS = 900
 
 DIFF_KEYS = (
     "utilization", "share_token_states", "share_reservation", "share_internal_fragmentation",
@@ -59,45 +60,74 @@ def plain_environment() -> dict[str, str]:
 
 def retimed(names: Sequence[str], times: int = RETIMES) -> list[Run]:
     """The benchmarks ``names`` (their pytest node ids) timed ``times`` more times, each time in
-    a fresh ``pytest`` process from the repository root."""
+    a fresh ``pytest`` process from the repository root; ``RuntimeError`` with the end of its
+    output if one fails."""
     runs = []
     with tempfile.TemporaryDirectory() as folder:
         for attempt in range(times):
             path = Path(folder) / f"retimed-{attempt}.json"
             options = ["-q", "-p", "no:cacheprovider", "-o", "addopts=", f"--benchmark-json={path}"]
             command = [sys.executable, "-m", "pytest", *names, *options]
-            subprocess.run(
-                command, cwd=ROOT, env=plain_environment(), capture_output=True, check=True
-            )
+            done = subprocess.run(
+                command, cwd=ROOT, env=plain_environment(), capture_output=True, text=True,
+                timeout=RETIME_SECONDS,
+            )  # fmt: skip
+            if done.returncode != 0 or not path.exists():
+                raise RuntimeError(f"timing {names} again failed:\n{done.stdout[-2000:]}")
             runs.append(Run.load(path))
     return runs
 
 
+def this_tree_ran(run: Run) -> bool:
+    """Whether ``run`` ran the commit checked out here (a re-time times this tree)."""
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False
+    ).stdout.strip()
+    return bool(head) and run.commit.get("id") == head
+
+
 def timings_moved(old: Run, new: Run) -> list[tuple[str, str, float, float]]:
-    """:func:`~bench.reporting.noise.beyond_bands`, the flagged benchmarks timed again."""
+    """:func:`~bench.reporting.noise.beyond_bands`; the slower ones are timed again when ``new``
+    ran this tree's commit (otherwise they stand as measured)."""
     bands = load_bands()
     flagged = beyond_bands(old, [new], bands)
-    if not flagged:
-        return []
-    return beyond_bands(old, [new, *retimed([name for name, *_ in flagged])], bands)
+    slower = [name for name, _, ratio, _ in flagged if not ratio <= 1]
+    if not slower or not this_tree_ran(new):
+        return flagged
+    again = beyond_bands(old, [new, *retimed(slower)], bands)
+    return [row for row in again if row[0] in slower] + [
+        row for row in flagged if row[0] not in slower
+    ]
 
 
 def print_diff(paths: Sequence[Path]) -> int:
-    """Print :func:`diff` and :func:`timings_moved` between the runs at ``paths`` (old, new),
-    one a line; 1 if a timing got slower beyond its band, else 0."""
+    """Print :func:`diff`, the benchmarks only one run timed, and :func:`timings_moved` between
+    the runs at ``paths`` (old, new), one a line; 1 if a timing got slower beyond its band (or
+    could not be timed again), else 0."""
     old, new = (Run.load(path) for path in paths)
     changes = diff(old, new)
     print(f"{old.source} -> {new.source}: {len(changes)} deterministic figures moved")
     for fullname, key, before, after in changes:
         print(f"  {fullname.rsplit('/', 1)[-1]}  {key}: {before} -> {after}")
-    moved = timings_moved(old, new)
-    again = f"timed {RETIMES} more times, the median of {RETIMES + 1}"
+    missing = not_compared(old, new)
+    print(f"{len(missing)} benchmarks timed by one run only (not compared)")
+    for fullname in missing:
+        print(f"  {fullname.rsplit('/', 1)[-1]}")
+    try:
+        moved = timings_moved(old, new)
+    except (RuntimeError, subprocess.TimeoutExpired) as error:
+        print(f"a timing beyond its band could not be timed again: {error}")
+        return 1
+    if not this_tree_ran(new):
+        print(
+            "the new run is not of this tree's commit: timings beyond their bands stand as measured"
+        )
     for slower, what in (
-        (True, "slower: flagged"),
+        (True, f"slower: flagged (each timed {RETIMES} more times, the median of {RETIMES + 1})"),
         (False, "faster: a speed-up, or a slow old run"),
     ):
-        rows = [row for row in moved if (row[2] > 1) == slower]
-        print(f"{len(rows)} timings {what} beyond their bands ({again})")
+        rows = [row for row in moved if (not row[2] <= 1) == slower]
+        print(f"{len(rows)} timings {what} beyond their bands")
         for fullname, key, ratio, band in rows:
             print(f"  {fullname.rsplit('/', 1)[-1]}  {key} {ratio:.2f}x (band {band:.0%})")
-    return int(any(ratio > 1 for *_, ratio, _ in moved))
+    return int(any(not ratio <= 1 for *_, ratio, _ in moved))

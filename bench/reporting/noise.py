@@ -1,7 +1,7 @@
 """How far two runs of the same code move apart, and the band a timing is compared within.
 
 An A/A comparison (``bench/report.py --noise RUN RUN ...``, the runs in the order they ran)
-reads, for each benchmark and each of its :data:`FIGURES`, the ratio of every run to the one
+reads, for each benchmark and each of its :func:`figures`, the ratio of every run to the one
 before it. Per test function, :data:`MARGIN` times the 90th percentile of its benchmarks' moves
 of :func:`compared_figure`, and at least :data:`FLOOR`, is the band (``--write-bands`` saves them
 to :data:`BANDS_FILE`). The percentile, not the largest move: on a shared VM a few seconds of a
@@ -21,10 +21,6 @@ from typing import Any
 
 from bench.reporting.run import ROOT, Run
 
-FIGURES = ("min", "median", "paired_ratio")
-"""pytest-benchmark's ``min`` and ``median`` of the round times, and the attention benchmarks'
-in-run ratio of paged to contiguous rounds, timed alternately (``extra_info``)."""
-
 MARGIN, FLOOR = 3.0, 0.10
 """A band is three times the 90th percentile of the A/A moves, and at least 10%."""
 
@@ -32,7 +28,8 @@ BANDS_FILE = ROOT / "bench" / "noise_bands.json"
 
 
 def figures(benchmark: dict[str, Any]) -> dict[str, float]:
-    """The benchmark's :data:`FIGURES` that its run recorded."""
+    """pytest-benchmark's ``min`` and ``median`` of the round times, and, for the attention
+    benchmarks, ``paired_ratio`` (paged over contiguous rounds, timed alternately)."""
     found = {name: benchmark["stats"][name] for name in ("min", "median")}
     if benchmark["extra_info"].get("paired_ratio"):
         found["paired_ratio"] = benchmark["extra_info"]["paired_ratio"]
@@ -72,7 +69,9 @@ def family_moves(runs: Sequence[Run]) -> dict[tuple[str, str], list[float]]:
 
 
 def percentile_90(values: list[float]) -> float:
-    return statistics.quantiles(values, n=10, method="inclusive")[-1] if len(values) > 1 else 0.0
+    return (
+        statistics.quantiles(values, n=10, method="inclusive")[-1] if len(values) > 1 else values[0]
+    )
 
 
 def noise_table(runs: Sequence[Run]) -> str:
@@ -114,22 +113,33 @@ def load_bands(path: Path = BANDS_FILE) -> dict[str, float]:
 def beyond_bands(
     old: Run, news: Sequence[Run], band_of: dict[str, float]
 ) -> list[tuple[str, str, float, float]]:
-    """``(benchmark, figure, ratio, band)`` of every benchmark of ``news[0]`` whose
-    :func:`compared_figure`, the median over the ``news`` runs that timed it, moved from
-    ``old``'s beyond its test function's band (:data:`FLOOR` without one), in that order."""
+    """``(benchmark, figure, ratio, band)`` of every benchmark of ``news[0]`` that ``old`` timed
+    too and whose figure (``paired_ratio`` where both runs have it, else ``min``), the median
+    over the ``news`` runs that timed it, moved beyond its test function's band (:data:`FLOOR`
+    without one) or is not a finite number, in that order."""
     before = {b["fullname"]: figures(b) for b in old.benchmarks}
-    timed: dict[str, list[float]] = defaultdict(list)
+    found: dict[str, list[dict[str, float]]] = defaultdict(list)
     for run in news:
         for benchmark in run.benchmarks:
-            found = figures(benchmark)
-            if compared_figure(benchmark) in found:
-                timed[benchmark["fullname"]].append(found[compared_figure(benchmark)])
+            found[benchmark["fullname"]].append(figures(benchmark))
     flagged = []
     for benchmark in news[0].benchmarks:
-        name, key = benchmark["fullname"], compared_figure(benchmark)
-        if key in before.get(name, {}):
-            ratio = statistics.median(timed[name]) / before[name][key]
-            band = band_of.get(family(name), FLOOR)
-            if abs(ratio - 1) > band:
-                flagged.append((name, key, ratio, band))
+        name = benchmark["fullname"]
+        if name not in before:
+            continue
+        both = before[name].keys() & found[name][0].keys()
+        key = "paired_ratio" if "paired_ratio" in both else "min"
+        ratio = statistics.median(f[key] for f in found[name] if key in f) / before[name][key]
+        band = band_of.get(family(name), FLOOR)
+        if not abs(ratio - 1) <= band:  # NaN too
+            flagged.append((name, key, ratio, band))
     return flagged
+
+
+def not_compared(old: Run, new: Run) -> list[str]:
+    """The benchmarks one run timed and the other did not, ``old``'s first."""
+    old_names = [b["fullname"] for b in old.benchmarks]
+    new_names = [b["fullname"] for b in new.benchmarks]
+    return [n for n in old_names if n not in new_names] + [
+        n for n in new_names if n not in old_names
+    ]
