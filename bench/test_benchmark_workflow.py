@@ -24,7 +24,7 @@ import pytest
 from pytest_benchmark.plugin import pytest_benchmark_generate_machine_info
 
 from bench.conftest import natural_key, stable_machine_info
-from bench.reporting.diff import plain_environment, timings_moved
+from bench.reporting.diff import plain_environment, this_tree_ran, timings_moved
 from bench.reporting.noise import beyond_bands, not_compared
 from bench.reporting.run import Run
 
@@ -156,7 +156,8 @@ def test_the_documented_compare_flags_a_planted_slowdown_where_it_runs_and_nowhe
     same = bench_run(storage, "--benchmark-save=same", "--benchmark-compare")
     assert same.returncode == 0, same.stdout[-3000:]
     runs = [Run.load(path) for path in sorted(storage.glob("*/*.json"))]
-    assert [moved for moved in timings_moved(*runs) if moved[2] > 1] == []
+    assert this_tree_ran(runs[1])
+    assert [moved for moved in timings_moved(*runs, retime=True) if moved[2] > 1] == []
 
     monkeypatch.setenv("PYTEST_PLUGINS", "planted_slowdown")
     planted = bench_run(storage, "--benchmark-save=planted", "--benchmark-compare")
@@ -167,7 +168,7 @@ def test_the_documented_compare_flags_a_planted_slowdown_where_it_runs_and_nowhe
     planted_run = Run.load(next(storage.glob("*/0003_planted.json")))
     decode_steps = [b for b in planted_run.benchmarks if b["name"].startswith("test_decode_step")]
     assert len(attention) == 27 and len(decode_steps) == 45
-    moved = timings_moved(runs[1], planted_run)
+    moved = timings_moved(runs[1], planted_run, retime=True)
     slower = {name.rsplit("::", 1)[-1] for name, _, ratio, _ in moved if ratio > 1}
     assert slower == attention, moved
 

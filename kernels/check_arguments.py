@@ -11,12 +11,12 @@ the values it reads through them in ``kernels.check_values``.
 from __future__ import annotations
 
 import math
-import struct
 from collections.abc import Sequence
 
 import torch
 
 from pagedkv.spec.checks import MAX_INT32_BLOCKS, check_int
+from pagedkv.spec.fp8 import to_fp32
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -61,10 +61,7 @@ def check_scale(scale: object, head_dim: int) -> float:
     if scale is None:
         return head_dim**-0.5
     value = check_number("scale", scale, allow_zero=False)
-    try:  # the fp32 value, computed on the host without a tensor
-        in_fp32 = struct.unpack("f", struct.pack("f", value))[0]
-    except OverflowError:  # beyond fp32's largest finite value: inf there
-        in_fp32 = math.inf
+    in_fp32 = to_fp32(value)  # the fp32 value, computed on the host without a tensor
     if not 0 < in_fp32 < math.inf:
         raise ValueError(f"scale must be finite and > 0 in fp32, got {scale}")
     return value

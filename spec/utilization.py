@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedkv.spec.block_manager import blocks_needed, check_int
-from pagedkv.spec.fp8 import ALIASES
+from pagedkv.spec.fp8 import ALIASES, FORMATS
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def paged_usage(token_counts: Sequence[int], block_size: int) -> Usage:
     )
 
 
-KV_ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+KV_ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2} | dict.fromkeys(FORMATS, 1)
 """Bytes a K or V element takes in the cache, by ``kv_cache_dtype`` (``fp8`` is ``fp8_e4m3``)."""
 
 

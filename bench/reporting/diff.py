@@ -86,13 +86,14 @@ def this_tree_ran(run: Run) -> bool:
     return bool(head) and run.commit.get("id") == head
 
 
-def timings_moved(old: Run, new: Run) -> list[tuple[str, str, float, float]]:
-    """:func:`~bench.reporting.noise.beyond_bands`; the slower ones are timed again when ``new``
-    ran this tree's commit (otherwise they stand as measured)."""
+def timings_moved(old: Run, new: Run, retime: bool) -> list[tuple[str, str, float, float]]:
+    """:func:`~bench.reporting.noise.beyond_bands`; with ``retime`` (``new`` ran this tree's
+    commit: :func:`this_tree_ran`) the slower ones are timed again, else they stand as
+    measured."""
     bands = load_bands()
     flagged = beyond_bands(old, [new], bands)
     slower = [name for name, _, ratio, _ in flagged if not ratio <= 1]
-    if not slower or not this_tree_ran(new):
+    if not slower or not retime:
         return flagged
     again = beyond_bands(old, [new, *retimed(slower)], bands)
     return [row for row in again if row[0] in slower] + [
@@ -113,12 +114,13 @@ def print_diff(paths: Sequence[Path]) -> int:
     print(f"{len(missing)} benchmarks timed by one run only (not compared)")
     for fullname in missing:
         print(f"  {fullname.rsplit('/', 1)[-1]}")
+    retime = this_tree_ran(new)
     try:
-        moved = timings_moved(old, new)
+        moved = timings_moved(old, new, retime)
     except (RuntimeError, subprocess.TimeoutExpired) as error:
         print(f"a timing beyond its band could not be timed again: {error}")
         return 1
-    if not this_tree_ran(new):
+    if not retime:
         print(
             "the new run is not of this tree's commit: timings beyond their bands stand as measured"
         )

@@ -36,9 +36,10 @@ def figures(benchmark: dict[str, Any]) -> dict[str, float]:
     return found
 
 
-def compared_figure(benchmark: dict[str, Any]) -> str:
-    """What a compare reads: the in-run ratio where the benchmark has one, else ``min``."""
-    return "paired_ratio" if "paired_ratio" in figures(benchmark) else "min"
+def compared_figure(*found: dict[str, float]) -> str:
+    """What a compare reads from the :func:`figures` of a benchmark's runs: the in-run ratio
+    where every one of them has it, else ``min``."""
+    return "paired_ratio" if all("paired_ratio" in each for each in found) else "min"
 
 
 def moves(old: Run, new: Run) -> dict[str, dict[str, float]]:
@@ -94,7 +95,7 @@ def noise_table(runs: Sequence[Run]) -> str:
 
 def bands(runs: Sequence[Run]) -> dict[str, float]:
     """Each test function's band for its :func:`compared_figure`."""
-    compared = {family(b["fullname"]): compared_figure(b) for b in runs[-1].benchmarks}
+    compared = {family(b["fullname"]): compared_figure(figures(b)) for b in runs[-1].benchmarks}
     return {
         test: round(max(FLOOR, MARGIN * percentile_90(values)), 3)
         for (test, key), values in family_moves(runs).items()
@@ -127,8 +128,7 @@ def beyond_bands(
         name = benchmark["fullname"]
         if name not in before:
             continue
-        both = before[name].keys() & found[name][0].keys()
-        key = "paired_ratio" if "paired_ratio" in both else "min"
+        key = compared_figure(before[name], found[name][0])
         ratio = statistics.median(f[key] for f in found[name] if key in f) / before[name][key]
         band = band_of.get(family(name), FLOOR)
         if not abs(ratio - 1) <= band:  # NaN too
