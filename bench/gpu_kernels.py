@@ -500,8 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def launch_table(device: torch.device, heads: tuple[int, int, int]) -> dict[str, Any]:
     """The tile-table rows (``kernels.launch_config.tiles``) this run's kernels launch with."""
-    from pagedkv.kernels.launch_config import tiles
-    from pagedkv.kernels.triton_decode import capability
+    from pagedkv.kernels.launch_config import capability, tiles
 
     target = capability(device)
     return {

@@ -15,6 +15,13 @@ reference backend never imports triton and works without it installed. The numba
 modules are imported on the numba branch likewise; attention runs there in fp32, and fp16 or bf16
 attention on the numba backend runs the reference.
 
+fp8 caches (``torch.float8_e4m3fn``, ``torch.float8_e5m2``; ``kernels.fp8``): ``store_kv`` and
+the attention functions take ``k_scale=`` and ``v_scale=`` (a number, or an fp32 tensor
+``[num_kv_heads]``; ``None`` is 1.0), which other caches refuse. ``store_kv`` stores each row's
+code under its KV head's scale (``spec.fp8.quantize``, bit for bit on every backend); attention
+reads code value times scale and computes in fp32 with queries of fp32, fp16 or bf16; the numba
+backend runs fp32 queries and sends the others to the reference. ``copy_blocks`` copies bytes.
+
 The attention functions take ``window=`` (``None``, or an int ``w >= 1``): sliding-window
 attention, in which a query at position ``p`` attends only the keys at positions ``j`` with
 ``p - w < j <= p`` (itself and the ``w - 1`` tokens before it). That is Hugging Face's
@@ -45,6 +52,7 @@ from pagedkv.kernels.check_arguments import (
     check_tensor,
 )
 from pagedkv.kernels.check_shapes import (
+    CacheShape,
     check_block_tables,
     check_caches,
     check_context_lens,
@@ -65,6 +73,7 @@ from pagedkv.kernels.check_values import (
     check_slot_values,
     window_starts,
 )
+from pagedkv.kernels.fp8 import check_kv_scales
 from pagedkv.spec.checks import INT32_MAX, int32_window
 
 
@@ -121,6 +130,8 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     *,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
     backend: str | None = None,
     validate: bool = True,
 ) -> None:
@@ -128,8 +139,9 @@ def store_kv(
 
     Slot ``s`` is row ``s % block_size`` of block ``s // block_size``. A slot of ``-1`` skips its
     token. Slots must be distinct and in ``[-1, num_blocks * block_size)``; the token tensors
-    must have the caches' dtype and device, may have any strides, and must share no memory with
-    the caches (``ValueError``: the kernel would read rows it is overwriting).
+    must have the caches' dtype (fp32, fp16 or bf16 for an fp8 cache, whose rows are stored as
+    codes under ``k_scale``/``v_scale``) and device, may have any strides, and must share no
+    memory with the caches (``ValueError``: the kernel would read rows it is overwriting).
     """
     caches = check_caches(k_cache, v_cache)
     key, value = check_kv_rows(key, value, caches, k_cache.dtype)
@@ -137,9 +149,11 @@ def store_kv(
     slots = check_slots(slot_mapping, key.shape[0])
     check_bool("validate", validate)
     device = check_same_device(k_cache=k_cache, key=key, value=value, slot_mapping=slots)
+    scales = check_kv_scales(k_scale, v_scale, k_cache, validate)
     if validate:
         check_slot_values(slots, caches.num_blocks * caches.block_size)
-    trusted.store_kv(key, value, k_cache, v_cache, slots, resolve_backend(backend, device))
+    backend_name = resolve_backend(backend, device)
+    trusted.store_kv(key, value, k_cache, v_cache, slots, backend_name, scales)
 
 
 def paged_decode_attention(
@@ -153,13 +167,16 @@ def paged_decode_attention(
     num_splits: int | None = None,
     window: int | None = None,
     max_context_len: int | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
     backend: str | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its K/V, read through its block table.
 
     ``query`` ``[batch, num_heads, head_dim]``; caches ``[num_blocks, block_size, num_kv_heads,
-    head_dim]`` of the query's dtype (fp32, fp16 or bf16); ``block_tables`` int32 ``[batch,
+    head_dim]`` of the query's dtype (fp32, fp16 or bf16), or fp8 read under ``k_scale`` and
+    ``v_scale`` (module docstring); ``block_tables`` int32 ``[batch,
     max_blocks]``; ``context_lens`` ``[batch]``, each in ``[0, max_blocks * block_size]`` (0 gives
     zeros). ``num_heads`` must be a multiple of ``num_kv_heads``; query head ``h`` reads KV head
     ``h // (num_heads // num_kv_heads)``. ``scale`` defaults to ``1 / sqrt(head_dim)``.
@@ -185,13 +202,14 @@ def paged_decode_attention(
     window = int32_window(window)
     if max_context_len is not None:
         check_int_range("max_context_len", max_context_len, 0, INT32_MAX)
-    if check_bool("validate", validate):
+    scales = check_kv_scales(k_scale, v_scale, k_cache, check_bool("validate", validate))
+    if validate:
         starts = window_starts(lens, 1, window) if window is not None else None
         check_context_values(lens, tables, caches.block_size, caches.num_blocks, starts)
         check_max_context_len(max_context_len, lens)
     return trusted.paged_decode_attention(
         q, k_cache, v_cache, tables, lens, scale, num_splits, window, max_context_len,
-        resolve_backend(backend, device),
+        resolve_backend(backend, device), scales,
     )  # fmt: skip
 
 
@@ -206,6 +224,8 @@ def paged_prefill_attention(
     *,
     window: int | None = None,
     max_query_len: int | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
     backend: str | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
@@ -215,21 +235,21 @@ def paged_prefill_attention(
     ``query`` ``[tokens, num_heads, head_dim]`` holds the sequences' query tokens back to back:
     sequence ``b``'s are rows ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1`` (``cu_seqlens_q``
     int32/int64 ``[batch + 1]``, from 0 to ``tokens``, non-decreasing: FlashAttention's varlen
-    offsets). They are the last ``q_b`` of its ``context_lens[b]`` tokens, whose K/V (its cached
-    prefix and the chunk itself) must already be in the caches, read through row ``b`` of
-    ``block_tables`` (int32 ``[batch, max_blocks]``): query ``i`` sits at position
-    ``context_lens[b] - q_b + i`` and attends keys ``0 ..`` that position. ``q_b <=
-    context_lens[b] <= max_blocks * block_size``; a sequence may have no queries. Caches, dtypes,
-    GQA and ``scale`` follow ``paged_decode_attention``. With ``window`` ``w`` (an int ``>= 1``;
-    ``None`` is full causal attention) the query at position ``p`` attends only keys ``p - w <
-    j <= p``; sequence ``b`` then reads nothing before ``max(0, f_b - w + 1)``, ``f_b =
-    context_lens[b] - q_b`` being its first query's position (for ``q_b = 0``, the position it
-    computes next), and the table entries of blocks wholly before that are neither read nor
-    validated. ``max_query_len`` (an int ``>= 0``; FlashAttention's ``max_seqlen_q``) is the
-    largest ``q_b``, which the triton backend needs on the host to size its grid: given, it
-    saves reading ``cu_seqlens_q`` back from the device (a GPU synchronization); with
-    ``validate`` it must equal the largest ``q_b`` (``ValueError``). Returns ``[tokens,
-    num_heads, head_dim]`` in the query's dtype; scores, softmax and sums are fp32.
+    offsets). They are the last ``q_b`` of its ``context_lens[b]`` tokens, whose K/V (cached
+    prefix and chunk) must already be in the caches, read through row ``b`` of ``block_tables``
+    (int32 ``[batch, max_blocks]``): query ``i`` sits at position ``context_lens[b] - q_b + i``
+    and attends keys ``0 ..`` that position. ``q_b <= context_lens[b] <= max_blocks *
+    block_size``; a sequence may have no queries. Caches, dtypes, fp8 scales, GQA and ``scale``
+    follow ``paged_decode_attention``. With ``window`` ``w`` (an int ``>= 1``; ``None``: full
+    causal attention) the query at position ``p`` attends only keys ``p - w < j <= p``; sequence
+    ``b`` reads nothing before ``max(0, f_b - w + 1)``, ``f_b = context_lens[b] - q_b`` being
+    its first query's position (for ``q_b = 0``, the position it computes next), and the table
+    entries of blocks wholly before that are neither read nor validated. ``max_query_len`` (an
+    int ``>= 0``; FlashAttention's ``max_seqlen_q``), the largest ``q_b``, sizes the triton
+    backend's grid on the host: given, ``cu_seqlens_q`` is not read back (a GPU
+    synchronization); with ``validate`` it must equal the largest ``q_b`` (``ValueError``).
+    Returns ``[tokens, num_heads, head_dim]`` in the query's dtype; scores, softmax and sums are
+    fp32.
     """
     caches = check_caches(k_cache, v_cache)
     q = check_decode_query(query, caches, k_cache.dtype)
@@ -243,18 +263,33 @@ def paged_prefill_attention(
     window = int32_window(window)
     if max_query_len is not None:
         check_int_range("max_query_len", max_query_len, 0, INT32_MAX)
-    if check_bool("validate", validate):
-        query_lens = starts[1:].to(torch.int64) - starts[:-1].to(torch.int64)
-        key_starts = None  # bad offsets are refused just below, whatever starts they give
-        if window is not None:
-            key_starts = window_starts(lens, query_lens.clamp(min=0), window)
-        check_context_values(lens, tables, caches.block_size, caches.num_blocks, key_starts)
-        check_cu_seqlens_values(starts, lens, q.shape[0])
-        check_max_query_len(max_query_len, query_lens)
+    scales = check_kv_scales(k_scale, v_scale, k_cache, check_bool("validate", validate))
+    if validate:
+        _check_chunks(caches, tables, starts, lens, q.shape[0], window, max_query_len)
     return trusted.paged_prefill_attention(
         q, k_cache, v_cache, tables, starts, lens, scale, window, max_query_len,
-        resolve_backend(backend, device),
+        resolve_backend(backend, device), scales,
     )  # fmt: skip
+
+
+def _check_chunks(
+    caches: CacheShape,
+    tables: torch.Tensor,
+    starts: torch.Tensor,
+    lens: torch.Tensor,
+    num_tokens: int,
+    window: int | None,
+    max_query_len: int | None,
+) -> None:
+    """``paged_prefill_attention``'s value checks: the table entries the chunks read (with a
+    window, only those in it), the offsets, and ``max_query_len``."""
+    query_lens = starts[1:].to(torch.int64) - starts[:-1].to(torch.int64)
+    key_starts = None  # bad offsets are refused just below, whatever starts they give
+    if window is not None:
+        key_starts = window_starts(lens, query_lens.clamp(min=0), window)
+    check_context_values(lens, tables, caches.block_size, caches.num_blocks, key_starts)
+    check_cu_seqlens_values(starts, lens, num_tokens)
+    check_max_query_len(max_query_len, query_lens)
 
 
 def contiguous_decode_attention(
@@ -267,6 +302,8 @@ def contiguous_decode_attention(
     num_splits: int | None = None,
     window: int | None = None,
     max_context_len: int | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
     backend: str | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
@@ -291,22 +328,15 @@ def contiguous_decode_attention(
     window = int32_window(window)
     if max_context_len is not None:
         check_int_range("max_context_len", max_context_len, 0, INT32_MAX)
-    if check_bool("validate", validate):  # contiguous: a paged cache whose table for b is [b]
+    scales = check_kv_scales(k_scale, v_scale, key, check_bool("validate", validate))
+    if validate:  # contiguous: a paged cache whose table for b is [b]
         identity = torch.arange(q.shape[0], dtype=torch.int32, device=device)[:, None]
         check_context_values(lens, identity, caches.block_size, caches.num_blocks)
         check_max_context_len(max_context_len, lens)
-    backend_name = resolve_backend(backend, device)
-    if backend_name == "numba" and q.dtype == torch.float32:
-        from pagedkv.kernels import numba_attention
-
-        return numba_attention.decode(q, key, value, None, lens, scale, num_splits, window)
-    if backend_name != "triton":  # the reference, and numba's fp16 / bf16
-        return reference.contiguous_decode_attention(q, key, value, lens, scale, window)
-    from pagedkv.kernels import triton_decode
-
-    return triton_decode.launch(
-        q, key, value, None, lens, scale, num_splits, window, max_context_len=max_context_len
-    )
+    return trusted.paged_decode_attention(
+        q, key, value, None, lens, scale, num_splits, window, max_context_len,
+        resolve_backend(backend, device), scales,
+    )  # fmt: skip
 
 
 def copy_blocks(

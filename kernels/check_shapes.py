@@ -19,6 +19,19 @@ from pagedkv.kernels.check_arguments import (
     check_shape,
     check_tensor,
 )
+from pagedkv.kernels.fp8 import FP8_DTYPES
+
+CACHE_DTYPES = (*FLOAT_DTYPES, *FP8_DTYPES)
+
+
+def check_compute_dtype(name: str, tensor: torch.Tensor, cache_dtype: torch.dtype) -> None:
+    """A query's or a K/V row's dtype: the caches' own, or any of fp32, fp16 and bf16 for an
+    fp8 cache (``TypeError``)."""
+    if cache_dtype in FP8_DTYPES:
+        if tensor.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be fp32, fp16 or bf16 (fp8 caches), got {tensor.dtype}")
+    elif tensor.dtype != cache_dtype:
+        raise TypeError(f"{name} has dtype {tensor.dtype} but the caches have {cache_dtype}")
 
 
 @dataclass(frozen=True)
@@ -32,9 +45,10 @@ class CacheShape:
 
 
 def check_caches(k_cache: object, v_cache: object) -> CacheShape:
-    """Two contiguous float caches of one shape, dtype and device."""
-    k = check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES)
-    v = check_tensor("v_cache", v_cache, 4, FLOAT_DTYPES)
+    """Two contiguous caches of one shape, dtype (fp32, fp16, bf16 or an fp8 format) and
+    device."""
+    k = check_tensor("k_cache", k_cache, 4, CACHE_DTYPES)
+    v = check_tensor("v_cache", v_cache, 4, CACHE_DTYPES)
     check_shape("v_cache", v, k.shape)
     if v.dtype != k.dtype:
         raise TypeError(f"v_cache has dtype {v.dtype} but k_cache has {k.dtype}")
@@ -55,8 +69,7 @@ def check_caches(k_cache: object, v_cache: object) -> CacheShape:
 def check_decode_query(query: object, caches: CacheShape, dtype: torch.dtype) -> torch.Tensor:
     """A ``[batch, num_heads, head_dim]`` query matching the caches; heads a multiple of KV's."""
     q = check_tensor("query", query, 3, FLOAT_DTYPES)
-    if q.dtype != dtype:
-        raise TypeError(f"query has dtype {q.dtype} but the caches have {dtype}")
+    check_compute_dtype("query", q, dtype)
     _, num_heads, head_dim = q.shape
     if head_dim != caches.head_dim:
         raise ValueError(f"query head_dim {head_dim} != cache head_dim {caches.head_dim}")
@@ -71,15 +84,17 @@ def check_decode_query(query: object, caches: CacheShape, dtype: torch.dtype) ->
 def check_kv_rows(
     key: object, value: object, caches: CacheShape, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``key`` and ``value`` of shape ``[tokens, num_kv_heads, head_dim]`` in the caches' dtype."""
+    """``key`` and ``value`` of shape ``[tokens, num_kv_heads, head_dim]`` in the caches' dtype
+    (for an fp8 cache: in one of fp32, fp16 and bf16, both the same)."""
     k = check_tensor("key", key, 3, FLOAT_DTYPES)
     v = check_tensor("value", value, 3, FLOAT_DTYPES)
     expected = (k.shape[0], caches.num_kv_heads, caches.head_dim)
     check_shape("key", k, expected)
     check_shape("value", v, expected)
     for name, tensor in (("key", k), ("value", v)):
-        if tensor.dtype != dtype:
-            raise TypeError(f"{name} has dtype {tensor.dtype} but the caches have {dtype}")
+        check_compute_dtype(name, tensor, dtype)
+    if v.dtype != k.dtype:
+        raise TypeError(f"value has dtype {v.dtype} but key has {k.dtype}")
     return k, v
 
 

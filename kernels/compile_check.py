@@ -42,6 +42,9 @@ from pagedkv.kernels.launch_config import (
 )
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# fp8 caches, "query dtype+format", read by 16-bit queries (fp32 ones run FMA dots: not listed).
+FP8_LABELS = tuple(f"{q}+{f}" for q in ("fp16", "bf16") for f in ("fp8_e4m3", "fp8_e5m2"))
+LABELS = (*DTYPES, *FP8_LABELS)
 BUDGETED_HEAD_DIMS = (64, 80, 96, 128)
 REPORTED_HEAD_DIMS = (48, 256)
 BLOCK_SIZES = tuple(2**i for i in range(9))  # 1 .. 256
@@ -50,13 +53,14 @@ PREFILL_CHUNKS = (16, 128, 512)
 NUM_KV_HEADS = 8
 CONTEXT = 32768  # the table's capacity and the longest context of the enumerated launches
 SM_COUNT = 132  # an H100/H200's SMs: sizes the automatic split of the enumerated decode
-# Decode occupancy at head dim 128 for 16-bit caches, at least vLLM 0.32's best (docs/results.md).
+# Decode occupancy at D128, at least vLLM 0.32's best (docs/results.md); fp8: a ratchet, lower.
 DECODE_OCCUPANCY = {80: 0.3125, 90: 0.4375}
+FP8_DECODE_OCCUPANCY = {80: 0.25, 90: 0.3125}
 GATED_TARGETS = (80, 90)
-# What CI's long command compiles (about 5 minutes on two cores): every dtype, budgeted head dim
-# and group at block size 16, for the gated targets. The whole grid (about 4,750 compiles, over
-# an hour) is `python -m pagedkv.kernels.compile_check`, run by hand; docs/kernels.md has its rows.
+# CI's long command compiles every dtype (both fp8 formats, each with one query dtype), budgeted
+# head dim and group at block size 16, on the gated targets; the whole grid (hours) runs by hand.
 CI_HEAD_DIMS = BUDGETED_HEAD_DIMS
+CI_LABELS = (*DTYPES, "fp16+fp8_e4m3", "bf16+fp8_e5m2")
 CI_BLOCK_SIZES = (16,)
 DECODE = "pagedkv.kernels.triton_decode"
 PREFILL = "pagedkv.kernels.triton_prefill"
@@ -68,7 +72,7 @@ class Variant:
 
     module: str  # the kernel's module: "pagedkv.kernels.triton_decode", ...
     kind: str  # "decode", "decode-split", "merge", "prefill", "contiguous"
-    dtype: str
+    dtype: str  # a label of LABELS: the query's dtype, and an fp8 cache's format after "+"
     head_dim: int
     block_size: int
     group: int
@@ -98,7 +102,7 @@ class Figures:
 class Grid:
     """The enumerated configuration space (docs/kernels.md); a smaller one trims a run."""
 
-    dtypes: tuple[str, ...] = tuple(DTYPES)
+    dtypes: tuple[str, ...] = LABELS
     head_dims: tuple[int, ...] = tuple(sorted(BUDGETED_HEAD_DIMS + REPORTED_HEAD_DIMS))
     block_sizes: tuple[int, ...] = BLOCK_SIZES
     groups: tuple[int, ...] = GROUPS
@@ -114,6 +118,7 @@ def variants(sample: bool = False, grid: Grid | None = None, capability: int = 9
             decode_variant("bf16", 128, 16, 4, True, capability),
             prefill_variant("fp16", 128, 16, 4, 512, capability),
             decode_variant("fp32", 128, 16, 4, False, capability),
+            decode_variant("fp16+fp8_e4m3", 128, 16, 4, False, capability),
         ]
     else:
         found = list(grid_variants(grid or Grid(), capability))
@@ -143,11 +148,13 @@ def grid_variants(grid: Grid, capability: int) -> Iterator[Variant]:
 def enumerated_call(
     dtype: str, head_dim: int, block_size: int, group: int, capability: int
 ) -> Call:
-    """One sequence whose table spans ``CONTEXT`` tokens (block size 0: contiguous)."""
+    """One sequence whose table spans ``CONTEXT`` tokens (block size 0: contiguous); ``dtype``
+    is a label of ``LABELS``."""
     stride = CONTEXT // max(1, block_size)
     heads = group * NUM_KV_HEADS
-    return Call(1, heads, NUM_KV_HEADS, head_dim, DTYPES[dtype], torch.int64, block_size, stride,
-                capability)  # fmt: skip
+    query, _, fp8 = dtype.partition("+")
+    return Call(1, heads, NUM_KV_HEADS, head_dim, DTYPES[query], torch.int64, block_size, stride,
+                capability, fp8=fp8 or None)  # fmt: skip
 
 
 def decode_variant(
@@ -190,8 +197,9 @@ def merge_variant(dtype: str, head_dim: int) -> Variant:
     from pagedkv.kernels import triton_decode
 
     splits = triton_decode.auto_num_splits(NUM_KV_HEADS, CONTEXT, SM_COUNT, 8)
+    query = DTYPES[dtype.partition("+")[0]]  # the merge reads no cache
     config = triton_decode.merge_config(
-        batch=1, num_heads=NUM_KV_HEADS, head_dim=head_dim, dtype=DTYPES[dtype], num_splits=splits
+        batch=1, num_heads=NUM_KV_HEADS, head_dim=head_dim, dtype=query, num_splits=splits
     )
     return Variant(DECODE, "merge", dtype, head_dim, 0, 1, config)
 
@@ -293,9 +301,10 @@ def rows_of(variant: Variant, figures: Figures) -> dict:
 def budget_failures(rows: list[dict]) -> list[str]:
     """The budgets of docs/kernels.md that ``rows`` break, one line each (empty: all hold).
 
-    On sm_80 and sm_90, at the budgeted head dims: no spills (every dtype); for fp16 and bf16 a
-    16-bit ``mma`` or ``wgmma`` (no TF32, no FMA), and decode at head dim 128 at least
-    ``DECODE_OCCUPANCY``. Head dims 48 and 256 are reported, not budgeted."""
+    On sm_80 and sm_90, at the budgeted head dims: no spills (every dtype); for fp16 and bf16
+    queries a 16-bit ``mma`` or ``wgmma`` (no TF32, no FMA), and decode at head dim 128 at least
+    ``DECODE_OCCUPANCY`` (``FP8_DECODE_OCCUPANCY`` on fp8 caches). Head dims 48 and 256 are
+    reported, not budgeted."""
     failures = []
     for row in rows:
         if row["target"] not in GATED_TARGETS or row["kernel"] == "merge":
@@ -308,12 +317,13 @@ def budget_failures(rows: list[dict]) -> list[str]:
         spilled = row["spill_stores"] or row["spill_loads"]
         if spilled and budgeted:
             failures.append(f"{name}: spills {row['spill_stores']} bytes")
-        if row["dtype"] == "fp32" or not budgeted:
+        query, _, fp8 = row["dtype"].partition("+")
+        if query == "fp32" or not budgeted:
             continue
-        operands = "f16.f16" if row["dtype"] == "fp16" else "bf16.bf16"
+        operands = "f16.f16" if query == "fp16" else "bf16.bf16"
         if operands not in row["mma"] or "tf32" in row["mma"]:
             failures.append(f"{name}: not a native 16-bit MMA ({row['mma']})")
-        floor = DECODE_OCCUPANCY.get(row["target"], 0.0)
+        floor = (FP8_DECODE_OCCUPANCY if fp8 else DECODE_OCCUPANCY).get(row["target"], 0.0)
         decode = row["kernel"] in ("decode", "decode-split")
         if decode and row["head_dim"] == 128 and row["occupancy"] < floor:
             failures.append(f"{name}: occupancy {row['occupancy']:.1%} < {floor:.1%}")
@@ -407,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every row here")
     parser.add_argument("--markdown", action="store_true", help="print docs/kernels.md's table")
     parser.add_argument("--no-budgets", action="store_true", help="report only")
-    parser.add_argument("--dtypes", nargs="+", default=list(Grid.dtypes), choices=list(DTYPES))
+    parser.add_argument("--dtypes", nargs="+", default=list(Grid.dtypes), choices=list(LABELS))
     parser.add_argument("--head-dims", nargs="+", type=int, default=list(Grid.head_dims))
     parser.add_argument("--block-sizes", nargs="+", type=int, default=list(Grid.block_sizes))
     parser.add_argument("--groups", nargs="+", type=int, default=list(Grid.groups))

@@ -81,10 +81,13 @@ def padded_head_dim(head_dim: int) -> int:
     return max(MIN_DOT, 1 << (head_dim - 1).bit_length())
 
 
-def tiles(kernel: str, dtype: torch.dtype, head_dim: int, capability: int) -> Tiles:
+def tiles(
+    kernel: str, dtype: torch.dtype, head_dim: int, capability: int, fp8: bool = False
+) -> Tiles:
     """The tile table: tiles, warps and pipeline stages per kernel (``"decode"`` or
-    ``"prefill"``), cache dtype, padded head dim and target (``capability``: one row differs on
-    sm_80). docs/kernels.md gives the measurement behind each row.
+    ``"prefill"``), query dtype (the cache's, or an ``fp8`` cache's reader's), padded head dim
+    and target (``capability``: rows differ on sm_80). docs/kernels.md gives the measurement
+    behind each row.
 
     16-bit caches feed ``tl.dot`` their own dtype (native ``mma``); fp32 caches run exact IEEE
     fp32 dots, which Triton lowers to FMA, so their tiles are smaller to keep the operands in
@@ -101,6 +104,8 @@ def tiles(kernel: str, dtype: torch.dtype, head_dim: int, capability: int) -> Ti
             num_warps = 8 if block_d == 128 else 4
             if block_d == 128 and capability < 90:  # sm_80: 8 warps of 64 rows spill at D80/96
                 rows, block_n, num_warps = 32, 16, 4
+            if fp8 and capability < 90:  # sm_80 reads 8-bit operands without ldmatrix: spills
+                block_n = 16
         else:
             rows = 32 if block_d <= 64 else 16
             block_n = 16
@@ -119,12 +124,13 @@ class Call:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype  # the query's and the caches'
+    dtype: torch.dtype  # the query's (and the caches', unless they are fp8)
     index_dtype: torch.dtype  # context_lens' (and cu_seqlens_q's)
     block_size: int
     table_stride: int
     capability: int = DEFAULT_CAPABILITY
     interpreted: bool = False
+    fp8: str | None = None  # the caches' fp8 format (read as uint8), or None: the query's dtype
 
 
 @dataclass(frozen=True)
@@ -146,6 +152,7 @@ class LaunchConfig:
     def pointer_dtypes(self) -> list[torch.dtype]:
         """The element dtype of each pointer argument, in order (what ``warmup`` takes)."""
         by_name = {name: dtype for dtype, name in (*SCALAR_TYPES.items(), *INDEX_TYPES.items())}
+        by_name["u8"] = torch.uint8  # an fp8 cache's codes
         return [by_name[k[1:]] for k in self.signature.values() if k.startswith("*")]
 
     def hints(self) -> tuple[frozenset[str], frozenset[str]]:
@@ -168,3 +175,25 @@ def aligned(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` itself when its data starts on a 16-byte boundary, else a contiguous copy
     that does: the launch then matches the hints the compile gate checks."""
     return tensor if tensor.data_ptr() % 16 == 0 else tensor.clone()
+
+
+def dot_precision(dtype: torch.dtype, interpreted: bool = False) -> str:
+    """``tl.dot``'s precision for a query dtype: exact IEEE fp32 for fp32 queries, and for bf16
+    operands upcast under the interpreter. For fp16 and bf16 the operands stay 16-bit and the
+    product is the native one whatever this says (docs/kernels.md, Tolerances)."""
+    return "ieee" if dtype == torch.float32 or interpreted else "tf32"
+
+
+def capability(device: torch.device) -> int:
+    """The tile table's row for ``device``: its compute capability on CUDA, else the default."""
+    if device.type != "cuda":
+        return DEFAULT_CAPABILITY
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+def cache_pointers(call: Call) -> dict[str, str]:
+    """The K/V cache pointers of an attention kernel's signature: an fp8 cache's ``uint8``
+    codes, any other the query's dtype."""
+    kind = "*u8" if call.fp8 else f"*{SCALAR_TYPES[call.dtype]}"
+    return {"k_cache_ptr": kind, "v_cache_ptr": kind}

@@ -25,8 +25,9 @@ is row ``b * max_len + n`` of the ``[batch, max_len, heads, dim]`` cache. That i
 Splits (decode): with fewer programs than threads, a sequence's keys are cut into ``num_splits``
 ranges whose normalized partial outputs and log-sum-exps are merged, as the Triton kernel does.
 
-fp32 only: numba 0.68 has no fp16 arithmetic, and the public functions send fp16 and bf16
-attention to the torch reference (``docs/kernels.md``, Backends).
+fp32 queries only: numba 0.68 has no fp16 arithmetic, and the public functions send fp16 and bf16
+attention to the torch reference (``docs/kernels.md``, Backends). An fp8 cache is read as codes
+(``numba_fp8.read_row``); K's scale multiplies the (scaled) query and V's the output, in fp32.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from pagedkv.kernels import numba_fp8
 from pagedkv.kernels.check_arguments import MAX_SPLITS
 from pagedkv.kernels.numba_runtime import (
     CACHE_LINE_FLOATS,
@@ -88,13 +90,16 @@ def _attend(
     end: int,
     window: int,
     out: np.ndarray,
+    table,
 ) -> np.ndarray:
     """Attention of the query rows ``q`` (``[rows, dim]``, scaled; row ``r`` at position
     ``positions[r]``) over keys ``start .. end - 1`` of sequence ``b``, KV head ``kv_head``: key
     ``j`` is visible to row ``r`` iff ``positions[r] - window < j <= positions[r]``. Writes the
     normalized outputs into ``out`` (``[rows, dim]``) and returns each row's log-sum-exp
-    (``-inf`` for a row that sees no key, whose output is 0)."""
+    (``-inf`` for a row that sees no key, whose output is 0). With a ``table`` (fp8 caches of
+    codes: the fp32 value of each of the 256) each K/V row is read through it, unscaled."""
     rows, head_dim = q.shape
+    decoded = np.empty(head_dim, np.float32)
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     k_rows = k_cache.reshape(num_slots, k_cache.shape[2], head_dim)
     v_rows = v_cache.reshape(num_slots, k_cache.shape[2], head_dim)
@@ -105,7 +110,7 @@ def _attend(
         if column + PREFETCH_AHEAD < count:
             for d in range(0, head_dim, CACHE_LINE_FLOATS):
                 prefetch(k_rows, cache_rows[column + PREFETCH_AHEAD], kv_head, d)
-        key = k_rows[cache_rows[column], kv_head]
+        key = numba_fp8.read_row(k_rows, cache_rows[column], kv_head, table, decoded)
         for r in range(rows):
             s = np.float32(0.0)
             for d in range(head_dim):
@@ -137,7 +142,7 @@ def _attend(
         if column + PREFETCH_AHEAD < count:
             for d in range(0, head_dim, CACHE_LINE_FLOATS):
                 prefetch(v_rows, cache_rows[column + PREFETCH_AHEAD], kv_head, d)
-        value = v_rows[cache_rows[column], kv_head]
+        value = numba_fp8.read_row(v_rows, cache_rows[column], kv_head, table, decoded)
         for r in range(rows):
             weight = scores[r, column]
             for d in range(head_dim):
@@ -147,12 +152,25 @@ def _attend(
 
 @njit(cache=True, fastmath=FASTMATH)
 def _decode_program(
-    program, query, k_cache, v_cache, tables, lens, scale, window, split_len, partial, lse
+    program,
+    query,
+    k_cache,
+    v_cache,
+    tables,
+    lens,
+    scale,
+    window,
+    split_len,
+    partial,
+    lse,
+    table,
+    kv_scales,
 ):
     """Program ``(b, kv_head, split)``: query heads ``kv_head * group ..`` of sequence ``b``
     over keys ``[first + split * split_len, ..)`` of ``[first, lens[b])``, ``first`` being the
     window's first key. ``partial`` ``[batch, heads, splits, dim]``, ``lse`` ``[batch, heads,
-    splits]``."""
+    splits]``. ``kv_scales`` ``[2, num_kv_heads]``: K's scale multiplies the query, V's the
+    output (1 for a cache that is not fp8)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -168,31 +186,39 @@ def _decode_program(
     q = np.empty((group, head_dim), np.float32)
     for g in range(group):
         for d in range(head_dim):
-            q[g, d] = query[b, h0 + g, d] * scale
+            q[g, d] = query[b, h0 + g, d] * scale * kv_scales[0, kv_head]
     positions = np.full(group, length - 1, np.int64)
     o = np.empty((group, head_dim), np.float32)
-    row_lse = _attend(q, positions, k_cache, v_cache, tables, b, kv_head, start, end, window, o)
+    row_lse = _attend(
+        q, positions, k_cache, v_cache, tables, b, kv_head, start, end, window, o, table
+    )
     for g in range(group):
-        partial[b, h0 + g, split, :] = o[g]
+        partial[b, h0 + g, split, :] = o[g] * kv_scales[1, kv_head]
         lse[b, h0 + g, split] = row_lse[g]
 
 
 @njit(parallel=True, cache=True, fastmath=FASTMATH)
-def _decode_parallel(query, k_cache, v_cache, tables, lens, scale, window, split_len, partial, lse):
+def _decode_parallel(
+    query, k_cache, v_cache, tables, lens, scale, window, split_len, partial, lse, table, kv_scales
+):
     """Every ``_decode_program``, on the thread pool."""
     for program in prange(lse.shape[0] * k_cache.shape[2] * lse.shape[2]):
         _decode_program(
-            program, query, k_cache, v_cache, tables, lens, scale, window, split_len, partial, lse
-        )
+            program, query, k_cache, v_cache, tables, lens, scale, window, split_len, partial,
+            lse, table, kv_scales,
+        )  # fmt: skip
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _decode_serial(query, k_cache, v_cache, tables, lens, scale, window, split_len, partial, lse):
+def _decode_serial(
+    query, k_cache, v_cache, tables, lens, scale, window, split_len, partial, lse, table, kv_scales
+):
     """Every ``_decode_program``, on the calling thread."""
     for program in range(lse.shape[0] * k_cache.shape[2] * lse.shape[2]):
         _decode_program(
-            program, query, k_cache, v_cache, tables, lens, scale, window, split_len, partial, lse
-        )
+            program, query, k_cache, v_cache, tables, lens, scale, window, split_len, partial,
+            lse, table, kv_scales,
+        )  # fmt: skip
 
 
 @njit(cache=True, fastmath=FASTMATH)
@@ -221,11 +247,24 @@ def _merge(partial, lse, out):
 
 @njit(cache=True, fastmath=FASTMATH)
 def _prefill_program(
-    program, query, k_cache, v_cache, tables, cu_seqlens, lens, tiles, scale, window, out
+    program,
+    query,
+    k_cache,
+    v_cache,
+    tables,
+    cu_seqlens,
+    lens,
+    tiles,
+    scale,
+    window,
+    out,
+    table,
+    kv_scales,
 ):
     """Program ``(tile, kv_head)``; tile ``i`` is queries ``tiles[i, 1] .. tiles[i, 2] - 1``
     (offsets in the chunk) of sequence ``tiles[i, 0]``. Query ``i`` of sequence ``b``'s chunk of
-    ``q_b`` sits at position ``lens[b] - q_b + i`` and sees the keys of ``_attend``'s rule."""
+    ``q_b`` sits at position ``lens[b] - q_b + i`` and sees the keys of ``_attend``'s rule;
+    ``table`` and ``kv_scales`` are ``_decode_program``'s."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -241,33 +280,39 @@ def _prefill_program(
             r = i * group + g
             positions[r] = first + lo + i
             for d in range(head_dim):
-                q[r, d] = query[token, kv_head * group + g, d] * scale
+                q[r, d] = query[token, kv_head * group + g, d] * scale * kv_scales[0, kv_head]
     start = max(first + lo - window + 1, 0)
     end = first + hi
     o = np.empty((rows, head_dim), np.float32)
-    _attend(q, positions, k_cache, v_cache, tables, b, kv_head, start, end, window, o)
+    _attend(q, positions, k_cache, v_cache, tables, b, kv_head, start, end, window, o, table)
     for i in range(hi - lo):
         token = cu_seqlens[b] + lo + i
         for g in range(group):
-            out[token, kv_head * group + g, :] = o[i * group + g]
+            out[token, kv_head * group + g, :] = o[i * group + g] * kv_scales[1, kv_head]
 
 
 @njit(parallel=True, cache=True, fastmath=FASTMATH)
-def _prefill_parallel(query, k_cache, v_cache, tables, cu_seqlens, lens, tiles, scale, window, out):
+def _prefill_parallel(
+    query, k_cache, v_cache, tables, cu_seqlens, lens, tiles, scale, window, out, table, kv_scales
+):
     """Every ``_prefill_program``, on the thread pool."""
     for program in prange(tiles.shape[0] * k_cache.shape[2]):
         _prefill_program(
-            program, query, k_cache, v_cache, tables, cu_seqlens, lens, tiles, scale, window, out
-        )
+            program, query, k_cache, v_cache, tables, cu_seqlens, lens, tiles, scale, window,
+            out, table, kv_scales,
+        )  # fmt: skip
 
 
 @njit(cache=True, fastmath=FASTMATH)
-def _prefill_serial(query, k_cache, v_cache, tables, cu_seqlens, lens, tiles, scale, window, out):
+def _prefill_serial(
+    query, k_cache, v_cache, tables, cu_seqlens, lens, tiles, scale, window, out, table, kv_scales
+):
     """Every ``_prefill_program``, on the calling thread."""
     for program in range(tiles.shape[0] * k_cache.shape[2]):
         _prefill_program(
-            program, query, k_cache, v_cache, tables, cu_seqlens, lens, tiles, scale, window, out
-        )
+            program, query, k_cache, v_cache, tables, cu_seqlens, lens, tiles, scale, window,
+            out, table, kv_scales,
+        )  # fmt: skip
 
 
 def choose_num_splits(programs: int, max_tokens: int, threads: int) -> int:
@@ -290,9 +335,12 @@ def decode(
     scale: float,
     num_splits: int | None,
     window: int | None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fp8: str | None = None,
 ) -> torch.Tensor:
     """Decode attention on validated fp32 arguments; ``block_tables=None`` reads a contiguous
-    ``[batch, max_len, heads, dim]`` cache. ``num_splits=None`` uses ``choose_num_splits``."""
+    ``[batch, max_len, heads, dim]`` cache. ``num_splits=None`` uses ``choose_num_splits``. An
+    fp8 cache comes as its ``uint8`` view with its format's name ``fp8`` and ``(k, v)`` scales."""
     query = query.contiguous()
     batch, num_heads, head_dim = query.shape
     out = torch.empty_like(query)
@@ -322,6 +370,7 @@ def decode(
         split_len,
         as_array(partial.view(batch, num_heads, num_splits, head_dim)),
         as_array(lse),
+        *numba_fp8.kernel_arguments(fp8, scales, num_kv_heads),
     )
     if num_splits > 1:
         _merge(as_array(partial), as_array(lse), as_array(out))
@@ -355,8 +404,10 @@ def prefill(
     context_lens: torch.Tensor,
     scale: float,
     window: int | None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fp8: str | None = None,
 ) -> torch.Tensor:
-    """Varlen paged prefill attention on validated fp32 arguments."""
+    """Varlen paged prefill attention on validated fp32 arguments (fp8: as :func:`decode`)."""
     query = query.contiguous()
     out = torch.empty_like(query)
     if query.shape[0] == 0:
@@ -379,5 +430,6 @@ def prefill(
         np.float32(scale),
         window if window is not None else NO_WINDOW,
         as_array(out),
+        *numba_fp8.kernel_arguments(fp8, scales, k_cache.shape[2]),
     )
     return out

@@ -4,6 +4,8 @@ They move bytes and integers only, so every cache dtype (fp32, fp16, bf16) runs 
 and token rows are seen as raw bytes (``numba_runtime.as_bytes``), one compiled signature for all
 of them. Arguments are validated by ``kernels.api``; these functions trust them. The loops are
 serial: a step writes a few hundred rows, far less than a thread's start-up costs.
+
+An fp8 cache (its ``uint8`` view) stores codes, encoded by ``numba_fp8.store_codes``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import numpy as np
 import torch
 from numba import njit
 
+from pagedkv.kernels import numba_fp8
 from pagedkv.kernels.numba_runtime import as_array, as_bytes
 
 
@@ -73,9 +76,17 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fp8: str | None = None,
 ) -> None:
-    """``reference.store_kv``'s contract: token ``t``'s K/V into slot ``slot_mapping[t]``."""
+    """``reference.store_kv``'s contract: token ``t``'s K/V into slot ``slot_mapping[t]``; an fp8
+    cache comes as its ``uint8`` view with its format's name ``fp8`` and the ``(k, v)`` scales."""
     slots = k_cache.shape[0] * k_cache.shape[1]
+    if fp8 is not None and scales is not None:
+        rows = (key.float().contiguous(), value.float().contiguous())
+        caches = (k_cache.view(slots, *k_cache.shape[2:]), v_cache.view(slots, *v_cache.shape[2:]))
+        numba_fp8.store_codes(rows, caches, slot_mapping.to(torch.int64).contiguous(), scales, fp8)
+        return
     _store_rows(
         as_bytes(key.contiguous()),
         as_bytes(value.contiguous()),

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pagedkv.kernels import fp8
 from pagedkv.kernels.check_values import window_starts
 
 
@@ -39,13 +40,19 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """``cache.flat_slots[slot_mapping[t]] = key[t]`` for every ``t`` whose slot is not ``-1``."""
+    """``cache.flat_slots[slot_mapping[t]] = key[t]`` for every ``t`` whose slot is not ``-1``;
+    an fp8 cache stores ``fp8.quantize`` of the rows under ``scales`` (``(k_scale, v_scale)``)."""
     written = slot_mapping >= 0
     slots = slot_mapping[written].to(torch.int64)
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    k_cache.view(num_slots, *k_cache.shape[2:])[slots] = key[written]
-    v_cache.view(num_slots, *v_cache.shape[2:])[slots] = value[written]
+    pairs = zip((k_cache, v_cache), (key, value), scales or (None, None), strict=True)
+    for cache, rows, scale in pairs:
+        rows = rows[written]
+        if scale is not None:
+            cache, rows = cache.view(torch.uint8), fp8.quantize(rows, scale, cache.dtype)
+        cache.view(num_slots, *cache.shape[2:])[slots] = rows
 
 
 def gather_kv(
@@ -88,6 +95,22 @@ def gather_kv(
     return flat.view(block_tables.shape[0], num_kv_heads, width, head_dim)
 
 
+def read_kv(
+    cache: torch.Tensor,
+    scale: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    width: int,
+    starts: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`gather_kv` of a cache, read as values: an fp8 cache's codes (gathered through its
+    ``uint8`` view) as ``fp8.dequantize`` under ``scale``, fp32."""
+    if scale is None:
+        return gather_kv(cache, block_tables, context_lens, width, starts)
+    codes = gather_kv(cache.view(torch.uint8), block_tables, context_lens, width, starts)
+    return fp8.dequantize(codes, scale, cache.dtype)
+
+
 def masked_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -113,7 +136,7 @@ def masked_attention(
     The score product's operands are the inputs' own values (exact in fp32) and the scale
     applies to the fp32 scores, as in the Triton kernels. With ``gpu_rounding`` the weights are
     also rounded where a compiled kernel rounds them: the unnormalized ``exp(s - max)`` is cast
-    to the cache dtype for the PV product, and the denominator sums it in fp32 before the cast
+    to the query's dtype for the PV product, and the denominator sums it in fp32 before the cast
     (docs/kernels.md, Tolerances). For fp32 inputs the cast changes nothing.
     """
     batch, num_queries, num_heads, head_dim = query.shape
@@ -133,7 +156,7 @@ def masked_attention(
     scores = scores.masked_fill(hidden[:, None, None], float("-inf"))
     if gpu_rounding:  # exp(s - max) in the cache dtype over its fp32 sum
         p = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
-        weights = p.to(key.dtype).float() / p.sum(dim=-1, keepdim=True)
+        weights = p.to(query.dtype).float() / p.sum(dim=-1, keepdim=True)
     else:
         weights = torch.softmax(scores, dim=-1)
     out = weights.view(batch, num_kv_heads, group * num_queries, length) @ value.float()
@@ -173,18 +196,20 @@ def paged_decode_attention(
     window: int | None = None,
     *,
     gpu_rounding: bool = False,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """All sequences at once: gather K/V through the tables into a padded batch, then
-    :func:`masked_attention` with each query at its last position. Length 0 gives zeros. With
-    ``window`` ``w`` each sequence gathers only its last ``w`` tokens. ``gpu_rounding`` is
-    :func:`masked_attention`'s."""
+    """All sequences at once: gather K/V through the tables into a padded batch (an fp8
+    cache's read under ``scales``, :func:`read_kv`), then :func:`masked_attention` with each
+    query at its last position. Length 0 gives zeros. With ``window`` ``w`` each sequence
+    gathers only its last ``w`` tokens. ``gpu_rounding`` is :func:`masked_attention`'s."""
     lens = context_lens.to(torch.int64)
     starts = (lens - window).clamp(min=0) if window is not None else torch.zeros_like(lens)
     width = int((lens - starts).max()) if lens.numel() else 0
     if width == 0:
         return torch.zeros_like(query)
-    key = gather_kv(k_cache, block_tables, lens, width, starts)
-    value = gather_kv(v_cache, block_tables, lens, width, starts)
+    k_scale, v_scale = scales or (None, None)
+    key = read_kv(k_cache, k_scale, block_tables, lens, width, starts)
+    value = read_kv(v_cache, v_scale, block_tables, lens, width, starts)
     positions = (lens - 1)[:, None]
     out = masked_attention(
         query[:, None], key, value, positions, scale,
@@ -200,12 +225,15 @@ def contiguous_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     window: int | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention over a contiguous ``[batch, max_len, num_kv_heads, dim]`` cache: the identity
     table ``[b]`` of a cache with ``max_len``-token blocks, through
     :func:`paged_decode_attention`."""
     identity = torch.arange(query.shape[0], dtype=torch.int32, device=query.device)[:, None]
-    return paged_decode_attention(query, key, value, identity, context_lens, scale, window)
+    return paged_decode_attention(
+        query, key, value, identity, context_lens, scale, window, scales=scales
+    )
 
 
 def paged_prefill_attention(
@@ -219,9 +247,10 @@ def paged_prefill_attention(
     window: int | None = None,
     *,
     gpu_rounding: bool = False,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Variable-length causal attention through the tables: scatter the flat queries into a
-    padded ``[batch, max_query_len]`` batch, gather K/V as :func:`paged_decode_attention` does
+    padded ``[batch, max_query_len]`` batch, read K/V as :func:`paged_decode_attention` does
     (with ``window`` ``w``, from each sequence's first query's window start ``max(0, first - w +
     1)``), run :func:`masked_attention`, and gather the real rows back (``[tokens, heads,
     dim]``). Padding queries sit at their sequence's last position; their rows are dropped.
@@ -241,8 +270,9 @@ def paged_prefill_attention(
     positions = torch.minimum(positions, lens[:, None] - 1)  # padding rows: the last position
     starts = window_starts(lens, query_lens, window)
     width = int((lens - starts).max())
-    key = gather_kv(k_cache, block_tables, lens, width, starts)
-    value = gather_kv(v_cache, block_tables, lens, width, starts)
+    k_scale, v_scale = scales or (None, None)
+    key = read_kv(k_cache, k_scale, block_tables, lens, width, starts)
+    value = read_kv(v_cache, v_scale, block_tables, lens, width, starts)
     out = masked_attention(
         padded, key, value, positions, scale,
         window=window, key_starts=starts, gpu_rounding=gpu_rounding,
@@ -253,7 +283,8 @@ def paged_prefill_attention(
 def copy_blocks(
     k_cache: torch.Tensor, v_cache: torch.Tensor, pairs: Sequence[tuple[int, int]]
 ) -> None:
-    """Copy block ``src`` over block ``dst`` in both caches, one pair after another, in order."""
+    """Copy block ``src`` over block ``dst`` in both caches, one pair after another, in order
+    (an fp8 cache's bytes as they are)."""
     for src, dst in pairs:
         k_cache[dst] = k_cache[src]
         v_cache[dst] = v_cache[src]

@@ -6,6 +6,7 @@ reads or writes a block that an earlier pair of the same wave writes, or writes 
 earlier pair reads. Running the waves one after another then equals the sequential loop.
 A retry after a failed wave launches every wave again: exact for the lists a block manager
 leaves pending, in which no pair writes a block that it or an earlier pair reads (design.md §5).
+An fp8 cache is copied through its ``uint8`` view: bytes as they are.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pagedkv.kernels.fp8 import FP8_DTYPES
 from pagedkv.kernels.launch_config import ELEMENTS_PER_PROGRAM
 from pagedkv.kernels.triton_import import tl, triton
 
@@ -52,6 +54,8 @@ def hazard_free_waves(pairs: Sequence[tuple[int, int]]) -> list[list[tuple[int, 
 
 def launch(k_cache: torch.Tensor, v_cache: torch.Tensor, pairs: Sequence[tuple[int, int]]) -> None:
     """Copy validated ``(src, dst)`` pairs, wave by wave."""
+    if k_cache.dtype in FP8_DTYPES:  # neither the interpreter nor sm_80 loads an fp8 dtype
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     block_numel = k_cache[0].numel() if k_cache.shape[0] else 0
     for wave in hazard_free_waves(pairs):
         wave_pairs = torch.tensor(wave, dtype=torch.int64, device=k_cache.device)

@@ -8,15 +8,17 @@ spec's ``translate_slot``:
 
     slot = block_tables[b, n // block_size] * block_size + n % block_size
 
-so a tile may span several blocks (small block sizes) or part of one (large ones). q, K and V
-stay in the cache dtype: ``q K^T`` is a native ``tl.dot`` with fp32 sums, the scale multiplies
-the fp32 scores, and the unnormalized weights ``P`` are rounded to the cache dtype for ``P V``
-(fp32 caches: exact IEEE fp32 dots). The running softmax (max ``m``, denominator ``l``,
-accumulator ``acc``) is fp32. ``DOT_FP32`` upcasts the operands instead, for bf16 under the
-interpreter only, whose bf16 ``tl.dot`` multiplies raw storage bits (docs/kernels.md,
-Tolerances). With one split the program writes the normalized output;
-with several (flash-decoding, for long contexts and few sequences) each writes its normalized
-partial output and log-sum-exp, and ``_merge_kernel`` combines them:
+so a tile may span several blocks (small block sizes) or part of one (large ones). An fp8 cache
+(``FP8``; its ``uint8`` view) is read as codes, decoded exactly to the query's dtype
+(``triton_fp8.fp8_to_fp16``), K's scale joining the softmax scale on the fp32 scores and V's
+multiplying the fp32 output. q, K and V stay in the query's dtype (a non-fp8 cache's own): ``q
+K^T`` is a native ``tl.dot`` with fp32 sums, the scale multiplies the fp32 scores, and the
+unnormalized weights ``P`` are rounded to that dtype for ``P V`` (fp32: exact IEEE fp32 dots). The
+running softmax (max ``m``, denominator ``l``, accumulator ``acc``) is fp32. ``DOT_FP32`` upcasts
+the operands instead, for bf16 under the interpreter only, whose bf16 ``tl.dot`` multiplies raw
+storage bits (docs/kernels.md, Tolerances). With one split the program writes the normalized
+output; with several (flash-decoding, for long contexts and few sequences) each writes its
+normalized partial output and log-sum-exp, and ``_merge_kernel`` combines them:
 
     out = sum_s exp(lse_s - max lse) * out_s / sum_s exp(lse_s - max lse)
 
@@ -43,10 +45,14 @@ from pagedkv.kernels.launch_config import (
     Call,
     LaunchConfig,
     aligned,
+    cache_pointers,
+    capability,
+    dot_precision,
     padded_head_dim,
     programs_per_sm,
     tiles,
 )
+from pagedkv.kernels.triton_fp8 import fp8_constexprs, fp8_to_fp16
 from pagedkv.kernels.triton_import import tl, triton
 from pagedkv.spec.checks import INT32_MAX
 
@@ -62,6 +68,8 @@ def _decode_kernel(
     context_lens_ptr,
     out_ptr,
     lse_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale,
     table_stride,
     rows_per_seq,
@@ -78,10 +86,14 @@ def _decode_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
+    E5M2: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if FP8:  # K's scale joins the softmax scale on the fp32 scores
+        scale = scale * tl.load(k_scale_ptr + kv_head)
     group: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
 
     # The range's bounds in int64 (no overflow at any capacity), then clamped to the context,
@@ -118,20 +130,23 @@ def _decode_kernel(
             rows = seq.to(tl.int64) * rows_per_seq + n
         kv_offsets = (rows * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
         kv_mask = n_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0)
+        if FP8:  # codes to their values in the query's dtype: exact (every fp8 value is one)
+            k = fp8_to_fp16(k, E5M2).to(query_ptr.dtype.element_ty)
+            v = fp8_to_fp16(v, E5M2).to(query_ptr.dtype.element_ty)
         if DOT_FP32:
             k, v = k.to(tl.float32), v.to(tl.float32)
 
-        # Products of cache-dtype operands, summed in fp32; the scale applies to fp32 scores.
+        # Products of query-dtype operands, summed in fp32; the scale applies to fp32 scores.
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [G, N]
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))  # finite: the tile has a live token
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
         denom = denom * alpha + tl.sum(p, axis=1)
-        # P is rounded to the cache dtype for the second product, as the first's operands are.
-        p = p.to(v_cache_ptr.dtype.element_ty).to(v.dtype)
+        # P is rounded to the query dtype for the second product, as the first's operands are.
+        p = p.to(query_ptr.dtype.element_ty).to(v.dtype)
         pv = tl.dot(p, v, input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv
         m = m_new
@@ -139,6 +154,8 @@ def _decode_kernel(
     has_tokens = denom > 0  # false for an empty range (and for padding heads)
     safe_denom = tl.where(has_tokens, denom, 1.0)
     out = acc / safe_denom[:, None]
+    if FP8:  # V's scale, once, on the fp32 output
+        out = out * tl.load(v_scale_ptr + kv_head)
     lse = tl.where(has_tokens, m + tl.log(safe_denom), float("-inf"))
     row = (seq * NUM_HEADS + heads) * num_splits + split
     tl.store(
@@ -175,13 +192,6 @@ def _merge_kernel(
     tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def dot_precision(dtype: torch.dtype, interpreted: bool = False) -> str:
-    """``tl.dot``'s precision for a cache dtype: exact IEEE fp32 for fp32 caches, and for bf16
-    operands upcast under the interpreter. For fp16 and bf16 the operands stay 16-bit and the
-    product is the native one whatever this says (docs/kernels.md, Tolerances)."""
-    return "ieee" if dtype == torch.float32 or interpreted else "tf32"
-
-
 def split_work(max_tokens: int, num_splits: int, block_n: int) -> tuple[int, int]:
     """``(num_splits, tokens_per_split)`` for cutting ``max_tokens`` (the most tokens a
     sequence of the batch reads: its longest context, or the window when that is shorter) into
@@ -212,26 +222,25 @@ def decode_config(
     scale: float = 1.0,
 ) -> LaunchConfig:
     """The decode kernel's launch: pure, shared by :func:`launch` and the compile gate.
-
     ``max_tokens`` is the most tokens a sequence of the batch reads (its longest context, or
     the window when shorter; at least 1), ``num_splits`` the splits asked for, lowered by
     :func:`split_work` so the longest sequence's splits all have work. ``rows_per_seq`` is the
     contiguous cache's ``max_len`` (``paged=False``)."""
-    tile = tiles("decode", call.dtype, call.head_dim, call.capability)
+    tile = tiles("decode", call.dtype, call.head_dim, call.capability, call.fp8 is not None)
     num_splits, tokens_per_split = split_work(max_tokens, num_splits, tile.block_n)
     group = call.num_heads // call.num_kv_heads
-    kind = SCALAR_TYPES[call.dtype]
     return LaunchConfig(
         kernel="_decode_kernel",
         grid=(call.batch, call.num_kv_heads, num_splits),
         signature={
-            "query_ptr": f"*{kind}",
-            "k_cache_ptr": f"*{kind}",
-            "v_cache_ptr": f"*{kind}",
+            "query_ptr": f"*{SCALAR_TYPES[call.dtype]}",
+            **cache_pointers(call),
             "block_tables_ptr": "*i32",
             "context_lens_ptr": f"*{INDEX_TYPES[call.index_dtype]}",
-            "out_ptr": f"*{kind}" if num_splits == 1 else "*fp32",
+            "out_ptr": f"*{SCALAR_TYPES[call.dtype]}" if num_splits == 1 else "*fp32",
             "lse_ptr": "*fp32",
+            "k_scale_ptr": "*fp32",
+            "v_scale_ptr": "*fp32",
             "scale": "fp32",
             "table_stride": "i32",
             "rows_per_seq": "i32",
@@ -258,6 +267,7 @@ def decode_config(
             "BLOCK_G": max(tile.rows, triton.next_power_of_2(group)),
             "BLOCK_D": padded_head_dim(call.head_dim),
             "BLOCK_N": tile.block_n,
+            **fp8_constexprs(call.fp8),
         },
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
@@ -335,6 +345,8 @@ def launch(
     window: int | None = None,
     *,
     max_context_len: int | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fp8: str | None = None,
 ) -> torch.Tensor:
     """Run decode attention on validated arguments.
 
@@ -343,7 +355,8 @@ def launch(
     the table lookup, for comparison). ``window`` is the sliding window (``None``: none).
     ``max_context_len`` is the largest of ``context_lens``; splits are cut over it (or the
     window, when shorter). ``None`` reads it from ``context_lens`` when splits need it, which
-    synchronizes a GPU; one split needs nothing.
+    synchronizes a GPU; one split needs nothing. An fp8 cache comes as its ``uint8`` view with
+    its format's name ``fp8`` and the ``(k, v)`` scales.
     """
     query = aligned(query.contiguous())
     batch, num_heads, head_dim = query.shape
@@ -363,7 +376,7 @@ def launch(
     max_tokens = max(1, min(longest, capacity, INT32_MAX if window is None else window))
     call = Call(
         batch, num_heads, k_cache.shape[2], head_dim, query.dtype, lens.dtype, block_size,
-        tables.stride(0), capability(query.device), interpreted=not cuda,
+        tables.stride(0), capability(query.device), interpreted=not cuda, fp8=fp8,
     )  # fmt: skip
     config = functools.partial(
         decode_config,
@@ -377,7 +390,7 @@ def launch(
         resident = resident_programs(config(num_splits=MAX_SPLITS), query.device)
         sm_count = torch.cuda.get_device_properties(query.device).multi_processor_count
         num_splits = auto_num_splits(batch * call.num_kv_heads, max_tokens, sm_count, resident)
-    _run_decode(config(num_splits=num_splits), query, k_cache, v_cache, tables, lens, out)
+    _run_decode(config(num_splits=num_splits), query, k_cache, v_cache, tables, lens, out, scales)
     return out
 
 
@@ -401,6 +414,7 @@ def _run_decode(
     tables: torch.Tensor,
     lens: torch.Tensor,
     out: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> None:
     """Launch the decode kernel of ``decode`` into ``out``: with one split directly, with
     several into fp32 partial outputs and log-sum-exps that the merge kernel combines."""
@@ -413,7 +427,11 @@ def _run_decode(
         else out
     )
     lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=out.device)
-    run(_decode_kernel, decode, query, k_cache, v_cache, tables, lens, partial, lse)
+    k_scale, v_scale = scales if scales is not None else (lse, lse)  # not fp8: never read
+    run(
+        _decode_kernel, decode, query, k_cache, v_cache, tables, lens, partial, lse,
+        aligned(k_scale), aligned(v_scale),
+    )  # fmt: skip
     if split:
         merge = merge_config(
             batch=batch,
@@ -423,11 +441,3 @@ def _run_decode(
             num_splits=num_splits,
         )
         run(_merge_kernel, merge, partial, lse, out)
-
-
-def capability(device: torch.device) -> int:
-    """The tile table's row for ``device``: its compute capability on CUDA, else the default."""
-    if device.type != "cuda":
-        return DEFAULT_CAPABILITY
-    major, minor = torch.cuda.get_device_capability(device)
-    return 10 * major + minor

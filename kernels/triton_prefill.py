@@ -16,11 +16,11 @@ and masks key ``n`` for a query at position ``p`` unless ``n <= p`` (causal). Wi
 tile's first query position: tiles wholly before every query's window are skipped, not masked, so a
 program reads at most ``w - 1 + BLOCK_Q`` keys. Without a window ``w`` is the table's capacity and
 the walk starts at 0. Products, scores and the online softmax are as in ``triton_decode`` (native
-16-bit dots with fp32 sums, ``P`` rounded to the cache dtype); a row that has seen no key yet keeps
-a running max of ``-inf`` and weight 0 (a window can leave a whole tile of keys before a row's
-window). Only keys in ``[max(0, f - w + 1), context_len)``, ``f`` the sequence's first query
-position, are loaded, so only the table entries the validation checked are read: never those of
-blocks wholly before the window."""
+16-bit dots with fp32 sums, ``P`` rounded to the query's dtype, an fp8 cache read as there); a row
+that has seen no key yet keeps a running max of ``-inf`` and weight 0 (a window can leave a whole
+tile of keys before a row's window). Only keys in ``[max(0, f - w + 1), context_len)``, ``f`` the
+sequence's first query position, are loaded, so only the table entries the validation checked are
+read: never those of blocks wholly before the window."""
 
 from __future__ import annotations
 
@@ -32,10 +32,14 @@ from pagedkv.kernels.launch_config import (
     Call,
     LaunchConfig,
     aligned,
+    cache_pointers,
+    capability,
+    dot_precision,
     padded_head_dim,
     tiles,
 )
-from pagedkv.kernels.triton_decode import capability, dot_precision, run
+from pagedkv.kernels.triton_decode import run
+from pagedkv.kernels.triton_fp8 import fp8_constexprs, fp8_to_fp16
 from pagedkv.kernels.triton_import import tl, triton
 from pagedkv.spec.checks import INT32_MAX
 
@@ -49,6 +53,8 @@ def _prefill_kernel(
     cu_seqlens_ptr,
     context_lens_ptr,
     out_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale,
     table_stride,
     window,
@@ -62,10 +68,14 @@ def _prefill_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
+    E5M2: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     tile = tl.program_id(2)
+    if FP8:  # K's scale joins the softmax scale on the fp32 scores
+        scale = scale * tl.load(k_scale_ptr + kv_head)
     group: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
 
     q_start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
@@ -106,12 +116,15 @@ def _prefill_kernel(
         rows = block_id * BLOCK_SIZE + n % BLOCK_SIZE
         kv_offsets = (rows * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
         kv_mask = n_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0)
+        if FP8:  # codes to their values in the query's dtype: exact (every fp8 value is one)
+            k = fp8_to_fp16(k, E5M2).to(query_ptr.dtype.element_ty)
+            v = fp8_to_fp16(v, E5M2).to(query_ptr.dtype.element_ty)
         if DOT_FP32:
             k, v = k.to(tl.float32), v.to(tl.float32)
 
-        # Products of cache-dtype operands, summed in fp32; the scale applies to fp32 scores.
+        # Products of query-dtype operands, summed in fp32; the scale applies to fp32 scores.
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [rows, N]
         causal = n[None, :] <= positions[:, None]
         in_window = n[None, :] > positions[:, None] - window
@@ -121,13 +134,15 @@ def _prefill_kernel(
         alpha = tl.exp(m - m_safe)
         p = tl.exp(scores - m_safe[:, None])
         denom = denom * alpha + tl.sum(p, axis=1)
-        # P is rounded to the cache dtype for the second product, as the first's operands are.
-        p = p.to(v_cache_ptr.dtype.element_ty).to(v.dtype)
+        # P is rounded to the query dtype for the second product, as the first's operands are.
+        p = p.to(query_ptr.dtype.element_ty).to(v.dtype)
         pv = tl.dot(p, v, input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv
         m = m_new
 
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    if FP8:  # V's scale, once, on the fp32 output
+        out = out * tl.load(v_scale_ptr + kv_head)
     tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
@@ -139,7 +154,7 @@ def prefill_config(
     ``window`` is the kernel's window (the capacity, or int32's limit, when there is none),
     ``max_query_len`` the longest query chunk; ``call.index_dtype`` is that of both
     ``cu_seqlens_q`` and ``context_lens``."""
-    tile = tiles("prefill", call.dtype, call.head_dim, call.capability)
+    tile = tiles("prefill", call.dtype, call.head_dim, call.capability, call.fp8 is not None)
     block_g = triton.next_power_of_2(call.num_heads // call.num_kv_heads)
     block_q = max(1, tile.rows // block_g)
     kind = SCALAR_TYPES[call.dtype]
@@ -149,12 +164,13 @@ def prefill_config(
         grid=(call.batch, call.num_kv_heads, triton.cdiv(max_query_len, block_q)),
         signature={
             "query_ptr": f"*{kind}",
-            "k_cache_ptr": f"*{kind}",
-            "v_cache_ptr": f"*{kind}",
+            **cache_pointers(call),
             "block_tables_ptr": "*i32",
             "cu_seqlens_ptr": index,
             "context_lens_ptr": index,
             "out_ptr": f"*{kind}",
+            "k_scale_ptr": "*fp32",
+            "v_scale_ptr": "*fp32",
             "scale": "fp32",
             "table_stride": "i32",
             "window": "i32",
@@ -171,6 +187,7 @@ def prefill_config(
             "BLOCK_G": block_g,
             "BLOCK_D": padded_head_dim(call.head_dim),
             "BLOCK_N": tile.block_n,
+            **fp8_constexprs(call.fp8),
         },
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
@@ -187,10 +204,14 @@ def launch(
     scale: float,
     window: int | None = None,
     max_query_len: int | None = None,
+    *,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fp8: str | None = None,
 ) -> torch.Tensor:
     """Run paged prefill attention on validated arguments (``kernels.paged_prefill_attention``);
     ``window`` is the sliding window (``None``: none), ``max_query_len`` the longest query
-    chunk (``None``: read from ``cu_seqlens_q``, which synchronizes a GPU)."""
+    chunk (``None``: read from ``cu_seqlens_q``, which synchronizes a GPU). An fp8 cache comes
+    as its ``uint8`` view with its format's name ``fp8`` and the ``(k, v)`` scales."""
     query = aligned(query.contiguous())
     num_tokens = query.shape[0]
     out = torch.empty_like(query)
@@ -208,8 +229,12 @@ def launch(
     call = Call(
         batch, query.shape[1], k_cache.shape[2], query.shape[2], query.dtype, starts.dtype,
         k_cache.shape[1], tables.stride(0), capability(query.device),
-        interpreted=query.device.type != "cuda",
+        interpreted=query.device.type != "cuda", fp8=fp8,
     )  # fmt: skip
     config = prefill_config(call, window=window, max_query_len=max_query_len, scale=scale)
-    run(_prefill_kernel, config, query, k_cache, v_cache, tables, starts, lens, out)
+    if scales is None:  # not fp8: never read
+        scales = (torch.empty(0, device=query.device),) * 2
+    k_scale, v_scale = (aligned(scale) for scale in scales)
+    tensors = (query, k_cache, v_cache, tables, starts, lens, out, k_scale, v_scale)
+    run(_prefill_kernel, config, *tensors)
     return out

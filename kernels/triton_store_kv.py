@@ -3,7 +3,9 @@
 The caches are contiguous ``[num_blocks, block_size, num_kv_heads, head_dim]``, so head ``h`` of
 slot ``s`` starts at element ``(s * num_kv_heads + h) * head_dim``. The kernel walks the
 ``[tokens * num_kv_heads, head_dim]`` rows of ``key``/``value``, ``BLOCK_R`` rows per program;
-a token whose slot is ``-1`` writes nothing.
+a token whose slot is ``-1`` writes nothing. An fp8 cache (``FP8``, seen as ``uint8``) stores
+the code of each row divided by its KV head's scale: ``x / scale`` in IEEE fp32 (``div_rn``:
+Triton's ``/`` is approximate on GPUs), then ``triton_fp8.fp8_encode``, as ``spec.fp8.quantize``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from pagedkv.kernels.launch_config import ELEMENTS_PER_PROGRAM
+from pagedkv.kernels.triton_fp8 import fp8_constexprs, fp8_encode
 from pagedkv.kernels.triton_import import tl, triton
 
 
@@ -21,6 +24,8 @@ def _store_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slots_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     num_rows,
     key_stride_t,
     key_stride_h,
@@ -32,6 +37,12 @@ def _store_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
+    E5M2: tl.constexpr,
+    MANTISSA: tl.constexpr,
+    BIAS: tl.constexpr,
+    MAX_CODE: tl.constexpr,
+    MAX_BITS: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     tokens = rows // NUM_KV_HEADS
@@ -43,8 +54,17 @@ def _store_kv_kernel(
     dst = ((slots * NUM_KV_HEADS + heads) * HEAD_DIM)[:, None] + dims
     key_src = (tokens * key_stride_t + heads * key_stride_h)[:, None] + dims * key_stride_d
     value_src = (tokens * value_stride_t + heads * value_stride_h)[:, None] + dims * value_stride_d
-    tl.store(k_cache_ptr + dst, tl.load(key_ptr + key_src, mask=mask), mask=mask)
-    tl.store(v_cache_ptr + dst, tl.load(value_ptr + value_src, mask=mask), mask=mask)
+    k = tl.load(key_ptr + key_src, mask=mask)
+    v = tl.load(value_ptr + value_src, mask=mask)
+    if FP8:  # Rule (spec.fp8.quantize): x / scale in fp32, then the nearest code
+        k_scale = tl.load(k_scale_ptr + heads, mask=row_mask, other=1.0)[:, None]
+        v_scale = tl.load(v_scale_ptr + heads, mask=row_mask, other=1.0)[:, None]
+        k = tl.math.div_rn(k.to(tl.float32), k_scale)
+        v = tl.math.div_rn(v.to(tl.float32), v_scale)
+        k = fp8_encode(k, MANTISSA, BIAS, MAX_CODE, MAX_BITS)
+        v = fp8_encode(v, MANTISSA, BIAS, MAX_CODE, MAX_BITS)
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
 def launch(
@@ -53,8 +73,11 @@ def launch(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fp8: str | None = None,
 ) -> None:
-    """Run the kernel on validated arguments (any strides for ``key``/``value``)."""
+    """Run the kernel on validated arguments (any strides for ``key``/``value``); an fp8 cache
+    comes as its ``uint8`` view with its format's name ``fp8`` and the ``(k, v)`` scales."""
     num_tokens, num_kv_heads, head_dim = key.shape
     num_rows = num_tokens * num_kv_heads
     if num_rows == 0:
@@ -67,6 +90,7 @@ def launch(
         k_cache,
         v_cache,
         slot_mapping.contiguous(),
+        *(scales if scales is not None else (slot_mapping, slot_mapping)),  # never read
         num_rows,
         *key.stride(),
         *value.stride(),
@@ -74,4 +98,5 @@ def launch(
         HEAD_DIM=head_dim,
         BLOCK_R=block_r,
         BLOCK_D=block_d,
+        **fp8_constexprs(fp8, store=True),
     )

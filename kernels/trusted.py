@@ -23,6 +23,17 @@ import torch
 
 from pagedkv.kernels import reference
 from pagedkv.kernels.backend import Backend
+from pagedkv.kernels.fp8 import FP8_DTYPES
+
+Scales = tuple[torch.Tensor, torch.Tensor] | None
+"""An fp8 cache's ``(k_scale, v_scale)``, fp32 ``[num_kv_heads]`` each; ``None`` for others."""
+
+
+def _codes(cache: torch.Tensor) -> tuple[torch.Tensor, str | None]:
+    """A cache as the compiled kernels see it: an fp8 cache's ``uint8`` view and its format's
+    name, any other cache itself and ``None``."""
+    name = FP8_DTYPES.get(cache.dtype)
+    return (cache.view(torch.uint8), name) if name is not None else (cache, None)
 
 
 def store_kv(
@@ -32,18 +43,21 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     backend: Backend,
+    scales: Scales = None,
 ) -> None:
     """``kernels.store_kv`` without its checks, on ``backend``."""
+    if backend == "reference":
+        return reference.store_kv(key, value, k_cache, v_cache, slot_mapping, scales)
+    (k_codes, fp8), (v_codes, _) = _codes(k_cache), _codes(v_cache)
     if backend == "numba":
         from pagedkv.kernels import numba_cache
 
-        numba_cache.store_kv(key, value, k_cache, v_cache, slot_mapping)
-    elif backend == "reference":
-        reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
+        numba_cache.store_kv(key, value, k_codes, v_codes, slot_mapping, scales, fp8)
     else:
         from pagedkv.kernels import triton_store_kv
 
-        triton_store_kv.launch(key, value, k_cache, v_cache, slot_mapping)
+        triton_store_kv.launch(key, value, k_codes, v_codes, slot_mapping, scales, fp8)
+    return None
 
 
 def paged_decode_attention(
@@ -57,23 +71,31 @@ def paged_decode_attention(
     window: int | None,
     max_context_len: int | None,
     backend: Backend,
+    scales: Scales = None,
 ) -> torch.Tensor:
-    """``kernels.paged_decode_attention`` without its checks, on ``backend``."""
-    if backend == "numba" and query.dtype == torch.float32:
+    """``kernels.paged_decode_attention`` without its checks, on ``backend`` (``block_tables``
+    ``None``: ``kernels.contiguous_decode_attention``'s contiguous caches)."""
+    if backend != "triton" and not (backend == "numba" and query.dtype == torch.float32):
+        if block_tables is None:  # the reference, and numba's fp16 / bf16
+            return reference.contiguous_decode_attention(
+                query, k_cache, v_cache, context_lens, scale, window, scales
+            )
+        return reference.paged_decode_attention(
+            query, k_cache, v_cache, block_tables, context_lens, scale, window, scales=scales
+        )
+    (k_codes, fp8), (v_codes, _) = _codes(k_cache), _codes(v_cache)
+    if backend == "numba":
         from pagedkv.kernels import numba_attention
 
         return numba_attention.decode(
-            query, k_cache, v_cache, block_tables, context_lens, scale, num_splits, window
-        )
-    if backend != "triton":  # the reference, and numba's fp16 / bf16
-        return reference.paged_decode_attention(
-            query, k_cache, v_cache, block_tables, context_lens, scale, window
-        )
+            query, k_codes, v_codes, block_tables, context_lens, scale, num_splits, window,
+            scales, fp8,
+        )  # fmt: skip
     from pagedkv.kernels import triton_decode
 
     return triton_decode.launch(
-        query, k_cache, v_cache, block_tables, context_lens, scale, num_splits, window,
-        max_context_len=max_context_len,
+        query, k_codes, v_codes, block_tables, context_lens, scale, num_splits, window,
+        max_context_len=max_context_len, scales=scales, fp8=fp8,
     )  # fmt: skip
 
 
@@ -88,21 +110,25 @@ def paged_prefill_attention(
     window: int | None,
     max_query_len: int | None,
     backend: Backend,
+    scales: Scales = None,
 ) -> torch.Tensor:
     """``kernels.paged_prefill_attention`` without its checks, on ``backend``."""
-    if backend == "numba" and query.dtype == torch.float32:
+    if backend != "triton" and not (backend == "numba" and query.dtype == torch.float32):
+        return reference.paged_prefill_attention(  # the reference, and numba's fp16 / bf16
+            query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window,
+            scales=scales,
+        )  # fmt: skip
+    (k_codes, fp8), (v_codes, _) = _codes(k_cache), _codes(v_cache)
+    if backend == "numba":
         from pagedkv.kernels import numba_attention
 
         return numba_attention.prefill(
-            query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window
-        )
-    if backend != "triton":  # the reference, and numba's fp16 / bf16
-        return reference.paged_prefill_attention(
-            query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window
-        )
+            query, k_codes, v_codes, block_tables, cu_seqlens_q, context_lens, scale, window,
+            scales, fp8,
+        )  # fmt: skip
     from pagedkv.kernels import triton_prefill
 
     return triton_prefill.launch(
-        query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window,
-        max_query_len,
+        query, k_codes, v_codes, block_tables, cu_seqlens_q, context_lens, scale, window,
+        max_query_len, scales=scales, fp8=fp8,
     )  # fmt: skip

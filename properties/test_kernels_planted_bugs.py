@@ -146,8 +146,8 @@ numba decode: table read off by one: _rows_of
 numba decode: wrong row inside a block: _rows_of
     rows[n - start + t] = base + row + t => rows[n - start + t] = base + (row + t + 1) % block_size
 numba decode: query heads interleaved over KV heads: _decode_program
-    q[g, d] = query[b, h0 + g, d] * scale
-    q[g, d] = query[b, kv_head + g * num_kv_heads, d] * scale
+    q[g, d] = query[b, h0 + g, d] * scale * kv_scales[0, kv_head]
+    q[g, d] = query[b, kv_head + g * num_kv_heads, d] * scale * kv_scales[0, kv_head]
 numba decode: split-K merge ignores each split's denominator: _attend
     lse[r] = m + np.log(total) if total != 0 else -np.inf => lse[r] = m if total != 0 else -np.inf
 numba decode: keys walked from 0 and masked: _decode_program

@@ -149,7 +149,7 @@ def test_pure_decode_steps_run_the_decode_kernel(monkeypatch: pytest.MonkeyPatch
     attend([5, 3], [5, 3])
     attend([1, 1], [6, 4])
     assert [name for name, _ in calls] == ["paged_prefill_attention", "paged_decode_attention"]
-    assert calls[1][1][-2:] == (6, "triton")  # max_context_len, and the backend
+    assert calls[1][1][-3:] == (6, "triton", None)  # max_context_len, the backend, no fp8 scales
 
 
 def test_programs_per_sm_follows_the_limits() -> None:
@@ -214,9 +214,10 @@ def test_the_tile_table_is_total() -> None:
 
 
 def test_the_compile_gate_sample_meets_the_budgets() -> None:
-    """Four variants on sm_80 and sm_90: 16-bit MMA, no spills, vLLM's occupancy, fp32 on FMA."""
+    """Five variants on sm_80 and sm_90: 16-bit MMA, no spills, vLLM's occupancy, fp32 on FMA,
+    an fp8 cache's decode at least as occupied as fp16's."""
     rows = compile_check.measure(sample=True, targets=(80, 90))
-    assert len(rows) == 8
+    assert len(rows) == 10
     assert compile_check.budget_failures(rows) == []
     fp32 = [r for r in rows if r["dtype"] == "fp32"]
     assert fp32 and all(r["mma"] == "FMA" and not r["spill_stores"] for r in fp32)
@@ -226,13 +227,14 @@ def test_the_compile_gate_sample_meets_the_budgets() -> None:
 
 @pytest.mark.long
 def test_the_compile_gate_meets_the_budgets_over_the_ci_grid() -> None:
-    """Every dtype, budgeted head dim and GQA group at block size 16 on sm_80 and sm_90."""
+    """Every dtype (fp8 caches: both formats), budgeted head dim and GQA group at block size 16
+    on sm_80 and sm_90."""
     grid = compile_check.Grid(
-        head_dims=compile_check.CI_HEAD_DIMS, block_sizes=compile_check.CI_BLOCK_SIZES
+        compile_check.CI_LABELS, compile_check.CI_HEAD_DIMS, compile_check.CI_BLOCK_SIZES
     )
     rows = compile_check.measure(targets=compile_check.GATED_TARGETS, grid=grid)
     assert {r["target"] for r in rows} == set(compile_check.GATED_TARGETS)
-    assert {r["dtype"] for r in rows} == set(compile_check.DTYPES)
+    assert {r["dtype"] for r in rows} == set(compile_check.CI_LABELS)
     assert {r["head_dim"] for r in rows} == set(compile_check.CI_HEAD_DIMS)
     assert compile_check.budget_failures(rows) == []
 
@@ -287,7 +289,7 @@ def test_a_coarser_rounding_breaks_the_tolerance(tmp_path: Path) -> None:
     mutant = load_mutant(
         reference,
         "masked_attention",
-        "p.to(key.dtype).float()",
+        "p.to(query.dtype).float()",
         "p.to(torch.float8_e4m3fn).float()",
         tmp_path,
     )

@@ -19,6 +19,9 @@ from tqdm import tqdm
 from pagedkv.impl.serving.engine import PagedAttentionEngine
 from pagedkv.impl.serving.hf_loader import load_hf, load_tokenizer
 from pagedkv.impl.serving.model import CausalLM, ModelConfig
+from pagedkv.spec.utilization import blocks_in_budget, bytes_per_block
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 def main(argv: abc.Sequence[str] | None = None) -> None:
@@ -40,7 +43,11 @@ def main(argv: abc.Sequence[str] | None = None) -> None:
             parser.error(str(error))
         if not prompts:
             parser.error("--model needs at least one --prompt")
-    _serve(args, model, tokenizer, prompts)
+    try:
+        engine = _engine(args, model)
+    except (TypeError, ValueError) as error:  # a bad option: nothing was allocated
+        parser.error(str(error))
+    _serve(args, engine, tokenizer, prompts)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,6 +62,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--backend", choices=("auto", "triton", "numba", "reference"), default=None)
     parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="auto (the model's), fp8, fp8_e4m3 or fp8_e5m2"
+    )
+    parser.add_argument(
+        "--kv-scales", type=float, nargs=2, metavar=("K", "V"), help="an fp8 cache's scales"
+    )
+    parser.add_argument(
+        "--kv-cache-bytes", type=int, metavar="BYTES",
+        help="a KV byte budget: the pool holds as many blocks as fit (instead of --blocks)",
+    )  # fmt: skip
+    parser.add_argument(
         "--model", metavar="DIR", help="serve the model that save_pretrained wrote to DIR"
     )
     parser.add_argument(
@@ -68,20 +85,41 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _serve(
-    args: argparse.Namespace, model: CausalLM, tokenizer: Any | None, prompts: list[list[int]]
-) -> None:
-    """Generate for ``prompts`` on an engine the arguments configure, printing every step's
-    metrics, each request's samples (decoded too with a ``tokenizer``) and a summary."""
-    engine = PagedAttentionEngine(
+def _engine(args: argparse.Namespace, model: CausalLM) -> PagedAttentionEngine:
+    """The engine the arguments configure; with ``--kv-cache-bytes``, as many blocks as the
+    budget holds in the cache's dtype (``spec.utilization``)."""
+    if args.kv_cache_bytes is not None:
+        name = args.kv_cache_dtype
+        if name == "auto":
+            name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[
+                model.dtype
+            ]
+        config = model.config
+        block_bytes = bytes_per_block(
+            args.block_size, config.num_layers, config.num_kv_heads, config.head_dim, name
+        )
+        args.blocks = blocks_in_budget(args.kv_cache_bytes, block_bytes)
+    return PagedAttentionEngine(
         model, args.blocks, args.block_size,
         max_num_seqs=8, max_num_batched_tokens=64, watermark_blocks=1,
         enable_prefix_caching=not args.no_prefix_caching, backend=args.backend,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_scales=tuple(args.kv_scales) if args.kv_scales is not None else None,
     )  # fmt: skip
+
+
+def _serve(
+    args: argparse.Namespace,
+    engine: PagedAttentionEngine,
+    tokenizer: Any | None,
+    prompts: list[list[int]],
+) -> None:
+    """Generate for ``prompts`` on ``engine``, printing every step's metrics, each request's
+    samples (decoded too with a ``tokenizer``) and a summary."""
     print(
         f"{len(prompts)} requests x {args.n} samples, {args.max_new_tokens} new tokens each; "
-        f"{args.blocks} blocks of {args.block_size} tokens; prefix caching "
-        f"{'off' if args.no_prefix_caching else 'on'}"
+        f"{args.blocks} blocks of {args.block_size} tokens ({engine.kv.cache_dtype}); prefix "
+        f"caching {'off' if args.no_prefix_caching else 'on'}"
     )
     outputs = engine.generate(
         prompts, args.max_new_tokens, n=args.n, temperature=args.temperature,

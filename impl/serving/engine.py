@@ -27,6 +27,7 @@ from pagedkv.impl.blocks.store import BlockTableStore
 from pagedkv.impl.serving import speculative
 from pagedkv.impl.serving.engine_args import (
     block_manager,
+    check_kv_cache,
     check_options,
     check_prompt,
     check_speculation,
@@ -88,7 +89,7 @@ class PagedAttentionEngine:
     sequence (prompt plus output) served: a request whose prompt plus ``max_new_tokens``
     exceeds it is refused (``RequestTooLargeError``, as vLLM does), and each block table is
     ``ceil(max_model_len / block_size)`` blocks wide, so per-step costs follow the model, not
-    the pool.
+    the pool. ``kv_cache_dtype``, ``kv_scales``: the K/V storage (``engine_args.check_kv_cache``).
 
     With ``draft_source`` and ``num_speculative_tokens=k`` (both or neither) the engine decodes
     speculatively (``pagedkv.impl.serving.speculative``): each step, every sequence whose step
@@ -114,6 +115,8 @@ class PagedAttentionEngine:
         seed: int = 0,
         draft_source: DraftSource | None = None,
         num_speculative_tokens: int = 0,
+        kv_cache_dtype: str = "auto",
+        kv_scales: tuple[float, float] | None = None,
     ) -> None:
         if not isinstance(model, CausalLM):
             raise TypeError(f"model must be a CausalLM, got {type(model).__name__}")
@@ -122,6 +125,7 @@ class PagedAttentionEngine:
         check_int("seed", seed, 0)
         check_int("max_model_len", max_model_len, 1)
         resolve_backend(backend, model.device)  # an unknown or unusable backend fails here
+        cache_dtype, scales = check_kv_cache(kv_cache_dtype, kv_scales, model.dtype)
         manager = block_manager(total_blocks, block_size, enable_prefix_caching, enable_kv_events)
         self.model = model
         self.store = BlockTableStore(
@@ -134,7 +138,8 @@ class PagedAttentionEngine:
         self.scheduler = Scheduler(self.store, config)
         self.kv = PagedKVCache(
             model.config, total_blocks, block_size,
-            dtype=model.dtype, device=model.device, backend=backend,
+            dtype=model.dtype, device=model.device, backend=backend, cache_dtype=cache_dtype,
+            kv_scales=scales,
         )  # fmt: skip
         self.keep_logits = keep_logits
         self.seed = seed

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 from collections import abc
 
+import torch
+
 from pagedkv.impl.blocks.manager import BlockManager
 from pagedkv.impl.blocks.prefix_cache import PrefixCachingBlockManager
 from pagedkv.impl.serving.sampling import check_temperature
 from pagedkv.kernels.check_arguments import check_bool
+from pagedkv.kernels.fp8 import format_of, kv_cache_dtype
 from pagedkv.spec.block_manager import check_int
 from pagedkv.spec.checks import check_tokens
+from pagedkv.spec.fp8 import check_kv_scale
 
 
 def check_speculation(draft_source: object, num_speculative_tokens: object) -> None:
@@ -70,3 +74,22 @@ def check_options(
     if eos_token_id is not None and check_int("eos_token_id", eos_token_id, 0) >= vocab_size:
         raise ValueError(f"eos_token_id must lie in [0, {vocab_size}), got {eos_token_id}")
     return temperature, seed  # type: ignore[return-value]
+
+
+def check_kv_cache(
+    name: object, kv_scales: object, compute_dtype: torch.dtype
+) -> tuple[torch.dtype, tuple[float, float] | None]:
+    """The KV cache's dtype (``fp8.kv_cache_dtype``'s rule for ``kv_cache_dtype``) and, for an
+    fp8 cache, its ``(k_scale, v_scale)``: ``kv_scales``, a pair of numbers each positive and
+    finite in fp32 (``None``: 1.0 each, as vLLM's default); a cache that is not fp8 takes
+    none (``ValueError``)."""
+    dtype = kv_cache_dtype(name, compute_dtype)
+    if format_of(dtype) is None:
+        if kv_scales is not None:
+            raise ValueError(f"kv_scales are for fp8 caches only; kv_cache_dtype is {name!r}")
+        return dtype, None
+    if kv_scales is None:
+        return dtype, (1.0, 1.0)
+    if not isinstance(kv_scales, tuple) or len(kv_scales) != 2:
+        raise TypeError(f"kv_scales must be a (k_scale, v_scale) tuple, got {kv_scales!r}")
+    return dtype, (check_kv_scale("k_scale", kv_scales[0]), check_kv_scale("v_scale", kv_scales[1]))

@@ -50,7 +50,19 @@ from pagedkv.kernels.check_values import (
     check_slot_values,
     window_starts,
 )
+from pagedkv.kernels.fp8 import FP8_DTYPES
 from pagedkv.spec.checks import int32_window
+
+
+def nan_cache(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """A cache of ``dtype`` whose every element is NaN (an fp8 cache: the code ``0x7F``)."""
+    if dtype in FP8_DTYPES:
+        cache = torch.empty(shape, dtype=dtype, device=device)
+        cache.view(torch.uint8).fill_(0x7F)
+        return cache
+    return torch.full(shape, torch.nan, dtype=dtype, device=device)
 
 
 class DeviceBlockTables:
@@ -101,6 +113,10 @@ class PagedKVCache:
     ``backend`` (``None``: ``PAGEDKV_BACKEND`` or auto) is resolved once, when the cache is made
     (``kernels.resolve_backend``'s errors): every step and layer runs on that backend.
 
+    ``cache_dtype`` (default ``dtype``, the model's) is the caches' storage; an fp8 one keeps
+    K/V as codes under ``kv_scales`` (``(k_scale, v_scale)``, every layer and KV head), and its
+    reference backend runs ``kernels.reference``, not the ``sdpa`` fast path.
+
     ``check_tables`` (a bool, default False) is a debug mode: every :meth:`step` then checks
     the tables, lengths and slots it is given before anything changes, instead of trusting
     them as the tables of a ``BlockTableStore``, which validated them as it built them."""
@@ -115,12 +131,15 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
         backend: str | None = None,
         check_tables: bool = False,
+        cache_dtype: torch.dtype | None = None,
+        kv_scales: tuple[float, float] | None = None,
     ) -> None:
         self.check_tables = check_bool("check_tables", check_tables)
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         layers = range(config.num_layers)
-        self.k = [torch.full(shape, torch.nan, dtype=dtype, device=device) for _ in layers]
-        self.v = [torch.full(shape, torch.nan, dtype=dtype, device=device) for _ in layers]
+        self.cache_dtype = cache_dtype or dtype
+        self.k = [nan_cache(shape, self.cache_dtype, device) for _ in layers]
+        self.v = [nan_cache(shape, self.cache_dtype, device) for _ in layers]
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
@@ -137,6 +156,13 @@ class PagedKVCache:
         on_host = self.backend in ("numba", "reference")
         self.host_backend: kernels.Backend = self.backend if on_host else "reference"
         self.tables = DeviceBlockTables(self.device)
+        # An fp8 cache's (k_scale, v_scale), per KV head, for every layer: fixed from here on.
+        self.scales = None
+        if kv_scales is not None:
+            self.scales = tuple(
+                torch.full((config.num_kv_heads,), s, dtype=torch.float32, device=self.device)
+                for s in kv_scales
+            )
 
     def copy_blocks(self, pairs: torch.Tensor) -> None:
         """Copy-on-write: copy block ``src`` over ``dst`` for each ``(src, dst)`` row, every layer,
@@ -191,7 +217,7 @@ class PagedKVCache:
         else:
             (slots,) = self._to_device(host_slots)
         plan = None
-        if self.backend == "reference":
+        if self.backend == "reference" and self.scales is None:  # fp8: the reference kernels
             plan = sdpa.plan(
                 tables, counts.tolist(), lens.tolist(), self.block_size, self.group, self.window
             )
@@ -296,13 +322,14 @@ class PagedStep:
         if self.plan is not None:
             sdpa.store(key, value, k_cache, v_cache, self.slot_mapping)
             return sdpa.attention(self.plan, query, k_cache, v_cache, cache.scale)
-        trusted.store_kv(key, value, k_cache, v_cache, self.slot_mapping, self.backend)
+        scales = cache.scales
+        trusted.store_kv(key, value, k_cache, v_cache, self.slot_mapping, self.backend, scales)
         if self.decode:  # query [B, heads, dim]: one token per sequence
             return trusted.paged_decode_attention(
                 query, k_cache, v_cache, self.block_tables, self.context_lens, cache.scale,
-                None, window, self.max_context_len, self.backend,
+                None, window, self.max_context_len, self.backend, scales,
             )  # fmt: skip
         return trusted.paged_prefill_attention(
             query, k_cache, v_cache, self.block_tables, self.cu_seqlens_q, self.context_lens,
-            cache.scale, window, self.max_query_len, self.backend,
+            cache.scale, window, self.max_query_len, self.backend, scales,
         )  # fmt: skip

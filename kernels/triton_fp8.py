@@ -1,0 +1,79 @@
+"""Triton functions: ``spec.fp8``'s store and read rules by integer arithmetic on the bits.
+
+The codes are ``uint8``, on every target: Triton's ``fp8e4nv`` compiles only for capability 89
+and up, and the interpreter has no fp8 dtype, while integer arithmetic is one program for every
+GPU and the interpreter, so each gives the same bytes. ``MANTISSA`` and ``BIAS`` are the format's
+(3 and 7 for ``fp8_e4m3``, 2 and 15 for ``fp8_e5m2``); ``E5M2`` says which of the two it is.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from pagedkv.kernels.triton_import import tl, triton
+from pagedkv.spec.fp8 import encode, fp8_format, largest_finite
+
+
+@triton.jit
+def _round_shift(v, shift):
+    """``v >> shift`` rounded to nearest, ties to the even result (``v >= 0``, ``1 <= shift <=
+    31``)."""
+    q = v >> shift
+    rest = v - (q << shift)
+    half = 1 << (shift - 1)
+    return q + ((rest > half) | ((rest == half) & ((q & 1) == 1))).to(tl.int32)
+
+
+@triton.jit
+def fp8_encode(
+    x, MANTISSA: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr, MAX_BITS: tl.constexpr
+):
+    """The ``uint8`` codes of fp32 ``x`` (already divided by the scale): nearest value, ties to
+    the even code, subnormals included; past the largest finite value (code ``MAX_CODE``, fp32
+    bits ``MAX_BITS``) and +-inf saturate to it; NaN is ``0x7F``; the sign of zero is kept."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF  # |x|: its fp32 bits order as its value
+    exponent = tl.maximum(a >> 23, 1)  # fp32's biased exponent (its subnormals' scale is 1's)
+    significand = (a & 0x7FFFFF) | tl.where(a >= 0x800000, 0x800000, 0)
+    rebiased = (exponent - 127 + BIAS).to(tl.int32)  # the exponent field fp8 would give x
+    # Normal in fp8: round the rebased bits (a carry moves into the exponent, as it must).
+    normal = _round_shift(a - ((127 - BIAS) << 23), 23 - MANTISSA)
+    # Subnormal in fp8: the significand in units of the smallest subnormal, rounded.
+    shift = tl.minimum(151 - BIAS - MANTISSA - exponent, 31)
+    subnormal = _round_shift(significand, tl.maximum(shift, 1))
+    code = tl.where(rebiased >= 1, normal, subnormal)
+    code = tl.where(a > MAX_BITS, MAX_CODE, code) | sign
+    return tl.where(a > 0x7F800000, 0x7F, code).to(tl.uint8)
+
+
+@triton.jit
+def fp8_to_fp16(codes, E5M2: tl.constexpr):
+    """The value of each ``uint8`` code as fp16: exact, since every e4m3 and e5m2 value is an
+    fp16 value, and a few integer operations on 16 bits (the attention kernels' K/V read)."""
+    c = codes.to(tl.int16)
+    if E5M2:  # e5m2 is fp16's top byte: same sign, exponent bias, infinities and NaNs
+        return (c << 8).to(tl.float16, bitcast=True)
+    # e4m3's 7 magnitude bits as fp16's exponent and top mantissa bits give its value / 2^8
+    # (fp16's exponent bias is 8 more), subnormals included; S.1111.111 is its only NaN.
+    magnitude = c & 0x7F
+    scaled = ((magnitude << 7) | ((c & 0x80) << 8)).to(tl.float16, bitcast=True) * 256.0
+    return tl.where(magnitude == 0x7F, float("nan"), scaled)
+
+
+def fp8_constexprs(name: str | None, *, store: bool = False) -> dict[str, int | bool]:
+    """The constexprs a kernel takes for a cache of fp8 format ``name`` (``None``: not fp8, and
+    ``FP8`` false): ``FP8`` and ``E5M2``, and with ``store`` the format's ``MANTISSA``, ``BIAS``,
+    largest code ``MAX_CODE`` and that value's fp32 bits ``MAX_BITS``."""
+    fmt = fp8_format(name) if name is not None else None
+    constexprs: dict[str, int | bool] = {
+        "FP8": fmt is not None,
+        "E5M2": bool(fmt and fmt.has_infinity),
+    }
+    if store:
+        top = largest_finite(fmt) if fmt else 0.0
+        constexprs["MANTISSA"] = fmt.mantissa_bits if fmt else 0
+        constexprs["BIAS"] = fmt.bias if fmt else 0
+        constexprs["MAX_CODE"] = encode(top, fmt) if fmt else 0
+        constexprs["MAX_BITS"] = struct.unpack("<i", struct.pack("<f", top))[0]
+    return constexprs
