@@ -196,14 +196,16 @@ def hf_generate(model: torch.nn.Module, prompts: list[list[int]], new: int) -> l
     return out[:, width:].tolist()
 
 
-def engine_for(model: CausalLM, prompts: list[list[int]], new: int) -> PagedAttentionEngine:
+def engine_for(
+    model: CausalLM, prompts: list[list[int]], new: int, **options: Any
+) -> PagedAttentionEngine:
     """An engine whose pool holds every prompt and its ``new`` tokens, all running at once, with
-    a step budget that prefills every prompt in one step."""
+    a step budget that prefills every prompt in one step (``options``: the engine's others)."""
     longest = max(map(len, prompts)) + new
     return PagedAttentionEngine(
         model, len(prompts) * blocks_needed(longest, HF_BLOCK_SIZE), HF_BLOCK_SIZE,
         max_num_seqs=len(prompts), max_num_batched_tokens=sum(map(len, prompts)),
-        max_model_len=longest,
+        max_model_len=longest, **options,
     )  # fmt: skip
 
 

@@ -10,7 +10,10 @@ tables. Everything the run measured is in ``extra_info``
 figures are asserted by the tests at the end of this file, which reuse the benchmarks' runs.
 
 Groups: ``serving-{workload}-bs{B}`` (paged; with sharing on and off for the sharing workloads)
-and ``serving-{workload}-contiguous`` (the three Orca policies).
+and ``serving-{workload}-contiguous`` (the three Orca policies); ``serving-kv-dtype``: ShareGPT at
+block size 16 in one KV byte budget (OPT-13B's 15,616 fp16 slots) kept in fp32, fp16 or fp8, so
+the pool holds ``spec.utilization.blocks_in_budget`` blocks of each, with ``max_num_seqs`` and
+the token budget above what fp8's pool holds.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from typing import Any
 import pytest
 
 from bench.paper import FIG13A_BATCH_RATIOS, FIG15_PARALLEL_SAVING
-from bench.simulator import ServingConfig, ServingResult, simulate
+from bench.simulator import OPT_13B_KV_SLOTS, ServingConfig, ServingResult, simulate
 from bench.utilization_policies import PAPER_CONTIGUOUS, Contiguous, Paged
 from bench.workloads import CHAPTER_KV_SLOTS, WORKLOADS
+from pagedkv.spec.utilization import blocks_in_budget, bytes_per_block
 
 ORDER = ("paged-bs16", "orca-oracle", "orca-pow2", "orca-max")
 POLICY_RUNS = [(w, p) for w in ("sharegpt", "alpaca", "chapter") for p in ORDER]
@@ -32,6 +36,18 @@ SHARING_RUNS = [(w, share) for w in ("prefix200", "alpaca-n4") for share in (Tru
 
 _RESULTS: dict[tuple[str, str, bool], ServingResult] = {}
 ROUNDS = 3
+OPT_13B = {"num_layers": 40, "num_kv_heads": 40, "head_dim": 128}  # K/V of every layer, per token
+KV_BUDGET_BYTES = OPT_13B_KV_SLOTS * bytes_per_block(1, **OPT_13B, kv_cache_dtype="fp16")
+KV_DTYPES = ("fp32", "fp16", "fp8_e4m3")
+_BY_DTYPE: dict[str, ServingResult] = {}
+
+
+def kv_dtype_config(kv_cache_dtype: str) -> ServingConfig:
+    """The ShareGPT server whose KV byte budget is kept in ``kv_cache_dtype``: as many blocks
+    of 16 as the budget holds, and limits above fp8's concurrency."""
+    block_bytes = bytes_per_block(16, **OPT_13B, kv_cache_dtype=kv_cache_dtype)
+    slots = blocks_in_budget(KV_BUDGET_BYTES, block_bytes) * 16
+    return ServingConfig(budget_slots=slots, max_num_seqs=1024, max_num_batched_tokens=8192)
 
 
 def policy_of(name: str) -> Paged | Contiguous:
@@ -75,6 +91,28 @@ def test_serving(benchmark: Any, workload_name: str, policy_name: str) -> None:
 @pytest.mark.parametrize(("workload_name", "share"), SHARING_RUNS)
 def test_serving_sharing(benchmark: Any, workload_name: str, share: bool) -> None:
     benchmark_run(benchmark, workload_name, "paged-bs16", share=share)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
+def test_serving_kv_dtype(benchmark: Any, kv_cache_dtype: str) -> None:
+    benchmark.group = "serving-kv-dtype"
+    config = kv_dtype_config(kv_cache_dtype)
+    result = benchmark.pedantic(
+        simulate, args=(WORKLOADS["sharegpt"](), Paged(16), config), rounds=ROUNDS
+    )
+    _BY_DTYPE[kv_cache_dtype] = result
+    benchmark.extra_info.update(kind="serving", kv_cache_dtype=kv_cache_dtype, **result.summary())
+
+
+def test_fp8_serves_at_least_1_9x_the_concurrent_sequences_of_fp16() -> None:
+    """Issue 34's target, measured: in one byte budget, the saturated steps' mean batch of an
+    fp8 cache over fp16's (and fp16's over fp32's, the same halving of bytes)."""
+    for dtype in KV_DTYPES:
+        if dtype not in _BY_DTYPE:
+            _BY_DTYPE[dtype] = simulate(WORKLOADS["sharegpt"](), Paged(16), kv_dtype_config(dtype))
+    fp32, fp16, fp8 = (_BY_DTYPE[dtype].mean_batch for dtype in KV_DTYPES)
+    assert fp8 >= 1.9 * fp16 and fp16 >= 1.9 * fp32, (fp32, fp16, fp8)
+    assert _BY_DTYPE["fp8_e4m3"].peak_batch >= 1.9 * _BY_DTYPE["fp16"].peak_batch
 
 
 # ----------------------------------------------------------------- the paper's shape

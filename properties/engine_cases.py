@@ -73,13 +73,14 @@ class Workload:
     prefix_caching: bool = True
     eos_token_id: int | None = None
     model: CausalLM = MODEL
+    kv_cache_dtype: str = "auto"  # an fp8 one: the dense oracle keeps its K/V in fp8 too
 
     def engine(self, **kwargs: object) -> PagedAttentionEngine:
         return PagedAttentionEngine(
             self.model, self.total_blocks, self.block_size, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             watermark_blocks=self.watermark_blocks, enable_prefix_caching=self.prefix_caching,
-            keep_logits=True, **kwargs,
+            keep_logits=True, kv_cache_dtype=self.kv_cache_dtype, **kwargs,
         )  # fmt: skip
 
     def but(self, **changes: object) -> Workload:
@@ -97,9 +98,11 @@ PRESSURE = Workload(
 
 
 @lru_cache(maxsize=4096)
-def greedy_oracle(prompt: tuple[int, ...], new: int, model: CausalLM = MODEL) -> DenseOutput:
+def greedy_oracle(
+    prompt: tuple[int, ...], new: int, model: CausalLM = MODEL, kv_cache_dtype: str = "auto"
+) -> DenseOutput:
     """The dense model's greedy continuation, without an end-of-sequence token."""
-    return dense_generate(model, prompt, new)
+    return dense_generate(model, prompt, new, kv_cache_dtype=kv_cache_dtype)
 
 
 @st.composite
@@ -138,6 +141,7 @@ def workloads(
         max_num_batched_tokens=draw(st.sampled_from([2, 5, 16, 64, 512])),
         watermark_blocks=draw(st.integers(0, 2)),
         prefix_caching=draw(st.booleans()),
+        kv_cache_dtype=draw(st.sampled_from(["auto", "auto", "fp8_e4m3", "fp8_e5m2"])),
         eos_token_id=draw(
             st.none() | st.sampled_from(greedy_oracle(first.prompt, first.max_new_tokens).tokens)
         ),
@@ -214,7 +218,9 @@ def check_against_oracle(workload: Workload, result: Run) -> None:
         for sample, (tokens, logits) in enumerate(zip(out.outputs, out.logits, strict=True)):
             what = f"request {request} sample {sample}"
             if request.temperature == 0.0:
-                oracle = greedy_oracle(request.prompt, request.max_new_tokens, workload.model)
+                oracle = greedy_oracle(
+                    request.prompt, request.max_new_tokens, workload.model, workload.kv_cache_dtype
+                )
                 expected = oracle.tokens
                 if eos in expected:
                     expected = expected[: expected.index(eos) + 1]
@@ -223,7 +229,10 @@ def check_against_oracle(workload: Workload, result: Run) -> None:
             else:
                 assert len(tokens) == request.max_new_tokens or tokens[-1] == eos, what
                 assert eos not in tokens[:-1], f"{what}: generated past EOS"
-                forced = dense_generate(workload.model, request.prompt, 0, forced=tokens)
+                forced = dense_generate(
+                    workload.model, request.prompt, 0, forced=tokens,
+                    kv_cache_dtype=workload.kv_cache_dtype,
+                )  # fmt: skip
                 assert_logits_close(logits, forced.logits, what)
 
 

@@ -49,21 +49,26 @@ def test_prefix_caching_changes_nothing(workload: Workload) -> None:
     check_all_freed(on.engine)
 
 
-def test_preemption_prefix_hits_and_forks_happen() -> None:
-    result = run(PRESSURE)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "fp8_e5m2"])
+def test_preemption_prefix_hits_and_forks_happen(kv_cache_dtype: str) -> None:
+    """Also with K/V in fp8: forks copy fp8 blocks, prefix hits and recomputes read them."""
+    result = run(PRESSURE.but(kv_cache_dtype=kv_cache_dtype))
     metrics = result.engine.metrics
     assert sum(m.preemptions for m in metrics) > 0
     assert sum(m.prefix_hit_tokens for m in metrics) > 0
     assert any(m.num_batched_tokens == PRESSURE.max_num_batched_tokens for m in metrics)
-    check_against_oracle(PRESSURE, result)
+    check_against_oracle(PRESSURE.but(kv_cache_dtype=kv_cache_dtype), result)
     check_all_freed(result.engine)
 
 
-def test_the_check_catches_a_missing_copy_on_write(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_the_check_catches_a_missing_copy_on_write(
+    monkeypatch: pytest.MonkeyPatch, kv_cache_dtype: str
+) -> None:
     """Teeth: without ``copy_blocks`` a greedy fork's tail block lacks the prompt's last K/V."""
     monkeypatch.setattr(PagedKVCache, "copy_blocks", lambda self, pairs: None)
     greedy = tuple(dataclasses.replace(r, temperature=0.0) for r in PRESSURE.requests)
-    workload = PRESSURE.but(requests=greedy, total_blocks=40)
+    workload = PRESSURE.but(requests=greedy, total_blocks=40, kv_cache_dtype=kv_cache_dtype)
     with pytest.raises(AssertionError, match=r"paged .* != dense"):
         check_against_oracle(workload, run(workload))
 

@@ -8,6 +8,8 @@ layer, written at the sequence's next positions. A prompt attends with the same
 oracle and the engine share every layer and every attention formula; only where K/V live, and how
 they are found, differs. A layer's sliding window is passed to both, so a windowed model (Mistral)
 is checked too; the oracle keeps every token (it needs no release rule), the window only masks.
+With ``kv_cache_dtype`` an fp8 format, its contiguous cache is fp8 too, written by
+``kernels.store_kv`` under scales of 1.0 and read as code value times scale.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import torch
 
 from pagedkv import kernels
 from pagedkv.impl.serving.model import CausalLM
+from pagedkv.impl.serving.paged_kv import nan_cache
 from pagedkv.impl.serving.sampling import sample_token
+from pagedkv.kernels import fp8
 from pagedkv.kernels.reference import causal_attention
 
 
@@ -31,11 +35,19 @@ class ContiguousKVCache:
     length + T - 1`` of every layer; the caller adds ``T`` to ``length`` after the forward.
     """
 
-    def __init__(self, model: CausalLM, max_len: int, backend: str | None = None) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        max_len: int,
+        backend: str | None = None,
+        kv_cache_dtype: str = "auto",
+    ) -> None:
         config = model.config
         shape = (config.num_layers, 1, max_len, config.num_kv_heads, config.head_dim)
-        self.k = torch.full(shape, torch.nan, dtype=model.dtype, device=model.device)
-        self.v = torch.full(shape, torch.nan, dtype=model.dtype, device=model.device)
+        self.cache_dtype = fp8.kv_cache_dtype(kv_cache_dtype, model.dtype)
+        self.k = nan_cache(shape, self.cache_dtype, model.device)
+        self.v = nan_cache(shape, self.cache_dtype, model.device)
+        self.fp8 = fp8.format_of(self.cache_dtype) is not None
         self.length = 0
         self.scale = config.head_dim**-0.5
         self.backend = backend
@@ -52,16 +64,17 @@ class ContiguousKVCache:
         ``window``) over everything stored."""
         end = self.length + query.shape[0]
         k_cache, v_cache = self.k[layer], self.v[layer]
-        k_cache[0, self.length : end] = key
-        v_cache[0, self.length : end] = value
-        if query.shape[0] > 1:
-            return causal_attention(
-                query, k_cache[0, :end], v_cache[0, :end], self.scale, window=window
-            )
+        slots = torch.arange(self.length, end, device=query.device)
+        kernels.store_kv(key, value, k_cache, v_cache, slots, backend="reference")
+        if query.shape[0] > 1:  # an fp8 cache's values: its codes' (scales of 1.0)
+            k, v = (cache[0, :end].to(query.dtype) for cache in (k_cache, v_cache))
+            return causal_attention(query, k, v, self.scale, window=window)
         lens = torch.tensor([end], device=query.device)
+        scales = {"k_scale": 1.0, "v_scale": 1.0} if self.fp8 else {}
         return kernels.contiguous_decode_attention(
-            query, k_cache, v_cache, lens, self.scale, window=window, backend=self.backend
-        )
+            query, k_cache, v_cache, lens, self.scale, window=window, backend=self.backend,
+            **scales,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -80,6 +93,7 @@ def dense_generate(
     eos_token_id: int | None = None,
     forced: Sequence[int] | None = None,
     backend: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> DenseOutput:
     """Decode one sequence alone: prefill ``prompt``, then one token per forward.
 
@@ -88,7 +102,7 @@ def dense_generate(
     the model gives each of them, which scores a sampled output.
     """
     steps = len(forced) if forced is not None else max_new_tokens
-    cache = ContiguousKVCache(model, len(prompt) + steps, backend)
+    cache = ContiguousKVCache(model, len(prompt) + steps, backend, kv_cache_dtype)
     ids = torch.tensor(list(prompt), dtype=torch.int64, device=model.device)
     tokens: list[int] = []
     rows: list[torch.Tensor] = []
