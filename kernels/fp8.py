@@ -67,6 +67,7 @@ def check_kv_scales(
 def _scale_tensor(
     name: str, scale: object, num_kv_heads: int, device: torch.device, validate: bool
 ) -> torch.Tensor:
+    """One of :func:`check_kv_scales`' scales, checked, as a tensor."""
     if not isinstance(scale, torch.Tensor):
         value = 1.0 if scale is None else check_kv_scale(name, scale)
         return torch.full((num_kv_heads,), value, dtype=torch.float32, device=device)

@@ -46,10 +46,10 @@ def store_kv(
     scales: Scales = None,
 ) -> None:
     """``kernels.store_kv`` without its checks, on ``backend``."""
-    if backend == "reference":
-        return reference.store_kv(key, value, k_cache, v_cache, slot_mapping, scales)
     (k_codes, fp8), (v_codes, _) = _codes(k_cache), _codes(v_cache)
-    if backend == "numba":
+    if backend == "reference":
+        reference.store_kv(key, value, k_cache, v_cache, slot_mapping, scales)
+    elif backend == "numba":
         from pagedkv.kernels import numba_cache
 
         numba_cache.store_kv(key, value, k_codes, v_codes, slot_mapping, scales, fp8)
@@ -57,7 +57,6 @@ def store_kv(
         from pagedkv.kernels import triton_store_kv
 
         triton_store_kv.launch(key, value, k_codes, v_codes, slot_mapping, scales, fp8)
-    return None
 
 
 def paged_decode_attention(

@@ -98,10 +98,34 @@ def test_bad_engine_settings_are_refused(kwargs: dict, error: type, match: str |
         PagedAttentionEngine(MODEL, 16, 4, **kwargs)
 
 
-def test_demo_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    main(["--requests", "4", "--max-new-tokens", "6"])
+@pytest.mark.parametrize(
+    "options", [[], ["--kv-cache-dtype", "fp8_e5m2", "--kv-cache-bytes", "9000"]]
+)
+def test_demo_runs(capsys: pytest.CaptureFixture[str], options: list[str]) -> None:
+    """The demo, and with an fp8 cache whose pool a byte budget sizes: 9,000 bytes hold 17 blocks
+    of 512 (4 tokens x 2 layers x K and V x 2 KV heads x 16 dims, a byte each)."""
+    main(["--requests", "4", "--max-new-tokens", "6", *options])
     out = capsys.readouterr().out
     assert "step    0 |" in out and "preemptions" in out
+    assert ("17 blocks of 4 tokens (torch.float8_e5m2)" in out) == bool(options)
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        (["--kv-cache-dtype", "fp4"], "kv_cache_dtype"),
+        (["--kv-cache-dtype", "fp8", "--kv-scales", "0", "1"], "k_scale"),
+        (["--kv-cache-dtype", "fp8", "--kv-scales", "1", "nan"], "v_scale"),
+        (["--kv-scales", "1", "1"], "kv_scales"),
+        (["--kv-cache-bytes", "-1"], "budget_bytes"),
+    ],
+)
+def test_bad_kv_cache_options_stop_the_command_naming_them(
+    capsys: pytest.CaptureFixture[str], options: list[str], named: str
+) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(options)
+    assert stop.value.code == 2 and named in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------- sliding window
