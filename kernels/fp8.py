@@ -14,7 +14,15 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.spec.fp8 import ALIASES, FORMATS, Fp8Format, check_kv_scale, fp8_format, largest_finite
+from pagedkv.spec.fp8 import (
+    ALIASES,
+    FORMATS,
+    SMALLEST_NORMAL_FP32,
+    Fp8Format,
+    check_kv_scale,
+    fp8_format,
+    largest_finite,
+)
 
 FP8_DTYPES: dict[torch.dtype, str] = {
     torch.float8_e4m3fn: "fp8_e4m3",
@@ -101,3 +109,17 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     as ``reference.gather_kv`` returns them) under the per-head ``scale``: code value times
     scale, in fp32."""
     return codes.view(dtype).float() * scale[:, None, None]
+
+
+def calibrated_scales(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``spec.fp8.calibrated_scale`` of ``rows`` (``[tokens, num_kv_heads, head_dim]``, their
+    largest magnitude by ``amax``: NaN if one is) for a cache of ``dtype``, as one fp32 scale
+    repeated for every KV head; computed on the rows' device, nothing read back."""
+    fmt = format_of(dtype)
+    assert fmt is not None
+    if rows.numel() == 0:  # no values: the default scale
+        return torch.ones(rows.shape[1], dtype=torch.float32, device=rows.device)
+    amax = rows.detach().float().abs().amax()
+    scale = amax / (largest_finite(fmt) / 2)
+    usable = (amax > 0) & (amax < torch.inf) & (scale >= SMALLEST_NORMAL_FP32) & (scale < torch.inf)
+    return torch.where(usable, scale, 1.0).expand(rows.shape[1]).contiguous()

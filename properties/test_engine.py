@@ -15,8 +15,10 @@ from pagedkv.impl.serving.engine import PagedAttentionEngine
 from pagedkv.impl.serving.model import CausalLM
 from pagedkv.impl.serving.paged_kv import PagedKVCache
 from pagedkv.impl.serving.scheduler import SchedulerConfig
+from pagedkv.kernels import trusted
 from pagedkv.spec.block_manager import BlockManager as SpecBlockManager
 from pagedkv.spec.checks import int32_window
+from pagedkv.spec.fp8 import calibrated_scale, fp8_format
 from properties.engine_cases import (
     CONFIG,
     MODEL,
@@ -96,6 +98,42 @@ def test_triton_kernels_drive_the_engine() -> None:
 def test_bad_engine_settings_are_refused(kwargs: dict, error: type, match: str | None) -> None:
     with pytest.raises(error, match=match):
         PagedAttentionEngine(MODEL, 16, 4, **kwargs)
+
+
+def test_calculated_scales_come_from_the_first_forward_and_a_failed_one_leaves_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``kv_scales="calculate"``: a fault at the first step's last layer leaves no scale; the
+    retried step fixes each layer's K and V scale at ``spec.fp8.calibrated_scale`` of the K or V
+    that layer wrote, and every later write uses them."""
+    writes: list[tuple] = []
+    real = trusted.store_kv
+
+    def store(key, value, k_cache, v_cache, slots, backend, scales=None):
+        writes.append((key.clone(), value.clone(), scales))
+        if len(writes) == CONFIG.num_layers:
+            raise RuntimeError("planted fault at the last layer of the first step")
+        return real(key, value, k_cache, v_cache, slots, backend, scales)
+
+    monkeypatch.setattr(trusted, "store_kv", store)
+    engine = PagedAttentionEngine(MODEL, 16, 4, kv_cache_dtype="fp8_e4m3", kv_scales="calculate")
+    engine.add_request([5, 6, 7, 8, 9], 6)
+    with pytest.raises(RuntimeError, match="planted"):
+        engine.step()
+    assert engine.kv.scales is None
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step().finished
+    fmt = fp8_format("fp8_e4m3")
+    assert engine.kv.scales is not None
+    first = writes[CONFIG.num_layers : 2 * CONFIG.num_layers]  # the retried first step's
+    for layer, (key, value, _) in enumerate(first):
+        for rows, scale in zip((key, value), engine.kv.scales[layer], strict=True):
+            assert scale.tolist() == [calibrated_scale(float(rows.abs().max()), fmt)] * 2
+    for index, (_, _, scales) in enumerate(writes[CONFIG.num_layers :]):
+        assert scales == engine.kv.scales[index % CONFIG.num_layers]
+    assert [len(out.outputs[0]) for out in outputs] == [6]
+    check_all_freed(engine)
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,10 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from hypothesis import assume, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
+from pagedkv.kernels import fp8 as kernels_fp8
 from pagedkv.spec import fp8
 from pagedkv.spec.utilization import blocks_in_budget, bytes_per_block
 
@@ -183,3 +184,29 @@ def test_bytes_per_block_and_the_blocks_a_budget_holds() -> None:
     assert blocks_in_budget(2**30, fp16) == 512
     assert blocks_in_budget(2**30, fp16 // 2) == 1024
     assert blocks_in_budget(2**30 - 1, 2**21) == 511
+
+
+@given(st.sampled_from(FORMATS), st.floats(width=32, allow_nan=True))
+@example(fp8.FORMATS["fp8_e4m3"], 224 * 2.0**-126).via("the smallest normal scale")
+@example(fp8.FORMATS["fp8_e5m2"], fp8.to_fp32(28672 * 2.0**-126 * (1 - 2.0**-20))).via("below it")
+def test_a_calibrated_scale_maps_the_largest_magnitude_to_half_the_format(
+    fmt: fp8.Fp8Format, amax: float
+) -> None:
+    """Stored under its own calibrated scale (a normal fp32 number), ``amax`` is the code of
+    half the largest value; without a finite nonzero magnitude, or for one so small that the
+    scale would be subnormal, the scale is 1.0. torch's version (``kernels.fp8``) agrees."""
+    scale = fp8.calibrated_scale(abs(amax), fmt)
+    rows = torch.tensor([[[amax, 0.0]], [[-amax / 2, 1e-45]]], dtype=torch.float32)
+    assert kernels_fp8.calibrated_scales(rows, TORCH_DTYPES[fmt.name]).tolist() == [scale]
+    exact = fp8.to_fp32(abs(amax) / (fp8.largest_finite(fmt) / 2))  # amax is an fp32
+    if not 2.0**-126 <= exact < math.inf:
+        assert scale == 1.0
+        return
+    assert scale == exact
+    half = fp8.encode(fp8.largest_finite(fmt) / 2, fmt)
+    assert fp8.quantize(abs(amax), scale, fmt) == half
+    assert fp8.quantize(-abs(amax), scale, fmt) == 0x80 | half
+
+
+def test_a_magnitude_past_fp32_calibrates_to_the_default_scale() -> None:
+    assert fp8.calibrated_scale(1e300, fp8.FORMATS["fp8_e4m3"]) == 1.0

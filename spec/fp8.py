@@ -18,6 +18,10 @@ Rules (every backend matches them bit for bit; docs/kernels.md, "An fp8 cache", 
   NaN's sign): the caches are NaN-initialised, so that attention reading a slot no step wrote
   shows. The sign of zero is kept.
 - Read (:func:`dequantize`): the code's value, times the scale, in fp32.
+- Calibration (:func:`calibrated_scale`): a scale computed from values (a layer's K or V of the
+  first forward) maps their largest magnitude to half the format's largest value, leaving room
+  for larger values later; values with no finite nonzero magnitude, or so small that the scale
+  would not be a normal fp32 number, give the scale 1.0.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ FORMATS = {
     "fp8_e5m2": Fp8Format("fp8_e5m2", exponent_bits=5, mantissa_bits=2, has_infinity=True),
 }
 ALIASES = {"fp8": "fp8_e4m3"}  # as vLLM's ``--kv-cache-dtype``
+SMALLEST_NORMAL_FP32 = 2.0**-126
 
 
 def fp8_format(name: str) -> Fp8Format:
@@ -135,3 +140,11 @@ def check_kv_scale(name: str, scale: object) -> float:
     if not 0 < in_fp32 < math.inf:
         raise ValueError(f"{name} must be positive and finite in fp32, got {scale}")
     return float(scale)
+
+
+def calibrated_scale(amax: float, fmt: Fp8Format) -> float:
+    """The scale calibrated from values whose largest magnitude is ``amax``: ``amax`` over half
+    the largest finite value, in fp32; 1.0 when that is not a normal fp32 number (an ``amax``
+    of 0, infinite or NaN, or too small or too large)."""
+    scale = to_fp32(to_fp32(amax) / (largest_finite(fmt) / 2))  # Rule: amax maps to max / 2.
+    return scale if SMALLEST_NORMAL_FP32 <= scale < math.inf else 1.0  # Rule: else the default.

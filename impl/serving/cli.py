@@ -64,9 +64,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--kv-cache-dtype", default="auto", help="auto (the model's), fp8, fp8_e4m3 or fp8_e5m2"
     )
-    parser.add_argument(
+    scales = parser.add_mutually_exclusive_group()
+    scales.add_argument(
         "--kv-scales", type=float, nargs=2, metavar=("K", "V"), help="an fp8 cache's scales"
     )
+    scales.add_argument(
+        "--calculate-kv-scales", action="store_true",
+        help="an fp8 cache's scales from the first step's K/V, per layer",
+    )  # fmt: skip
     parser.add_argument(
         "--kv-cache-bytes", type=int, metavar="BYTES",
         help="a KV byte budget: the pool holds as many blocks as fit (instead of --blocks)",
@@ -99,12 +104,13 @@ def _engine(args: argparse.Namespace, model: CausalLM) -> PagedAttentionEngine:
             args.block_size, config.num_layers, config.num_kv_heads, config.head_dim, name
         )
         args.blocks = blocks_in_budget(args.kv_cache_bytes, block_bytes)
+    kv_scales = "calculate" if args.calculate_kv_scales else args.kv_scales
     return PagedAttentionEngine(
         model, args.blocks, args.block_size,
         max_num_seqs=8, max_num_batched_tokens=64, watermark_blocks=1,
         enable_prefix_caching=not args.no_prefix_caching, backend=args.backend,
         kv_cache_dtype=args.kv_cache_dtype,
-        kv_scales=tuple(args.kv_scales) if args.kv_scales is not None else None,
+        kv_scales=tuple(kv_scales) if isinstance(kv_scales, list) else kv_scales,
     )  # fmt: skip
 
 

@@ -78,11 +78,12 @@ def check_options(
 
 def check_kv_cache(
     name: object, kv_scales: object, compute_dtype: torch.dtype
-) -> tuple[torch.dtype, tuple[float, float] | None]:
+) -> tuple[torch.dtype, tuple[float, float] | str | None]:
     """The KV cache's dtype (``fp8.kv_cache_dtype``'s rule for ``kv_cache_dtype``) and, for an
     fp8 cache, its ``(k_scale, v_scale)``: ``kv_scales``, a pair of numbers each positive and
-    finite in fp32 (``None``: 1.0 each, as vLLM's default); a cache that is not fp8 takes
-    none (``ValueError``)."""
+    finite in fp32 (``None``: 1.0 each, as vLLM's default), or ``"calculate"``: each layer's,
+    from the first forward's K/V (``PagedKVCache``); a cache that is not fp8 takes none
+    (``ValueError``)."""
     dtype = kv_cache_dtype(name, compute_dtype)
     if format_of(dtype) is None:
         if kv_scales is not None:
@@ -90,6 +91,8 @@ def check_kv_cache(
         return dtype, None
     if kv_scales is None:
         return dtype, (1.0, 1.0)
+    if kv_scales == "calculate":
+        return dtype, "calculate"
     if not isinstance(kv_scales, tuple) or len(kv_scales) != 2:
-        raise TypeError(f"kv_scales must be a (k_scale, v_scale) tuple, got {kv_scales!r}")
+        raise TypeError(f"kv_scales must be (k_scale, v_scale) or 'calculate', got {kv_scales!r}")
     return dtype, (check_kv_scale("k_scale", kv_scales[0]), check_kv_scale("v_scale", kv_scales[1]))

@@ -35,14 +35,14 @@ the output instead of passing unnoticed.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from pagedkv import kernels
 from pagedkv.impl.serving.model import ModelConfig
-from pagedkv.kernels import sdpa, trusted
+from pagedkv.kernels import fp8, sdpa, trusted
 from pagedkv.kernels.check_arguments import check_bool
 from pagedkv.kernels.check_values import (
     check_context_values,
@@ -51,6 +51,7 @@ from pagedkv.kernels.check_values import (
     window_starts,
 )
 from pagedkv.kernels.fp8 import FP8_DTYPES
+from pagedkv.kernels.trusted import Scales
 from pagedkv.spec.checks import int32_window
 
 
@@ -114,8 +115,12 @@ class PagedKVCache:
     (``kernels.resolve_backend``'s errors): every step and layer runs on that backend.
 
     ``cache_dtype`` (default ``dtype``, the model's) is the caches' storage; an fp8 one keeps
-    K/V as codes under ``kv_scales`` (``(k_scale, v_scale)``, every layer and KV head), and its
-    reference backend runs ``kernels.reference``, not the ``sdpa`` fast path.
+    K/V as codes under ``kv_scales``: ``(k_scale, v_scale)`` for every layer and KV head, or
+    ``"calculate"``: in the first step's forward each layer's K and V scale is
+    ``spec.fp8.calibrated_scale`` of that step's K or V (``fp8.calibrated_scales``), fixed once
+    the last layer has attended (a forward failing before that leaves none: the next step
+    calibrates again; a step failing after it writes its K/V again under them). Its reference
+    backend runs ``kernels.reference``, not the ``sdpa`` fast path.
 
     ``check_tables`` (a bool, default False) is a debug mode: every :meth:`step` then checks
     the tables, lengths and slots it is given before anything changes, instead of trusting
@@ -132,7 +137,7 @@ class PagedKVCache:
         backend: str | None = None,
         check_tables: bool = False,
         cache_dtype: torch.dtype | None = None,
-        kv_scales: tuple[float, float] | None = None,
+        kv_scales: tuple[float, float] | str | None = None,
     ) -> None:
         self.check_tables = check_bool("check_tables", check_tables)
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
@@ -156,13 +161,16 @@ class PagedKVCache:
         on_host = self.backend in ("numba", "reference")
         self.host_backend: kernels.Backend = self.backend if on_host else "reference"
         self.tables = DeviceBlockTables(self.device)
-        # An fp8 cache's (k_scale, v_scale), per KV head, for every layer: fixed from here on.
-        self.scales = None
-        if kv_scales is not None:
-            self.scales = tuple(
+        # An fp8 cache's (k_scale, v_scale) of each layer, per KV head: the given pair for every
+        # layer, or (kv_scales "calculate") None until a step's forward has calibrated them all.
+        self.fp8 = fp8.format_of(self.cache_dtype) is not None
+        self.scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        if self.fp8 and kv_scales != "calculate":
+            pair = tuple(
                 torch.full((config.num_kv_heads,), s, dtype=torch.float32, device=self.device)
-                for s in kv_scales
+                for s in (kv_scales or (1.0, 1.0))
             )
+            self.scales = [pair] * config.num_layers  # type: ignore[list-item]
 
     def copy_blocks(self, pairs: torch.Tensor) -> None:
         """Copy-on-write: copy block ``src`` over ``dst`` for each ``(src, dst)`` row, every layer,
@@ -217,7 +225,7 @@ class PagedKVCache:
         else:
             (slots,) = self._to_device(host_slots)
         plan = None
-        if self.backend == "reference" and self.scales is None:  # fp8: the reference kernels
+        if self.backend == "reference" and not self.fp8:  # fp8: the reference kernels
             plan = sdpa.plan(
                 tables, counts.tolist(), lens.tolist(), self.block_size, self.group, self.window
             )
@@ -281,6 +289,17 @@ class PagedStep:
     decode: bool  # every sequence has exactly one query: the split-K decode kernel runs
     plan: sdpa.SdpaPlan | None  # the reference backend's attention layout; else None
     backend: kernels.Backend  # the backend the step's kernels run on
+    calibrated: dict[int, Scales] = field(default_factory=dict)  # layer -> scales, calibrating
+
+    def _layer_scales(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> Scales:
+        """``layer``'s fp8 scales (``None``: not fp8): fixed, or while the cache calibrates,
+        computed from this step's K/V (:meth:`attend` fixes them after the last layer)."""
+        cache = self.cache
+        if cache.scales is not None or not cache.fp8:
+            return cache.scales[layer] if cache.scales is not None else None
+        pair = tuple(fp8.calibrated_scales(rows, cache.cache_dtype) for rows in (key, value))
+        self.calibrated[layer] = pair  # type: ignore[assignment]
+        return pair  # type: ignore[return-value]
 
     def attend(
         self,
@@ -322,14 +341,18 @@ class PagedStep:
         if self.plan is not None:
             sdpa.store(key, value, k_cache, v_cache, self.slot_mapping)
             return sdpa.attention(self.plan, query, k_cache, v_cache, cache.scale)
-        scales = cache.scales
+        scales = self._layer_scales(layer, key, value)
         trusted.store_kv(key, value, k_cache, v_cache, self.slot_mapping, self.backend, scales)
         if self.decode:  # query [B, heads, dim]: one token per sequence
-            return trusted.paged_decode_attention(
+            out = trusted.paged_decode_attention(
                 query, k_cache, v_cache, self.block_tables, self.context_lens, cache.scale,
                 None, window, self.max_context_len, self.backend, scales,
             )  # fmt: skip
-        return trusted.paged_prefill_attention(
-            query, k_cache, v_cache, self.block_tables, self.cu_seqlens_q, self.context_lens,
-            cache.scale, window, self.max_query_len, self.backend, scales,
-        )  # fmt: skip
+        else:
+            out = trusted.paged_prefill_attention(
+                query, k_cache, v_cache, self.block_tables, self.cu_seqlens_q, self.context_lens,
+                cache.scale, window, self.max_query_len, self.backend, scales,
+            )  # fmt: skip
+        if len(self.calibrated) == len(cache.k):  # Rule: fixed once every layer has run on them
+            cache.scales = [self.calibrated[i] for i in range(len(cache.k))]  # type: ignore[misc]
+        return out
