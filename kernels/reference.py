@@ -154,7 +154,7 @@ def masked_attention(
     if window is not None:
         hidden |= key_positions[:, None, :] <= p - window
     scores = scores.masked_fill(hidden[:, None, None], float("-inf"))
-    if gpu_rounding:  # exp(s - max) in the cache dtype over its fp32 sum
+    if gpu_rounding:  # exp(s - max) in the query dtype over its fp32 sum
         p = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
         weights = p.to(query.dtype).float() / p.sum(dim=-1, keepdim=True)
     else:

@@ -94,11 +94,7 @@ def _engine(args: argparse.Namespace, model: CausalLM) -> PagedAttentionEngine:
     """The engine the arguments configure; with ``--kv-cache-bytes``, as many blocks as the
     budget holds in the cache's dtype (``spec.utilization``)."""
     if args.kv_cache_bytes is not None:
-        name = args.kv_cache_dtype
-        if name == "auto":
-            name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[
-                model.dtype
-            ]
+        name = DTYPE_NAMES[model.dtype] if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
         config = model.config
         block_bytes = bytes_per_block(
             args.block_size, config.num_layers, config.num_kv_heads, config.head_dim, name
