@@ -311,8 +311,8 @@ def contiguous_decode_attention(
 
     The same kernel with the block-table lookup replaced by ``row = seq * max_len + pos``: the
     baseline that measures what paging costs. ``context_lens`` must lie in ``[0, max_len]``.
-    ``window`` and ``max_context_len`` are ``paged_decode_attention``'s: only the last ``w``
-    tokens are read.
+    ``window``, ``max_context_len`` and an fp8 cache's ``k_scale``/``v_scale`` are
+    ``paged_decode_attention``'s: only the last ``w`` tokens are read.
     """
     caches = check_caches(key, value)
     q = check_decode_query(query, caches, key.dtype)

@@ -12,14 +12,14 @@ Every kernel sees an fp8 cache through a ``uint8`` view: torch's CPU indexing, S
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pagedkv.spec.fp8 import (
-    ALIASES,
-    FORMATS,
     SMALLEST_NORMAL_FP32,
     Fp8Format,
     check_kv_scale,
+    encode,
     fp8_format,
     largest_finite,
 )
@@ -38,11 +38,18 @@ def kv_cache_dtype(name: object, compute_dtype: torch.dtype) -> torch.dtype:
         raise TypeError(f"kv_cache_dtype must be a str, got {type(name).__name__}")
     if name == "auto":
         return compute_dtype
-    if ALIASES.get(name, name) not in FORMATS:
-        accepted = ["auto", *sorted([*FORMATS, *ALIASES])]
-        raise ValueError(f"kv_cache_dtype must be one of {accepted}, got {name!r}")
-    by_format = {fmt: dtype for dtype, fmt in FP8_DTYPES.items()}
-    return by_format[fp8_format(name).name]
+    try:
+        fmt = fp8_format(name)
+    except ValueError:
+        raise ValueError(f"kv_cache_dtype must be 'auto' or an fp8 format: {name!r}") from None
+    return next(dtype for dtype, format_name in FP8_DTYPES.items() if format_name == fmt.name)
+
+
+def encode_limits(fmt: Fp8Format) -> tuple[int, int]:
+    """``(largest code, its value's fp32 bits as an int32)``: where the compiled encoders
+    saturate."""
+    top = largest_finite(fmt)
+    return encode(top, fmt), int(np.float32(top).view(np.int32))
 
 
 def format_of(dtype: torch.dtype) -> Fp8Format | None:
@@ -89,7 +96,7 @@ def _scale_tensor(
         raise ValueError(f"{name} is on {scale.device} but the caches are on {device}")
     if validate and not bool(((scale > 0) & torch.isfinite(scale)).all()):
         raise ValueError(f"{name} must be positive and finite, got {scale.tolist()}")
-    return scale
+    return scale.contiguous()  # the kernels read head h's at element h
 
 
 def quantize(rows: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

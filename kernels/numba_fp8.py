@@ -8,15 +8,14 @@ without fastmath, whose reciprocals would change the quotient) and encodes the q
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 from numba import njit, types
 from numba.extending import overload
 
+from pagedkv.kernels.fp8 import encode_limits
 from pagedkv.kernels.numba_runtime import as_array
-from pagedkv.spec.fp8 import decode, encode, fp8_format, largest_finite
+from pagedkv.spec.fp8 import FORMATS, Fp8Format, decode, fp8_format
 
 
 @njit(cache=True)
@@ -76,8 +75,7 @@ def store_codes(
     row ``slots[t]`` (int64; ``-1`` skips) of the ``uint8`` ``caches`` ``[slots, heads, dim]``,
     each under its per-head scale."""
     fmt = fp8_format(name)
-    top = largest_finite(fmt)
-    limits = (encode(top, fmt), int(np.float32(top).view(np.int32)))
+    limits = encode_limits(fmt)
     for row, cache, scale in zip(rows, caches, scales, strict=True):
         store_rows(
             as_array(row), as_array(cache), as_array(slots), as_array(scale.contiguous()),
@@ -104,10 +102,13 @@ def _read_row(rows, row, head, table, decoded):
     return decode_row
 
 
-@functools.cache
-def decode_table(name: str) -> np.ndarray:
-    """The fp32 value of each of the 256 codes of fp8 format ``name`` (``spec.fp8.decode``)."""
-    return np.array([decode(code, fp8_format(name)) for code in range(256)], np.float32)
+def decode_table(fmt: Fp8Format) -> np.ndarray:
+    """The fp32 value of each of the 256 codes of ``fmt`` (``spec.fp8.decode``)."""
+    return np.array([decode(code, fmt) for code in range(256)], np.float32)
+
+
+DECODE_TABLES = {name: decode_table(fmt) for name, fmt in FORMATS.items()}
+"""Each format's table, made once, at import."""
 
 
 def kernel_arguments(
@@ -117,4 +118,4 @@ def kernel_arguments(
     table, scales of 1)."""
     if fp8 is None or scales is None:
         return None, np.ones((2, num_kv_heads), np.float32)
-    return decode_table(fp8), as_array(torch.stack(scales).contiguous())
+    return DECODE_TABLES[fp8], as_array(torch.stack(scales).contiguous())

@@ -8,10 +8,9 @@ GPU and the interpreter, so each gives the same bytes. ``MANTISSA`` and ``BIAS``
 
 from __future__ import annotations
 
-import struct
-
+from pagedkv.kernels.fp8 import encode_limits
 from pagedkv.kernels.triton_import import tl, triton
-from pagedkv.spec.fp8 import encode, fp8_format, largest_finite
+from pagedkv.spec.fp8 import fp8_format
 
 
 @triton.jit
@@ -71,9 +70,7 @@ def fp8_constexprs(name: str | None, *, store: bool = False) -> dict[str, int | 
         "E5M2": bool(fmt and fmt.has_infinity),
     }
     if store:
-        top = largest_finite(fmt) if fmt else 0.0
         constexprs["MANTISSA"] = fmt.mantissa_bits if fmt else 0
         constexprs["BIAS"] = fmt.bias if fmt else 0
-        constexprs["MAX_CODE"] = encode(top, fmt) if fmt else 0
-        constexprs["MAX_BITS"] = struct.unpack("<i", struct.pack("<f", top))[0]
+        constexprs["MAX_CODE"], constexprs["MAX_BITS"] = encode_limits(fmt) if fmt else (0, 0)
     return constexprs

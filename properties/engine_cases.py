@@ -74,13 +74,15 @@ class Workload:
     eos_token_id: int | None = None
     model: CausalLM = MODEL
     kv_cache_dtype: str = "auto"  # an fp8 one: the dense oracle keeps its K/V in fp8 too
+    kv_scales: tuple[float, float] | None = None  # an fp8 cache's (None: 1.0 each)
 
     def engine(self, **kwargs: object) -> PagedAttentionEngine:
         return PagedAttentionEngine(
             self.model, self.total_blocks, self.block_size, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             watermark_blocks=self.watermark_blocks, enable_prefix_caching=self.prefix_caching,
-            keep_logits=True, kv_cache_dtype=self.kv_cache_dtype, **kwargs,
+            keep_logits=True, kv_cache_dtype=self.kv_cache_dtype, kv_scales=self.kv_scales,
+            **kwargs,
         )  # fmt: skip
 
     def but(self, **changes: object) -> Workload:
@@ -99,10 +101,15 @@ PRESSURE = Workload(
 
 @lru_cache(maxsize=4096)
 def greedy_oracle(
-    prompt: tuple[int, ...], new: int, model: CausalLM = MODEL, kv_cache_dtype: str = "auto"
+    prompt: tuple[int, ...],
+    new: int,
+    model: CausalLM = MODEL,
+    kv_cache_dtype: str = "auto",
+    kv_scales: tuple[float, float] | None = None,
 ) -> DenseOutput:
     """The dense model's greedy continuation, without an end-of-sequence token."""
-    return dense_generate(model, prompt, new, kv_cache_dtype=kv_cache_dtype)
+    scales = kv_scales or (1.0, 1.0)
+    return dense_generate(model, prompt, new, kv_cache_dtype=kv_cache_dtype, kv_scales=scales)
 
 
 @st.composite
@@ -219,8 +226,9 @@ def check_against_oracle(workload: Workload, result: Run) -> None:
             what = f"request {request} sample {sample}"
             if request.temperature == 0.0:
                 oracle = greedy_oracle(
-                    request.prompt, request.max_new_tokens, workload.model, workload.kv_cache_dtype
-                )
+                    request.prompt, request.max_new_tokens, workload.model,
+                    workload.kv_cache_dtype, workload.kv_scales,
+                )  # fmt: skip
                 expected = oracle.tokens
                 if eos in expected:
                     expected = expected[: expected.index(eos) + 1]
@@ -232,6 +240,7 @@ def check_against_oracle(workload: Workload, result: Run) -> None:
                 forced = dense_generate(
                     workload.model, request.prompt, 0, forced=tokens,
                     kv_cache_dtype=workload.kv_cache_dtype,
+                    kv_scales=workload.kv_scales or (1.0, 1.0),
                 )  # fmt: skip
                 assert_logits_close(logits, forced.logits, what)
 

@@ -2,11 +2,12 @@
 into another, or into a user callable (the draft source).
 
 :func:`tracing` records each such call with the module of the nearest ``pagedkv`` frame below it
-(torch and standard library frames between are looked through). Calls inside one module,
-imports and the Triton interpreter's kernel bodies (one launch on a GPU) are no seams, nor (the
-fault model, docs/design.md §10) calls into the pure input checks (they change nothing) or from
-inside ``pagedkv.impl.blocks`` (one store call validates, then runs array code that cannot fail
-halfway). :func:`installed` makes every listed seam's calls go through a fault injector.
+(torch and standard library frames between are looked through). Calls inside one module, imports
+(and what a module calls while it is imported) and the Triton interpreter's kernel bodies (one
+launch on a GPU) are no seams, nor (the fault model, docs/design.md §10) calls into the pure input
+checks (they change nothing) or from inside ``pagedkv.impl.blocks`` (one store call validates, then
+runs array code that cannot fail halfway). :func:`installed` makes every listed seam's calls go
+through a fault injector.
 """
 
 from __future__ import annotations
@@ -48,6 +49,16 @@ def caller_module(frame: FrameType | None) -> str | None:
     return None
 
 
+def _importing(frame: FrameType | None) -> bool:
+    """Whether ``frame`` runs inside a ``pagedkv`` module's import (its ``<module>`` code is on
+    the stack): such calls happen once per process, in whichever step first imports it."""
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and _module(frame).startswith("pagedkv"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _callee_name(frame: FrameType) -> str:
     """The called function's qualified name; a dataclass's generated ``__init__`` is named by
     its class."""
@@ -87,6 +98,8 @@ def tracing(user: dict[CodeType, str]) -> Iterator[set[Seam]]:
         else:
             return
         caller = caller_module(frame.f_back)
+        if caller is not None and _importing(frame.f_back):  # a module's own import-time code
+            return
         if caller is not None and (code in user or is_seam(caller, callee_module)):
             seams.add((caller, callee))
 
@@ -166,14 +179,17 @@ def repeat_last(tokens: list[int], k: int) -> list[int]:
 
 def trace_engine(backend: str) -> set[Seam]:
     """The seams of real steps on ``backend``: runs that prefix-cache, fork, copy on write,
-    preempt, sample at a temperature, slide a window and speculate, each to completion."""
+    preempt, sample at a temperature, slide a window, speculate, and keep K/V in fp8 with scales
+    calibrated in the first step, each to completion."""
     from pagedkv.impl.serving.engine import PagedAttentionEngine
     from pagedkv.impl.serving.model import CausalLM, ModelConfig
 
     requests = [([1, 2, 3], 4, 3, 0.0), ([1, 2, 3, 4, 5], 3, 1, 1.0), ([9], 5, 2, 0.0)]
     speculative = {"draft_source": repeat_last, "num_speculative_tokens": 2}
+    fp8 = {"kv_cache_dtype": "fp8_e4m3", "kv_scales": "calculate", "enable_prefix_caching": True}
     seams: set[Seam] = set()
-    for window, options in [(None, {"enable_prefix_caching": True}), (3, {}), (None, speculative)]:
+    runs = [(None, {"enable_prefix_caching": True}), (3, {}), (None, speculative), (None, fp8)]
+    for window, options in runs:
         model = CausalLM.from_seed(ModelConfig(sliding_window=window), seed=0)
         engine = PagedAttentionEngine(
             model, 6, 2, max_num_seqs=6, max_num_batched_tokens=8, max_model_len=64,

@@ -51,15 +51,22 @@ def test_prefix_caching_changes_nothing(workload: Workload) -> None:
     check_all_freed(on.engine)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3", "fp8_e5m2"])
-def test_preemption_prefix_hits_and_forks_happen(kv_cache_dtype: str) -> None:
-    """Also with K/V in fp8: forks copy fp8 blocks, prefix hits and recomputes read them."""
-    result = run(PRESSURE.but(kv_cache_dtype=kv_cache_dtype))
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "kv_scales"),
+    [("auto", None), ("fp8_e4m3", None), ("fp8_e5m2", None), ("fp8_e4m3", (0.5, 4.0))],
+)
+def test_preemption_prefix_hits_and_forks_happen(
+    kv_cache_dtype: str, kv_scales: tuple[float, float] | None
+) -> None:
+    """Also with K/V in fp8 (K's and V's scales apart): forks copy fp8 blocks, prefix hits and
+    recomputes read them under the scales they were written with."""
+    workload = PRESSURE.but(kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
+    result = run(workload)
     metrics = result.engine.metrics
     assert sum(m.preemptions for m in metrics) > 0
     assert sum(m.prefix_hit_tokens for m in metrics) > 0
     assert any(m.num_batched_tokens == PRESSURE.max_num_batched_tokens for m in metrics)
-    check_against_oracle(PRESSURE.but(kv_cache_dtype=kv_cache_dtype), result)
+    check_against_oracle(workload, result)
     check_all_freed(result.engine)
 
 

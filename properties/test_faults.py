@@ -484,20 +484,24 @@ class EngineFaultMachine(FaultMachine):
         "speculative": st.integers(0, 3),
         "window": st.sampled_from([None, None, 3, 5]),
         "backend": st.sampled_from(["numba", "reference", "triton"]),
+        "fp8": st.booleans(),
     }
     start = started(**SETUP)
 
     def set_up(
         self, total_blocks: int, block_size: int, prefix: bool, speculative: int,
-        window: int | None = None, backend: str = "numba",
+        window: int | None = None, backend: str = "numba", fp8: bool = False,
     ) -> None:  # fmt: skip
         self.injector = FaultInjector(self.observe)
         self.model = MODELS[window]
         self.drafts = GreedyDrafts(self.model)
         source = self.injector.wrap("draft_source", self.drafts) if speculative else None
+        # An fp8 cache, K's and V's scales apart; the oracle keeps its K/V the same way.
+        self.kv = ("fp8_e4m3", (0.5, 2.0)) if fp8 else ("auto", None)
         self.options = dict(
             **self.LIMITS, enable_prefix_caching=prefix, max_model_len=64, draft_source=source,
-            num_speculative_tokens=speculative, backend=backend,
+            num_speculative_tokens=speculative, backend=backend, kv_cache_dtype=self.kv[0],
+            kv_scales=self.kv[1],
         )  # fmt: skip
         self.engine = self.ENGINE(self.model, total_blocks, block_size, **self.options)
         self.store, self.scheduler = self.engine.store, self.engine.scheduler
@@ -544,7 +548,7 @@ class EngineFaultMachine(FaultMachine):
         for seq in [*scheduler.running, *scheduler.waiting]:
             prompt, max_new, _, seed = self.requests[seq.request_id]
             if seed is None:
-                greedy = greedy_oracle(tuple(prompt), max_new, self.model).tokens
+                greedy = greedy_oracle(tuple(prompt), max_new, self.model, *self.kv).tokens
                 assert seq.output == greedy[: len(seq.output)], "a token greedy never gives"
 
     def teardown(self) -> None:
@@ -564,7 +568,7 @@ class EngineFaultMachine(FaultMachine):
                 sampled = {out.request_id: out.outputs for out in drain(engine)}
         for request_id, (prompt, max_new, n, seed) in self.requests.items():
             if seed is None:
-                expected = greedy_oracle(tuple(prompt), max_new, self.model).tokens
+                expected = greedy_oracle(tuple(prompt), max_new, self.model, *self.kv).tokens
                 assert self.outputs[request_id] == [expected] * n
             else:
                 assert self.outputs[request_id] == sampled[request_id], "a draw repeated"

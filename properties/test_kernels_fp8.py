@@ -23,7 +23,8 @@ from properties.kernel_cases import assert_close, load_mutant
 BACKENDS = ("reference", "numba", "triton")
 FP8 = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 FP32 = st.floats(width=32, allow_nan=True)
-SCALES = st.floats(2.0**-20, 2.0**20, width=32)
+SCALES = ("k_scale", "v_scale")
+SCALE_VALUES = st.floats(2.0**-20, 2.0**20, width=32)
 
 
 def nan_caches(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,12 +62,15 @@ def test_a_store_writes_the_spec_code_bit_for_bit(
         .to(row_dtype)
         for _ in range(2)
     )
-    k_scales, v_scales = (data.draw(st.lists(SCALES, min_size=2, max_size=2)) for _ in range(2))
+    k_scales, v_scales = (
+        data.draw(st.lists(SCALE_VALUES, min_size=2, max_size=2)) for _ in range(2)
+    )
     k_cache, v_cache = nan_caches(dtype, (2, 4, 2, 2))
     slots = torch.tensor([5, -1, 0])
     kernels.store_kv(
         key, value, k_cache, v_cache, slots, backend=backend,
-        k_scale=torch.tensor(k_scales), v_scale=torch.tensor(v_scales),
+        k_scale=torch.tensor(k_scales).repeat_interleave(2)[::2],  # strided: read as values
+        v_scale=torch.tensor(v_scales),
     )  # fmt: skip
     for cache, rows, scales in ((k_cache, key, k_scales), (v_cache, value, v_scales)):
         stored = cache.view(torch.uint8).view(8, 2, 2)
@@ -107,7 +111,7 @@ def attention_case(
     codes = torch.randint(0, 256, (2, *shape), dtype=torch.uint8, generator=generator)
     values = codes.view(dtype).float()
     codes[values.isnan() | values.isinf()] = 0x38  # 1.0 in e4m3, 0.5 in e5m2
-    k_scale, v_scale = torch.tensor([0.02, 3.0]), torch.tensor([0.5, 0.001])
+    k_scale, v_scale = torch.tensor([0.02, 3.0]), torch.tensor(0.001).expand(2)
     k_cache, v_cache = codes.view(dtype)
     k_fp32 = k_cache.float() * k_scale[:, None]
     v_fp32 = v_cache.float() * v_scale[:, None]
@@ -124,14 +128,15 @@ def attention_case(
 
 
 @pytest.mark.parametrize("dtype", list(FP8), ids=str)
-@pytest.mark.parametrize("query_dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_attention_reads_code_value_times_scale(
     dtype: torch.dtype, query_dtype: torch.dtype, backend: str
 ) -> None:
-    """Decode (one split and three, a window of 5) and prefill (chunks over cached prefixes)
-    equal the reference over the fp32 cache of the same values, within the query dtype's
-    tolerance: every fp8 value is exact in the query dtype, the scales apply in fp32."""
+    """Decode (one split and three, a window of 5), its contiguous twin, and prefill (chunks
+    over cached prefixes) equal the reference over the fp32 cache of the same values, within the
+    query dtype's tolerance: every fp8 value is exact in the query dtype, the scales apply in
+    fp32. V's scale comes as an expanded (stride 0) tensor."""
     args, k_fp32, v_fp32 = attention_case(dtype, query_dtype, seed=1)
     fp32 = {**args, "k_cache": k_fp32.to(query_dtype), "v_cache": v_fp32.to(query_dtype)}
     del fp32["k_scale"], fp32["v_scale"]
@@ -142,6 +147,16 @@ def test_attention_reads_code_value_times_scale(
         expected = kernels.paged_decode_attention(**fp32, window=window, backend="reference")
         actual = kernels.paged_decode_attention(**args, **options, backend=backend)
         assert_close(actual, expected.to(query_dtype), f"decode {options}")
+    rows = args["block_tables"][:, :2].clamp(min=0)  # two blocks a sequence, as contiguous rows
+    contiguous = [args[c][rows].flatten(1, 2) for c in ("k_cache", "v_cache")]
+    lens = args["context_lens"].clamp(max=8)
+    values = [c.float() * args[s][:, None] for c, s in zip(contiguous, SCALES, strict=True)]
+    expected = kernels.contiguous_decode_attention(fp32["query"], *values, lens)
+    actual = kernels.contiguous_decode_attention(
+        args["query"], *contiguous, lens, k_scale=args["k_scale"], v_scale=args["v_scale"],
+        backend=backend,
+    )  # fmt: skip
+    assert_close(actual, expected.to(query_dtype), "contiguous decode")
     prefill = {**args, "cu_seqlens_q": torch.tensor([0, 4, 4, 7], dtype=torch.int32)}
     prefill["query"] = torch.randn(7, 4, 16, generator=torch.Generator().manual_seed(2))
     prefill["query"] = prefill["query"].to(query_dtype)
@@ -171,6 +186,7 @@ def test_bad_scales_and_dtypes_are_refused_with_nothing_written(
     change: dict, error: type[Exception], match: str
 ) -> None:
     k_cache, v_cache = nan_caches(torch.float8_e4m3fn, (2, 4, 2, 16))
+    change = dict(change)  # the parameter is shared between the cases
     if change.pop("fp32_caches", False):
         k_cache, v_cache = torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16)
     call = {"key": torch.ones(2, 2, 16), "value": torch.ones(2, 2, 16), **change}
@@ -181,6 +197,31 @@ def test_bad_scales_and_dtypes_are_refused_with_nothing_written(
         )
     after = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     assert all(torch.equal(a, b.view(torch.uint8)) for a, b in zip(after, before, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"fp32_caches": True, "v_scale": 1.0}, ValueError, "v_scale"),
+        ({"k_scale": torch.ones(3)}, ValueError, "k_scale"),
+        ({"query": torch.zeros(1, 4, 16, dtype=torch.float8_e5m2)}, TypeError, "query"),
+    ],
+)
+@pytest.mark.parametrize("function", ["paged_decode_attention", "paged_prefill_attention"])
+def test_attention_refuses_bad_scales_and_dtypes(
+    function: str, change: dict, error: type[Exception], match: str
+) -> None:
+    k_cache, v_cache = nan_caches(torch.float8_e4m3fn, (2, 4, 2, 16))
+    change = dict(change)  # the parameter is shared between the cases
+    if change.pop("fp32_caches", False):
+        k_cache, v_cache = torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16)
+    call = {"query": torch.ones(1, 4, 16), "k_cache": k_cache, "v_cache": v_cache, **change}
+    call |= {"block_tables": torch.zeros(1, 1, dtype=torch.int32)}
+    lens = {"context_lens": torch.zeros(1, dtype=torch.int32)}
+    if function == "paged_prefill_attention":
+        lens["cu_seqlens_q"] = torch.tensor([0, 1])
+    with pytest.raises(error, match=match):
+        getattr(kernels, function)(**call, **lens)
 
 
 def check_store(store: Callable[..., None]) -> None:
@@ -204,7 +245,7 @@ def check_decode(decode: Callable[..., torch.Tensor]) -> None:
         tables, lens, query = args["block_tables"], args["context_lens"], args["query"]
         expected = reference.paged_decode_attention(query, k_fp32, v_fp32, tables, lens, 0.25)
         codes = (args[cache].view(torch.uint8) for cache in ("k_cache", "v_cache"))
-        scales = args["k_scale"], args["v_scale"]
+        scales = args["k_scale"].contiguous(), args["v_scale"].contiguous()  # as api makes them
         actual = decode(query, *codes, tables, lens, 0.25, scales, name)
         assert_close(actual, expected, name)
 
@@ -260,7 +301,8 @@ PLANTED: dict[str, tuple[ModuleType, str, str, str, Callable, Callable]] = {
         "codes.view(cache.dtype).float()", check_decode, reference_decode,
     ),
     "e5m2 read as e4m3": (
-        numba_fp8, "decode_table", "fp8_format(name)", "fp8_format('fp8_e4m3')", check_decode,
+        numba_fp8, "kernel_arguments", "DECODE_TABLES[fp8]", "DECODE_TABLES['fp8_e4m3']",
+        check_decode,
         numba_decode_through,
     ),
 }  # fmt: skip

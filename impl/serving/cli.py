@@ -19,6 +19,7 @@ from tqdm import tqdm
 from pagedkv.impl.serving.engine import PagedAttentionEngine
 from pagedkv.impl.serving.hf_loader import load_hf, load_tokenizer
 from pagedkv.impl.serving.model import CausalLM, ModelConfig
+from pagedkv.kernels.fp8 import FP8_DTYPES, kv_cache_dtype
 from pagedkv.spec.utilization import blocks_in_budget, bytes_per_block
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -74,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument(
         "--kv-cache-bytes", type=int, metavar="BYTES",
-        help="a KV byte budget: the pool holds as many blocks as fit (instead of --blocks)",
+        help="a KV byte budget: the pool holds as many blocks as fit (overrides --blocks)",
     )  # fmt: skip
     parser.add_argument(
         "--model", metavar="DIR", help="serve the model that save_pretrained wrote to DIR"
@@ -93,8 +94,9 @@ def _parser() -> argparse.ArgumentParser:
 def _engine(args: argparse.Namespace, model: CausalLM) -> PagedAttentionEngine:
     """The engine the arguments configure; with ``--kv-cache-bytes``, as many blocks as the
     budget holds in the cache's dtype (``spec.utilization``)."""
-    if args.kv_cache_bytes is not None:
-        name = DTYPE_NAMES[model.dtype] if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    if args.kv_cache_bytes is not None:  # the dtype checked first: its error names it
+        dtype = kv_cache_dtype(args.kv_cache_dtype, model.dtype)
+        name = DTYPE_NAMES.get(dtype) or FP8_DTYPES[dtype]
         config = model.config
         block_bytes = bytes_per_block(
             args.block_size, config.num_layers, config.num_kv_heads, config.head_dim, name

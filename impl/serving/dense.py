@@ -9,7 +9,8 @@ oracle and the engine share every layer and every attention formula; only where 
 they are found, differs. A layer's sliding window is passed to both, so a windowed model (Mistral)
 is checked too; the oracle keeps every token (it needs no release rule), the window only masks.
 With ``kv_cache_dtype`` an fp8 format, its contiguous cache is fp8 too, written by
-``kernels.store_kv`` under scales of 1.0 and read as code value times scale.
+``kernels.store_kv`` under ``kv_scales`` (``(k_scale, v_scale)``, every layer) and read as code
+value times scale.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class ContiguousKVCache:
         max_len: int,
         backend: str | None = None,
         kv_cache_dtype: str = "auto",
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> None:
         config = model.config
         shape = (config.num_layers, 1, max_len, config.num_kv_heads, config.head_dim)
@@ -48,6 +50,7 @@ class ContiguousKVCache:
         self.k = nan_cache(shape, self.cache_dtype, model.device)
         self.v = nan_cache(shape, self.cache_dtype, model.device)
         self.fp8 = fp8.format_of(self.cache_dtype) is not None
+        self.scales = dict(zip(("k_scale", "v_scale"), kv_scales, strict=True)) if self.fp8 else {}
         self.length = 0
         self.scale = config.head_dim**-0.5
         self.backend = backend
@@ -65,15 +68,17 @@ class ContiguousKVCache:
         end = self.length + query.shape[0]
         k_cache, v_cache = self.k[layer], self.v[layer]
         slots = torch.arange(self.length, end, device=query.device)
-        kernels.store_kv(key, value, k_cache, v_cache, slots, backend="reference")
-        if query.shape[0] > 1:  # an fp8 cache's values: its codes' (scales of 1.0)
-            k, v = (cache[0, :end].to(query.dtype) for cache in (k_cache, v_cache))
+        kernels.store_kv(key, value, k_cache, v_cache, slots, backend="reference", **self.scales)
+        if query.shape[0] > 1:  # an fp8 cache's values: its codes' times the scales
+            k, v = (
+                cache[0, :end].to(query.dtype) * self.scales.get(f"{name}_scale", 1.0)
+                for cache, name in ((k_cache, "k"), (v_cache, "v"))
+            )
             return causal_attention(query, k, v, self.scale, window=window)
         lens = torch.tensor([end], device=query.device)
-        scales = {"k_scale": 1.0, "v_scale": 1.0} if self.fp8 else {}
         return kernels.contiguous_decode_attention(
             query, k_cache, v_cache, lens, self.scale, window=window, backend=self.backend,
-            **scales,
+            **self.scales,
         )  # fmt: skip
 
 
@@ -94,6 +99,7 @@ def dense_generate(
     forced: Sequence[int] | None = None,
     backend: str | None = None,
     kv_cache_dtype: str = "auto",
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> DenseOutput:
     """Decode one sequence alone: prefill ``prompt``, then one token per forward.
 
@@ -102,7 +108,7 @@ def dense_generate(
     the model gives each of them, which scores a sampled output.
     """
     steps = len(forced) if forced is not None else max_new_tokens
-    cache = ContiguousKVCache(model, len(prompt) + steps, backend, kv_cache_dtype)
+    cache = ContiguousKVCache(model, len(prompt) + steps, backend, kv_cache_dtype, kv_scales)
     ids = torch.tensor(list(prompt), dtype=torch.int64, device=model.device)
     tokens: list[int] = []
     rows: list[torch.Tensor] = []

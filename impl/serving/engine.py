@@ -116,7 +116,7 @@ class PagedAttentionEngine:
         draft_source: DraftSource | None = None,
         num_speculative_tokens: int = 0,
         kv_cache_dtype: str = "auto",
-        kv_scales: tuple[float, float] | None = None,
+        kv_scales: tuple[float, float] | str | None = None,
     ) -> None:
         if not isinstance(model, CausalLM):
             raise TypeError(f"model must be a CausalLM, got {type(model).__name__}")

@@ -91,7 +91,7 @@ def check_kv_cache(
         return dtype, None
     if kv_scales is None:
         return dtype, (1.0, 1.0)
-    if kv_scales == "calculate":
+    if isinstance(kv_scales, str) and kv_scales == "calculate":
         return dtype, "calculate"
     if not isinstance(kv_scales, tuple) or len(kv_scales) != 2:
         raise TypeError(f"kv_scales must be (k_scale, v_scale) or 'calculate', got {kv_scales!r}")

@@ -120,7 +120,8 @@ class PagedKVCache:
     ``spec.fp8.calibrated_scale`` of that step's K or V (``fp8.calibrated_scales``), fixed once
     the last layer has attended (a forward failing before that leaves none: the next step
     calibrates again; a step failing after it writes its K/V again under them). Its reference
-    backend runs ``kernels.reference``, not the ``sdpa`` fast path.
+    backend runs ``kernels.reference``, not the ``sdpa`` fast path. Both are trusted as
+    ``engine_args.check_kv_cache`` returns them.
 
     ``check_tables`` (a bool, default False) is a debug mode: every :meth:`step` then checks
     the tables, lengths and slots it is given before anything changes, instead of trusting
@@ -310,13 +311,13 @@ class PagedStep:
         window: int | None = None,
     ) -> torch.Tensor:
         """Write the step's K/V for ``layer``, then attend through the block tables within the
-        model's sliding window (``ValueError`` for any other ``window``: the step was validated
-        for that one). ``query`` must be ``[tokens, num_heads, head_dim]`` and ``key`` and
-        ``value`` ``[tokens, num_kv_heads, head_dim]``, new tensors (not views of the caches) of
-        the caches' dtype on their device (``ValueError`` naming the first that is not). The
-        step's tables, lengths and slots were made once, from tables the store validated, so
-        the layer calls the kernels' trusted entries (``kernels.trusted``): nothing here reads
-        a value on the host."""
+        model's sliding window (``ValueError`` for any other ``window``: the step was validated for
+        that one). ``query`` must be ``[tokens, num_heads, head_dim]`` and ``key`` and ``value``
+        ``[tokens, num_kv_heads, head_dim]``, new tensors (not views of the caches) of the model's
+        dtype (an fp8 cache's too) on the caches' device (``ValueError`` naming the first that is
+        not). The step's tables, lengths and slots were made once, from tables the store validated,
+        so the layer calls the kernels' trusted entries (``kernels.trusted``): nothing here reads a
+        value on the host."""
         cache = self.cache
         if window != cache.window:
             raise ValueError(
