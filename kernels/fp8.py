@@ -128,5 +128,5 @@ def calibrated_scales(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return torch.ones(rows.shape[1], dtype=torch.float32, device=rows.device)
     amax = rows.detach().float().abs().amax()
     scale = amax / (largest_finite(fmt) / 2)
-    usable = (amax > 0) & (amax < torch.inf) & (scale >= SMALLEST_NORMAL_FP32) & (scale < torch.inf)
+    usable = (scale >= SMALLEST_NORMAL_FP32) & (scale < torch.inf)  # NaN compares false
     return torch.where(usable, scale, 1.0).expand(rows.shape[1]).contiguous()
