@@ -341,16 +341,16 @@ def measure(
     sample: bool = False, targets: tuple[int, ...] = (80, 90, 100), grid: Grid | None = None
 ) -> list[dict]:
     """Run the gate's compilation of ``grid`` (the whole documented grid by default) with
-    ``TRITON_INTERPRET=0`` (whatever this process imported), one child process per target, all
-    at once, and return their rows, target by target."""
+    ``TRITON_INTERPRET=0`` (whatever this process imported), one ``nice`` child process per
+    target (compiles time nothing; benchmarks beside them do), and return their rows by target."""
     grid = grid or Grid()
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         children = []
         for target in targets:
             out = Path(tmp) / f"rows_{target}.json"
-            command = [sys.executable, "-m", "pagedkv.kernels.compile_check", "--json", str(out)]
-            command += ["--targets", str(target), "--no-budgets"]
+            command = ["nice", sys.executable, "-m", "pagedkv.kernels.compile_check"]
+            command += ["--json", str(out), "--targets", str(target), "--no-budgets"]
             command += ["--dtypes", *grid.dtypes, "--head-dims", *map(str, grid.head_dims)]
             command += ["--block-sizes", *map(str, grid.block_sizes)]
             command += ["--groups", *map(str, grid.groups)]
