@@ -142,6 +142,7 @@ def bench_run(storage: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.long
+@pytest.mark.xdist_group("one-at-a-time")  # not beside the compile gate's compiles (timings)
 def test_the_documented_compare_flags_a_planted_slowdown_where_it_runs_and_nowhere_else(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
