@@ -107,7 +107,7 @@ def test_groups_sort_by_their_numbers() -> None:
 
 
 SLOWER_ATTENTION = '''
-"""A planted slowdown: paged decode attention spins a quarter of its own time after each call."""
+"""A planted slowdown: paged decode attention spins half its own time after each call."""
 import time
 
 from pagedkv import kernels
@@ -118,7 +118,7 @@ original = kernels.paged_decode_attention
 def slower(*args, **kwargs):
     start = time.perf_counter()
     out = original(*args, **kwargs)
-    until = time.perf_counter() + 0.25 * (time.perf_counter() - start)
+    until = time.perf_counter() + 0.5 * (time.perf_counter() - start)
     while time.perf_counter() < until:
         pass
     return out
@@ -142,11 +142,11 @@ def bench_run(storage: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.long
-@pytest.mark.xdist_group("one-at-a-time")  # not beside the compile gate's compiles (timings)
+@pytest.mark.alone  # its timings move with whatever runs on the other core
 def test_the_documented_compare_flags_a_planted_slowdown_where_it_runs_and_nowhere_else(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Baseline, then the same code, then paged attention 25% slower (a plugin every pytest
+    """Baseline, then the same code, then paged attention 50% slower (a plugin every pytest
     process loads, re-timings included): ``report.py --diff`` (the README's compare) flags
     nothing in the second and, in the third, exactly the paged-attention benchmarks, slower."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), str(tmp_path)]))
