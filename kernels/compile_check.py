@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from pagedkv.kernels.compile_budgets import BUDGETED_HEAD_DIMS, budget_failures
 from pagedkv.kernels.launch_config import (
     TARGETS,
     Call,
@@ -45,7 +46,6 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # fp8 caches, "query dtype+format", read by 16-bit queries (fp32 ones run FMA dots: not listed).
 FP8_LABELS = tuple(f"{q}+{f}" for q in ("fp16", "bf16") for f in ("fp8_e4m3", "fp8_e5m2"))
 LABELS = (*DTYPES, *FP8_LABELS)
-BUDGETED_HEAD_DIMS = (64, 80, 96, 128)
 REPORTED_HEAD_DIMS = (48, 256)
 BLOCK_SIZES = tuple(2**i for i in range(9))  # 1 .. 256
 GROUPS = (1, 4, 8)
@@ -53,10 +53,6 @@ PREFILL_CHUNKS = (16, 128, 512)
 NUM_KV_HEADS = 8
 CONTEXT = 32768  # the table's capacity and the longest context of the enumerated launches
 SM_COUNT = 132  # an H100/H200's SMs: sizes the automatic split of the enumerated decode
-# Decode occupancy at D128, at least vLLM 0.32's best (docs/results.md); fp8: a ratchet, lower.
-DECODE_OCCUPANCY = {80: 0.3125, 90: 0.4375}
-FP8_DECODE_OCCUPANCY = {80: 0.25, 90: 0.3125}
-GATED_TARGETS = (80, 90)
 # CI's long command compiles every dtype (both fp8 formats, each with one query dtype), budgeted
 # head dim and group at block size 16, on the gated targets; the whole grid (hours) runs by hand.
 CI_HEAD_DIMS = BUDGETED_HEAD_DIMS
@@ -81,7 +77,7 @@ class Variant:
     def key(self) -> str:
         """What the compiled code depends on: two variants with one key compile alike."""
         c = self.config
-        return repr((c.kernel, c.signature, c.constexprs, c.hints(), c.num_warps, c.num_stages))
+        return repr((c.kernel, c.signature, c.constexprs, c.hints(), c.options()))
 
 
 @dataclass(frozen=True)
@@ -240,8 +236,8 @@ def compile_variant(variant: Variant, capability: int) -> Figures:
     names = kernel.arg_names
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
     source = ASTSource(kernel, {name: signature[name] for name in names}, constexprs, attrs)
-    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+    gpu = GPUTarget("cuda", capability, 32)
+    compiled = triton.compile(source, target=gpu, options=config.options())
     ptx = compiled.asm["ptx"]
     arch = f"sm_{capability}{'a' if capability >= 90 else ''}"  # Triton's own choice
     ptxas = _tool("ptxas" if capability < 90 else "ptxas-blackwell")
@@ -296,38 +292,6 @@ def rows_of(variant: Variant, figures: Figures) -> dict:
         **asdict(figures),
         **({"mma": "-"} if variant.kind == "merge" else {}),  # no tl.dot: its FMAs are not one
     }
-
-
-def budget_failures(rows: list[dict]) -> list[str]:
-    """The budgets of docs/kernels.md that ``rows`` break, one line each (empty: all hold).
-
-    On sm_80 and sm_90, at the budgeted head dims: no spills (every dtype); for fp16 and bf16
-    queries a 16-bit ``mma`` or ``wgmma`` (no TF32, no FMA), and decode at head dim 128 at least
-    ``DECODE_OCCUPANCY`` (``FP8_DECODE_OCCUPANCY`` on fp8 caches). Head dims 48 and 256 are
-    reported, not budgeted."""
-    failures = []
-    for row in rows:
-        if row["target"] not in GATED_TARGETS or row["kernel"] == "merge":
-            continue
-        name = (
-            f"{row['kernel']} {row['dtype']} D{row['head_dim']} block {row['block_size']} "
-            f"group {row['group']} sm_{row['target']}"
-        )
-        budgeted = row["head_dim"] in BUDGETED_HEAD_DIMS
-        spilled = row["spill_stores"] or row["spill_loads"]
-        if spilled and budgeted:
-            failures.append(f"{name}: spills {row['spill_stores']} bytes")
-        query, _, fp8 = row["dtype"].partition("+")
-        if query == "fp32" or not budgeted:
-            continue
-        operands = "f16.f16" if query == "fp16" else "bf16.bf16"
-        if operands not in row["mma"] or "tf32" in row["mma"]:
-            failures.append(f"{name}: not a native 16-bit MMA ({row['mma']})")
-        floor = (FP8_DECODE_OCCUPANCY if fp8 else DECODE_OCCUPANCY).get(row["target"], 0.0)
-        decode = row["kernel"] in ("decode", "decode-split")
-        if decode and row["head_dim"] == 128 and row["occupancy"] < floor:
-            failures.append(f"{name}: occupancy {row['occupancy']:.1%} < {floor:.1%}")
-    return failures
 
 
 def compile_all(sample: bool, wanted: tuple[int, ...], grid: Grid | None = None) -> Iterator[dict]:

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedkv.kernels.fp8 import encode_limits
+from pagedkv.spec.fp8 import fp8_format
+
 SCALAR_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 INDEX_TYPES = {torch.int32: "i32", torch.int64: "i64"}
 ELEMENTS_PER_PROGRAM = 4096  # what one program of the store and copy kernels moves, at most
@@ -74,6 +77,7 @@ class Tiles:
     rows: int  # query rows per program (prefill: BLOCK_Q * BLOCK_G); decode: at least
     num_warps: int
     num_stages: int
+    max_registers: int | None = None  # ptxas's cap per thread (``maxnreg``); None: its choice
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -96,21 +100,27 @@ def tiles(
     half = dtype != torch.float32
     if kernel == "decode":
         block_n = 32 if half and block_d <= 64 else 16
+        if fp8:  # decoded tiles are written to shared memory: 1 stage; 8 warps of 48 registers
+            # (62.5%) where that cap does not spill: not D 256, nor bf16 at a masked D on sm_90
+            masked_bf16 = dtype == torch.bfloat16 and head_dim != block_d and capability >= 90
+            cap = None if block_d > 128 or masked_bf16 else 48
+            return Tiles(block_n=16, rows=MIN_DOT, num_warps=8, num_stages=1, max_registers=cap)
         return Tiles(block_n=block_n, rows=MIN_DOT, num_warps=4, num_stages=2)
     if kernel == "prefill":
+        num_stages = 2
         if half:  # 64 rows read each K/V tile once for 64 query rows; 8 warps hold them at D 128
             rows = 64 if block_d <= 128 else 32
             block_n = 32 if block_d <= 64 else 16
             num_warps = 8 if block_d == 128 else 4
             if block_d == 128 and capability < 90:  # sm_80: 8 warps of 64 rows spill at D80/96
                 rows, block_n, num_warps = 32, 16, 4
-            if fp8 and capability < 90:  # sm_80 reads 8-bit operands without ldmatrix: spills
-                block_n = 16
+            if fp8:  # decoded tiles are written to shared memory: 1 stage (sm_80: 16 keys)
+                block_n, num_stages = 16 if capability < 90 else block_n, 1
         else:
             rows = 32 if block_d <= 64 else 16
             block_n = 16
             num_warps = 8 if block_d >= 256 else 4
-        return Tiles(block_n=block_n, rows=rows, num_warps=num_warps, num_stages=2)
+        return Tiles(block_n=block_n, rows=rows, num_warps=num_warps, num_stages=num_stages)
     raise ValueError(f"kernel must be 'decode' or 'prefill', got {kernel!r}")
 
 
@@ -132,6 +142,12 @@ class Call:
     interpreted: bool = False
     fp8: str | None = None  # the caches' fp8 format (read as uint8), or None: the query's dtype
 
+    @property
+    def fenced(self) -> bool:
+        """Whether the kernels pass an fp8 cache's decoded tiles through ``triton_fp8.fence``:
+        compiled (the interpreter has no inline assembly), for 16-bit MMA operands."""
+        return self.fp8 is not None and not self.interpreted and self.dtype != torch.float32
+
 
 @dataclass(frozen=True)
 class LaunchConfig:
@@ -148,6 +164,14 @@ class LaunchConfig:
     constexprs: dict[str, int | bool | str]
     num_warps: int
     num_stages: int
+    max_registers: int | None = None
+
+    def options(self) -> dict[str, int]:
+        """The compile options a launch, a warmup and the compile gate pass alike."""
+        options = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.max_registers is not None:
+            options["maxnreg"] = self.max_registers
+        return options
 
     def pointer_dtypes(self) -> list[torch.dtype]:
         """The element dtype of each pointer argument, in order (what ``warmup`` takes)."""
@@ -197,3 +221,30 @@ def cache_pointers(call: Call) -> dict[str, str]:
     codes, any other the query's dtype."""
     kind = "*u8" if call.fp8 else f"*{SCALAR_TYPES[call.dtype]}"
     return {"k_cache_ptr": kind, "v_cache_ptr": kind}
+
+
+def fp8_constexprs(name: str | None, *, store: bool = False) -> dict[str, int | bool]:
+    """The constexprs a kernel takes for a cache of fp8 format ``name`` (``None``: not fp8, and
+    ``FP8`` false): ``FP8`` and ``E5M2``, and with ``store`` the format's ``MANTISSA``, ``BIAS``,
+    largest code ``MAX_CODE`` and that value's fp32 bits ``MAX_BITS``."""
+    fmt = fp8_format(name) if name is not None else None
+    constexprs: dict[str, int | bool] = {
+        "FP8": fmt is not None,
+        "E5M2": bool(fmt and fmt.has_infinity),
+    }
+    if store:
+        constexprs["MANTISSA"] = fmt.mantissa_bits if fmt else 0
+        constexprs["BIAS"] = fmt.bias if fmt else 0
+        constexprs["MAX_CODE"], constexprs["MAX_BITS"] = encode_limits(fmt) if fmt else (0, 0)
+    return constexprs
+
+
+def operand_constexprs(call: Call) -> dict[str, str | bool | int]:
+    """The attention kernels' constexprs for their dots' operands: the dots' precision, bf16's
+    upcast under the interpreter, and an fp8 cache's format and fence."""
+    return {
+        "DOT_PRECISION": dot_precision(call.dtype, call.interpreted),
+        "DOT_FP32": call.interpreted and call.dtype == torch.bfloat16,
+        **fp8_constexprs(call.fp8),
+        "FENCE": call.fenced,
+    }

@@ -47,12 +47,12 @@ from pagedkv.kernels.launch_config import (
     aligned,
     cache_pointers,
     capability,
-    dot_precision,
+    operand_constexprs,
     padded_head_dim,
     programs_per_sm,
     tiles,
 )
-from pagedkv.kernels.triton_fp8 import fp8_constexprs, fp8_to_fp16
+from pagedkv.kernels.triton_fp8 import fence, fp8_to_fp16
 from pagedkv.kernels.triton_import import tl, triton
 from pagedkv.spec.checks import INT32_MAX
 
@@ -88,6 +88,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
     E5M2: tl.constexpr,
+    FENCE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -135,6 +136,8 @@ def _decode_kernel(
         if FP8:  # codes to their values in the query's dtype: exact (every fp8 value is one)
             k = fp8_to_fp16(k, E5M2).to(query_ptr.dtype.element_ty)
             v = fp8_to_fp16(v, E5M2).to(query_ptr.dtype.element_ty)
+            if FENCE:  # the dots read the decoded tiles, not the codes (triton_fp8.fence)
+                k, v = fence(k), fence(v)
         if DOT_FP32:
             k, v = k.to(tl.float32), v.to(tl.float32)
 
@@ -262,15 +265,14 @@ def decode_config(
             "HEAD_DIM": call.head_dim,
             "BLOCK_SIZE": call.block_size if paged else 1,
             "PAGED": paged,
-            "DOT_PRECISION": dot_precision(call.dtype, call.interpreted),
-            "DOT_FP32": call.interpreted and call.dtype == torch.bfloat16,
+            **operand_constexprs(call),
             "BLOCK_G": max(tile.rows, triton.next_power_of_2(group)),
             "BLOCK_D": padded_head_dim(call.head_dim),
             "BLOCK_N": tile.block_n,
-            **fp8_constexprs(call.fp8),
         },
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
+        max_registers=tile.max_registers,
     )
 
 
@@ -304,8 +306,7 @@ def run(kernel: triton.JITFunction, config: LaunchConfig, *tensors: torch.Tensor
         *tensors,
         *config.scalars.values(),
         **config.constexprs,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        **config.options(),
     )
 
 
@@ -320,8 +321,7 @@ def resident_programs(config: LaunchConfig, device: torch.device) -> int:
             *config.scalars.values(),
             **config.constexprs,
             grid=config.grid,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
+            **config.options(),
         )
         _ = compiled.run  # the public property loads the binary, which sets n_regs
         target = TARGETS.get(10 * major + minor, TARGETS[DEFAULT_CAPABILITY])

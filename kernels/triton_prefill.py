@@ -34,12 +34,12 @@ from pagedkv.kernels.launch_config import (
     aligned,
     cache_pointers,
     capability,
-    dot_precision,
+    operand_constexprs,
     padded_head_dim,
     tiles,
 )
 from pagedkv.kernels.triton_decode import run
-from pagedkv.kernels.triton_fp8 import fp8_constexprs, fp8_to_fp16
+from pagedkv.kernels.triton_fp8 import fence, fp8_to_fp16
 from pagedkv.kernels.triton_import import tl, triton
 from pagedkv.spec.checks import INT32_MAX
 
@@ -70,6 +70,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
     E5M2: tl.constexpr,
+    FENCE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -121,6 +122,8 @@ def _prefill_kernel(
         if FP8:  # codes to their values in the query's dtype: exact (every fp8 value is one)
             k = fp8_to_fp16(k, E5M2).to(query_ptr.dtype.element_ty)
             v = fp8_to_fp16(v, E5M2).to(query_ptr.dtype.element_ty)
+            if FENCE:  # the dots read the decoded tiles, not the codes (triton_fp8.fence)
+                k, v = fence(k), fence(v)
         if DOT_FP32:
             k, v = k.to(tl.float32), v.to(tl.float32)
 
@@ -181,16 +184,15 @@ def prefill_config(
             "NUM_KV_HEADS": call.num_kv_heads,
             "HEAD_DIM": call.head_dim,
             "BLOCK_SIZE": call.block_size,
-            "DOT_PRECISION": dot_precision(call.dtype, call.interpreted),
-            "DOT_FP32": call.interpreted and call.dtype == torch.bfloat16,
+            **operand_constexprs(call),
             "BLOCK_Q": block_q,
             "BLOCK_G": block_g,
             "BLOCK_D": padded_head_dim(call.head_dim),
             "BLOCK_N": tile.block_n,
-            **fp8_constexprs(call.fp8),
         },
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
+        max_registers=tile.max_registers,
     )
 
 

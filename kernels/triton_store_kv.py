@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.kernels.launch_config import ELEMENTS_PER_PROGRAM
-from pagedkv.kernels.triton_fp8 import fp8_constexprs, fp8_encode
+from pagedkv.kernels.launch_config import ELEMENTS_PER_PROGRAM, fp8_constexprs
+from pagedkv.kernels.triton_fp8 import fp8_encode
 from pagedkv.kernels.triton_import import tl, triton
 
 

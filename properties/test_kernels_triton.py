@@ -19,6 +19,7 @@ from pagedkv.impl.serving.model import ModelConfig
 from pagedkv.impl.serving.paged_kv import PagedKVCache
 from pagedkv.kernels import compile_check, reference, trusted
 from pagedkv.kernels.check_arguments import MAX_SPLITS
+from pagedkv.kernels.compile_budgets import GATED_TARGETS, budget_failures
 from pagedkv.kernels.launch_config import TARGETS, Call, occupancy, programs_per_sm, tiles
 from pagedkv.kernels.triton_copy_blocks import hazard_free_waves
 from pagedkv.spec.checks import INT32_MAX
@@ -99,8 +100,7 @@ def test_the_launchers_launch_their_config(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(triton_decode, "run", record)
     monkeypatch.setattr(triton_prefill, "run", record)
     generator = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(8, 4, 2, 64, generator=generator, dtype=torch.float32).half()
-    v_cache = torch.randn(8, 4, 2, 64, generator=generator, dtype=torch.float32).half()
+    k_cache, v_cache = torch.randn(2, 8, 4, 2, 64, generator=generator).half()
     query = torch.randn(2, 8, 64, generator=generator).half()
     tables = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [7, 6, 5, 4, 3, 2, 1, 0]], dtype=torch.int32)
     lens = torch.tensor([9, 5])
@@ -199,9 +199,18 @@ FP32_PREFILL = {"kernel": "prefill", "dtype": "fp32", "mma": "FMA", "spill_store
     ],
 )
 def test_the_budgets_catch_what_they_forbid(overrides: dict, why: str | None) -> None:
-    assert compile_check.budget_failures([row()]) == []
-    failures = compile_check.budget_failures([row(**overrides)])
+    assert budget_failures([row()]) == []
+    failures = budget_failures([row(**overrides)])
     assert len(failures) == (why is not None) and all(why in failure for failure in failures)
+
+
+def test_an_fp8_cache_keeps_the_occupancy_of_the_query_dtypes_cache_or_its_floor() -> None:
+    fp16, fp8 = row(target=80), row(target=80, dtype="fp16+fp8_e4m3", occupancy=0.5)
+    assert budget_failures([fp8]) == budget_failures([fp16, {**fp8, "occupancy": 0.5625}]) == []
+    assert [f[-30:] for f in budget_failures([fp16, fp8])] == ["50.0% < the fp16 cache's 56.2%"]
+    fp16, fp8 = ({**r, "kernel": "prefill", "target": 90} for r in (fp16, fp8))  # floor 25%
+    assert budget_failures([fp16, {**fp8, "occupancy": 0.25}]) == []
+    assert len(budget_failures([fp16, {**fp8, "occupancy": 0.1875}])) == 1
 
 
 def test_the_tile_table_is_total() -> None:
@@ -215,10 +224,10 @@ def test_the_tile_table_is_total() -> None:
 
 def test_the_compile_gate_sample_meets_the_budgets() -> None:
     """Five variants on sm_80 and sm_90: 16-bit MMA, no spills, vLLM's occupancy, fp32 on FMA,
-    an fp8 cache's decode at its ratchet (``FP8_DECODE_OCCUPANCY``)."""
+    an fp8 cache's decode at the fp16 cache's occupancy."""
     rows = compile_check.measure(sample=True, targets=(80, 90))
     assert len(rows) == 10
-    assert compile_check.budget_failures(rows) == []
+    assert budget_failures(rows) == []
     fp32 = [r for r in rows if r["dtype"] == "fp32"]
     assert fp32 and all(r["mma"] == "FMA" and not r["spill_stores"] for r in fp32)
     for r in rows:
@@ -232,11 +241,11 @@ def test_the_compile_gate_meets_the_budgets_over_the_ci_grid() -> None:
     grid = compile_check.Grid(
         compile_check.CI_LABELS, compile_check.CI_HEAD_DIMS, compile_check.CI_BLOCK_SIZES
     )
-    rows = compile_check.measure(targets=compile_check.GATED_TARGETS, grid=grid)
-    assert {r["target"] for r in rows} == set(compile_check.GATED_TARGETS)
+    rows = compile_check.measure(targets=GATED_TARGETS, grid=grid)
+    assert {r["target"] for r in rows} == set(GATED_TARGETS)
     assert {r["dtype"] for r in rows} == set(compile_check.CI_LABELS)
     assert {r["head_dim"] for r in rows} == set(compile_check.CI_HEAD_DIMS)
-    assert compile_check.budget_failures(rows) == []
+    assert budget_failures(rows) == []
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
