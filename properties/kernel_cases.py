@@ -43,10 +43,11 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Assert agreement within ``TOLERANCES[expected.dtype]``; the message says where it fails."""
+    """Assert agreement within ``TOLERANCES[expected.dtype]`` (on ``expected``'s device); the
+    message says where it fails."""
     atol, rtol = TOLERANCES[expected.dtype]
     torch.testing.assert_close(
-        actual, expected, atol=atol, rtol=rtol, msg=lambda detail: f"{what}: {detail}"
+        actual.to(expected.device), expected, atol=atol, rtol=rtol, msg=lambda d: f"{what}: {d}"
     )
 
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from pagedkv import kernels
 from pagedkv.kernels import numba_attention, numba_fp8, reference, triton_decode
 from pagedkv.spec import fp8 as spec
-from properties.kernel_cases import assert_close, load_mutant
+from properties.kernel_cases import DEVICE, assert_close, load_mutant
 
 BACKENDS = ("reference", "numba", "triton")
 FP8 = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
@@ -136,8 +136,11 @@ def test_attention_reads_code_value_times_scale(
     """Decode (one split and three, a window of 5), its contiguous twin, and prefill (chunks
     over cached prefixes) equal the reference over the fp32 cache of the same values, within the
     query dtype's tolerance: every fp8 value is exact in the query dtype, the scales apply in
-    fp32. V's scale comes as an expanded (stride 0) tensor."""
+    fp32. V's scale comes as an expanded (stride 0) tensor. Triton runs compiled where there is
+    a GPU (the fenced decode of kernels.md), the oracle on the CPU."""
     args, k_fp32, v_fp32 = attention_case(dtype, query_dtype, seed=1)
+    device = DEVICE if backend == "triton" else torch.device("cpu")
+    on = {name: tensor.to(device) for name, tensor in args.items()}
     fp32 = {**args, "k_cache": k_fp32.to(query_dtype), "v_cache": v_fp32.to(query_dtype)}
     del fp32["k_scale"], fp32["v_scale"]
     if query_dtype != torch.float32:  # the oracle reads the fp32 values, in fp32
@@ -145,26 +148,25 @@ def test_attention_reads_code_value_times_scale(
     for splits, window in ((1, None), (3, None), (3, 5)):
         options = {"num_splits": splits, "window": window}
         expected = kernels.paged_decode_attention(**fp32, window=window, backend="reference")
-        actual = kernels.paged_decode_attention(**args, **options, backend=backend)
+        actual = kernels.paged_decode_attention(**on, **options, backend=backend)
         assert_close(actual, expected.to(query_dtype), f"decode {options}")
     rows = args["block_tables"][:, :2].clamp(min=0)  # two blocks a sequence, as contiguous rows
-    contiguous = [args[c][rows].flatten(1, 2) for c in ("k_cache", "v_cache")]
+    contiguous = [args[c][rows].flatten(1, 2).to(device) for c in ("k_cache", "v_cache")]
     lens = args["context_lens"].clamp(max=8)
-    values = [c.float() * args[s][:, None] for c, s in zip(contiguous, SCALES, strict=True)]
+    values = [c.cpu().float() * args[s][:, None] for c, s in zip(contiguous, SCALES, strict=True)]
     expected = kernels.contiguous_decode_attention(fp32["query"], *values, lens)
     actual = kernels.contiguous_decode_attention(
-        args["query"], *contiguous, lens, k_scale=args["k_scale"], v_scale=args["v_scale"],
+        on["query"], *contiguous, lens.to(device), k_scale=on["k_scale"], v_scale=on["v_scale"],
         backend=backend,
     )  # fmt: skip
     assert_close(actual, expected.to(query_dtype), "contiguous decode")
-    prefill = {**args, "cu_seqlens_q": torch.tensor([0, 4, 4, 7], dtype=torch.int32)}
-    prefill["query"] = torch.randn(7, 4, 16, generator=torch.Generator().manual_seed(2))
-    prefill["query"] = prefill["query"].to(query_dtype)
-    expected = kernels.paged_prefill_attention(
-        **{**fp32, "query": prefill["query"].float(), "cu_seqlens_q": prefill["cu_seqlens_q"]},
-        backend="reference",
-    )
-    actual = kernels.paged_prefill_attention(**prefill, backend=backend)
+    chunks = {"cu_seqlens_q": torch.tensor([0, 4, 4, 7], dtype=torch.int32)}
+    chunks["query"] = torch.randn(7, 4, 16, generator=torch.Generator().manual_seed(2))
+    chunks["query"] = chunks["query"].to(query_dtype)
+    fp32 |= {**chunks, "query": chunks["query"].float()}
+    expected = kernels.paged_prefill_attention(**fp32, backend="reference")
+    chunks = {name: tensor.to(device) for name, tensor in chunks.items()}
+    actual = kernels.paged_prefill_attention(**{**on, **chunks}, backend=backend)
     assert_close(actual, expected.to(query_dtype), "prefill")
 
 
