@@ -36,14 +36,15 @@ def budget_failures(rows: list[dict]) -> list[str]:
         if query == "fp32" or not budgeted:
             continue
         operands = "f16.f16" if query == "fp16" else "bf16.bf16"
-        if operands not in row["mma"] or "tf32" in row["mma"]:
+        attention = row["kernel"] != "store"
+        if attention and (operands not in row["mma"] or "tf32" in row["mma"]):
             failures.append(f"{name}: not a native 16-bit MMA ({row['mma']})")
         floor = DECODE_OCCUPANCY.get(row["target"], 0.0)
         decode = row["kernel"] in ("decode", "decode-split")
         if decode and row["head_dim"] == 128 and row["occupancy"] < floor:
             failures.append(f"{name}: occupancy {row['occupancy']:.1%} < {floor:.1%}")
         fp16_cache = own.get(same_launch(row, query)) if fp8 else None
-        kind = "prefill" if row["kernel"] == "prefill" else "decode"
+        kind = row["kernel"] if row["kernel"] in ("prefill", "store") else "decode"
         shortfall = FP8_SHORTFALL_FLOORS.get((kind, row["target"]), 1.0)
         if fp16_cache is not None and row["occupancy"] < min(fp16_cache, shortfall):
             failures.append(

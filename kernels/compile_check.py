@@ -60,6 +60,7 @@ CI_LABELS = (*DTYPES, "fp16+fp8_e4m3", "bf16+fp8_e5m2")
 CI_BLOCK_SIZES = (16,)
 DECODE = "pagedkv.kernels.triton_decode"
 PREFILL = "pagedkv.kernels.triton_prefill"
+STORE = "pagedkv.kernels.triton_store_kv"
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class Variant:
     """One launch the launchers produce: which kernel module, its config, and its labels."""
 
     module: str  # the kernel's module: "pagedkv.kernels.triton_decode", ...
-    kind: str  # "decode", "decode-split", "merge", "prefill", "contiguous"
+    kind: str  # "decode", "decode-split", "merge", "prefill", "contiguous", "store"
     dtype: str  # a label of LABELS: the query's dtype, and an fp8 cache's format after "+"
     head_dim: int
     block_size: int
@@ -115,6 +116,8 @@ def variants(sample: bool = False, grid: Grid | None = None, capability: int = 9
             prefill_variant("fp16", 128, 16, 4, 512, capability),
             decode_variant("fp32", 128, 16, 4, False, capability),
             decode_variant("fp16+fp8_e4m3", 128, 16, 4, False, capability),
+            store_variant("fp16", 128),
+            store_variant("fp16+fp8_e4m3", 128),
         ]
     else:
         found = list(grid_variants(grid or Grid(), capability))
@@ -126,11 +129,13 @@ def variants(sample: bool = False, grid: Grid | None = None, capability: int = 9
 
 def grid_variants(grid: Grid, capability: int) -> Iterator[Variant]:
     """Every launch of ``grid`` for ``capability``, duplicates included: per dtype and head dim
-    the merge, and per group the contiguous decode, then per block size the paged decode (one
-    split and the automatic split) and the prefill of every chunk in ``PREFILL_CHUNKS``."""
+    the merge and the store, and per group the contiguous decode, then per block size the paged
+    decode (one split and the automatic split) and the prefill of every chunk in
+    ``PREFILL_CHUNKS``."""
     for dtype in grid.dtypes:
         for head_dim in grid.head_dims:
             yield merge_variant(dtype, head_dim)
+            yield store_variant(dtype, head_dim)
             for group in grid.groups:
                 for split in (False, True):
                     yield decode_variant(dtype, head_dim, 0, group, split, capability)
@@ -198,6 +203,18 @@ def merge_variant(dtype: str, head_dim: int) -> Variant:
         batch=1, num_heads=NUM_KV_HEADS, head_dim=head_dim, dtype=query, num_splits=splits
     )
     return Variant(DECODE, "merge", dtype, head_dim, 0, 1, config)
+
+
+def store_variant(dtype: str, head_dim: int) -> Variant:
+    """``store_kv`` of a 512-token chunk's contiguous rows of the query dtype, into caches of
+    that dtype or of the label's fp8 format."""
+    from pagedkv.kernels import triton_store_kv
+
+    query, _, fp8 = dtype.partition("+")
+    rows, shape = DTYPES[query], (512, NUM_KV_HEADS, head_dim)
+    strides = (NUM_KV_HEADS * head_dim, head_dim, 1) * 2
+    config = triton_store_kv.store_config(shape, (rows, rows, torch.int64), strides, fp8 or None)
+    return Variant(STORE, "store", dtype, head_dim, 0, 1, config)
 
 
 def _tool(name: str) -> str:
@@ -290,7 +307,7 @@ def rows_of(variant: Variant, figures: Figures) -> dict:
         "num_stages": variant.config.num_stages,
         "block_n": variant.config.constexprs.get("BLOCK_N"),
         **asdict(figures),
-        **({"mma": "-"} if variant.kind == "merge" else {}),  # no tl.dot: its FMAs are not one
+        **({"mma": "-"} if variant.kind in ("merge", "store") else {}),  # no tl.dot in them
     }
 
 

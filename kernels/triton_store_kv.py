@@ -12,9 +12,21 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.kernels.launch_config import ELEMENTS_PER_PROGRAM, fp8_constexprs
+from pagedkv.kernels.launch_config import (
+    ELEMENTS_PER_PROGRAM,
+    INDEX_TYPES,
+    SCALAR_TYPES,
+    LaunchConfig,
+    aligned,
+    fp8_constexprs,
+)
+from pagedkv.kernels.triton_decode import run
 from pagedkv.kernels.triton_fp8 import fp8_encode
 from pagedkv.kernels.triton_import import tl, triton
+
+# An fp8 store's program encodes 4 elements a thread: at 32 (ELEMENTS_PER_PROGRAM) the encode's
+# integer arithmetic took 157 to 165 registers on sm_80 and 94 on sm_90 (docs/kernels.md).
+FP8_ELEMENTS_PER_PROGRAM = 512
 
 
 @triton.jit
@@ -67,6 +79,53 @@ def _store_kv_kernel(
     tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
+def store_config(
+    shape: tuple[int, int, int],
+    dtypes: tuple[torch.dtype, torch.dtype, torch.dtype],
+    strides: tuple[int, ...],
+    fp8: str | None = None,
+    cache_dtype: torch.dtype | None = None,
+) -> LaunchConfig:
+    """The store's launch, pure (the compile gate builds it too): ``key``'s ``shape`` ``(tokens,
+    kv_heads, head_dim)``, the ``dtypes`` of ``key``, ``value`` and the slot mapping, both rows'
+    ``strides`` (key's three, then value's), and the caches' fp8 format or their
+    ``cache_dtype``."""
+    num_tokens, num_kv_heads, head_dim = shape
+    num_rows = num_tokens * num_kv_heads
+    block_d = triton.next_power_of_2(head_dim)
+    elements = FP8_ELEMENTS_PER_PROGRAM if fp8 else ELEMENTS_PER_PROGRAM
+    block_r = min(max(1, elements // block_d), triton.next_power_of_2(num_rows))
+    cache = "*u8" if fp8 else f"*{SCALAR_TYPES[cache_dtype or dtypes[0]]}"
+    scale = "*fp32" if fp8 else f"*{INDEX_TYPES[dtypes[2]]}"  # not fp8: the slots, never read
+    names = [f"{row}_stride_{axis}" for row in ("key", "value") for axis in "thd"]
+    scalars = {"num_rows": num_rows, **dict(zip(names, strides, strict=True))}
+    integers = {name: "i32" if value < 2**31 else "i64" for name, value in scalars.items()}
+    return LaunchConfig(
+        kernel="_store_kv_kernel",
+        grid=(triton.cdiv(num_rows, block_r), 1, 1),
+        signature={
+            "key_ptr": f"*{SCALAR_TYPES[dtypes[0]]}",
+            "value_ptr": f"*{SCALAR_TYPES[dtypes[1]]}",
+            "k_cache_ptr": cache,
+            "v_cache_ptr": cache,
+            "slots_ptr": f"*{INDEX_TYPES[dtypes[2]]}",
+            "k_scale_ptr": scale,
+            "v_scale_ptr": scale,
+            **integers,
+        },
+        scalars=scalars,
+        constexprs={
+            "NUM_KV_HEADS": num_kv_heads,
+            "HEAD_DIM": head_dim,
+            "BLOCK_R": block_r,
+            "BLOCK_D": block_d,
+            **fp8_constexprs(fp8, store=True),
+        },
+        num_warps=4,
+        num_stages=1,
+    )
+
+
 def launch(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -78,25 +137,12 @@ def launch(
 ) -> None:
     """Run the kernel on validated arguments (any strides for ``key``/``value``); an fp8 cache
     comes as its ``uint8`` view with its format's name ``fp8`` and the ``(k, v)`` scales."""
-    num_tokens, num_kv_heads, head_dim = key.shape
-    num_rows = num_tokens * num_kv_heads
-    if num_rows == 0:
+    if key.shape[0] * key.shape[1] == 0:
         return
-    block_d = triton.next_power_of_2(head_dim)
-    block_r = min(max(1, ELEMENTS_PER_PROGRAM // block_d), triton.next_power_of_2(num_rows))
-    _store_kv_kernel[(triton.cdiv(num_rows, block_r),)](
-        key,
-        value,
-        k_cache,
-        v_cache,
-        slot_mapping.contiguous(),
-        *(scales if scales is not None else (slot_mapping, slot_mapping)),  # never read
-        num_rows,
-        *key.stride(),
-        *value.stride(),
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_R=block_r,
-        BLOCK_D=block_d,
-        **fp8_constexprs(fp8, store=True),
-    )
+    key, value, slots = aligned(key), aligned(value), aligned(slot_mapping.contiguous())
+    config = store_config(
+        tuple(key.shape), (key.dtype, value.dtype, slots.dtype), (*key.stride(), *value.stride()),
+        fp8, k_cache.dtype,
+    )  # fmt: skip
+    scale_tensors = tuple(map(aligned, scales)) if scales is not None else (slots, slots)
+    run(_store_kv_kernel, config, key, value, k_cache, v_cache, slots, *scale_tensors)

@@ -40,6 +40,7 @@ from properties.kernel_cases import (
 HALF = DTYPES[1:]
 triton_decode = pytest.importorskip("pagedkv.kernels.triton_decode")
 triton_prefill = pytest.importorskip("pagedkv.kernels.triton_prefill")
+triton_store_kv = pytest.importorskip("pagedkv.kernels.triton_store_kv")
 
 
 @settings(max_examples=500)
@@ -97,8 +98,8 @@ def test_the_launchers_launch_their_config(monkeypatch: pytest.MonkeyPatch) -> N
         launched.append(config)
         real_run(kernel, config, *tensors)
 
-    monkeypatch.setattr(triton_decode, "run", record)
-    monkeypatch.setattr(triton_prefill, "run", record)
+    for module in (triton_decode, triton_prefill, triton_store_kv):
+        monkeypatch.setattr(module, "run", record)
     generator = torch.Generator().manual_seed(0)
     k_cache, v_cache = torch.randn(2, 8, 4, 2, 64, generator=generator).half()
     query = torch.randn(2, 8, 64, generator=generator).half()
@@ -121,6 +122,9 @@ def test_the_launchers_launch_their_config(monkeypatch: pytest.MonkeyPatch) -> N
     )  # fmt: skip
     expected = triton_prefill.prefill_config(call, window=32, max_query_len=3, scale=0.125)
     assert launched == [expected]
+    kernels.store_kv(query[:, :2], query[:, 2:4], k_cache, v_cache, lens, backend="triton")
+    dtypes, strides = (torch.float16, torch.float16, torch.int64), (512, 64, 1) * 2
+    assert launched[1] == triton_store_kv.store_config((2, 2, 64), dtypes, strides, None)
 
 
 def test_pure_decode_steps_run_the_decode_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -223,15 +227,16 @@ def test_the_tile_table_is_total() -> None:
 
 
 def test_the_compile_gate_sample_meets_the_budgets() -> None:
-    """Five variants on sm_80 and sm_90: 16-bit MMA, no spills, vLLM's occupancy, fp32 on FMA,
-    an fp8 cache's decode at the fp16 cache's occupancy."""
+    """Seven variants on sm_80 and sm_90: 16-bit MMA, no spills, vLLM's occupancy, fp32 on FMA,
+    an fp8 cache's decode and store at the fp16 cache's occupancy."""
     rows = compile_check.measure(sample=True, targets=(80, 90))
-    assert len(rows) == 10
+    assert len(rows) == 14
     assert budget_failures(rows) == []
     fp32 = [r for r in rows if r["dtype"] == "fp32"]
     assert fp32 and all(r["mma"] == "FMA" and not r["spill_stores"] for r in fp32)
     for r in rows:
-        assert r["registers"] > 0 and r["shared"] > 0 and 0 < r["occupancy"] <= 1
+        assert r["registers"] > 0 and (r["shared"] > 0) != (r["kernel"] == "store")
+        assert 0 < r["occupancy"] <= 1
 
 
 @pytest.mark.long
