@@ -1,8 +1,9 @@
-"""The compile gate: every attention-kernel variant the launchers produce, compiled for real GPUs.
+"""The compile gate: every attention and store variant the launchers produce, compiled for GPUs.
 
 ``python -m pagedkv.kernels.compile_check`` needs no GPU and no driver. It builds each variant's
 :class:`~pagedkv.kernels.launch_config.LaunchConfig` with the launchers' own pure functions
-(``triton_decode.decode_config``, ``merge_config``, ``triton_prefill.prefill_config``) over the
+(``triton_decode.decode_config``, ``merge_config``, ``triton_prefill.prefill_config``,
+``triton_store_kv.store_config``) over the
 documented grid (:func:`variants`), compiles it ahead of time with ``triton.compile`` for sm_80,
 sm_90 and sm_100 (where the wheel's ``ptxas`` knows it), and reads, per variant and target:
 

@@ -1,19 +1,23 @@
-"""Launch configurations of the Triton attention kernels, as pure data, and what fits on an SM.
+"""Launch configurations of the Triton attention and store kernels, as pure data, and what fits
+on an SM.
 
-A launcher (``triton_decode``, ``triton_prefill``) never decides a launch inline: a pure
-function of shapes, dtypes, host integers and the GPU generation builds a :class:`LaunchConfig`
-(grid, constexprs, the runtime scalars, ``num_warps``, ``num_stages``), the launcher launches
-exactly that, and the compile gate (``python -m pagedkv.kernels.compile_check``) compiles exactly
-that for sm_80, sm_90 and sm_100 with no GPU. Both read the specialization hints Triton's JIT
-derives from the arguments (:meth:`LaunchConfig.hints`) from the same config.
+A launcher (``triton_decode``, ``triton_prefill``, ``triton_store_kv``) never decides a launch
+inline: a pure function of shapes, dtypes, host integers and the GPU generation builds a
+:class:`LaunchConfig` (grid, constexprs, the runtime scalars, ``num_warps``, ``num_stages``, a
+register cap), :func:`run` launches exactly that, and the compile gate (``python -m
+pagedkv.kernels.compile_check``) compiles exactly that for sm_80, sm_90 and sm_100 with no GPU.
+Both read the specialization hints Triton's JIT derives from the arguments
+(:meth:`LaunchConfig.hints`) from the same config.
 
-:data:`TILES` is the tile table, per kernel, cache dtype and padded head dim; docs/kernels.md
-gives the compile measurement behind every row. Importing this module imports no triton.
+:func:`tiles` is the attention kernels' tile table, per kernel, query dtype, fp8 cache and
+padded head dim; docs/kernels.md gives the compile measurement behind every row. Importing this
+module imports no triton.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -100,7 +104,7 @@ def tiles(
     half = dtype != torch.float32
     if kernel == "decode":
         block_n = 32 if half and block_d <= 64 else 16
-        if fp8:  # decoded tiles are written to shared memory: 1 stage; 8 warps of 48 registers
+        if fp8 and half:  # decoded tiles go to shared memory: 1 stage; 8 warps of 48 registers
             # (62.5%) where that cap does not spill: not D 256, nor bf16 at a masked D on sm_90
             masked_bf16 = dtype == torch.bfloat16 and head_dim != block_d and capability >= 90
             cap = None if block_d > 128 or masked_bf16 else 48
@@ -195,9 +199,16 @@ class LaunchConfig:
         return frozenset(divisible), frozenset(ones)
 
 
+def run(kernel: Any, config: LaunchConfig, *tensors: torch.Tensor) -> None:
+    """Launch the ``@triton.jit`` ``kernel`` with ``config``: the tensors fill the signature's
+    pointers, in order, then its scalars, constexprs and options."""
+    kernel[config.grid](*tensors, *config.scalars.values(), **config.constexprs, **config.options())
+
+
 def aligned(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` itself when its data starts on a 16-byte boundary, else a contiguous copy
-    that does: the launch then matches the hints the compile gate checks."""
+    """``tensor`` itself when its data starts on a 16-byte boundary, else a copy that does (a
+    clone: a dense tensor keeps its strides, another becomes contiguous), so that the launch
+    matches the hints the compile gate checks; launchers read strides after it."""
     return tensor if tensor.data_ptr() % 16 == 0 else tensor.clone()
 
 

@@ -50,6 +50,7 @@ from pagedkv.kernels.launch_config import (
     operand_constexprs,
     padded_head_dim,
     programs_per_sm,
+    run,
     tiles,
 )
 from pagedkv.kernels.triton_fp8 import fence, fp8_to_fp16
@@ -297,16 +298,6 @@ def merge_config(
         },
         num_warps=4,
         num_stages=1,
-    )
-
-
-def run(kernel: triton.JITFunction, config: LaunchConfig, *tensors: torch.Tensor) -> None:
-    """Launch ``kernel`` with ``config``: the tensors fill the signature's pointers, in order."""
-    kernel[config.grid](
-        *tensors,
-        *config.scalars.values(),
-        **config.constexprs,
-        **config.options(),
     )
 
 

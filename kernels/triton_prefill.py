@@ -36,9 +36,9 @@ from pagedkv.kernels.launch_config import (
     capability,
     operand_constexprs,
     padded_head_dim,
+    run,
     tiles,
 )
-from pagedkv.kernels.triton_decode import run
 from pagedkv.kernels.triton_fp8 import fence, fp8_to_fp16
 from pagedkv.kernels.triton_import import tl, triton
 from pagedkv.spec.checks import INT32_MAX

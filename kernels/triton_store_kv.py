@@ -19,13 +19,13 @@ from pagedkv.kernels.launch_config import (
     LaunchConfig,
     aligned,
     fp8_constexprs,
+    run,
 )
-from pagedkv.kernels.triton_decode import run
 from pagedkv.kernels.triton_fp8 import fp8_encode
 from pagedkv.kernels.triton_import import tl, triton
 
-# An fp8 store's program encodes 4 elements a thread: at 32 (ELEMENTS_PER_PROGRAM) the encode's
-# integer arithmetic took 157 to 165 registers on sm_80 and 94 on sm_90 (docs/kernels.md).
+# An fp8 store's program encodes 4 elements a thread: at ELEMENTS_PER_PROGRAM (32 a thread) the
+# encode's integer arithmetic took 157 to 165 registers on sm_80, 94 to 95 on sm_90 (kernels.md).
 FP8_ELEMENTS_PER_PROGRAM = 512
 
 
@@ -94,7 +94,7 @@ def store_config(
     num_rows = num_tokens * num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
     elements = FP8_ELEMENTS_PER_PROGRAM if fp8 else ELEMENTS_PER_PROGRAM
-    block_r = min(max(1, elements // block_d), triton.next_power_of_2(num_rows))
+    block_r = min(max(1, elements // block_d), triton.next_power_of_2(max(1, num_rows)))
     cache = "*u8" if fp8 else f"*{SCALAR_TYPES[cache_dtype or dtypes[0]]}"
     scale = "*fp32" if fp8 else f"*{INDEX_TYPES[dtypes[2]]}"  # not fp8: the slots, never read
     names = [f"{row}_stride_{axis}" for row in ("key", "value") for axis in "thd"]
