@@ -10,15 +10,15 @@ spec's ``translate_slot``:
 
 so a tile may span several blocks (small block sizes) or part of one (large ones). An fp8 cache
 (``FP8``; its ``uint8`` view) is read as codes, decoded exactly to the query's dtype
-(``triton_fp8.fp8_to_fp16``), K's scale joining the softmax scale on the fp32 scores and V's
-multiplying the fp32 output. q, K and V stay in the query's dtype (a non-fp8 cache's own): ``q
-K^T`` is a native ``tl.dot`` with fp32 sums, the scale multiplies the fp32 scores, and the
-unnormalized weights ``P`` are rounded to that dtype for ``P V`` (fp32: exact IEEE fp32 dots). The
-running softmax (max ``m``, denominator ``l``, accumulator ``acc``) is fp32. ``DOT_FP32`` upcasts
-the operands instead, for bf16 under the interpreter only, whose bf16 ``tl.dot`` multiplies raw
-storage bits (docs/kernels.md, Tolerances). With one split the program writes the normalized
-output; with several (flash-decoding, for long contexts and few sequences) each writes its
-normalized partial output and log-sum-exp, and ``_merge_kernel`` combines them:
+(``triton_fp8.fp8_to_fp16``; compiled, through ``triton_fp8.fence``), K's scale joining the softmax
+scale on the fp32 scores and V's multiplying the fp32 output. q, K and V stay in the query's dtype
+(a non-fp8 cache's own): ``q K^T`` is a native ``tl.dot`` with fp32 sums, the scale multiplies the
+fp32 scores, and the unnormalized weights ``P`` are rounded to that dtype for ``P V`` (fp32: exact
+IEEE fp32 dots). The running softmax (max ``m``, denominator ``l``, accumulator ``acc``) is fp32.
+``DOT_FP32`` upcasts the operands instead, for bf16 under the interpreter only, whose bf16
+``tl.dot`` multiplies raw storage bits (docs/kernels.md, Tolerances). With one split the program
+writes the normalized output; with several (flash-decoding, for long contexts and few sequences)
+each writes its normalized partial output and log-sum-exp, and ``_merge_kernel`` combines them:
 
     out = sum_s exp(lse_s - max lse) * out_s / sum_s exp(lse_s - max lse)
 
