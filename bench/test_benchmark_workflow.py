@@ -141,6 +141,25 @@ def bench_run(storage: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def flagged_slower(
+    old: Run, new: Run, expected: set[str], monkeypatch: pytest.MonkeyPatch
+) -> set[str]:
+    """The benchmarks (full names) ``report.py --diff``'s compare flags slower from ``old`` to
+    ``new``, ``new``'s flagged ones timed again as it does. A two-run compare is only as good as
+    its old run, which it cannot time again (README; seen: one case's paired ratio 30 to 40% off in
+    one of four runs, either way): where the verdict is not ``expected``, those cases' old figure
+    is taken once more (this tree, nothing planted) and the compare made again against it."""
+    slower = {name for name, _, ratio, _ in timings_moved(old, new, retime=True) if ratio > 1}
+    wrong = sorted(slower ^ expected)
+    if not wrong:
+        return slower
+    with monkeypatch.context() as unplanted:
+        unplanted.delenv("PYTEST_PLUGINS", raising=False)
+        old_again = retimed(wrong, times=1)[0]
+    again = {name for name, _, ratio, _ in timings_moved(old_again, new, retime=True) if ratio > 1}
+    return (slower - set(wrong)) | again
+
+
 @pytest.mark.long
 @pytest.mark.alone  # its timings move with whatever runs on the other core
 def test_the_documented_compare_flags_a_planted_slowdown_where_it_runs_and_nowhere_else(
@@ -158,23 +177,18 @@ def test_the_documented_compare_flags_a_planted_slowdown_where_it_runs_and_nowhe
     assert same.returncode == 0, same.stdout[-3000:]
     runs = [Run.load(path) for path in sorted(storage.glob("*/*.json"))]
     assert this_tree_ran(runs[1])
-    slower = [name for name, _, ratio, _ in timings_moved(*runs, retime=True) if ratio > 1]
-    if slower:  # a fast baseline cannot be timed again (README): take those cases' baseline anew
-        baseline_again = retimed(slower, times=1)[0]
-        assert [m for m in timings_moved(baseline_again, runs[1], retime=True) if m[2] > 1] == []
+    assert flagged_slower(*runs, expected=set(), monkeypatch=monkeypatch) == set()
 
     monkeypatch.setenv("PYTEST_PLUGINS", "planted_slowdown")
     planted = bench_run(storage, "--benchmark-save=planted", "--benchmark-compare")
     assert planted.returncode == 0, planted.stdout[-3000:]
-    attention = {
-        b["name"] for b in runs[0].benchmarks if b["name"].startswith("test_decode_attention")
-    }
     planted_run = Run.load(next(storage.glob("*/0003_planted.json")))
+    attention = {
+        b["fullname"] for b in runs[0].benchmarks if b["name"].startswith("test_decode_attention")
+    }
     decode_steps = [b for b in planted_run.benchmarks if b["name"].startswith("test_decode_step")]
     assert len(attention) == 27 and len(decode_steps) == 45
-    moved = timings_moved(runs[1], planted_run, retime=True)
-    slower = {name.rsplit("::", 1)[-1] for name, _, ratio, _ in moved if ratio > 1}
-    assert slower == attention, moved
+    assert flagged_slower(runs[1], planted_run, attention, monkeypatch) == attention
 
 
 def timed(name: str, low: float, paired: float | None = None) -> dict[str, Any]:
