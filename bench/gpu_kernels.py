@@ -462,7 +462,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     heads = HEADS_SMALL if args.small else HEADS_FULL
 
-    selection = args.tests_k or ("test_fixed_run_matches_dense" if args.small else "kernels")
+    selection = args.tests_k or (
+        "test_a_nan_key_reaches_the_output_at_every_split_count" if args.small else "kernels"
+    )
     tests = None if args.no_tests else run_property_tests(selection)
     report: dict[str, Any] = {
         "complete": False,

@@ -117,11 +117,10 @@ def workloads(
     draw: st.DrawFn,
     max_requests: int = 5,
     max_new_tokens: int = 10,
-    block_sizes: st.SearchStrategy[int] = BLOCK_SIZES,
     sampled: bool = True,
 ) -> Workload:
     """Shared prefixes, ``n`` <= 3, greedy and sampled, staggered, tight budgets and pools."""
-    block_size = draw(block_sizes)
+    block_size = draw(BLOCK_SIZES)
     token = st.integers(0, CONFIG.vocab_size - 1)
     systems = draw(st.lists(st.lists(token, min_size=3, max_size=24), min_size=1, max_size=2))
     requests = []

@@ -1,11 +1,8 @@
-"""A bounded exhaustive check: every sequence of operations up to a depth, on tiny pools
-(``python -m properties.exhaustive`` prints the distinct states each pool visited).
-
-Breadth first from the empty pool, spec, impl and the independent model run in lockstep: every
-call's result or exception class agrees; after every operation the observable state agrees,
-reference counts equal the live tables' holds, and every position translates alike. States are
-deduplicated by what they observably are (counters left out), so each is expanded once.
-"""
+"""A bounded exhaustive check (``python -m properties.exhaustive`` prints each pool's states):
+breadth first from the empty pool, every sequence of operations up to a depth on spec, impl and
+the independent model in lockstep. Results or exception classes agree; after each operation the
+observable state agrees, reference counts are the live tables' holds and every position
+translates alike. States are deduplicated by what they observably are (counters left out)."""
 
 from __future__ import annotations
 
@@ -15,7 +12,7 @@ import sys
 import time
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import pagedkv.impl.blocks.manager as impl_manager
 import pagedkv.impl.blocks.prefix_cache as impl_prefix
@@ -62,20 +59,22 @@ class Mismatch(AssertionError):
 
 
 class System:
-    """What a pool under check offers: how to build it, its observables, and (a subclass's)
-    ``operations(world)``, every operation that can follow it, and ``apply(world, operation)``,
-    carrying it out on all three systems, asserting they agree."""
+    """A pool under check: how to build it, its observables; a subclass's ``operations(world)``
+    (all that can follow) and ``apply(world, operation)`` (on all three, asserting agreement)."""
 
     spec_cls: type
     impl_cls: type
     model_cls: type
+    manager_kwargs: ClassVar[dict[str, Any]] = {}  # the spec's and impl's, not the model's
 
     def __init__(self, total_blocks: int, block_size: int) -> None:
         self.total_blocks, self.block_size = total_blocks, block_size
 
     def initial(self) -> World:
-        args = (self.total_blocks, self.block_size)
-        return World(self.spec_cls(*args), self.impl_cls(*args), self.model_cls(*args))
+        args, kwargs = (self.total_blocks, self.block_size), self.manager_kwargs
+        return World(
+            self.spec_cls(*args, **kwargs), self.impl_cls(*args, **kwargs), self.model_cls(*args)
+        )
 
     def observe(self, manager: Any) -> tuple[object, ...]:
         """Queue, reference counts, pending copy pairs and the sources waiting for them."""
@@ -178,6 +177,7 @@ class PrefixSystem(System):
     spec_cls = spec_prefix.PrefixCachingBlockManager
     impl_cls = impl_prefix.PrefixCachingBlockManager
     model_cls = PrefixCacheModel
+    manager_kwargs: ClassVar[dict[str, Any]] = {"hash_fn": colliding_hash}
 
     def __init__(self, total_blocks: int, block_size: int) -> None:
         super().__init__(total_blocks, block_size)
@@ -188,14 +188,6 @@ class PrefixSystem(System):
             for tokens in itertools.product((0, 1), repeat=length)
         ]
         self.prompts += [([0] * block_size + [1], "salt"), ([1] * (block_size + 1), "salt")]
-
-    def initial(self) -> World:
-        args = (self.total_blocks, self.block_size)
-        return World(
-            self.spec_cls(*args, hash_fn=colliding_hash),
-            self.impl_cls(*args, hash_fn=colliding_hash),
-            self.model_cls(*args),
-        )
 
     def observe(self, manager: Any) -> tuple[object, ...]:
         keys = tuple(content_of(manager.key_of(b)) for b in range(self.total_blocks))
@@ -274,9 +266,8 @@ def explore(system: System, depth: int) -> int:
 BLOCK_POOLS = [(total, size, 6 if total <= 2 else 5) for total in (1, 2, 3, 4) for size in (1, 2)]
 """``(total_blocks, block_size, depth)`` for the block manager: as deep as a minute allows."""
 
-PREFIX_DEPTHS = {(1, 1): 5, (1, 2): 5, (2, 1): 5, (2, 2): 4, (3, 1): 4, (3, 2): 3, (4, 1): 3,
-                 (4, 2): 3}  # fmt: skip
-PREFIX_POOLS = [(total, size, depth) for (total, size), depth in PREFIX_DEPTHS.items()]
+PREFIX_POOLS = [(1, 1, 5), (1, 2, 5), (2, 1, 5), (2, 2, 4), (3, 1, 4), (3, 2, 3), (4, 1, 3),
+                (4, 2, 3)]  # fmt: skip
 """The same for prefix caching, whose states branch more (every prompt is an operation)."""
 
 

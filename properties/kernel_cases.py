@@ -43,8 +43,7 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Assert agreement within ``TOLERANCES[expected.dtype]`` (on ``expected``'s device); the
-    message says where it fails."""
+    """Agreement within ``TOLERANCES[expected.dtype]``, on ``expected``'s device."""
     atol, rtol = TOLERANCES[expected.dtype]
     torch.testing.assert_close(
         actual.to(expected.device), expected, atol=atol, rtol=rtol, msg=lambda d: f"{what}: {d}"
@@ -201,8 +200,6 @@ class KVCache:
     """K/V caches filled by ``store_kv`` and ``copy_blocks``, NaN where no token was written."""
 
     def __init__(self, scenario: Scenario, shape: Shape, backend: str = "triton") -> None:
-        if shape.block_size != scenario.block_size:
-            raise ValueError("scenario and shape disagree on block_size")
         self.shape = shape
         self.backend = backend
         self.generator = torch.Generator().manual_seed(scenario.seed)
@@ -237,21 +234,6 @@ class KVCache:
         return seqs, tables, lens
 
 
-def dense_attention(
-    query: torch.Tensor, seqs: Sequence[Seq | None], scale: float, window: int | None = None
-) -> torch.Tensor:
-    """Decode's oracle: ``dense_prefill`` of each sequence's last position; padding gets zeros."""
-    live = [b for b, seq in enumerate(seqs) if seq is not None and seq.length]
-    out = torch.zeros_like(query)
-    out[live] = dense_prefill(query[live], [seqs[b] for b in live], [1] * len(live), scale, window)
-    return out
-
-
-def window_start(length: int, num_queries: int, window: int | None) -> int:
-    """The first key the last ``num_queries`` queries of ``length`` tokens see (0: no window)."""
-    return 0 if window is None else max(0, length - num_queries - window + 1)
-
-
 def poison_outside_window(
     cache: KVCache, tables: torch.Tensor, starts: Sequence[int], poison: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -275,16 +257,10 @@ Attention = Callable[..., object]
 
 
 def check_attention(
-    cache: KVCache,
-    kernel: Attention,
-    query_lens: list[int] | None = None,
-    extra_columns: int = 0,
-    padding_row: bool = False,
-    scale: float | None = None,
-    pad: int = -1,
-    window: int | None = None,
-    poison: str | None = None,
-) -> None:
+    cache: KVCache, kernel: Attention, query_lens: list[int] | None = None, extra_columns: int = 0,
+    padding_row: bool = False, scale: float | None = None, pad: int = -1,
+    window: int | None = None, poison: str | None = None,
+) -> None:  # fmt: skip
     """``kernel`` (decode, or prefill of ``query_lens``: a count per row of ``cache.batch(...)``),
     the reference and the dense oracle agree, in the query's dtype and shape, at ``scale`` (default
     ``1 / sqrt(head_dim)``) and ``window``; with ``poison``, both give the same bits again when
@@ -293,21 +269,19 @@ def check_attention(
     counts = [1] * len(seqs) if query_lens is None else query_lens
     query = cache.randn(sum(counts), cache.shape.num_heads, cache.shape.head_dim)
     scale = cache.shape.head_dim**-0.5 if scale is None else scale
-    if query_lens is None:
-        reference = decode_on("reference")
-        args: tuple = (query, cache.k_cache, cache.v_cache, tables, lens, scale)
-        expected = dense_attention(query, seqs, scale, window)
-    else:
+    reference, args = decode_on("reference"), (tables, lens, scale)
+    if query_lens is not None:
         reference = prefill_on("reference")
-        offsets = torch.tensor([0, *query_lens], device=DEVICE).cumsum(0).to(torch.int32)
-        args = (query, cache.k_cache, cache.v_cache, tables, offsets, lens, scale)
-        expected = dense_prefill(query, seqs, query_lens, scale, window)
-    ref, actual = reference(*args, window=window), kernel(*args, window=window)
+        args = (tables, torch.tensor([0, *counts], device=DEVICE).cumsum(0).int(), lens, scale)
+    expected = dense_attention(query, seqs, scale, window, counts)
+    caches = (query, cache.k_cache, cache.v_cache)
+    ref, actual = reference(*caches, *args, window=window), kernel(*caches, *args, window=window)
     if poison is not None:
-        starts = [window_start(int(n), q, window) for n, q in zip(lens, counts, strict=True)]
+        pairs = zip(lens.tolist(), counts, strict=True)
+        starts = [max(0, n - q - window + 1) if window else 0 for n, q in pairs]
         k_cache, v_cache, poisoned = poison_outside_window(cache, tables, starts, poison)
         for run, output in ((reference, ref), (kernel, actual)):
-            dirty = run(query, k_cache, v_cache, poisoned, *args[4:], window=window)
+            dirty = run(query, k_cache, v_cache, poisoned, *args[1:], window=window)
             assert isinstance(dirty, torch.Tensor) and torch.equal(dirty, output), "read outside"
     assert isinstance(actual, torch.Tensor)
     assert actual.dtype == query.dtype and actual.shape == query.shape
@@ -343,20 +317,37 @@ def prefill_on(backend: str) -> Attention:
     return partial(kernels.paged_prefill_attention, backend=backend)
 
 
-def dense_prefill(
-    query: torch.Tensor,
-    seqs: Sequence[Seq | None],
-    query_lens: list[int],
-    scale: float,
-    window: int | None = None,
-) -> torch.Tensor:
-    """The spec: query ``i`` of a chunk of ``q`` (position ``p = length - q + i``) attends, in fp32,
-    the logical K/V at ``j <= p`` and, with a window ``w``, ``j > p - w`` (HF's sliding_window)."""
+def fill_backend(backend: str) -> str:
+    """The backend that fills the caches for a check of ``backend`` (the reference for sdpa)."""
+    return backend if backend in ("triton", "numba") else "reference"
+
+
+def draw_cache(
+    data: st.DataObject, backend: str, block_size: int | None = None,
+    dtype: torch.dtype | None = None, group: int | None = None, head_dim: int | None = None,
+) -> KVCache:  # fmt: skip
+    """A cache filled through ``fill_backend(backend)`` by a drawn scenario; ``None``: drawn."""
+    block_size = block_size or data.draw(st.sampled_from(BLOCK_SIZES), label="block_size")
+    dtype = dtype or data.draw(st.sampled_from(DTYPES), label="dtype")
+    group = group or data.draw(st.sampled_from(GQA_RATIOS), label="group")
+    head_dim = head_dim or data.draw(st.sampled_from(HEAD_DIMS), label="head_dim")
+    scenario = data.draw(scenarios(block_size), label="scenario")
+    num_kv_heads = data.draw(st.sampled_from([1, 2]), label="num_kv_heads")
+    shape = Shape(block_size, num_kv_heads, group, head_dim, dtype)
+    return KVCache(scenario, shape, backend=fill_backend(backend))
+
+
+def dense_attention(
+    query: torch.Tensor, seqs: Sequence[Seq | None], scale: float, window: int | None = None,
+    query_lens: list[int] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """The spec: query ``i`` of a chunk of ``q`` (``query_lens``; default: one a sequence, decode),
+    at position ``p = length - q + i``, attends in fp32 the logical K/V at ``j <= p`` and, with a
+    window ``w``, ``j > p - w`` (HF's sliding_window); padding and empty sequences give zeros."""
     out = torch.zeros_like(query)
     start = 0
-    for seq, count in zip(seqs, query_lens, strict=True):
-        if count:
-            assert seq is not None
+    for seq, count in zip(seqs, query_lens or [1] * len(seqs), strict=True):
+        if count and seq is not None and seq.length:
             key, value = (torch.cat(parts) for parts in zip(*seq.kv, strict=True))  # [L, kv, dim]
             group = query.shape[1] // key.shape[1]
             k = key.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, L, dim]
@@ -379,13 +370,10 @@ def padded_tables(tables: list[list[int]], extra_columns: int, pad: int = -1) ->
 
 
 def check_slot_mapping(
-    tables: list[list[int]],
-    tokens: list[tuple[int, int]],
-    block_size: int,
+    tables: list[list[int]], tokens: list[tuple[int, int]], block_size: int,
     slot_mapping: Callable[..., torch.Tensor],  # (tables, positions, block_size, seq_ids)
-    extra_columns: int = 0,
-    index_dtype: torch.dtype = torch.int64,
-) -> None:
+    extra_columns: int = 0, index_dtype: torch.dtype = torch.int64,
+) -> None:  # fmt: skip
     """``slot_mapping`` of ``(sequence, position)`` tokens equals the spec, ``-1`` for padding."""
     expected = [translate_slot(tables[b], p, block_size) if p >= 0 else -1 for b, p in tokens]
     seq_ids = torch.tensor([b for b, _ in tokens], dtype=index_dtype, device=DEVICE)
@@ -404,12 +392,9 @@ def assert_writes(cache: torch.Tensor, write: Callable[..., None], expected: tor
 
 
 def check_store_kv(
-    cache: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    slots: list[int],
+    cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: list[int],
     store_kv: Callable[..., None],  # (key, value, k_cache, v_cache, slot_mapping)
-) -> None:
+) -> None:  # fmt: skip
     """``store_kv`` changes exactly the rows of the given slots (``-1``: none), to the tokens."""
     block_size = cache.shape[2]
     expected = cache.clone()

@@ -29,15 +29,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 FOLDER_PACKAGES = {"spec": "pagedkv.spec", "impl": "pagedkv.impl"}  # as pyproject.toml maps them
 
-DEFAULT_PATHS = (
-    "spec/block_manager.py", "spec/prefix_cache.py", "spec/utilization.py", "spec/checks.py",
-    "spec/fp8.py",
-    "impl/blocks/free_queue.py", "impl/blocks/pool.py", "impl/blocks/manager.py",
-    "impl/blocks/prefix_cache.py", "impl/blocks/rows.py", "impl/blocks/growth.py",
-    "impl/blocks/window.py", "impl/blocks/prefix_store.py", "impl/blocks/admission.py",
-    "impl/blocks/store.py", "impl/blocks/page_tables.py",
-)  # fmt: skip
-"""The files a full run mutates: the spec and impl's block management."""
+DEFAULT_PATHS = tuple(
+    path.relative_to(ROOT).as_posix()
+    for folder in ("spec", "impl/blocks")
+    for path in sorted((ROOT / folder).glob("*.py"))
+    if path.name != "__init__.py"
+)
+"""The files a full run mutates: every module of the spec and of impl's block management."""
 
 BLOCK_MANAGEMENT_TESTS = (
     "properties/test_block_table_store.py", "properties/test_impl_differential.py",
@@ -67,22 +65,18 @@ def tests_of(paths: Sequence[str]) -> tuple[str, ...]:
     return (*BLOCK_MANAGEMENT_TESTS, *dict.fromkeys(readers))
 
 
-EQUIVALENT_FILE = ROOT / "properties" / "equivalent_mutants.json"
-"""Survivors equivalent to the original: ``{"file", "scope", "operator", "code", "occurrence"
-(default 1), "reason"}`` objects, naming a mutant as :attr:`Mutant.ident` does."""
+def _ident(entry: dict[str, Any]) -> str:
+    key = f"{entry['file']}::{entry['scope']}::{entry['operator']}::{entry['code']}"
+    return key if entry.get("occurrence", 1) == 1 else f"{key}#{entry['occurrence']}"
 
 
-def load_equivalents(path: Path = EQUIVALENT_FILE) -> dict[str, str]:
-    """The recorded equivalent mutants, by ident, with their reasons."""
-    equivalent = {}
-    for entry in json.loads(path.read_text()):
-        key = f"{entry['file']}::{entry['scope']}::{entry['operator']}::{entry['code']}"
-        occurrence = entry.get("occurrence", 1)
-        equivalent[key if occurrence == 1 else f"{key}#{occurrence}"] = entry["reason"]
-    return equivalent
-
-
-EQUIVALENT: dict[str, str] = load_equivalents()
+EQUIVALENT = {
+    _ident(entry): entry["reason"]
+    for entry in json.loads((ROOT / "properties" / "equivalent_mutants.json").read_text())
+}
+"""Survivors equivalent to the original, by :attr:`Mutant.ident`, with the reason
+(``properties/equivalent_mutants.json``: ``file``, ``scope``, ``operator``, ``code``,
+``occurrence`` (default 1), ``reason``)."""
 
 
 def _swaps(pairs: str) -> dict[type, type]:

@@ -1,14 +1,9 @@
 """Fault seams found by tracing: every call a real engine step makes from one ``pagedkv`` module
-into another, or into a user callable (the draft source).
-
-:func:`tracing` records each such call with the module of the nearest ``pagedkv`` frame below it
-(torch and standard library frames between are looked through). Calls inside one module, imports
-(and what a module calls while it is imported) and the Triton interpreter's kernel bodies (one
-launch on a GPU) are no seams, nor (the fault model, docs/design.md §10) calls into the pure input
-checks (they change nothing) or from inside ``pagedkv.impl.blocks`` (one store call validates, then
-runs array code that cannot fail halfway). :func:`installed` makes every listed seam's calls go
-through a fault injector.
-"""
+(the nearest ``pagedkv`` frame below it: torch and standard library frames are looked through)
+into another, or into a user callable (the draft source). No seams (docs/design.md §10): calls
+inside one module, imports and what they call, the Triton interpreter's kernel bodies (one launch
+on a GPU), calls into the pure input checks, and from inside ``pagedkv.impl.blocks`` (one store
+call validates, then runs array code that cannot fail halfway)."""
 
 from __future__ import annotations
 
@@ -24,13 +19,8 @@ from typing import Any
 Seam = tuple[str, str]
 """``(caller module, callee)``: the callee as ``module:qualname``, or a user callable's name."""
 
-CHECKS = (
-    "pagedkv.spec.checks",
-    "pagedkv.kernels.check_arguments",
-    "pagedkv.kernels.check_shapes",
-    "pagedkv.kernels.check_values",
-)
-INSIDE_ONE_STORE_CALL = "pagedkv.impl.blocks"
+CHECKS = ("pagedkv.spec.checks", "pagedkv.kernels.check_arguments",
+          "pagedkv.kernels.check_shapes", "pagedkv.kernels.check_values")  # fmt: skip
 Wrap = Callable[[str, Callable[..., Any]], Callable[..., Any]]
 """A fault injector's ``wrap(name, function)``: the function, failing when the injector says."""
 
@@ -69,15 +59,6 @@ def _callee_name(frame: FrameType) -> str:
     return qualname
 
 
-def is_seam(caller: str, callee_module: str) -> bool:
-    """Whether a call from ``caller`` into ``callee_module`` is a fault seam."""
-    return (
-        caller != callee_module
-        and callee_module not in CHECKS
-        and not caller.startswith(INSIDE_ONE_STORE_CALL)
-    )
-
-
 @contextmanager
 def tracing(user: dict[CodeType, str]) -> Iterator[set[Seam]]:
     """Record the seams of the calls made in the block; ``user`` names user callables' code."""
@@ -98,9 +79,13 @@ def tracing(user: dict[CodeType, str]) -> Iterator[set[Seam]]:
         else:
             return
         caller = caller_module(frame.f_back)
-        if caller is not None and _importing(frame.f_back):  # a module's own import-time code
+        if caller is None or _importing(frame.f_back):  # or a module's own import-time code
             return
-        if caller is not None and (code in user or is_seam(caller, callee_module)):
+        if code in user or (
+            caller != callee_module
+            and callee_module not in CHECKS
+            and not caller.startswith("pagedkv.impl.blocks")  # inside one store call
+        ):
             seams.add((caller, callee))
 
     previous = sys.getprofile()
@@ -162,13 +147,9 @@ def installed(seams: set[Seam], wrap: Wrap) -> Iterator[None]:
             setattr(target, name, original)
 
 
-LISTED = Path(__file__).with_name("fault_seams.txt")
-"""The engine fault machine's seams, one ``caller callee`` pair a line."""
-
-
 def listed_seams() -> set[Seam]:
-    """The seams in :data:`LISTED`."""
-    lines = LISTED.read_text().splitlines()
+    """The engine fault machine's seams: ``fault_seams.txt``, one ``caller callee`` pair a line."""
+    lines = Path(__file__).with_name("fault_seams.txt").read_text().splitlines()
     return {tuple(line.split()) for line in lines if line and not line.startswith("#")}  # type: ignore[misc]
 
 

@@ -1,6 +1,5 @@
-"""The bounded exhaustive check runs every pool to its depth with its distinct states pinned (so
-exploring less fails), and catches the spec machines' planted bugs on small pools; controls
-pass."""
+"""The exhaustive check: every pool to its depth, its distinct states pinned (exploring less
+fails); the spec's planted bugs caught on small pools; controls pass."""
 
 from __future__ import annotations
 
@@ -18,15 +17,13 @@ from properties.exhaustive import (
     explore,
 )
 from properties.mutants import load_copy, load_mutant
-from properties.test_prefix_cache_planted_bugs import EVENT_CLASSES, PREFIX_BUGS
-from properties.test_spec_planted_bugs import SHARED_NAMES, SPEC_BUGS
+from properties.test_planted_bugs import EVENT_CLASSES, PREFIX_BUGS, SHARED_NAMES, SPEC_BUGS
 
 STATES = {
     BlockSystem: (BLOCK_POOLS, [85, 126, 583, 1159, 926, 1964, 1983, 4398]),
     PrefixSystem: (PREFIX_POOLS, [19, 54, 459, 1113, 1409, 1736, 807, 3918]),
 }
-"""Each system's pools ``(total_blocks, block_size, depth)`` and the distinct states each visits,
-in order (docs/results.md)."""
+"""Each system's pools and the distinct states each visits, in order (docs/results.md)."""
 
 # The planted bugs left to the machines: the exhaustive check enumerates no rollbacks, window
 # releases, KV events, resets or stats reads.
@@ -59,7 +56,7 @@ OBSERVER_BUGS = {
 
 
 QUICK_STATES = 1000
-"""Smaller pools run in the quick command, larger ones (minutes each) are marked ``long``."""
+"""Pools with fewer states run in the quick command; larger ones (minutes each) are ``long``."""
 
 POOLS = [
     pytest.param(

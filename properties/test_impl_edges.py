@@ -22,16 +22,12 @@ def same_state(spec: SpecBlockManager, impl: BlockManager) -> None:
     assert impl.pop_copy_pairs() == spec.pop_copy_pairs()
 
 
-def test_the_largest_pool_is_two_to_the_29() -> None:
-    """The free queue's ring (1.5x the pool) fits int32; block ids allow four times more."""
+def test_the_largest_pool_is_two_to_the_29(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The free queue's ring (1.5x the pool) fits int32; block ids allow four times more. A pool
+    at the limit is accepted, one more block refused."""
     assert manager_module.MAX_FREE_RING_BLOCKS == 2**29
     assert manager_module.MAX_FREE_RING_BLOCKS * 3 // 2 < 2**31
     assert checks.MAX_INT32_BLOCKS == 2**31 == checks.INT32_MAX + 1
-
-
-def test_a_pool_at_the_limit_is_accepted_and_one_more_block_refused(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
     monkeypatch.setattr(manager_module, "MAX_FREE_RING_BLOCKS", 8)  # at a testable size
     assert BlockManager(8).total_blocks == 8
     with pytest.raises(ValueError, match="total_blocks"):

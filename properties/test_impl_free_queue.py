@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from pagedkv.impl.blocks.free_queue import FreeBlockQueue
 from properties.machines.free_queue import FreeQueueMachine
@@ -25,19 +26,12 @@ def test_remove_is_amortized_constant() -> None:
     assert queue.compactions == 3  # when a push finds the ring full: once every 500 pushes
 
 
-def test_an_empty_pool_is_refused() -> None:
-    """A queue of no blocks has no ring to keep: ``ValueError``."""
-    for num_blocks in (0, -1):
-        try:
-            FreeBlockQueue(num_blocks)
-        except ValueError:
-            continue
-        raise AssertionError(f"FreeBlockQueue({num_blocks}) must raise ValueError")
-
-
 def test_a_small_ring_compacts_when_a_push_finds_it_full() -> None:
     """Two blocks, a ring of three slots: the second revival's push finds it full and compacts;
-    a pop of nothing past a tombstone returns an empty array."""
+    a pop of nothing past a tombstone returns an empty array. No blocks: no ring, refused."""
+    for num_blocks in (0, -1):
+        with pytest.raises(ValueError):
+            FreeBlockQueue(num_blocks)
     queue = FreeBlockQueue(2)
     for block_id in (0, 1):  # revive a block from the queue, free it again
         queue.remove(block_id)

@@ -15,7 +15,7 @@ from pagedkv.impl.blocks.prefix_cache import (
     PrefixCachingBlockManager,
     check_tokens,
 )
-from pagedkv.spec import BlockTableError, OutOfBlocksError
+from pagedkv.spec import OutOfBlocksError
 from pagedkv.spec.prefix_cache import PrefixCachingBlockManager as SpecPrefixManager
 from properties.machines.differential import IntSubclass
 from properties.machines.prefix import (
@@ -84,29 +84,6 @@ def test_store_hands_on_the_managers_events_stats_and_reset() -> None:
     assert store.reset_prefix_cache() is True and store.manager.num_cached_blocks == 0
     assert [type(event).__name__ for event in store.take_kv_events()] == ["AllBlocksCleared"]
     assert store.take_prefix_cache_stats() == PrefixCacheStats(resets=1)
-
-
-def test_store_prefix_lifecycle() -> None:
-    """Prefill, cache, share, decode into a fresh block, fork, remove and revive via the store."""
-    system = list(range(100, 108))
-    store = BlockTableStore(PrefixCachingBlockManager(8, 4), 4, 4)
-    assert store.add_prompt(0, [*system, 1]) == 0
-    assert store.cache_blocks(0, [*system, 1]) == 2
-    assert store.blocks_to_allocate([*system, 2]) == 1
-    assert store.add_prompt(1, [*system, 2]) == 8
-    assert store.table(1)[:2] == store.table(0)[:2]
-    assert store.grow([1], 3) == []  # fills block 2 of sequence 1: its own, no copy
-    assert store.pop_copy_pairs().shape == (0, 2)
-    assert store.cache_blocks(1, [*system, 2, 3, 4, 5]) == 1
-    store.fork(1, 2)
-    with pytest.raises(BlockTableError):
-        store.cache_blocks(2, [*system, 2, 3, 4, 6])
-    store.remove([0, 1, 2])
-    assert store.manager.num_free_blocks == 8 and store.manager.num_cached_blocks == 3
-    assert store.blocks_to_allocate([*system, 2, 3, 4, 5, 0]) == 4  # 3 revived + 1 fresh
-    assert store.add_prompt(3, [*system, 2, 3, 4, 5, 0]) == 12
-    stats = store.prefix_cache_stats
-    assert (stats.queried_blocks, stats.hit_blocks, stats.evictions) == (2 + 2 + 3, 2 + 3, 0)
 
 
 SCENARIOS: dict[str, Callable[[], None]] = {

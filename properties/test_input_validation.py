@@ -1,9 +1,7 @@
-"""Every layer checks its input: four pools of arguments, the error class, and nothing changed.
-
-Pools: **valid** and **edge** (degenerate but valid) must work, **wrong type** raises ``TypeError``,
-**out of range** ``ValueError``, ``IndexError`` or ``OutOfBlocksError``. Hypothesis breaks up to
-two arguments; a failing call changes nothing (compared with a twin). Blocks, kernels, serving.
-"""
+"""Every layer (blocks, kernels, serving) checks its input: **valid** and **edge** (degenerate)
+arguments work, a **wrong type** raises ``TypeError``, **out of range** ``ValueError``,
+``IndexError`` or ``OutOfBlocksError``. Hypothesis breaks up to two arguments of a call; a failing
+call changes nothing (compared with a twin)."""
 
 from __future__ import annotations
 
@@ -109,49 +107,37 @@ def snapshot(manager: Any) -> tuple:
 def manager_calls(manager: Any, tables: dict[str, list[int]]) -> dict[str, dict[str, Arg]]:
     """The public methods under test and their arguments' pools, for ``build_manager``'s state."""
     live, stale = tables["live"], tables["stale"]
-    counts = Arg([0, 3], [1], [1.0, True, "2", None], [-1])
-    tokens = Arg(
-        [[5, 6, 7, 8, 9], [1, 2, 3]],
-        [[], (5, 6), [0] * 4],
-        ["123", [1, 2.0], [True], None, {1, 2}],
-        [[1, -2]],
-    )
-    table_types = ["ab", [0.0], None, {0}, (True,)]
-    bad_tables = [stale, [99], [live[0], live[0]]]
+    counts = [1.0, True, "2", None]
+    tokens = Arg([[5, 6, 7, 8, 9], [1, 2, 3]], [[], (5, 6), [0] * 4],
+                 ["123", [1, 2.0], [True], None, {1, 2}], [[1, -2]])  # fmt: skip
+    table = Arg([live], [tuple(live)], ["ab", [0.0], None, {0}, (True,)],
+                [stale, [99], [live[0], live[0]]])  # fmt: skip
     block_id = Arg([0, live[0]], [manager.total_blocks - 1], [1.0, True, "0", None], [-1, 16])
     return {
         "max_hit_blocks": {"prompt_len": Arg([3, 7], [0, 1, 2**62], [4.5, True, "3"], [-1, -5])},
-        "block_keys": {"token_ids": tokens},
-        "lookup": {"token_ids": tokens},
-        "blocks_to_allocate": {"token_ids": tokens},
-        "allocate_prompt": {"token_ids": tokens},
+        **{name: {"token_ids": tokens}
+           for name in ("block_keys", "lookup", "blocks_to_allocate", "allocate_prompt")},
         "cache_blocks": {
-            "block_table": Arg([live], [tuple(live)], table_types, bad_tables),
-            "token_ids": Arg(
-                [PROMPT, PROMPT[:2]],
-                [[], PROMPT[:1], [*PROMPT, 1]],
-                ["x", [1.5]],
-                [[-1], list(range(20)), [7, 7, 7, 7]],
-            ),
+            "block_table": table,
+            "token_ids": Arg([PROMPT, PROMPT[:2]], [[], PROMPT[:1], [*PROMPT, 1]], ["x", [1.5]],
+                             [[-1], list(range(20)), [7, 7, 7, 7]]),
         },
-        "allocate": {
-            "num_blocks": Arg([0, 3], [manager.num_free_blocks], counts.wrong_type, [-1, 99])
-        },
-        "can_allocate": {"num_blocks": Arg([0, 3], [2**62], counts.wrong_type, [-1])},
-        "fork": {"block_table": Arg([live], [[]], table_types, bad_tables)},
-        "free": {"block_table": Arg([live], [[]], table_types, bad_tables)},
+        "allocate": {"num_blocks": Arg([0, 3], [manager.num_free_blocks], counts, [-1, 99])},
+        "can_allocate": {"num_blocks": Arg([0, 3], [2**62], counts, [-1])},
+        **{name: {"block_table": dataclasses.replace(table, edge=[[]])}
+           for name in ("fork", "free")},
         "append_slot": {
-            "block_table": Arg([live], [tuple(live)], table_types, bad_tables),
-            "token_count": Arg([5, 6, 9], [len(live) * 2], counts.wrong_type, [-1]),
-            "new_tokens": Arg([1], [0], counts.wrong_type, [-1]),
+            "block_table": table,
+            "token_count": Arg([5, 6, 9], [len(live) * 2], counts, [-1]),
+            "new_tokens": Arg([1], [0], counts, [-1]),
         },
         "translate_slot": {
-            "block_table": Arg([live], [tuple(live)], table_types, bad_tables),
+            "block_table": table,
             "token_pos": Arg([0, 3], [len(live) * 2 - 1], [1.0, None], [-1, len(live) * 2]),
         },
         "ref_count": {"block_id": block_id},
         "key_of": {"block_id": block_id},
-    }
+    }  # fmt: skip
 
 
 @given(st.data())
@@ -214,99 +200,56 @@ def kernel_calls(
     key, value = (torch.randn(3, 2, 8, generator=generator) for _ in range(2))
     tables = ints([[3, 0, -1], [5, -1, -1]])
     padded = ints([[3, 0, -1, -1], [5, -1, -1, -1]])
-    block_tables = Arg(
-        [tables], [padded], [tables.tolist(), tables.long(), tables.float()], [tables[:1]]
-    )
+    block_tables = Arg([tables], [padded], [tables.tolist(), tables.long(), tables.float()],
+                       [tables[:1]])  # fmt: skip
     backend = Arg(["reference"], [" Reference ", None], [1, b"reference"], ["gpu"])
-    validate = Arg([True], [], [1, "yes", None])
-    k_cache = Arg([cache_k], [], [cache_k.double(), cache_k.tolist()], [])
-    v_cache = Arg([cache_v], [], [cache_v.double()], [overlapping_k])
+    checked = {"backend": backend, "validate": Arg([True], [], [1, "yes", None])}
+    caches = {"k_cache": Arg([cache_k], [], [cache_k.double(), cache_k.tolist()], []),
+              "v_cache": Arg([cache_v], [], [cache_v.double()], [overlapping_k])}  # fmt: skip
     return {
-        "slot_mapping": (
-            kernels.slot_mapping,
-            {
-                "block_tables": block_tables,
-                "positions": Arg(
-                    [ints([5, 1])],
-                    [ints([-1, -1]), ints([4, 3], torch.int64)],
-                    [[5, 1], ints([5, 1]).float()],
-                    [ints([12, 0]), ints([-2, 0]), ints([5, 4])],
-                ),
-                "block_size": Arg(
-                    [4], [], [4.0, True, "4", None], [0, -3, 2**32 + 1, 2**61, 2**63]
-                ),
-                "num_blocks": Arg([None, 6, 100], [2**31], [6.0, True], [-1, 2**31 + 1]),
-                "backend": backend,
-                "validate": validate,
-            },
-        ),
-        "store_kv": (
-            kernels.store_kv,
-            {
-                "key": Arg(
-                    [key],
-                    [key.transpose(0, 1).contiguous().transpose(0, 1)],
-                    [key.double(), key.tolist()],
-                    [key[:, :1], cache_k.view(-1)[:48].view(3, 2, 8)],
-                ),
-                "value": Arg([value], [], [value.half()], [cache_v[0, :3]]),
-                "k_cache": k_cache,
-                "v_cache": v_cache,
-                "slot_mapping": Arg(
-                    [ints([0, 7, 23], torch.int64)],
-                    [ints([-1, -1, -1])],
-                    [[0, 7, -1]],
-                    [ints([0, 24, -1]), ints([0, -2, 1]), ints([3, 3, -1]), ints([0, 1])],
-                ),
-                "backend": backend,
-                "validate": validate,
-            },
-        ),
-        "paged_decode_attention": (
-            kernels.paged_decode_attention,
-            {
-                "query": Arg(
-                    [query],
-                    [query.transpose(0, 1).contiguous().transpose(0, 1)],
-                    [query.half(), query.tolist()],
-                    [query[:, :3], query[..., :4]],
-                ),
-                "k_cache": k_cache,
-                "v_cache": v_cache,
-                "block_tables": block_tables,
-                "context_lens": Arg(
-                    [ints([6, 2])],
-                    [ints([0, 0]), ints([8, 4], torch.int64)],
-                    [ints([6, 2]).float(), [6, 2]],
-                    [ints([13, 2]), ints([6, -1]), ints([9, 2])],
-                ),
-                "scale": Arg(
-                    [None, 0.3],
-                    [2.0**-149, 1e30],
-                    ["1", True, 1j, torch.tensor(1.0)],
-                    [0.0, 1e-50, 1e39, *BAD_NUMBERS],
-                ),
-                "num_splits": Arg([None, 2], [1, 64], [2.0, True], [0, 65, -1]),
-                "window": Arg([None, 3], [1, 2**70], [3.0, True, "3"], [0, -1]),
-                "backend": backend,
-                "validate": validate,
-            },
-        ),
-        "copy_blocks": (
-            kernels.copy_blocks,
-            {
-                "k_cache": k_cache,
-                "v_cache": v_cache,
-                "pairs": Arg(
-                    [[(0, 1)], ints([[2, 3], [3, 4]], torch.int64)],
-                    [[], torch.empty(0, 2, dtype=torch.int64), [(2, 2)], [(5, 0)]],
-                    ["ab", [(0.0, 1)], ints([[0, 1]]).float()],
-                    [[(0, 6)], [(-1, 0)], [(0, 1, 2)]],
-                ),
-                "backend": backend,
-            },
-        ),
-    }
+        "slot_mapping": (kernels.slot_mapping, {
+            "block_tables": block_tables,
+            "positions": Arg([ints([5, 1])], [ints([-1, -1]), ints([4, 3], torch.int64)],
+                             [[5, 1], ints([5, 1]).float()],
+                             [ints([12, 0]), ints([-2, 0]), ints([5, 4])]),
+            "block_size": Arg([4], [], [4.0, True, "4", None], [0, -3, 2**32 + 1, 2**61, 2**63]),
+            "num_blocks": Arg([None, 6, 100], [2**31], [6.0, True], [-1, 2**31 + 1]),
+            **checked,
+        }),
+        "store_kv": (kernels.store_kv, {
+            "key": Arg([key], [key.transpose(0, 1).contiguous().transpose(0, 1)],
+                       [key.double(), key.tolist()],
+                       [key[:, :1], cache_k.view(-1)[:48].view(3, 2, 8)]),
+            "value": Arg([value], [], [value.half()], [cache_v[0, :3]]),
+            **caches,
+            "slot_mapping": Arg([ints([0, 7, 23], torch.int64)], [ints([-1, -1, -1])], [[0, 7, -1]],
+                                [ints([0, 24, -1]), ints([0, -2, 1]), ints([3, 3, -1]),
+                                 ints([0, 1])]),
+            **checked,
+        }),
+        "paged_decode_attention": (kernels.paged_decode_attention, {
+            "query": Arg([query], [query.transpose(0, 1).contiguous().transpose(0, 1)],
+                         [query.half(), query.tolist()], [query[:, :3], query[..., :4]]),
+            **caches,
+            "block_tables": block_tables,
+            "context_lens": Arg([ints([6, 2])], [ints([0, 0]), ints([8, 4], torch.int64)],
+                                [ints([6, 2]).float(), [6, 2]],
+                                [ints([13, 2]), ints([6, -1]), ints([9, 2])]),
+            "scale": Arg([None, 0.3], [2.0**-149, 1e30], ["1", True, 1j, torch.tensor(1.0)],
+                         [0.0, 1e-50, 1e39, *BAD_NUMBERS]),
+            "num_splits": Arg([None, 2], [1, 64], [2.0, True], [0, 65, -1]),
+            "window": Arg([None, 3], [1, 2**70], [3.0, True, "3"], [0, -1]),
+            **checked,
+        }),
+        "copy_blocks": (kernels.copy_blocks, {
+            **caches,
+            "pairs": Arg([[(0, 1)], ints([[2, 3], [3, 4]], torch.int64)],
+                         [[], torch.empty(0, 2, dtype=torch.int64), [(2, 2)], [(5, 0)]],
+                         ["ab", [(0.0, 1)], ints([[0, 1]]).float()],
+                         [[(0, 6)], [(-1, 0)], [(0, 1, 2)]]),
+            "backend": backend,
+        }),
+    }  # fmt: skip
 
 
 @settings(max_examples=100)
@@ -356,97 +299,61 @@ def engine_state(engine: PagedAttentionEngine) -> tuple:
 def serving_calls(engine: PagedAttentionEngine) -> dict[str, tuple[Callable, dict[str, Arg]]]:
     logits = torch.randn(128, generator=torch.Generator().manual_seed(2))
     one_hot = torch.full((128,), -math.inf).index_fill(0, torch.tensor([7]), 0.0)
-    count = Arg([2], [1], [2.0, True, "2"], [0, -1])
+    counts = [2.0, True, "2"]
     return {
-        "sample_token": (
-            sample_token,
-            {
-                "logits": Arg(
-                    [logits],
-                    [logits[:1], one_hot, logits.half()],
-                    [logits.tolist(), logits.long(), None],
-                    [logits.view(2, 64), logits[:0]],
-                ),
-                "temperature": TEMPERATURE,
-                "generator": Arg([None, torch.Generator().manual_seed(1)], [], [1, "g"]),
-            },
-        ),
-        "add_request": (
-            engine.add_request,
-            {
-                "prompt": Arg(
-                    [[1, 2, 3], (4, 5)],
-                    [[0], [127] * 4, [9] * 50],
-                    PROMPT_TYPES,
-                    [[], [1, 128], [-1]],
-                ),
-                "max_new_tokens": Arg([2, 5], [1], count.wrong_type, [0, -1, 10**6]),
-                "n": Arg([1, 2], [4], count.wrong_type, [0, 5]),
-                "temperature": TEMPERATURE,
-                "eos_token_id": Arg([None, 2], [0, 127], [2.0, True, "2"], [-1, 128]),
-                "seed": Arg([None, 7], [0, 2**64], [1.0, True], [-1]),
-            },
-        ),
-        "generate": (
-            engine.generate,
-            {
-                "prompts": Arg(
-                    [[[1, 2, 3], [4, 5]]],
-                    [[], ([7],)],
-                    ["abc", [[1, 2], "x"], iter([[1]])],
-                    [[[1, 2, 3], [4, 5], [], [7]], [[1, 200]]],
-                ),
-                "max_new_tokens": Arg([2], [1], count.wrong_type, [0]),
-                "n": Arg([1, 2], [], count.wrong_type, [0]),
-                "temperature": TEMPERATURE,
-                "eos_token_id": Arg([None], [0], [True], [128]),
-                "progress": Arg([False], [], [0, "yes", None]),
-                "on_step": Arg([None, lambda metrics: None], [], [1, "f"]),
-            },
-        ),
-        "PagedAttentionEngine": (
-            lambda **kwargs: PagedAttentionEngine(MODEL, **kwargs),
-            {
-                "total_blocks": Arg([8], [1], [8.0, "8"], [0, -1]),
-                "block_size": Arg([4], [1], [4.0, None], [0]),
-                "enable_prefix_caching": Arg([True, False], [], [1, "yes"]),
-                "keep_logits": Arg([False], [True], [0, None]),
-                "seed": Arg([0], [2**70], [1.5, True], [-1]),
-                "backend": Arg(["reference", None], [" Reference "], [1, b"x"], ["gpu"]),
-            },
-        ),
-        "CausalLM.from_seed": (
-            CausalLM.from_seed,
-            {
-                "config": Arg([ModelConfig(num_layers=1)], [], [{"vocab_size": 128}, None]),
-                "seed": Arg([0, 3], [2**64 - 1], [1.0, "0"], [-1, 2**64]),
-                "dtype": Arg([torch.float32], [torch.bfloat16], [torch.int64, "float32"]),
-            },
-        ),
-        "CausalLM.compute_logits": (
-            MODEL.compute_logits,
-            {
-                "hidden": Arg(
-                    [torch.randn(3, 64)],
-                    [torch.randn(0, 64)],
-                    [torch.randn(3, 64).double(), [[0.0] * 64]],
-                    [torch.randn(64), torch.randn(3, 65)],
-                ),
-            },
-        ),
-        "ModelConfig": (
-            ModelConfig,
-            {
-                "vocab_size": Arg([128], [1], [128.0, True], [0]),
-                "num_kv_heads": Arg([2], [4], ["2"], [0, 3]),
-                "head_dim": Arg([16], [2], [16.0], [0, 15]),
-                "rope_theta": Arg([500.0], [TINY, HUGE], ["1e4", None], [0.0, -1.0, math.inf]),
-                "rms_norm_eps": Arg([1e-6], [0.0, TINY], [True, "x"], [-1e-6, math.nan]),
-                "tie_word_embeddings": Arg([False], [True], [0, "yes"]),
-                "sliding_window": Arg([None, 8], [1, 2**70], [8.0, True, "8"], [0, -1]),
-            },
-        ),
-    }
+        "sample_token": (sample_token, {
+            "logits": Arg([logits], [logits[:1], one_hot, logits.half()],
+                          [logits.tolist(), logits.long(), None], [logits.view(2, 64), logits[:0]]),
+            "temperature": TEMPERATURE,
+            "generator": Arg([None, torch.Generator().manual_seed(1)], [], [1, "g"]),
+        }),
+        "add_request": (engine.add_request, {
+            "prompt": Arg([[1, 2, 3], (4, 5)], [[0], [127] * 4, [9] * 50], PROMPT_TYPES,
+                          [[], [1, 128], [-1]]),
+            "max_new_tokens": Arg([2, 5], [1], counts, [0, -1, 10**6]),
+            "n": Arg([1, 2], [4], counts, [0, 5]),
+            "temperature": TEMPERATURE,
+            "eos_token_id": Arg([None, 2], [0, 127], [2.0, True, "2"], [-1, 128]),
+            "seed": Arg([None, 7], [0, 2**64], [1.0, True], [-1]),
+        }),
+        "generate": (engine.generate, {
+            "prompts": Arg([[[1, 2, 3], [4, 5]]], [[], ([7],)], ["abc", [[1, 2], "x"], iter([[1]])],
+                           [[[1, 2, 3], [4, 5], [], [7]], [[1, 200]]]),
+            "max_new_tokens": Arg([2], [1], counts, [0]),
+            "n": Arg([1, 2], [], counts, [0]),
+            "temperature": TEMPERATURE,
+            "eos_token_id": Arg([None], [0], [True], [128]),
+            "progress": Arg([False], [], [0, "yes", None]),
+            "on_step": Arg([None, lambda metrics: None], [], [1, "f"]),
+        }),
+        "PagedAttentionEngine": (lambda **kwargs: PagedAttentionEngine(MODEL, **kwargs), {
+            "total_blocks": Arg([8], [1], [8.0, "8"], [0, -1]),
+            "block_size": Arg([4], [1], [4.0, None], [0]),
+            "enable_prefix_caching": Arg([True, False], [], [1, "yes"]),
+            "keep_logits": Arg([False], [True], [0, None]),
+            "seed": Arg([0], [2**70], [1.5, True], [-1]),
+            "backend": Arg(["reference", None], [" Reference "], [1, b"x"], ["gpu"]),
+        }),
+        "CausalLM.from_seed": (CausalLM.from_seed, {
+            "config": Arg([ModelConfig(num_layers=1)], [], [{"vocab_size": 128}, None]),
+            "seed": Arg([0, 3], [2**64 - 1], [1.0, "0"], [-1, 2**64]),
+            "dtype": Arg([torch.float32], [torch.bfloat16], [torch.int64, "float32"]),
+        }),
+        "CausalLM.compute_logits": (MODEL.compute_logits, {
+            "hidden": Arg([torch.randn(3, 64)], [torch.randn(0, 64)],
+                          [torch.randn(3, 64).double(), [[0.0] * 64]],
+                          [torch.randn(64), torch.randn(3, 65)]),
+        }),
+        "ModelConfig": (ModelConfig, {
+            "vocab_size": Arg([128], [1], [128.0, True], [0]),
+            "num_kv_heads": Arg([2], [4], ["2"], [0, 3]),
+            "head_dim": Arg([16], [2], [16.0], [0, 15]),
+            "rope_theta": Arg([500.0], [TINY, HUGE], ["1e4", None], [0.0, -1.0, math.inf]),
+            "rms_norm_eps": Arg([1e-6], [0.0, TINY], [True, "x"], [-1e-6, math.nan]),
+            "tie_word_embeddings": Arg([False], [True], [0, "yes"]),
+            "sliding_window": Arg([None, 8], [1, 2**70], [8.0, True, "8"], [0, -1]),
+        }),
+    }  # fmt: skip
 
 
 @settings(max_examples=100)

@@ -1,14 +1,11 @@
 """fp8 caches on every backend: a store writes ``spec.fp8.quantize``'s code bit for bit,
 attention reads code value times scale (within the query dtype's tolerance of attention over
 those values in an fp32 cache), a copy moves bytes; bad scales and dtypes are refused with
-nothing written; the planted bugs users of fp8 caches report are caught."""
+nothing written (the planted bugs: test_kernels_planted_bugs)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
@@ -16,9 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv import kernels
-from pagedkv.kernels import numba_attention, numba_fp8, reference, triton_decode
 from pagedkv.spec import fp8 as spec
-from properties.kernel_cases import DEVICE, assert_close, load_mutant
+from properties.kernel_cases import DEVICE, assert_close
 
 BACKENDS = ("reference", "numba", "triton")
 FP8 = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
@@ -27,11 +23,8 @@ SCALES = ("k_scale", "v_scale")
 SCALE_VALUES = st.floats(2.0**-20, 2.0**20, width=32)
 
 
-def nan_caches(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    caches = tuple(torch.empty(shape, dtype=dtype) for _ in range(2))
-    for cache in caches:
-        cache.view(torch.uint8).fill_(0x7F)
-    return caches  # type: ignore[return-value]
+def nan_caches(dtype: torch.dtype, shape: tuple[int, ...]) -> list[torch.Tensor]:
+    return [torch.full(shape, 0x7F, dtype=torch.uint8).view(dtype) for _ in "kv"]
 
 
 def expected_codes(rows: torch.Tensor, scales: list[float], name: str) -> torch.Tensor:
@@ -141,10 +134,8 @@ def test_attention_reads_code_value_times_scale(
     args, k_fp32, v_fp32 = attention_case(dtype, query_dtype, seed=1)
     device = DEVICE if backend == "triton" else torch.device("cpu")
     on = {name: tensor.to(device) for name, tensor in args.items()}
-    fp32 = {**args, "k_cache": k_fp32.to(query_dtype), "v_cache": v_fp32.to(query_dtype)}
-    del fp32["k_scale"], fp32["v_scale"]
-    if query_dtype != torch.float32:  # the oracle reads the fp32 values, in fp32
-        fp32 = {**fp32, "k_cache": k_fp32, "v_cache": v_fp32, "query": args["query"].float()}
+    fp32 = {**args, "k_cache": k_fp32, "v_cache": v_fp32, "query": args["query"].float()}
+    del fp32["k_scale"], fp32["v_scale"]  # the oracle reads the fp32 values, in fp32
     for splits, window in ((1, None), (3, None), (3, 5)):
         options = {"num_splits": splits, "window": window}
         expected = kernels.paged_decode_attention(**fp32, window=window, backend="reference")
@@ -170,9 +161,8 @@ def test_attention_reads_code_value_times_scale(
     assert_close(actual, expected.to(query_dtype), "prefill")
 
 
-@pytest.mark.parametrize(
-    ("change", "error", "match"),
-    [
+REFUSED = [  # (function, change, error, match); "fp32_caches": the caches are fp32
+    *(("store_kv", *case) for case in [
         ({"k_scale": 0.0}, ValueError, "k_scale"),
         ({"v_scale": math.nan}, ValueError, "v_scale"),
         ({"k_scale": True}, TypeError, "k_scale"),
@@ -182,137 +172,34 @@ def test_attention_reads_code_value_times_scale(
         ({"key": torch.zeros(2, 2, 16, dtype=torch.float8_e4m3fn)}, TypeError, "key"),
         ({"value": torch.zeros(2, 2, 16, dtype=torch.float16)}, TypeError, "value"),
         ({"fp32_caches": True, "k_scale": 1.0}, ValueError, "k_scale"),
-    ],
-)
-def test_bad_scales_and_dtypes_are_refused_with_nothing_written(
-    change: dict, error: type[Exception], match: str
-) -> None:
-    k_cache, v_cache = nan_caches(torch.float8_e4m3fn, (2, 4, 2, 16))
-    change = dict(change)  # the parameter is shared between the cases
-    if change.pop("fp32_caches", False):
-        k_cache, v_cache = torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16)
-    call = {"key": torch.ones(2, 2, 16), "value": torch.ones(2, 2, 16), **change}
-    before = k_cache.clone(), v_cache.clone()
-    with pytest.raises(error, match=match):
-        kernels.store_kv(
-            k_cache=k_cache, v_cache=v_cache, slot_mapping=torch.tensor([0, 1]), **call
-        )
-    after = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    assert all(torch.equal(a, b.view(torch.uint8)) for a, b in zip(after, before, strict=True))
-
-
-@pytest.mark.parametrize(
-    ("change", "error", "match"),
-    [
+    ]),
+    *((function, *case) for function in ("paged_decode_attention", "paged_prefill_attention")
+      for case in [
         ({"fp32_caches": True, "v_scale": 1.0}, ValueError, "v_scale"),
         ({"k_scale": torch.ones(3)}, ValueError, "k_scale"),
         ({"query": torch.zeros(1, 4, 16, dtype=torch.float8_e5m2)}, TypeError, "query"),
-    ],
-)
-@pytest.mark.parametrize("function", ["paged_decode_attention", "paged_prefill_attention"])
-def test_attention_refuses_bad_scales_and_dtypes(
+    ]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("function", "change", "error", "match"), REFUSED)
+def test_bad_scales_and_dtypes_are_refused_with_nothing_written(
     function: str, change: dict, error: type[Exception], match: str
 ) -> None:
-    k_cache, v_cache = nan_caches(torch.float8_e4m3fn, (2, 4, 2, 16))
+    caches = nan_caches(torch.float8_e4m3fn, (2, 4, 2, 16))
     change = dict(change)  # the parameter is shared between the cases
     if change.pop("fp32_caches", False):
-        k_cache, v_cache = torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16)
-    call = {"query": torch.ones(1, 4, 16), "k_cache": k_cache, "v_cache": v_cache, **change}
-    call |= {"block_tables": torch.zeros(1, 1, dtype=torch.int32)}
-    lens = {"context_lens": torch.zeros(1, dtype=torch.int32)}
-    if function == "paged_prefill_attention":
-        lens["cu_seqlens_q"] = torch.tensor([0, 1])
+        caches = [torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16)]
+    call = {"k_cache": caches[0], "v_cache": caches[1], **change}
+    if function == "store_kv":
+        rows = {"key": torch.ones(2, 2, 16), "value": torch.ones(2, 2, 16)}
+        call = {**rows, "slot_mapping": torch.tensor([0, 1]), **call}
+    else:
+        call = {"query": torch.ones(1, 4, 16), "block_tables": torch.zeros(1, 1).int(), **call}
+        call["context_lens"] = torch.zeros(1, dtype=torch.int32)
+        if function == "paged_prefill_attention":
+            call["cu_seqlens_q"] = torch.tensor([0, 1])
+    before = [cache.view(torch.uint8).clone() for cache in caches]
     with pytest.raises(error, match=match):
-        getattr(kernels, function)(**call, **lens)
-
-
-def check_store(store: Callable[..., None]) -> None:
-    """``store(key, value, k_codes, v_codes, slots, scales, fp8)`` (the backends' trusted
-    store on ``uint8`` views) writes the spec's codes of normal values under per-head scales."""
-    for dtype, name in FP8.items():
-        key, value = torch.randn(2, 4, 2, 16, generator=torch.Generator().manual_seed(3))
-        scales = torch.tensor([0.3, 7.0]), torch.tensor([0.01, 1.0])
-        k_cache, v_cache = nan_caches(dtype, (1, 4, 2, 16))
-        codes = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-        store(key, value, *codes, torch.arange(4), scales, name)
-        for stored, rows, scale in zip(codes, (key, value), scales, strict=True):
-            assert torch.equal(stored[0], expected_codes(rows, scale.tolist(), name)), name
-
-
-def check_decode(decode: Callable[..., torch.Tensor]) -> None:
-    """``decode(query, k_codes, v_codes, tables, lens, scale, scales, fp8)`` equals the
-    reference over the fp32 cache of the same values."""
-    for dtype, name in FP8.items():
-        args, k_fp32, v_fp32 = attention_case(dtype, torch.float32, seed=4)
-        tables, lens, query = args["block_tables"], args["context_lens"], args["query"]
-        expected = reference.paged_decode_attention(query, k_fp32, v_fp32, tables, lens, 0.25)
-        codes = (args[cache].view(torch.uint8) for cache in ("k_cache", "v_cache"))
-        scales = args["k_scale"].contiguous(), args["v_scale"].contiguous()  # as api makes them
-        actual = decode(query, *codes, tables, lens, 0.25, scales, name)
-        assert_close(actual, expected, name)
-
-
-def reference_decode(module: ModuleType) -> Callable[..., torch.Tensor]:
-    def decode(query, k_codes, v_codes, tables, lens, scale, scales, name):
-        dtype = next(d for d, n in FP8.items() if n == name)
-        caches = k_codes.view(dtype), v_codes.view(dtype)
-        return module.paged_decode_attention(query, *caches, tables, lens, scale, scales=scales)
-
-    return decode
-
-
-def store_through(module: ModuleType) -> Callable[..., None]:
-    """``numba_cache.store_kv`` storing fp8 rows with ``module`` (``numba_fp8`` or a copy)."""
-
-    def store(key, value, k_codes, v_codes, slots, scales, name):
-        slots_of = (cache.view(-1, *cache.shape[2:]) for cache in (k_codes, v_codes))
-        module.store_codes((key, value), tuple(slots_of), slots, scales, name)
-
-    return store
-
-
-def numba_decode_through(module: ModuleType) -> Callable[..., torch.Tensor]:
-    """``numba_attention.decode`` reading fp8 codes with ``module`` (``numba_fp8`` or a copy)."""
-
-    def decode(query, k_codes, v_codes, tables, lens, scale, scales, name):
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(numba_attention, "numba_fp8", module)
-            return numba_attention.decode(
-                query, k_codes, v_codes, tables, lens, scale, 2, None, scales, name
-            )
-
-    return decode
-
-
-PLANTED: dict[str, tuple[ModuleType, str, str, str, Callable, Callable]] = {
-    "scale applied twice on store": (
-        numba_fp8, "store_rows", "rows[t, h, d] / scale[h]",
-        "rows[t, h, d] / scale[h] / scale[h]", check_store, store_through,
-    ),
-    "rounding toward zero on store": (
-        numba_fp8, "round_shift", "q + 1 if rest > half or (rest == half and q & 1) else q",
-        "q", check_store, store_through,
-    ),
-    "V's scale forgotten in decode": (
-        triton_decode, "_decode_kernel", "out = out * tl.load(v_scale_ptr + kv_head)",
-        "out = out", check_decode,
-        lambda m: lambda q, k, v, t, n, s, sc, f: m.launch(q, k, v, t, n, s, 3, scales=sc, fp8=f),
-    ),
-    "K's scale forgotten in the reference read": (
-        reference, "read_kv", "fp8.dequantize(codes, scale, cache.dtype)",
-        "codes.view(cache.dtype).float()", check_decode, reference_decode,
-    ),
-    "e5m2 read as e4m3": (
-        numba_fp8, "kernel_arguments", "DECODE_TABLES[fp8]", "DECODE_TABLES['fp8_e4m3']",
-        check_decode,
-        numba_decode_through,
-    ),
-}  # fmt: skip
-
-
-@pytest.mark.parametrize("name", PLANTED)
-def test_the_fp8_checks_catch_the_planted_bug(name: str, tmp_path: Path) -> None:
-    module, function, old, new, check, reach = PLANTED[name]
-    check(reach(module))  # the real code passes
-    with pytest.raises(AssertionError):
-        check(reach(load_mutant(module, function, old, new, tmp_path)))
+        getattr(kernels, function)(**call)
+    assert all(map(torch.equal, (cache.view(torch.uint8) for cache in caches), before))

@@ -11,17 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv.kernels import numba_attention, numba_runtime
-from properties.kernel_cases import (
-    DEVICE,
-    KVCache,
-    Shape,
-    check_attention,
-    decode_on,
-    fixed_scenario,
-    prefill_on,
-)
+from properties import kernel_cases as kc
 
-pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="the numba backend runs on CPU")
+pytestmark = pytest.mark.skipif(kc.DEVICE.type != "cpu", reason="the numba backend runs on CPU")
 
 
 def test_splits_follow_the_threads_and_the_length() -> None:
@@ -41,9 +33,9 @@ def test_the_parallel_drivers_equal_the_serial_ones(
 ) -> None:
     """The property tests' calls are below ``PARALLEL_MIN_BYTES`` (serial drivers); with it at 0
     and two threads the pool runs the same programs to the same bits (thread-chosen splits too)."""
-    shape = Shape(block_size, 2, 4, 64, torch.float32)
-    cache = KVCache(fixed_scenario(block_size), shape, backend="numba")
-    prefill = prefill_on("numba")
+    shape = kc.Shape(block_size, 2, 4, 64, torch.float32)
+    cache = kc.KVCache(kc.fixed_scenario(block_size), shape, backend="numba")
+    prefill = kc.prefill_on("numba")
     seqs, tables, lens = cache.batch(extra_columns=1, padding_row=True)
     query = cache.randn(len(seqs), 8, 64)
     query_lens = [seq.length if seq else 0 for seq in seqs]
@@ -53,8 +45,8 @@ def test_the_parallel_drivers_equal_the_serial_ones(
 
     def both() -> tuple[torch.Tensor, ...]:
         return (
-            decode_on("numba", 2)(query, *args, lens, 0.125, window=5),
-            decode_on("numba")(query, *args, lens, 0.125),
+            kc.decode_on("numba", 2)(query, *args, lens, 0.125, window=5),
+            kc.decode_on("numba")(query, *args, lens, 0.125),
             prefill(flat, *args, offsets, lens, 0.125, window=7),
         )
 
@@ -64,8 +56,8 @@ def test_the_parallel_drivers_equal_the_serial_ones(
         serial = both()
         monkeypatch.setattr(numba_runtime, "PARALLEL_MIN_BYTES", 0)
         parallel = both()
-        check_attention(cache, decode_on("numba"), extra_columns=1, padding_row=True)
-        check_attention(cache, prefill, query_lens[:-1])
+        kc.check_attention(cache, kc.decode_on("numba"), extra_columns=1, padding_row=True)
+        kc.check_attention(cache, prefill, query_lens[:-1])
     finally:
         torch.set_num_threads(threads)
     for one, other in zip(serial, parallel, strict=True):

@@ -17,6 +17,7 @@ import torch
 from pagedkv.kernels import (
     numba_attention,
     numba_cache,
+    numba_fp8,
     reference,
     sdpa,
     triton_copy_blocks,
@@ -25,19 +26,8 @@ from pagedkv.kernels import (
     triton_slot_mapping,
     triton_store_kv,
 )
-from properties.kernel_cases import (
-    DEVICE,
-    ON_CPU,
-    KVCache,
-    Shape,
-    check_attention,
-    check_copy_blocks,
-    check_slot_mapping,
-    check_store_kv,
-    fixed_scenario,
-    load_mutant,
-    sdpa_prefill,
-)
+from properties import kernel_cases as kc
+from properties.test_kernels_fp8 import FP8, attention_case, expected_codes
 
 MUTANT_DIR = Path(tempfile.gettempdir()) / "pagedkv-kernel-mutants"
 MUTANT_QUERY_LENS = [17, 1, 19]  # fixed_scenario(16)'s live sequences hold 50, 51 and 19 tokens
@@ -45,43 +35,91 @@ MUTANT_QUERY_LENS = [17, 1, 19]  # fixed_scenario(16)'s live sequences hold 50, 
 WINDOW_QUERY_LENS = [3, 1, 7]
 
 
-def fixed_cache(block_size: int, group: int, head_dim: int) -> KVCache:
+def fixed_cache(block_size: int, group: int, head_dim: int) -> kc.KVCache:
     """The fixed run at ``block_size`` in fp32, two KV heads; fresh, so its queries' RNG too."""
-    shape = Shape(block_size, 2, group, head_dim, torch.float32)
-    return KVCache(fixed_scenario(block_size), shape, backend="reference")
+    shape = kc.Shape(block_size, 2, group, head_dim, torch.float32)
+    return kc.KVCache(kc.fixed_scenario(block_size), shape, backend="reference")
 
 
 def check_decode(decode: Callable[..., torch.Tensor]) -> None:
     """Block size 16 and 4, an extra column holding a real block (an off-by-one read stays in the
     caches); at block size 4 a window of 5, the entries before it poisoned with a NaN block."""
-    check_attention(fixed_cache(16, 4, 80), decode, extra_columns=1, pad=0)
+    kc.check_attention(fixed_cache(16, 4, 80), decode, extra_columns=1, pad=0)
     cache = fixed_cache(4, 4, 64)
-    check_attention(cache, decode, extra_columns=1, pad=0)
-    check_attention(cache, decode, extra_columns=1, pad=0, window=5, poison="nan")
+    kc.check_attention(cache, decode, extra_columns=1, pad=0)
+    kc.check_attention(cache, decode, extra_columns=1, pad=0, window=5, poison="nan")
 
 
 def check_prefill_runs(prefill: Callable[..., torch.Tensor]) -> None:
     """Chunks over cached prefixes, and with a window of 4, poisoned before it."""
-    check_attention(fixed_cache(16, 4, 80), prefill, MUTANT_QUERY_LENS, extra_columns=1, pad=0)
-    check_attention(fixed_cache(4, 2, 64), prefill, WINDOW_QUERY_LENS, window=4, poison="nan")
+    kc.check_attention(fixed_cache(16, 4, 80), prefill, MUTANT_QUERY_LENS, extra_columns=1, pad=0)
+    kc.check_attention(fixed_cache(4, 2, 64), prefill, WINDOW_QUERY_LENS, window=4, poison="nan")
 
 
 def check_slots(slot_mapping: Callable[..., torch.Tensor]) -> None:
     """Every position of every live sequence of the fixed run at block size 4."""
-    tables = [seq.table for seq in fixed_scenario(4).play().seqs]
+    tables = [seq.table for seq in kc.fixed_scenario(4).play().seqs]
     tokens = [(b, p) for b, table in enumerate(tables) for p in range(len(table) * 4)]
-    check_slot_mapping(tables, tokens, 4, slot_mapping)
+    kc.check_slot_mapping(tables, tokens, 4, slot_mapping)
 
 
 def check_store(store_kv: Callable[..., None]) -> None:
     """Four tokens into zeroed caches: one skipped (``-1``), one at slot 0."""
-    key = torch.randn(4, 2, 80, generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    check_store_kv(torch.zeros(2, 3, 4, 2, 80, device=DEVICE), key, -key, [5, 0, -1, 11], store_kv)
+    key = torch.randn(4, 2, 80, generator=torch.Generator().manual_seed(0)).to(kc.DEVICE)
+    kc.check_store_kv(
+        torch.zeros(2, 3, 4, 2, 80, device=kc.DEVICE), key, -key, [5, 0, -1, 11], store_kv
+    )
 
 
 def check_copy(copy_blocks: Callable[..., None]) -> None:
-    cache = torch.randn(2, 4, 16, 2, 80, generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    check_copy_blocks(cache, [(0, 1), (2, 3)], copy_blocks)
+    cache = torch.randn(2, 4, 16, 2, 80, generator=torch.Generator().manual_seed(0)).to(kc.DEVICE)
+    kc.check_copy_blocks(cache, [(0, 1), (2, 3)], copy_blocks)
+
+
+def check_fp8_store(store_codes: Callable[..., None]) -> None:
+    """``store_codes(rows, uint8 caches [slots, heads, dim], slots, scales, fp8)`` writes the
+    spec's codes of normal values under per-head scales."""
+    for name in FP8.values():
+        rows = torch.randn(2, 4, 2, 16, generator=torch.Generator().manual_seed(3))
+        scales = torch.tensor([0.3, 7.0]), torch.tensor([0.01, 1.0])
+        codes = tuple(torch.full((4, 2, 16), 0x7F, dtype=torch.uint8) for _ in "kv")
+        store_codes(tuple(rows), codes, torch.arange(4), scales, name)
+        for stored, row, scale in zip(codes, rows, scales, strict=True):
+            assert torch.equal(stored, expected_codes(row, scale.tolist(), name)), name
+
+
+def check_fp8_decode(decode: Callable[..., torch.Tensor], device: str = "cpu") -> None:
+    """``decode(query, k, v, tables, lens, scale, splits, window, scales=, fp8=)`` on the caches'
+    ``uint8`` views, on ``device``, equals the reference over the fp32 cache of the same values."""
+    for dtype, name in FP8.items():
+        args, k_fp32, v_fp32 = attention_case(dtype, torch.float32, seed=4)
+        tables, lens, query = args["block_tables"], args["context_lens"], args["query"]
+        expected = reference.paged_decode_attention(query, k_fp32, v_fp32, tables, lens, 0.25)
+        codes = [args[cache].view(torch.uint8) for cache in ("k_cache", "v_cache")]
+        on = [tensor.to(device) for tensor in (query, *codes, tables, lens)]
+        scales = tuple(args[s].contiguous().to(device) for s in ("k_scale", "v_scale"))  # as api
+        actual = decode(*on, 0.25, 3, None, scales=scales, fp8=name)
+        kc.assert_close(actual, expected, name)
+
+
+def numba_fp8_decode(module: ModuleType) -> Callable[..., torch.Tensor]:
+    """``numba_attention.decode`` reading fp8 codes with ``module`` (``numba_fp8`` or a copy)."""
+
+    def decode(*args: object, **kwargs: object) -> torch.Tensor:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(numba_attention, "numba_fp8", module)
+            return numba_attention.decode(*args, **kwargs)
+
+    return decode
+
+
+def reference_fp8_decode(module: ModuleType) -> Callable[..., torch.Tensor]:
+    def decode(query, k, v, tables, lens, scale, splits, window, *, scales, fp8):
+        dtype = next(d for d, n in FP8.items() if n == fp8)
+        caches = k.view(dtype), v.view(dtype)
+        return module.paged_decode_attention(query, *caches, tables, lens, scale, scales=scales)
+
+    return decode
 
 
 # Each entry point: its module, its check, and how to reach it in the module or a mutant of it.
@@ -92,7 +130,7 @@ ENTRIES: dict[str, tuple[ModuleType, Callable[[Callable[..., object]], None], Re
     "triton prefill": (triton_prefill, check_prefill_runs, lambda m: m.launch),
     "numba prefill": (numba_attention, check_prefill_runs, lambda m: m.prefill),
     "reference prefill": (reference, check_prefill_runs, lambda m: m.paged_prefill_attention),
-    "sdpa prefill": (sdpa, check_prefill_runs, sdpa_prefill),
+    "sdpa prefill": (sdpa, check_prefill_runs, kc.sdpa_prefill),
     "triton slot mapping": (
         triton_slot_mapping,
         check_slots,
@@ -112,6 +150,15 @@ ENTRIES: dict[str, tuple[ModuleType, Callable[[Callable[..., object]], None], Re
     ),
     "triton copy_blocks": (triton_copy_blocks, check_copy, lambda m: m.launch),
     "numba copy_blocks": (numba_cache, check_copy, lambda m: m.copy_blocks),
+    # fp8 caches: named so that none is skipped on a GPU (CPU tensors, Triton's on the device)
+    "fp8 numba store": (numba_fp8, check_fp8_store, lambda m: m.store_codes),
+    "fp8 triton decode": (
+        triton_decode,
+        partial(check_fp8_decode, device=kc.DEVICE),
+        lambda m: m.launch,
+    ),
+    "fp8 numba decode": (numba_fp8, check_fp8_decode, numba_fp8_decode),
+    "fp8 reference decode": (reference, check_fp8_decode, reference_fp8_decode),
 }
 
 # One planted bug per paragraph: "entry point: bug: function" (entry points and their functions
@@ -221,6 +268,16 @@ triton copy_blocks: copy reads dst where it should read src: _copy_blocks_kernel
     tl.load(pairs_ptr + 2 * pair) => tl.load(pairs_ptr + 2 * pair + 1)
 numba copy_blocks: copy reads dst where it should read src: _copy_blocks
     src, dst = pairs[i, 0], pairs[i, 1] => src, dst = pairs[i, 1], pairs[i, 1]
+fp8 numba store: scale applied twice on store: store_rows
+    rows[t, h, d] / scale[h] => rows[t, h, d] / scale[h] / scale[h]
+fp8 numba store: rounding toward zero on store: round_shift
+    q + 1 if rest > half or (rest == half and q & 1) else q => q
+fp8 triton decode: V's scale forgotten in decode: _decode_kernel
+    out = out * tl.load(v_scale_ptr + kv_head) => out = out
+fp8 reference decode: K's scale forgotten in the reference read: read_kv
+    fp8.dequantize(codes, scale, cache.dtype) => codes.view(cache.dtype).float()
+fp8 numba decode: e5m2 read as e4m3: kernel_arguments
+    DECODE_TABLES[fp8] => DECODE_TABLES['fp8_e4m3']
 """
 
 
@@ -240,13 +297,9 @@ def parse_bugs(table: str) -> dict[tuple[str, str], tuple[str, str, str]]:
 PLANTED = parse_bugs(PLANTED_BUGS)
 
 
-def on_device(entry: str) -> list[object]:
-    """The pytest marks of ``entry``: numba runs on CPU only."""
-    return [ON_CPU] if entry.startswith("numba") else []
-
-
 @pytest.mark.parametrize(
-    "entry", [pytest.param(entry, marks=on_device(entry)) for entry in ENTRIES]
+    "entry",
+    [pytest.param(entry, marks=[kc.ON_CPU] * entry.startswith("numba")) for entry in ENTRIES],
 )
 def test_the_real_code_passes_its_check(entry: str) -> None:
     module, check, reach = ENTRIES[entry]
@@ -255,11 +308,14 @@ def test_the_real_code_passes_its_check(entry: str) -> None:
 
 @pytest.mark.parametrize(
     ("entry", "bug"),
-    [pytest.param(*key, marks=on_device(key[0]), id=": ".join(key)) for key in PLANTED],
+    [
+        pytest.param(*key, marks=[kc.ON_CPU] * key[0].startswith("numba"), id=": ".join(key))
+        for key in PLANTED
+    ],
 )
 def test_the_check_catches_the_planted_bug(entry: str, bug: str) -> None:
     MUTANT_DIR.mkdir(exist_ok=True)
     module, check, reach = ENTRIES[entry]
-    mutant = load_mutant(module, *PLANTED[entry, bug], MUTANT_DIR)
+    mutant = kc.load_mutant(module, *PLANTED[entry, bug], MUTANT_DIR)
     with pytest.raises(AssertionError):
         check(reach(mutant))

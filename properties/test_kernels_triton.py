@@ -23,21 +23,9 @@ from pagedkv.kernels.compile_budgets import GATED_TARGETS, budget_failures
 from pagedkv.kernels.launch_config import TARGETS, Call, occupancy, programs_per_sm, tiles
 from pagedkv.kernels.triton_copy_blocks import hazard_free_waves
 from pagedkv.spec.checks import INT32_MAX
-from properties.kernel_cases import (
-    BLOCK_SIZES,
-    DTYPES,
-    GQA_RATIOS,
-    KVCache,
-    Shape,
-    assert_close,
-    dense_attention,
-    fixed_scenario,
-    kernel_examples,
-    load_mutant,
-    scenarios,
-)
+from properties import kernel_cases as kc
 
-HALF = DTYPES[1:]
+HALF = kc.DTYPES[1:]
 triton_decode = pytest.importorskip("pagedkv.kernels.triton_decode")
 triton_prefill = pytest.importorskip("pagedkv.kernels.triton_prefill")
 triton_store_kv = pytest.importorskip("pagedkv.kernels.triton_store_kv")
@@ -48,7 +36,7 @@ triton_store_kv = pytest.importorskip("pagedkv.kernels.triton_store_kv")
     longest=st.integers(1, INT32_MAX),
     window=st.none() | st.integers(1, INT32_MAX),
     num_splits=st.integers(1, MAX_SPLITS),
-    dtype=st.sampled_from(DTYPES),
+    dtype=st.sampled_from(kc.DTYPES),
     head_dim=st.sampled_from([48, 64, 128, 256]),
 )
 def test_every_split_has_work_for_the_longest_context(
@@ -219,7 +207,7 @@ def test_an_fp8_cache_keeps_the_occupancy_of_the_query_dtypes_cache_or_its_floor
 
 def test_the_tile_table_is_total() -> None:
     head_dims = (1, 48, 64, 80, 96, 128, 200, 256, 512)
-    for kernel, dtype, head_dim in itertools.product(("decode", "prefill"), DTYPES, head_dims):
+    for kernel, dtype, head_dim in itertools.product(("decode", "prefill"), kc.DTYPES, head_dims):
         tile = tiles(kernel, dtype, head_dim, 90)
         assert tile.block_n >= 16 and tile.rows >= 16 and tile.num_warps in (4, 8)
     with pytest.raises(ValueError, match="kernel"):
@@ -254,34 +242,33 @@ def test_the_compile_gate_meets_the_budgets_over_the_ci_grid() -> None:
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
-@settings(max_examples=kernel_examples(30), deadline=None)
+@settings(max_examples=kc.kernel_examples(30), deadline=None)
 @given(data=st.data())
 def test_gpu_rounding_stays_within_the_tolerance(dtype: torch.dtype, data: st.DataObject) -> None:
     """Decode and prefill with the GPU's rounding vs exact attention and the dense oracle."""
-    block_size = data.draw(st.sampled_from(BLOCK_SIZES), label="block_size")
-    group = data.draw(st.sampled_from(GQA_RATIOS), label="group")
     head_dim = data.draw(st.sampled_from([64, 128]), label="head_dim")
-    scenario = data.draw(scenarios(block_size), label="scenario")
-    cache = KVCache(scenario, Shape(block_size, 1, group, head_dim, dtype), backend="reference")
+    cache = kc.draw_cache(data, "reference", dtype=dtype, head_dim=head_dim)
     seqs, tables, lens = cache.batch()
     scale = data.draw(st.sampled_from([head_dim**-0.5, 1.0]), label="scale")
     query = cache.randn(len(seqs), cache.shape.num_heads, head_dim)
     args = (query, cache.k_cache, cache.v_cache, tables, lens, scale)
     rounded = reference.paged_decode_attention(*args, gpu_rounding=True)
-    assert_close(rounded, reference.paged_decode_attention(*args), "GPU rounding vs exact")
-    assert_close(rounded, dense_attention(query, seqs, scale), "GPU rounding vs dense, decode")
+    kc.assert_close(rounded, reference.paged_decode_attention(*args), "GPU rounding vs exact")
+    kc.assert_close(
+        rounded, kc.dense_attention(query, seqs, scale), "GPU rounding vs dense, decode"
+    )
 
     query_lens = [data.draw(st.integers(0, s.length), label="q_len") for s in seqs]
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
     flat = cache.randn(int(starts[-1]), cache.shape.num_heads, head_dim)
     args = (flat, cache.k_cache, cache.v_cache, tables, starts, lens, scale)
     rounded = reference.paged_prefill_attention(*args, gpu_rounding=True)
-    assert_close(rounded, reference.paged_prefill_attention(*args), "GPU rounding, prefill")
+    kc.assert_close(rounded, reference.paged_prefill_attention(*args), "GPU rounding, prefill")
 
 
 def rounding_case(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """Decode arguments on the fixed run at block size 16, head dim 128."""
-    cache = KVCache(fixed_scenario(16), Shape(16, 2, 4, 128, dtype), backend="reference")
+    cache = kc.KVCache(kc.fixed_scenario(16), kc.Shape(16, 2, 4, 128, dtype), backend="reference")
     _, tables, lens = cache.batch()
     query = cache.randn(tables.shape[0], 8, 128)
     return query, cache.k_cache, cache.v_cache, tables, lens, 128**-0.5
@@ -294,24 +281,19 @@ def test_the_kernels_agree_with_the_gpu_rounding(dtype: torch.dtype) -> None:
     rounded = reference.paged_decode_attention(*args, gpu_rounding=True)
     for splits in (1, 3):
         triton = kernels.paged_decode_attention(*args, num_splits=splits, backend="triton")
-        assert_close(triton, rounded, f"triton ({splits} splits) vs GPU rounding")
+        kc.assert_close(triton, rounded, f"triton ({splits} splits) vs GPU rounding")
     assert not torch.equal(rounded, reference.paged_decode_attention(*args))
 
 
 def test_a_coarser_rounding_breaks_the_tolerance(tmp_path: Path) -> None:
     """P rounded to fp8 instead of the cache dtype, planted in the reference, fails fp16's."""
-    mutant = load_mutant(
-        reference,
-        "masked_attention",
-        "p.to(query.dtype).float()",
-        "p.to(torch.float8_e4m3fn).float()",
-        tmp_path,
-    )
+    old, new = "p.to(query.dtype).float()", "p.to(torch.float8_e4m3fn).float()"
+    mutant = kc.load_mutant(reference, "masked_attention", old, new, tmp_path)
     args = rounding_case(torch.float16)
     exact = reference.paged_decode_attention(*args)
-    assert_close(reference.paged_decode_attention(*args, gpu_rounding=True), exact, "real")
+    kc.assert_close(reference.paged_decode_attention(*args, gpu_rounding=True), exact, "real")
     with pytest.raises(AssertionError):
-        assert_close(mutant.paged_decode_attention(*args, gpu_rounding=True), exact, "fp8 P")
+        kc.assert_close(mutant.paged_decode_attention(*args, gpu_rounding=True), exact, "fp8 P")
 
 
 Waves = Callable[[list[tuple[int, int]]], list[list[tuple[int, int]]]]
@@ -337,7 +319,7 @@ def check_waves(pairs: list[tuple[int, int]], order: random.Random, waves_of: Wa
     assert state == sequential
 
 
-@settings(max_examples=kernel_examples(300))
+@settings(max_examples=kc.kernel_examples(300))
 @given(
     pairs=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4)), max_size=8),
     order=st.randoms(use_true_random=False),

@@ -57,8 +57,7 @@ def valid_args() -> dict[str, Args]:
     }
 
 
-Edit = Callable[[Args], Args]  # a valid call's arguments -> the case's
-Case = tuple[str, Edit]  # (function, edit)
+Case = tuple[str, Callable[[Args], Args]]  # (function, a valid call's arguments -> the case's)
 
 
 def changing(function: str) -> Callable[..., Case]:
@@ -94,11 +93,6 @@ def meta(tensor: torch.Tensor) -> torch.Tensor:
 
 def all_meta(args: Args) -> Args:
     return {name: meta(value) for name, value in args.items()}  # type: ignore[arg-type]
-
-
-def strided(cache: torch.Tensor) -> torch.Tensor:
-    """``cache``'s values with its block and head dimensions swapped in memory."""
-    return cache.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def overlapping(args: Args) -> Args:
@@ -163,7 +157,10 @@ VALUE_ERRORS: dict[str, tuple[str, Case]] = {
     "heads not a multiple": ("num_heads", decode(query=lambda q: q[:, :3])),
     "head_dim mismatch": ("head_dim", decode(query=lambda q: q[..., :4])),
     "v_cache shape": ("v_cache", decode(v_cache=lambda v: v[:5])),
-    "cache not contiguous": ("contiguous", decode(k_cache=strided)),
+    "cache not contiguous": (  # block and head dimensions swapped in memory
+        "contiguous",
+        decode(k_cache=lambda k: k.transpose(1, 2).contiguous().transpose(1, 2)),
+    ),
     "scale negative": ("scale", decode(scale=-1.0)),
     "scale is inf in fp32": ("in fp32", decode(scale=1e39)),
     "scale is 0 in fp32": ("in fp32", decode(scale=1e-50)),

@@ -9,30 +9,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def readme_commands() -> list[str]:
+def test_the_readme_s_commands_are_what_ci_runs() -> None:
+    """A demo, the quick test command, then the long checks (plain pytest deselects ``long``;
+    the timing checks last): CI runs the tests, then the long checks."""
     blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
-    return [block.strip() for block in blocks[:3]]
-
-
-def test_readme_opens_with_a_demo_command_and_a_test_command() -> None:
-    demo, tests, _ = readme_commands()
+    demo, tests, long_checks = (block.strip() for block in blocks[:3])
     assert demo.startswith("python3 -m venv .venv") and demo.endswith("run.py")
     assert tests.startswith("python3 -m venv .venv") and "pytest" in tests
-
-
-def test_ci_runs_the_readme_test_command() -> None:
-    ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
-    assert readme_commands()[1] in ci_lines
-
-
-def test_the_third_command_runs_the_long_checks_and_ci_runs_it_after_the_tests() -> None:
-    """Plain pytest deselects ``long``; the third command runs it, the timing checks last."""
-    _, tests, long_checks = readme_commands()
     rest, alone = (command.split(" -m ")[-1] for command in long_checks.split(" && "))
     assert (rest, alone) == ('"long and not alone" -n auto', '"long and alone"')
     assert "-m long" not in tests
     ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
-    assert ci_lines.index(long_checks) > ci_lines.index(tests)
+    assert tests in ci_lines and ci_lines.index(long_checks) > ci_lines.index(tests)
 
 
 MAX_FILE_LINES = 450
@@ -72,7 +60,7 @@ def test_no_product_file_or_function_is_over_the_caps() -> None:
     assert not functions, f"functions over {MAX_FUNCTION_LINES} lines: {functions}"
 
 
-MAX_PROPERTIES_LINES = 14_903
+MAX_PROPERTIES_LINES = 13_937
 """A ratchet on ``properties/``, toward issue 32's 12k lines of Python (the product's size): raised
 only by a later issue's checks, reported in its notes; new machines use the lockstep driver."""
 

@@ -52,71 +52,6 @@ def test_chapter_shared_system_prompt_example() -> None:
     assert manager.free_block_ids()[-1] == 3, "only block 3 is returned"
 
 
-def test_free_returns_tail_block_first() -> None:
-    manager = BlockManager(6, 2)
-    table = manager.allocate(3)
-    manager.free(table)
-    assert manager.free_block_ids() == [3, 4, 5, 2, 1, 0]
-
-
-def test_allocate_is_all_or_nothing() -> None:
-    manager = BlockManager(3, 4)
-    held = manager.allocate(2)
-    with pytest.raises(OutOfBlocksError, match="asked for 2 blocks but only 1 are free"):
-        manager.allocate(2)
-    assert manager.free_block_ids() == [2]
-    assert manager.allocate(0) == []
-    assert held == [0, 1]
-
-
-def test_append_slot_is_all_or_nothing() -> None:
-    manager = BlockManager(3, 2)
-    table = manager.allocate(2)
-    with pytest.raises(OutOfBlocksError):
-        manager.append_slot(table, 8, new_tokens=4)  # needs 2 more blocks, 1 free
-    assert manager.free_block_ids() == [2]
-
-
-def test_copy_on_write_of_the_shared_last_block() -> None:
-    manager = BlockManager(8, 4)
-    parent = manager.allocate(2)  # holds 6 tokens: block 1 is half full
-    child = manager.fork(parent)
-    child = manager.append_slot(child, 7)  # writes position 6, inside shared block 1
-    assert child == [0, 2]
-    assert manager.pop_copy_pairs() == [(1, 2)]
-    assert manager.pop_copy_pairs() == [], "pairs are handed out once"
-    assert [manager.ref_count(b) for b in (0, 1, 2)] == [2, 1, 1]
-    parent = manager.append_slot(parent, 7)  # block 1 is now the parent's alone: no copy
-    assert parent == [0, 1] and manager.pop_copy_pairs() == []
-
-
-def test_copy_on_write_happens_before_growth() -> None:
-    """A multi-token append into a shared block: the copy's block is taken before growth blocks."""
-    manager = BlockManager(8, 4)
-    parent = manager.allocate(1)
-    child = manager.fork(parent)
-    child = manager.append_slot(child, 9, new_tokens=7)  # writes positions 2..8
-    assert child == [1, 2, 3]
-    assert manager.pop_copy_pairs() == [(0, 1)]
-
-
-def test_append_into_fresh_block_of_shared_table_does_not_copy() -> None:
-    manager = BlockManager(8, 4)
-    parent = manager.allocate(1)  # 4 tokens: block 0 is full
-    child = manager.fork(parent)
-    assert manager.append_slot(child, 5) == [0, 1]
-    assert manager.pop_copy_pairs() == []
-    assert manager.ref_count(0) == 2
-
-
-def test_reserving_slots_writes_nothing_and_copies_nothing() -> None:
-    manager = BlockManager(8, 4)
-    parent = manager.allocate(1)
-    child = manager.fork(parent)
-    assert manager.append_slot(child, 6, new_tokens=0) == [0, 1]
-    assert manager.pop_copy_pairs() == []
-
-
 @pytest.mark.parametrize(
     ("call", "error", "message"),
     [
@@ -143,6 +78,9 @@ def test_reserving_slots_writes_nothing_and_copies_nothing() -> None:
         (lambda m: m.release_outside_window([0, 2], 8, 1), BlockTableError, "free"),
         (lambda m: m.release_outside_window([0, None], 8, 1), TypeError, "block id must be"),
         (lambda m: m.append_slot([None, 1], 2), BlockTableError, "released"),
+        # all or nothing: nothing is taken when too few blocks are free
+        (lambda m: m.allocate(9), OutOfBlocksError, "asked for 9 blocks but only 8 are free"),
+        (lambda m: m.append_slot([0, 1], 41, new_tokens=33), OutOfBlocksError, "9 blocks"),
     ],
 )
 @SPEC_AND_IMPL

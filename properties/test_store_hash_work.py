@@ -46,13 +46,15 @@ def test_the_store_reports_whether_it_caches_prefixes() -> None:
     prompt_len=st.integers(BLOCK_SIZE, 40),
     growth=st.lists(st.integers(1, 9), max_size=6),
     via_admit=st.booleans(),
+    token=st.sampled_from([int, Token]),
 )
 def test_each_full_block_is_hashed_once(
-    prompt_len: int, growth: list[int], via_admit: bool
+    prompt_len: int, growth: list[int], via_admit: bool, token: type[int]
 ) -> None:
-    """Admission hashes the full blocks; each later cache_blocks only those filled since."""
+    """Admission hashes the full blocks; each later cache_blocks only those filled since.
+    Int-subclass tokens reach ``hash_fn`` as plain ints."""
     store, counting = make_store()
-    tokens = list(range(100, 100 + prompt_len))
+    tokens = [token(t) for t in range(100, 100 + prompt_len)]
     if via_admit:
         assert store.admit(0, tokens) is not None
     else:
@@ -61,9 +63,10 @@ def test_each_full_block_is_hashed_once(
     store.cache_blocks(0, tokens)
     for step in growth:
         store.grow([0], step)
-        tokens += range(len(tokens), len(tokens) + step)
+        tokens += map(token, range(len(tokens), len(tokens) + step))
         store.cache_blocks(0, tokens)
     assert counting.calls == len(tokens) // BLOCK_SIZE
+    assert counting.token_types == {int}
 
 
 @given(
@@ -119,20 +122,6 @@ def test_a_refused_prompt_is_not_hashed_again(
     other = [t + 1 for t in tokens]
     assert store.admit(9, other, headroom=10_000) is None
     assert counting.calls == 2 * (len(tokens) // BLOCK_SIZE)
-
-
-@given(prompt_len=st.integers(BLOCK_SIZE, 20), growth=st.integers(BLOCK_SIZE, 12))
-def test_the_hash_sees_plain_ints_only(prompt_len: int, growth: int) -> None:
-    """Int-subclass tokens reach ``hash_fn`` as plain ints, at admission and after growth."""
-    store, counting = make_store()
-    tokens = [Token(t) for t in range(100, 100 + prompt_len)]
-    store.add_prompt(0, tokens)
-    store.cache_blocks(0, tokens)
-    store.grow([0], growth)
-    tokens += [Token(t) for t in range(growth)]
-    store.cache_blocks(0, tokens)
-    assert counting.calls == len(tokens) // BLOCK_SIZE
-    assert counting.token_types == {int}
 
 
 def test_after_a_refusal_a_bad_prompt_gets_the_token_error() -> None:

@@ -35,7 +35,6 @@ from pagedkv.impl.blocks import store as store_module
 from pagedkv.spec.block_manager import BlockManager as SpecBlockManager
 from pagedkv.spec.block_manager import OutOfBlocksError
 from pagedkv.spec.prefix_cache import PrefixCachingBlockManager as SpecPrefixManager
-from properties.block_lockstep import Both
 from properties.mutants import CONTROL_SEARCHES, FIND, load_copy, load_mutant, planted_store
 from properties.outcomes import outcome
 
@@ -306,27 +305,6 @@ class WindowPreemptionMachine(PreemptionMachine):
 
 
 TestWindowPreemption = WindowPreemptionMachine.TestCase
-
-
-WRITERS = {  # sequences added, forks (parent, child), and the writers of one batch
-    "two blocks, one written twice": ([0, 2], [(0, 1), (2, 3)], [0, 2, 3]),
-    "one block written by four": ([0], [(0, 1), (0, 2), (0, 3)], [0, 1, 2, 3]),
-}
-
-
-@pytest.mark.parametrize("method", ["grow", "grow_or_preempt"])
-@pytest.mark.parametrize("case", sorted(WRITERS))
-def test_writers_of_a_shared_block_copy_it_in_batch_order(method: str, case: str) -> None:
-    """Every writer of a shared partly filled block but the last copies it, in batch order."""
-    added, forks, writers = WRITERS[case]
-    both = Both(12, 4, 8, 8, prefix=False)
-    for seq_id in added:
-        both.add(seq_id, 2)
-    for parent, child in forks:
-        both.fork(parent, child)
-    assert both.grow(dict.fromkeys(writers, 1), method) == []
-    both.check()
-    assert both.store.pop_copy_pairs().tolist() == [list(p) for p in both.spec.pop_copy_pairs()]
 
 
 M, C, W = PreemptionMachine, CopySourcePreemptionMachine, WindowPreemptionMachine

@@ -1,8 +1,8 @@
 """vLLM's v1 block manager checked against the spec, from the long command, never skipped.
 
-The ``long`` tests build or reuse ``.venv-vllm`` (``properties/vllm_env.py``) and run the
-conformance machine (``properties/machines/vllm.py``) and bench_trace's vLLM systems there; an
-environment that cannot be built FAILS them. The rest need no vLLM.
+The ``long`` tests build or reuse ``.venv-vllm`` and run there the conformance machine,
+bench_trace's vLLM systems and vLLM's attention against ours; an environment that cannot be
+built FAILS them. The rest need no vLLM.
 """
 
 from __future__ import annotations
@@ -53,6 +53,14 @@ def test_vllm_takes_the_trace_s_identical_steps() -> None:
     assert re.search(r"\b4 passed\b", output), output
 
 
+@pytest.mark.long
+def test_vllm_unified_attention_agrees_with_ours() -> None:
+    """vLLM's Triton attention agrees with ours: ``properties/vllm_attention.py``."""
+    passed_in_vllm_env(
+        lambda: vllm_env.run_pytest("properties/vllm_attention.py", "--hypothesis-profile=ci")
+    )
+
+
 def test_the_design_table_lists_every_divergence_and_the_rules_are_its_rows_of_kind_rule() -> None:
     text = (ROOT / "docs" / "design.md").read_text()
     section = text.split("\n## vLLM ↔ pagedkv\n", 1)[1].split("\n## ", 1)[0]
@@ -60,8 +68,8 @@ def test_the_design_table_lists_every_divergence_and_the_rules_are_its_rows_of_k
     assert sorted(names) == sorted(DIVERGENCES), "docs/design.md's table and DIVERGENCES differ"
     assert len(names) == len(set(names))
     kinds = re.findall(r"^\| `([A-Z_]+)` \|.*\| (rule|mapping|scope)\b[^|]*\|$", section, re.M)
-    assert dict(kinds) == {n: d.kind for n, d in DIVERGENCES.items()}, "kinds differ"
-    assert {n for n, d in DIVERGENCES.items() if d.kind == "rule"} == BEHAVIOUR_RULES
+    assert dict(kinds) == DIVERGENCES, "kinds differ"
+    assert {n for n, kind in DIVERGENCES.items() if kind == "rule"} == BEHAVIOUR_RULES
     assert BEHAVIOUR_RULES  # the machine has rules to switch off
     with pytest.raises(ValueError):
         VllmRules(4, 2, rules=frozenset({"NULL_BLOCK"}))  # a mapping is not a rule

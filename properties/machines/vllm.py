@@ -1,13 +1,10 @@
-"""vLLM's v1 KV-cache manager against the spec, in lockstep: the conformance machine.
-
-Runs in ``.venv-vllm`` only (``properties/test_vllm_conformance.py`` runs it there; not named
-``test_*.py``). :class:`VllmConformance` drives vLLM (:class:`~properties.vllm_adapter.VllmKVCache`)
-and :class:`~properties.vllm_rules.VllmRules` through admit, decode, free, free again and lookup:
-the same results and exception classes, and after every step the same tables, free queue in
-order, reference counts, contents and lookup order, evictions, KV-event router view and hit
-counters; a refused call changes nothing in vLLM; the spec's invariants hold on vLLM itself,
-with simulated K/V. Below: planted vLLM bugs, each rule switched off, one example per divergence.
-"""
+"""vLLM's v1 KV-cache manager against the spec in lockstep (``.venv-vllm`` only, run by
+``properties/test_vllm_conformance.py``). :class:`VllmConformance` drives vLLM and
+:class:`~properties.vllm_rules.VllmRules` through admit, decode, free, free again and lookup: the
+same results and exception classes, then the same tables, queue order, reference counts,
+contents, lookup order, evictions, KV-event view and hit counters; a refused call changes nothing;
+the spec's invariants hold on vLLM itself (simulated K/V). Below: planted vLLM bugs, each rule
+switched off, one example per divergence."""
 
 from __future__ import annotations
 
