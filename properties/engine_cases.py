@@ -209,15 +209,33 @@ def run(workload: Workload, **engine_kwargs: object) -> Run:
     return Run(engine, by_index, released)
 
 
-def assert_logits_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    torch.testing.assert_close(
-        actual, expected, atol=LOGIT_ATOL, rtol=LOGIT_RTOL, msg=lambda m: f"{what}: {m}"
+def assert_logits_close(
+    actual: torch.Tensor, expected: torch.Tensor, what: str, fp32: torch.Tensor | None = None
+) -> None:
+    """Within the fp32 layers' tolerance; for an fp8 cache (``fp32``: the same tokens' logits
+    over an fp32 cache) also within :data:`FP8_FLIP` of the format's own error on them."""
+    atol = (
+        LOGIT_ATOL if fp32 is None else LOGIT_ATOL + FP8_FLIP * float((expected - fp32).abs().max())
     )
+    torch.testing.assert_close(
+        actual, expected, atol=atol, rtol=LOGIT_RTOL, msg=lambda m: f"{what}: {m}"
+    )
+
+
+FP8_FLIP = 0.25
+"""Paged and dense attention sum in different orders, so with an fp8 cache a K or V value within
+a rounding error of the midpoint between two codes takes either one, and the layers after it
+move: in 25,554 drawn samples (2026-12-05, ``workloads()`` with an fp8 cache, numba) 89 samples'
+logits moved past :data:`LOGIT_ATOL`, by up to 7.9e-3 and at most 0.090 of the format's own
+error on the sequence (the fp8 oracle's logits against the fp32 oracle's, 0.024 or more). A
+cache that skipped the quantization is off by all of it; a wrong block read is caught at
+:data:`LOGIT_ATOL` in the drawn fp32 workloads."""
 
 
 def check_against_oracle(workload: Workload, result: Run) -> None:
     """Greedy samples are the dense oracle's, with its logits; sampled: teacher-forced logits."""
-    eos = workload.eos_token_id
+    eos, fp8 = workload.eos_token_id, workload.kv_cache_dtype != "auto"
+    kv = {"kv_cache_dtype": workload.kv_cache_dtype, "kv_scales": workload.kv_scales or (1.0, 1.0)}
     for request, out in zip(workload.requests, result.outputs, strict=True):
         assert len(out.outputs) == request.n
         assert out.logits is not None
@@ -232,16 +250,17 @@ def check_against_oracle(workload: Workload, result: Run) -> None:
                 if eos in expected:
                     expected = expected[: expected.index(eos) + 1]
                 assert tokens == expected, f"{what}: paged {tokens} != dense {expected}"
-                assert_logits_close(logits, oracle.logits[: len(tokens)], what)
+                expected_logits = oracle.logits[: len(tokens)]
             else:
                 assert len(tokens) == request.max_new_tokens or tokens[-1] == eos, what
                 assert eos not in tokens[:-1], f"{what}: generated past EOS"
-                forced = dense_generate(
-                    workload.model, request.prompt, 0, forced=tokens,
-                    kv_cache_dtype=workload.kv_cache_dtype,
-                    kv_scales=workload.kv_scales or (1.0, 1.0),
-                )  # fmt: skip
-                assert_logits_close(logits, forced.logits, what)
+                expected_logits = dense_generate(
+                    workload.model, request.prompt, 0, forced=tokens, **kv
+                ).logits
+            fp32 = dense_generate(workload.model, request.prompt, 0, forced=tokens) if fp8 else None
+            assert_logits_close(
+                logits, expected_logits, what, None if fp32 is None else fp32.logits
+            )
 
 
 def check_all_freed(engine: PagedAttentionEngine) -> None:

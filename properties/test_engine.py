@@ -99,6 +99,13 @@ def test_the_check_catches_a_missing_copy_on_write(
         check_against_oracle(workload, run(workload))
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_the_fp8_tolerance_still_tells_an_unquantized_cache(kv_cache_dtype: str) -> None:
+    """Teeth of ``engine_cases.FP8_FLIP``: an fp32 cache's run is not taken for an fp8 one."""
+    with pytest.raises(AssertionError, match=r"paged .* != dense|Greatest absolute difference"):
+        check_against_oracle(PRESSURE.but(kv_cache_dtype=kv_cache_dtype), run(PRESSURE))
+
+
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
     ({"backend": "gpu"}, ValueError, "backend"),
     ({"enable_kv_events": True}, ValueError, "enable_kv_events"),  # needs prefix caching
