@@ -21,8 +21,10 @@ ANY: Any = object()
 """``expect``'s default: no stated result, only the store's and the spec's compared."""
 
 
-def expected(result: Any, expect: Any) -> Any:
-    """``result``, asserted equal to ``expect`` unless that is :data:`ANY`."""
+def expected(result: Any, expect: Any, raised: bool = False) -> Any:
+    """``result``, asserted equal to ``expect`` unless that is :data:`ANY`; an error class
+    (``raised``) only where one is expected."""
+    assert not (raised and expect is ANY), f"raised {result} where no error was expected"
     assert expect is ANY or result == expect, (result, expect)
     return result
 
@@ -76,7 +78,8 @@ class Both:
         assert done == outcome(
             self.spec.cache_blocks, self.tables[seq_id], tokens, extra, message=True
         )
-        return expected(done[1] if done[0] == "ok" else done[1][0], expect)
+        raised = done[0] == "raised"
+        return expected(done[1][0] if raised else done[1], expect, raised)
 
     def fork(self, parent: int, child: int) -> None:
         self.store.fork(parent, child)
@@ -128,7 +131,7 @@ class Both:
         assert outcome(grow, list(steps), 1 if decode else list(steps.values())) == planned
         if planned[0] == "ok":
             self.spec, self.tables, self.counts = spec, tables, counts
-        return expected(planned[1], expect)
+        return expected(planned[1], expect, planned[0] == "raised")
 
     def pop(self, expect: Any = ANY) -> list[list[int]]:
         pairs = self.store.pop_copy_pairs().tolist()

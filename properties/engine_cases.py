@@ -28,6 +28,15 @@ MODEL = CausalLM.from_seed(CONFIG, seed=0)
 LOGIT_ATOL = 1e-4
 LOGIT_RTOL = 1e-4
 
+FP8_FLIP = 0.25
+"""Paged and dense attention sum in different orders, so with an fp8 cache a K or V value within
+a rounding error of the midpoint between two codes takes either one, and the layers after it
+move: in 25,554 drawn samples (2026-12-05, ``workloads()`` with an fp8 cache, numba) 89 samples'
+logits moved past :data:`LOGIT_ATOL`, by up to 7.9e-3 and at most 0.090 of the format's own
+error on the sequence (the fp8 oracle's logits against the fp32 oracle's, 0.024 or more). A
+cache that skipped the quantization is off by all of it; a wrong block read is caught at
+:data:`LOGIT_ATOL` in the drawn fp32 workloads."""
+
 
 @contextmanager
 def one_thread() -> Iterator[None]:
@@ -210,26 +219,18 @@ def run(workload: Workload, **engine_kwargs: object) -> Run:
 
 
 def assert_logits_close(
-    actual: torch.Tensor, expected: torch.Tensor, what: str, fp32: torch.Tensor | None = None
+    actual: torch.Tensor, expected: torch.Tensor, what: str, fp32_logits: torch.Tensor | None = None
 ) -> None:
-    """Within the fp32 layers' tolerance; for an fp8 cache (``fp32``: the same tokens' logits
-    over an fp32 cache) also within :data:`FP8_FLIP` of the format's own error on them."""
+    """Within the fp32 layers' tolerance; for an fp8 cache (``fp32_logits``: the same tokens' logits
+    over an fp32 cache) also within :data:`FP8_FLIP` of the format's own error."""
     atol = (
-        LOGIT_ATOL if fp32 is None else LOGIT_ATOL + FP8_FLIP * float((expected - fp32).abs().max())
+        LOGIT_ATOL
+        if fp32_logits is None
+        else LOGIT_ATOL + FP8_FLIP * float((expected - fp32_logits).abs().max())
     )
     torch.testing.assert_close(
         actual, expected, atol=atol, rtol=LOGIT_RTOL, msg=lambda m: f"{what}: {m}"
     )
-
-
-FP8_FLIP = 0.25
-"""Paged and dense attention sum in different orders, so with an fp8 cache a K or V value within
-a rounding error of the midpoint between two codes takes either one, and the layers after it
-move: in 25,554 drawn samples (2026-12-05, ``workloads()`` with an fp8 cache, numba) 89 samples'
-logits moved past :data:`LOGIT_ATOL`, by up to 7.9e-3 and at most 0.090 of the format's own
-error on the sequence (the fp8 oracle's logits against the fp32 oracle's, 0.024 or more). A
-cache that skipped the quantization is off by all of it; a wrong block read is caught at
-:data:`LOGIT_ATOL` in the drawn fp32 workloads."""
 
 
 def check_against_oracle(workload: Workload, result: Run) -> None:

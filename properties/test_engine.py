@@ -99,6 +99,17 @@ def test_the_check_catches_a_missing_copy_on_write(
         check_against_oracle(workload, run(workload))
 
 
+def test_triton_kernels_drive_the_engine() -> None:
+    """The Triton kernels (the CPU interpreter) drive the engine, with forks and a preemption."""
+    requests = (Request((5, 6, 7, 8, 9), 4, 2, 1.0, 0), Request((5, 6, 7, 8, 1, 2), 4, 1, 0.0, 0))
+    workload = Workload(requests, block_size=2, total_blocks=5, max_num_seqs=3,
+                        max_num_batched_tokens=16)  # fmt: skip
+    result = run(workload, backend="triton")
+    assert sum(m.preemptions for m in result.engine.metrics) > 0
+    check_against_oracle(workload, result)
+    check_all_freed(result.engine)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
 def test_the_fp8_tolerance_still_tells_an_unquantized_cache(kv_cache_dtype: str) -> None:
     """Teeth of ``engine_cases.FP8_FLIP``: an fp32 cache's run is not taken for an fp8 one."""

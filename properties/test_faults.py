@@ -811,6 +811,11 @@ FOUND = {
         {"draft_source": wrong_drafts, "num_speculative_tokens": 3}, [([5, 7, 9], 8, 1, None)],
         [("store", "truncate", (2, 3))],
     ),
+    # With n = 3, the 2nd fork and the remove undoing the first raised: the first child stayed
+    # in the store but not in the running list, and every later step raised.
+    "a failed fork and undo of the forks do not wedge the engine": (
+        {}, [([5, 7, 9, 11, 13], 4, 3, None)], [("store", "fork", (2,)), ("store", "remove", (1,))],
+    ),
     # The last request finished in a step whose metrics failed: nothing was unfinished any
     # more, so nothing stepped again to return it.
     "a request finished in a step whose metrics failed comes back": (

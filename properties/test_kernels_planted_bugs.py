@@ -88,7 +88,9 @@ def check_fp8_store(store_codes: Callable[..., None]) -> None:
             assert torch.equal(stored, expected_codes(row, scale.tolist(), name)), name
 
 
-def check_fp8_decode(decode: Callable[..., torch.Tensor], device: str = "cpu") -> None:
+def check_fp8_decode(
+    decode: Callable[..., torch.Tensor], device: str | torch.device = "cpu"
+) -> None:
     """``decode(query, k, v, tables, lens, scale, splits, window, scales=, fp8=)`` on the caches'
     ``uint8`` views, on ``device``, equals the reference over the fp32 cache of the same values."""
     for dtype, name in FP8.items():
@@ -114,7 +116,11 @@ def numba_fp8_decode(module: ModuleType) -> Callable[..., torch.Tensor]:
 
 
 def reference_fp8_decode(module: ModuleType) -> Callable[..., torch.Tensor]:
-    def decode(query, k, v, tables, lens, scale, splits, window, *, scales, fp8):
+    def decode(
+        query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor,
+        lens: torch.Tensor, scale: float, splits: int, window: int | None, *,
+        scales: tuple[torch.Tensor, torch.Tensor], fp8: str,
+    ) -> torch.Tensor:  # fmt: skip
         dtype = next(d for d, n in FP8.items() if n == fp8)
         caches = k.view(dtype), v.view(dtype)
         return module.paged_decode_attention(query, *caches, tables, lens, scale, scales=scales)
