@@ -2,8 +2,9 @@
 (the nearest ``pagedkv`` frame below it: torch and standard library frames are looked through)
 into another, or into a user callable (the draft source). No seams (docs/design.md §10): calls
 inside one module, imports and what they call, the Triton interpreter's kernel bodies (one launch
-on a GPU), calls into the pure input checks, and from inside ``pagedkv.impl.blocks`` (one store
-call validates, then runs array code that cannot fail halfway)."""
+on a GPU), what numba's compiler calls (once per signature and cache), calls into the pure input
+checks, and from inside ``pagedkv.impl.blocks`` (one store call validates, then runs array code
+that cannot fail halfway)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,16 @@ def _importing(frame: FrameType | None) -> bool:
     return False
 
 
+def _compiling(frame: FrameType | None) -> bool:
+    """Whether numba's compiler stands between ``frame`` and the nearest ``pagedkv`` frame: it
+    runs a kernel's Python helpers (intrinsics' codegen, type inference) only on a cold cache."""
+    while frame is not None and not (name := _module(frame)).startswith("pagedkv"):
+        if name.startswith("numba"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _callee_name(frame: FrameType) -> str:
     """The called function's qualified name; a dataclass's generated ``__init__`` is named by
     its class."""
@@ -79,8 +90,8 @@ def tracing(user: dict[CodeType, str]) -> Iterator[set[Seam]]:
         else:
             return
         caller = caller_module(frame.f_back)
-        if caller is None or _importing(frame.f_back):  # or a module's own import-time code
-            return
+        if caller is None or _importing(frame.f_back) or _compiling(frame.f_back):
+            return  # or a module's own import-time code, or numba compiling a kernel
         if code in user or (
             caller != callee_module
             and callee_module not in CHECKS
