@@ -135,8 +135,8 @@ def _decode_kernel(
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0)
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0)
         if FP8:  # codes to their values in the query's dtype: exact (every fp8 value is one)
-            k = fp8_to_fp16(k, E5M2).to(query_ptr.dtype.element_ty)
-            v = fp8_to_fp16(v, E5M2).to(query_ptr.dtype.element_ty)
+            k = fp8_to_fp16(k, E5M2, SELECT_NAN=True).to(query_ptr.dtype.element_ty)
+            v = fp8_to_fp16(v, E5M2, SELECT_NAN=True).to(query_ptr.dtype.element_ty)
             if FENCE:  # the dots read the decoded tiles, not the codes (triton_fp8.fence)
                 k, v = fence(k), fence(v)
         if DOT_FP32:

@@ -45,15 +45,20 @@ def fp8_encode(
 
 
 @triton.jit
-def fp8_to_fp16(codes, E5M2: tl.constexpr):
+def fp8_to_fp16(codes, E5M2: tl.constexpr, SELECT_NAN: tl.constexpr = False):
     """The value of each ``uint8`` code as fp16: exact, since every e4m3 and e5m2 value is an
-    fp16 value, and a few integer operations on 16 bits (the attention kernels' K/V read)."""
+    fp16 value, and a few integer operations on 16 bits (the attention kernels' K/V read).
+    ``SELECT_NAN`` also selects e5m2's NaN codes as NaN (they are NaNs by their bits already):
+    the same values, another register allocation. The decode kernel takes it: without it, it
+    spills under its 48-register cap at head dims 80 and 96 on sm_90; prefill does not: with
+    it, prefill needs 85 registers there (occupancy 25% instead of 37.5%)."""
     c = codes.to(tl.int16)
+    magnitude = c & 0x7F
     if E5M2:  # e5m2 is fp16's top byte: same sign, exponent bias, infinities and NaNs
-        return (c << 8).to(tl.float16, bitcast=True)
+        fp16 = (c << 8).to(tl.float16, bitcast=True)
+        return tl.where(magnitude > 0x7C, float("nan"), fp16) if SELECT_NAN else fp16
     # e4m3's 7 magnitude bits as fp16's exponent and top mantissa bits give its value / 2^8
     # (fp16's exponent bias is 8 more), subnormals included; S.1111.111 is its only NaN.
-    magnitude = c & 0x7F
     scaled = ((magnitude << 7) | ((c & 0x80) << 8)).to(tl.float16, bitcast=True) * 256.0
     return tl.where(magnitude == 0x7F, float("nan"), scaled)
 
