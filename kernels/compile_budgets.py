@@ -13,10 +13,8 @@ QUERIES, FORMATS = ("fp16", "bf16"), ("fp8_e4m3", "fp8_e5m2")
 # a ratchet (docs/kernels.md, "fp8 caches in the kernels").
 FP8_SHORTFALLS: dict[tuple[str, str, str, int, int], float] = {
     **{("decode", "bf16", f, d, 90): 0.5 for f in FORMATS for d in (80, 96)},
-    **{("prefill", q, f, d, 80): 0.25 for q in QUERIES for f in FORMATS for d in (80, 96, 128)},
-    **{("prefill", q, f, 64, 90): 0.25 for q in QUERIES for f in FORMATS},
-    **{("prefill", q, "fp8_e4m3", d, 90): 0.25 for q in QUERIES for d in (80, 96, 128)},
-    **{("prefill", "fp16", "fp8_e5m2", d, 90): 0.25 for d in (80, 96, 128)},
+    **{("prefill", "bf16", f, d, 80): 0.25 for f in FORMATS for d in (80, 96, 128)},  # GQA 8
+    **{("prefill", "fp16", "fp8_e4m3", d, t): 0.25 for d in (80, 96) for t in (80, 90)},
 }
 
 

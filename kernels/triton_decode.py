@@ -53,7 +53,7 @@ from pagedkv.kernels.launch_config import (
     run,
     tiles,
 )
-from pagedkv.kernels.triton_fp8 import fence, fp8_to_fp16
+from pagedkv.kernels.triton_fp8 import read_kv_tile
 from pagedkv.kernels.triton_import import tl, triton
 from pagedkv.spec.checks import INT32_MAX
 
@@ -132,15 +132,13 @@ def _decode_kernel(
             rows = seq.to(tl.int64) * rows_per_seq + n
         kv_offsets = (rows * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
         kv_mask = n_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0)
-        if FP8:  # codes to their values in the query's dtype: exact (every fp8 value is one)
-            k = fp8_to_fp16(k, E5M2, SELECT_NAN=True).to(query_ptr.dtype.element_ty)
-            v = fp8_to_fp16(v, E5M2, SELECT_NAN=True).to(query_ptr.dtype.element_ty)
-            if FENCE:  # the dots read the decoded tiles, not the codes (triton_fp8.fence)
-                k, v = fence(k), fence(v)
-        if DOT_FP32:
-            k, v = k.to(tl.float32), v.to(tl.float32)
+        # Both tiles up front; e5m2 read with its NaN codes selected (triton_fp8.fp8_to_fp16).
+        k = read_kv_tile(
+            k_cache_ptr + kv_offsets, kv_mask, query_ptr, FP8, E5M2, FENCE, DOT_FP32, True
+        )
+        v = read_kv_tile(
+            v_cache_ptr + kv_offsets, kv_mask, query_ptr, FP8, E5M2, FENCE, DOT_FP32, True
+        )
 
         # Products of query-dtype operands, summed in fp32; the scale applies to fp32 scores.
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [G, N]

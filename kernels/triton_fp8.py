@@ -75,3 +75,21 @@ def fence(x):
     return tl.inline_asm_elementwise(
         "mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2
     )
+
+
+@triton.jit
+def read_kv_tile(
+    pointers, mask, query_ptr, FP8: tl.constexpr, E5M2: tl.constexpr, FENCE: tl.constexpr,
+    DOT_FP32: tl.constexpr, SELECT_NAN: tl.constexpr = False,
+):  # fmt: skip
+    """A K or V tile as the attention kernels' dots read it: loaded under ``mask`` (0 where
+    masked); an fp8 cache's codes decoded exactly to the query's dtype (``fp8_to_fp16``) and,
+    with ``FENCE``, passed through :func:`fence`; upcast to fp32 with ``DOT_FP32``."""
+    tile = tl.load(pointers, mask=mask, other=0)
+    if FP8:  # codes to their values in the query's dtype: exact (every fp8 value is one)
+        tile = fp8_to_fp16(tile, E5M2, SELECT_NAN).to(query_ptr.dtype.element_ty)
+        if FENCE:  # the dots read the decoded tile, not the codes
+            tile = fence(tile)
+    if DOT_FP32:
+        tile = tile.to(tl.float32)
+    return tile

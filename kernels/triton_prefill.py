@@ -39,7 +39,7 @@ from pagedkv.kernels.launch_config import (
     run,
     tiles,
 )
-from pagedkv.kernels.triton_fp8 import fence, fp8_to_fp16
+from pagedkv.kernels.triton_fp8 import read_kv_tile
 from pagedkv.kernels.triton_import import tl, triton
 from pagedkv.spec.checks import INT32_MAX
 
@@ -117,15 +117,11 @@ def _prefill_kernel(
         rows = block_id * BLOCK_SIZE + n % BLOCK_SIZE
         kv_offsets = (rows * NUM_KV_HEADS + kv_head)[:, None] * HEAD_DIM + d[None, :]
         kv_mask = n_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0)
-        if FP8:  # codes to their values in the query's dtype: exact (every fp8 value is one)
-            k = fp8_to_fp16(k, E5M2).to(query_ptr.dtype.element_ty)
-            v = fp8_to_fp16(v, E5M2).to(query_ptr.dtype.element_ty)
-            if FENCE:  # the dots read the decoded tiles, not the codes (triton_fp8.fence)
-                k, v = fence(k), fence(v)
-        if DOT_FP32:
-            k, v = k.to(tl.float32), v.to(tl.float32)
+        k = read_kv_tile(k_cache_ptr + kv_offsets, kv_mask, query_ptr, FP8, E5M2, FENCE, DOT_FP32)
+        if not FP8:  # a 16-bit or fp32 cache's V is loaded beside K (the loads pipeline)
+            v = read_kv_tile(
+                v_cache_ptr + kv_offsets, kv_mask, query_ptr, FP8, E5M2, FENCE, DOT_FP32
+            )
 
         # Products of query-dtype operands, summed in fp32; the scale applies to fp32 scores.
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [rows, N]
@@ -138,6 +134,11 @@ def _prefill_kernel(
         p = tl.exp(scores - m_safe[:, None])
         denom = denom * alpha + tl.sum(p, axis=1)
         # P is rounded to the query dtype for the second product, as the first's operands are.
+        if FP8:  # an fp8 cache's V is read after the softmax: its codes and decoded tile are
+            # not live across the first dot (sm_90: 80 registers instead of 83 at head dim 128)
+            v = read_kv_tile(
+                v_cache_ptr + kv_offsets, kv_mask, query_ptr, FP8, E5M2, FENCE, DOT_FP32
+            )
         p = p.to(query_ptr.dtype.element_ty).to(v.dtype)
         pv = tl.dot(p, v, input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv
