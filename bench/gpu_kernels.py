@@ -13,10 +13,13 @@ Steps:
 2. For each dtype, batch, context and block size: ``paged_decode_attention`` (shuffled block
    tables), the same kernel over a contiguous cache (``contiguous_decode_attention``), and torch
    ``scaled_dot_product_attention`` over the contiguous K/V. Each is timed (median), checked
-   against the others, and reported with the bandwidth it achieves reading K and V once.
+   against the others, and reported with the bandwidth it achieves reading K and V once. The
+   paged kernel is also timed over an fp8_e4m3 cache of the same K/V (``paged-fp8``, block sizes
+   16 and 256), checked against the contiguous kernel over the values its codes hold.
 3. The prefill kernel: ``paged_prefill_attention`` of each sequence's last ``chunk`` tokens
    over its cached prefix (shuffled tables, block sizes 16 and 256), against torch SDPA with the
-   same causal mask on the same contiguous data; timed and checked the same way.
+   same causal mask on the same contiguous data; timed and checked the same way, over the
+   16-bit cache and an fp8_e4m3 one (``prefill-fp8``).
 4. One end-to-end engine step: a bf16 Llama-style model (hidden 2048, 8 layers, GQA 16/4 x
    128) on the GPU with the triton backend, 64 sequences of 512 prompt tokens prefilled, then
    decode steps of the whole batch timed (``--small``: a tiny fp32 model, the interpreter, and
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import platform
 import statistics
@@ -46,6 +50,7 @@ from typing import Any
 import torch
 
 from pagedkv import kernels
+from pagedkv.kernels import fp8
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,6 +80,8 @@ ENGINE_STEPS = 3
 HEADS_FULL = (32, 8, 128)  # query heads, KV heads, head dim (a Llama-3-8B layer)
 HEADS_SMALL = (4, 2, 80)
 TOLERANCE = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
+FP8_CACHE = torch.float8_e4m3fn  # the fp8 cache timed beside each 16-bit one
+FP8_BLOCK_SIZES = (16, 256)  # the decode block sizes timed over it (prefill: all of its own)
 PAGED_OVERHEAD_GOAL = 0.10
 PEAK_FRACTION_GOAL = 0.70
 
@@ -83,7 +90,7 @@ PEAK_FRACTION_GOAL = 0.70
 class Measurement:
     """One timed kernel on one configuration."""
 
-    kernel: str  # "paged", "contiguous", "sdpa", "prefill" or "prefill-sdpa"
+    kernel: str  # "paged", "contiguous", "sdpa", "prefill", "prefill-sdpa", or an "-fp8" one
     dtype: str
     batch: int
     context: int
@@ -144,6 +151,31 @@ def paged_pair(
     return paged(key), paged(value), tables.to(torch.int32).reshape(batch, per_seq)
 
 
+def fp8_pair(
+    key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """``key`` and ``value`` stored as ``FP8_CACHE`` codes (``spec.fp8``'s rule) under one
+    power-of-two scale that puts their largest magnitude at most half the format's largest
+    value; with the values the codes hold, in the rows' dtype (exact: a code times a power of
+    two), which an oracle reads. Returns ``(k_codes, v_codes, k_values, v_values, scale)``."""
+    amax = max(key.abs().max().item(), value.abs().max().item(), 1e-30)
+    scale = 2.0 ** math.ceil(math.log2(2 * amax / torch.finfo(FP8_CACHE).max))
+    scales = torch.full((key.shape[2],), scale, dtype=torch.float32, device=key.device)
+    codes = [fp8.quantize(rows, scales, FP8_CACHE).view(FP8_CACHE) for rows in (key, value)]
+    k_values, v_values = (c.float().mul(scale).to(key.dtype) for c in codes)
+    return codes[0], codes[1], k_values, v_values, scale
+
+
+def paged_fp8_pair(
+    k_codes: torch.Tensor, v_codes: torch.Tensor, block_size: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`paged_pair` of fp8 codes (moved as bytes: torch pads and gathers ``uint8``)."""
+    k_cache, v_cache, tables = paged_pair(
+        k_codes.view(torch.uint8), v_codes.view(torch.uint8), block_size, generator
+    )
+    return k_cache.view(k_codes.dtype), v_cache.view(v_codes.dtype), tables
+
+
 def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Callable[[], object]:
     """torch SDPA over ``[batch, heads, len, dim]`` K/V, grouped-query when torch supports it."""
     q = query[:, :, None, :]  # [batch, heads, 1, dim]
@@ -180,9 +212,12 @@ def measure(
     small = device.type != "cuda"
     results: list[Measurement] = []
 
-    def record(kernel: str, block_size: int | None, fn: Callable[[], object], diff: float) -> None:
+    def record(
+        kernel: str, block_size: int | None, fn: Callable[[], object], diff: float,
+        nbytes: int = kv_bytes,
+    ) -> None:  # fmt: skip
         ms = time_ms(fn, device, small)
-        gbps = kv_bytes / (ms * 1e-3) / 1e9
+        gbps = nbytes / (ms * 1e-3) / 1e9
         fraction = gbps / peak_gbps
         ok = diff <= TOLERANCE[dtype]
         results.append(
@@ -217,6 +252,21 @@ def measure(
         diff = (paged().float() - expected.float()).abs().max().item()
         record("paged", block_size, paged, diff)
         del k_cache, v_cache, tables, args, paged
+
+    # fp8: the same kernel over codes, against the contiguous kernel over the codes' values.
+    k_codes, v_codes, k_values, v_values, scale = fp8_pair(key, value)
+    expected = kernels.contiguous_decode_attention(query, k_values, v_values, lens, **options)
+    del k_values, v_values
+    for block_size in (size for size in block_sizes if size in FP8_BLOCK_SIZES):
+        k_cache, v_cache, tables = paged_fp8_pair(k_codes, v_codes, block_size, shuffle)
+        args = (query, k_cache, v_cache, tables, lens)
+        kernels.paged_decode_attention(*args, k_scale=scale, v_scale=scale)  # validated, untimed
+        paged = partial(
+            kernels.paged_decode_attention, *args, k_scale=scale, v_scale=scale, **options
+        )
+        diff = (paged().float() - expected.float()).abs().max().item()
+        record("paged-fp8", block_size, paged, diff, kv_bytes // key.element_size())
+        del k_cache, v_cache, tables, args, paged
     return results
 
 
@@ -246,21 +296,16 @@ def measure_prefill(
     offsets = torch.arange(0, batch * chunk + 1, chunk, dtype=torch.int32, device=device)
     kv_bytes = 2 * key.numel() * key.element_size()
     small = device.type != "cuda"
-    group = num_heads // num_kv_heads
-    # SDPA: [batch, heads, chunk, dim] queries, the KV heads repeated, the causal mask of a
-    # chunk that ends at the context's end.
-    q = query.view(batch, chunk, num_heads, head_dim).transpose(1, 2)
-    k, v = (t.transpose(1, 2).repeat_interleave(group, 1) for t in (key, value))
-    positions = torch.arange(context - chunk, context, device=device)
-    mask = torch.arange(context, device=device)[None, :] <= positions[:, None]
-    attention = torch.nn.functional.scaled_dot_product_attention
-    sdpa_call = partial(attention, q, k, v, attn_mask=mask)
-    expected = sdpa_call().transpose(1, 2).reshape(batch * chunk, num_heads, head_dim)
+    sdpa_call = prefill_sdpa(query, key, value, chunk)
+    expected = sdpa_call().transpose(1, 2).reshape(query.shape)
     results: list[Measurement] = []
 
-    def record(kernel: str, block_size: int | None, fn: Callable[[], object], diff: float) -> None:
+    def record(
+        kernel: str, block_size: int | None, fn: Callable[[], object], diff: float,
+        nbytes: int = kv_bytes,
+    ) -> None:  # fmt: skip
         ms = time_ms(fn, device, small)
-        gbps = kv_bytes / (ms * 1e-3) / 1e9
+        gbps = nbytes / (ms * 1e-3) / 1e9
         results.append(
             Measurement(
                 kernel, dtype_name, batch, context, block_size, round(ms, 5), round(gbps, 1),
@@ -275,7 +320,7 @@ def measure_prefill(
         )
 
     record("prefill-sdpa", None, sdpa_call, 0.0)
-    del sdpa_call, k, v
+    del sdpa_call
     options: dict[str, Any] = {"backend": "triton", "validate": False, "max_query_len": chunk}
     for block_size in block_sizes:
         k_cache, v_cache, tables = paged_pair(key, value, block_size, shuffle)
@@ -285,7 +330,40 @@ def measure_prefill(
         diff = (prefill().float() - expected.float()).abs().max().item()
         record("prefill", block_size, prefill, diff)
         del k_cache, v_cache, tables, args, prefill
+
+    # fp8: the same kernel over codes, against SDPA over the codes' values.
+    k_codes, v_codes, k_values, v_values, scale = fp8_pair(key, value)
+    expected = prefill_sdpa(query, k_values, v_values, chunk)().transpose(1, 2)
+    expected = expected.reshape(query.shape)
+    del k_values, v_values
+    options |= {"k_scale": scale, "v_scale": scale}
+    for block_size in block_sizes:
+        k_cache, v_cache, tables = paged_fp8_pair(k_codes, v_codes, block_size, shuffle)
+        args = (query, k_cache, v_cache, tables, offsets, lens)
+        kernels.paged_prefill_attention(*args, k_scale=scale, v_scale=scale)  # validated
+        prefill = partial(kernels.paged_prefill_attention, *args, **options)
+        diff = (prefill().float() - expected.float()).abs().max().item()
+        record("prefill-fp8", block_size, prefill, diff, kv_bytes // key.element_size())
+        del k_cache, v_cache, tables, args, prefill
     return results
+
+
+def prefill_sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunk: int
+) -> Callable[[], torch.Tensor]:
+    """torch SDPA of each sequence's last ``chunk`` queries (``query`` ``[batch * chunk, heads,
+    dim]``) over its contiguous ``key``/``value`` (``[batch, context, kv_heads, dim]``, the KV
+    heads repeated) with the causal mask of a chunk ending at the context's end; the call
+    returns ``[batch, heads, chunk, dim]``."""
+    batch, context, num_kv_heads, head_dim = key.shape
+    num_heads = query.shape[1]
+    q = query.view(batch, chunk, num_heads, head_dim).transpose(1, 2)
+    group = num_heads // num_kv_heads
+    k, v = (t.transpose(1, 2).repeat_interleave(group, 1) for t in (key, value))
+    positions = torch.arange(context - chunk, context, device=key.device)
+    mask = torch.arange(context, device=key.device)[None, :] <= positions[:, None]
+    attention = torch.nn.functional.scaled_dot_product_attention
+    return partial(attention, q, k, v, attn_mask=mask)
 
 
 def engine_step(shape: dict[str, Any], device: torch.device, small: bool) -> dict[str, Any]:
@@ -506,9 +584,12 @@ def launch_table(device: torch.device, heads: tuple[int, int, int]) -> dict[str,
 
     target = capability(device)
     return {
-        f"{kernel} {dtype}": asdict(tiles(kernel, getattr(torch, dtype), heads[2], target))
+        f"{kernel} {dtype}{' fp8' if on_fp8 else ''}": asdict(
+            tiles(kernel, getattr(torch, dtype), heads[2], target, on_fp8)
+        )
         for kernel in ("decode", "prefill")
         for dtype in ("float16", "bfloat16")
+        for on_fp8 in (False, True)
     } | {"capability": target}
 
 

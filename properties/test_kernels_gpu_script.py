@@ -25,8 +25,12 @@ def test_small_sweep_writes_a_complete_report(tmp_path: Path) -> None:
     measured = {(m["kernel"], m["block_size"]) for m in report["measurements"]}
     assert measured == {("contiguous", None), ("sdpa", None), ("prefill-sdpa", None)} | {
         ("paged", bs) for bs in (1, 16, 256)
-    } | {("prefill", bs) for bs in gpu_kernels.PREFILL_BLOCK_SIZES_SMALL}
-    assert report["launch"]["decode float16"]["block_n"] == 16  # the tile table's row
+    } | {("paged-fp8", bs) for bs in gpu_kernels.FP8_BLOCK_SIZES} | {
+        (kernel, bs) for kernel in ("prefill", "prefill-fp8")
+        for bs in gpu_kernels.PREFILL_BLOCK_SIZES_SMALL
+    }  # fmt: skip
+    assert report["launch"]["decode float16"]["block_n"] == 16  # the tile table's rows
+    assert report["launch"]["decode float16 fp8"]["num_stages"] == 1
     step = report["engine_step"]
     assert len(step["decode_step_ms"]) == gpu_kernels.ENGINE_STEPS
     assert step["tokens_equal_dense"] == gpu_kernels.ENGINE_SMALL["batch"]
