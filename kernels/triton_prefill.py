@@ -133,12 +133,12 @@ def _prefill_kernel(
         alpha = tl.exp(m - m_safe)
         p = tl.exp(scores - m_safe[:, None])
         denom = denom * alpha + tl.sum(p, axis=1)
-        # P is rounded to the query dtype for the second product, as the first's operands are.
         if FP8:  # an fp8 cache's V is read after the softmax: its codes and decoded tile are
             # not live across the first dot (sm_90: 80 registers instead of 83 at head dim 128)
             v = read_kv_tile(
                 v_cache_ptr + kv_offsets, kv_mask, query_ptr, FP8, E5M2, FENCE, DOT_FP32
             )
+        # P is rounded to the query dtype for the second product, as the first's operands are.
         p = p.to(query_ptr.dtype.element_ty).to(v.dtype)
         pv = tl.dot(p, v, input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv
