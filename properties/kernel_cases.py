@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from pagedkv import kernels
 from pagedkv.kernels import sdpa
+from pagedkv.spec import fp8 as spec_fp8
 from pagedkv.spec.block_manager import BlockManager, OutOfBlocksError, blocks_needed, translate_slot
 from properties.mutants import replace_code
 
@@ -31,6 +32,7 @@ GQA_RATIOS = (1, 2, 4, 8)
 HEAD_DIMS = (64, 80, 128)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ON_CPU = pytest.mark.skipif(DEVICE.type != "cpu", reason="the numba backend runs on CPU")
+FP8 = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
 # (atol, rtol): ``|actual - expected| <= atol + rtol * |expected|``, elementwise. All kernels
 # accumulate in fp32, so summation order and the output's rounding (about an ulp of fp16 or bf16
@@ -232,6 +234,15 @@ class KVCache:
         tables = padded_tables([seq.table if seq else [] for seq in seqs], extra_columns, pad)
         lens = torch.tensor([s.length if s else 0 for s in seqs], dtype=torch.int32, device=DEVICE)
         return seqs, tables, lens
+
+
+def fixed_cache(
+    block_size: int, group: int, head_dim: int, dtype: torch.dtype = torch.float32,
+    backend: str = "reference",
+) -> KVCache:  # fmt: skip
+    """``fixed_scenario(block_size)``'s cache, two KV heads; fresh, so its queries' RNG too."""
+    shape = Shape(block_size, 2, group, head_dim, dtype)
+    return KVCache(fixed_scenario(block_size), shape, backend)
 
 
 def poison_outside_window(
@@ -437,3 +448,36 @@ def copy_in_order(cache: torch.Tensor, pairs: Sequence[Sequence[int]]) -> torch.
     for src, dst in pairs:
         expected[:, dst] = expected[:, src].clone()
     return expected
+
+
+def expected_codes(rows: torch.Tensor, scales: list[float], name: str) -> torch.Tensor:
+    """``spec.fp8.quantize`` of every element of ``rows`` ``[tokens, heads, dim]``."""
+    fmt = spec_fp8.fp8_format(name)
+    codes = [
+        [[spec_fp8.quantize(x, scales[h], fmt) for x in head] for h, head in enumerate(token)]
+        for token in rows.float().tolist()
+    ]
+    return torch.tensor(codes, dtype=torch.uint8)
+
+
+def fp8_attention_case(
+    dtype: torch.dtype, query_dtype: torch.dtype, seed: int
+) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """A paged cache of random codes (NaN codes excluded) under per-head scales, a batch of
+    three sequences; and the same values as an fp32 cache (code value times scale)."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (2, 8, 4, 2, 16), dtype=torch.uint8, generator=generator)
+    values = codes.view(dtype).float()
+    codes[values.isnan() | values.isinf()] = 0x38  # 1.0 in e4m3, 0.5 in e5m2
+    k_scale, v_scale = torch.tensor([0.02, 3.0]), torch.tensor(0.001).expand(2)
+    k_cache, v_cache = codes.view(dtype)
+    args = {
+        "block_tables": torch.tensor([[3, 0, 5, 7], [5, 1, 2, -1], [6, -1, -1, -1]]).int(),
+        "context_lens": torch.tensor([14, 9, 3], dtype=torch.int32),
+        "k_scale": k_scale,
+        "v_scale": v_scale,
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "query": torch.randn(3, 4, 16, generator=generator).to(query_dtype),
+    }
+    return args, k_cache.float() * k_scale[:, None], v_cache.float() * v_scale[:, None]

@@ -1,5 +1,6 @@
 """Properties: every backend it applies to (Triton, numba on CPU, the reference, ``sdpa``) computes
-what the spec, the torch reference and dense attention do, on caches it filled from spec runs."""
+what the spec, the torch reference and dense attention do, on caches it filled from spec runs;
+fp8 caches store the spec's codes and are read as code value times scale."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 
 from pagedkv import kernels
 from pagedkv.kernels import sdpa
+from pagedkv.spec import fp8 as spec_fp8
 from pagedkv.spec.block_manager import translate_slot
 from properties import kernel_cases as kc
 
@@ -182,32 +184,22 @@ def test_contiguous_decode_matches_dense(backend: str, seed: int, data: st.DataO
 
 
 @pytest.mark.parametrize("backend", EVERY)
-def test_poisoning_reaches_blocks_a_window_excludes(backend: str) -> None:
-    """Not vacuous: a window of one block poisons entries, and without it the call gives NaN."""
-    cache = kc.KVCache(
-        kc.fixed_scenario(4), kc.Shape(4, 2, 2, 64, torch.float32), kc.fill_backend(backend)
-    )
+def test_a_nan_key_reaches_the_output_at_every_split_count(backend: str) -> None:
+    """A NaN split must not pass for an empty one in the merge (oracle: the reference's NaNs); and
+    poisoning is not vacuous: a window of one block poisons entries, read without it they give
+    NaN."""
+    cache = kc.fixed_cache(4, 2, 64, backend=kc.fill_backend(backend))
     _, tables, lens = cache.batch()
+    query = cache.randn(tables.shape[0], 4, 64)
     starts = [max(0, int(n) - 4) for n in lens]  # window 4, one query
     k_cache, v_cache, poisoned = kc.poison_outside_window(cache, tables, starts, "nan")
     assert int((poisoned != tables).sum()) >= 3
-    query = cache.randn(tables.shape[0], 4, 64)
     out = kernels.paged_decode_attention(query, k_cache, v_cache, poisoned, lens, backend=backend)
     assert bool(out.isnan().any())
-
-
-@pytest.mark.parametrize("backend", EVERY)
-def test_a_nan_key_reaches_the_output_at_every_split_count(backend: str) -> None:
-    """A NaN split must not pass for an empty one in the merge (oracle: the reference's NaNs)."""
-    cache = kc.KVCache(
-        kc.fixed_scenario(4), kc.Shape(4, 2, 2, 64, torch.float32), kc.fill_backend(backend)
-    )
-    _, tables, lens = cache.batch()
     # The shortest sequence: its keys lie in the first split, the others are empty.
     b = min(range(len(lens)), key=lambda i: int(lens[i]) if int(lens[i]) >= 2 else 10**9)
     k_cache = cache.k_cache.clone()
     k_cache[int(tables[b, 0]), 1] = torch.nan  # its position 1, every KV head
-    query = cache.randn(tables.shape[0], 4, 64)
     args = (query, k_cache, cache.v_cache, tables, lens)
     expected = kernels.paged_decode_attention(*args, backend="reference").isnan()
     assert bool(expected[b].all()) and not bool(expected.all())
@@ -251,3 +243,107 @@ def test_empty_batches_give_empty_outputs(backend: str) -> None:
         query, k_cache, v_cache, ints(0, 3), ints(0), backend=backend
     )
     assert out.shape == (0, 4, 64)
+
+
+# fp8 caches: a store writes ``spec.fp8.quantize``'s code bit for bit, attention reads code value
+# times scale, a copy moves bytes (their refusals: test_kernels_validation). Every backend runs on
+# CPU tensors (numba too, on a GPU machine); Triton on the device where there is one.
+FP32 = st.floats(width=32, allow_nan=True)
+SCALE_VALUES = st.floats(2.0**-20, 2.0**20, width=32)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    data=st.data(),
+    dtype=st.sampled_from(list(kc.FP8)),
+    row_dtype=st.sampled_from(kc.DTYPES),
+    backend=st.sampled_from(ALL),
+)
+def test_an_fp8_store_writes_the_spec_code_bit_for_bit(
+    data: st.DataObject, dtype: torch.dtype, row_dtype: torch.dtype, backend: str
+) -> None:
+    """Any fp32 values (subnormals, infinities, NaN of either sign, past the largest), per-head
+    scales; skipped slots keep their NaN bytes."""
+    key, value = (
+        torch.tensor(data.draw(st.lists(FP32, min_size=12, max_size=12))).view(3, 2, 2)
+        .to(row_dtype)
+        for _ in range(2)
+    )  # fmt: skip
+    k_scales, v_scales = (
+        data.draw(st.lists(SCALE_VALUES, min_size=2, max_size=2)) for _ in range(2)
+    )
+    k_cache, v_cache = (torch.full((2, 4, 2, 2), 0x7F, dtype=torch.uint8).view(dtype) for _ in "kv")
+    kernels.store_kv(
+        key, value, k_cache, v_cache, torch.tensor([5, -1, 0]), backend=backend,
+        k_scale=torch.tensor(k_scales).repeat_interleave(2)[::2],  # strided: read as values
+        v_scale=torch.tensor(v_scales),
+    )  # fmt: skip
+    for cache, rows, scales in ((k_cache, key, k_scales), (v_cache, value, v_scales)):
+        stored = cache.view(torch.uint8).view(8, 2, 2)
+        codes = kc.expected_codes(rows, scales, kc.FP8[dtype])
+        assert torch.equal(stored[[5, 0]], codes[[0, 2]]), backend
+        assert (stored[[1, 2, 3, 4, 6, 7]] == 0x7F).all()
+
+
+def test_every_fp8_code_is_read_as_its_value_and_copied_as_its_byte() -> None:
+    """All 256 codes of both formats as V: attention over one key (of value 0) reads each as
+    its value times the scale, infinities and NaNs included; a copy moves each byte."""
+    for dtype, name in kc.FP8.items():
+        fmt = spec_fp8.fp8_format(name)
+        v_cache = torch.arange(256, dtype=torch.uint8).view(dtype).view(256, 1, 1, 1)
+        k_cache = torch.zeros(256, 1, 1, 1, dtype=torch.uint8).view(dtype)
+        values = torch.tensor([spec_fp8.decode(code, fmt) * 2.0 for code in range(256)])
+        for backend in ALL:
+            out = kernels.paged_decode_attention(
+                torch.zeros(256, 1, 1), k_cache, v_cache,
+                torch.arange(256, dtype=torch.int32)[:, None], torch.ones(256, dtype=torch.int32),
+                v_scale=2.0, backend=backend,
+            ).flatten()  # fmt: skip
+            assert torch.equal(out.isnan(), values.isnan()), (name, backend)
+            finite = ~values.isnan()
+            assert torch.equal(out[finite], values[finite]), (name, backend)
+            copied = v_cache.clone(), k_cache.clone()
+            kernels.copy_blocks(*copied, [(3, 7), (255, 0)], backend=backend)
+            assert copied[0].view(torch.uint8).flatten()[[7, 0]].tolist() == [3, 255]
+
+
+@pytest.mark.parametrize("dtype", list(kc.FP8), ids=str)
+@pytest.mark.parametrize("query_dtype", kc.DTYPES, ids=str)
+@pytest.mark.parametrize("backend", ALL)
+def test_fp8_attention_reads_code_value_times_scale(
+    dtype: torch.dtype, query_dtype: torch.dtype, backend: str
+) -> None:
+    """Decode (one split and three, a window of 5), its contiguous twin, and prefill (chunks
+    over cached prefixes) equal the reference over the fp32 cache of the same values, within the
+    query dtype's tolerance: every fp8 value is exact in the query dtype, the scales apply in
+    fp32. V's scale comes as an expanded (stride 0) tensor. Triton runs compiled where there is
+    a GPU (the fenced decode of kernels.md), the oracle on the CPU."""
+    args, k_fp32, v_fp32 = kc.fp8_attention_case(dtype, query_dtype, seed=1)
+    device = kc.DEVICE if backend == "triton" else torch.device("cpu")
+    on = {name: tensor.to(device) for name, tensor in args.items()}
+    fp32 = {**args, "k_cache": k_fp32, "v_cache": v_fp32, "query": args["query"].float()}
+    del fp32["k_scale"], fp32["v_scale"]  # the oracle reads the fp32 values, in fp32
+    for splits, window in ((1, None), (3, None), (3, 5)):
+        options = {"num_splits": splits, "window": window}
+        expected = kernels.paged_decode_attention(**fp32, window=window, backend="reference")
+        actual = kernels.paged_decode_attention(**on, **options, backend=backend)
+        kc.assert_close(actual, expected.to(query_dtype), f"decode {options}")
+    rows = args["block_tables"][:, :2].clamp(min=0)  # two blocks a sequence, as contiguous rows
+    contiguous = [args[c][rows].flatten(1, 2).to(device) for c in ("k_cache", "v_cache")]
+    lens = args["context_lens"].clamp(max=8)
+    scales = (args["k_scale"], args["v_scale"])
+    values = [c.cpu().float() * s[:, None] for c, s in zip(contiguous, scales, strict=True)]
+    expected = kernels.contiguous_decode_attention(fp32["query"], *values, lens)
+    actual = kernels.contiguous_decode_attention(
+        on["query"], *contiguous, lens.to(device), k_scale=on["k_scale"], v_scale=on["v_scale"],
+        backend=backend,
+    )  # fmt: skip
+    kc.assert_close(actual, expected.to(query_dtype), "contiguous decode")
+    chunks = {"cu_seqlens_q": torch.tensor([0, 4, 4, 7], dtype=torch.int32)}
+    chunks["query"] = torch.randn(7, 4, 16, generator=torch.Generator().manual_seed(2))
+    chunks["query"] = chunks["query"].to(query_dtype)
+    fp32 |= {**chunks, "query": chunks["query"].float()}
+    expected = kernels.paged_prefill_attention(**fp32, backend="reference")
+    chunks = {name: tensor.to(device) for name, tensor in chunks.items()}
+    actual = kernels.paged_prefill_attention(**{**on, **chunks}, backend=backend)
+    kc.assert_close(actual, expected.to(query_dtype), "prefill")

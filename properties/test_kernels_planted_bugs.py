@@ -27,7 +27,6 @@ from pagedkv.kernels import (
     triton_store_kv,
 )
 from properties import kernel_cases as kc
-from properties.test_kernels_fp8 import FP8, attention_case, expected_codes
 
 MUTANT_DIR = Path(tempfile.gettempdir()) / "pagedkv-kernel-mutants"
 MUTANT_QUERY_LENS = [17, 1, 19]  # fixed_scenario(16)'s live sequences hold 50, 51 and 19 tokens
@@ -35,25 +34,20 @@ MUTANT_QUERY_LENS = [17, 1, 19]  # fixed_scenario(16)'s live sequences hold 50, 
 WINDOW_QUERY_LENS = [3, 1, 7]
 
 
-def fixed_cache(block_size: int, group: int, head_dim: int) -> kc.KVCache:
-    """The fixed run at ``block_size`` in fp32, two KV heads; fresh, so its queries' RNG too."""
-    shape = kc.Shape(block_size, 2, group, head_dim, torch.float32)
-    return kc.KVCache(kc.fixed_scenario(block_size), shape, backend="reference")
-
-
 def check_decode(decode: Callable[..., torch.Tensor]) -> None:
     """Block size 16 and 4, an extra column holding a real block (an off-by-one read stays in the
     caches); at block size 4 a window of 5, the entries before it poisoned with a NaN block."""
-    kc.check_attention(fixed_cache(16, 4, 80), decode, extra_columns=1, pad=0)
-    cache = fixed_cache(4, 4, 64)
+    kc.check_attention(kc.fixed_cache(16, 4, 80), decode, extra_columns=1, pad=0)
+    cache = kc.fixed_cache(4, 4, 64)
     kc.check_attention(cache, decode, extra_columns=1, pad=0)
     kc.check_attention(cache, decode, extra_columns=1, pad=0, window=5, poison="nan")
 
 
 def check_prefill_runs(prefill: Callable[..., torch.Tensor]) -> None:
     """Chunks over cached prefixes, and with a window of 4, poisoned before it."""
-    kc.check_attention(fixed_cache(16, 4, 80), prefill, MUTANT_QUERY_LENS, extra_columns=1, pad=0)
-    kc.check_attention(fixed_cache(4, 2, 64), prefill, WINDOW_QUERY_LENS, window=4, poison="nan")
+    cache = kc.fixed_cache(16, 4, 80)
+    kc.check_attention(cache, prefill, MUTANT_QUERY_LENS, extra_columns=1, pad=0)
+    kc.check_attention(kc.fixed_cache(4, 2, 64), prefill, WINDOW_QUERY_LENS, window=4, poison="nan")
 
 
 def check_slots(slot_mapping: Callable[..., torch.Tensor]) -> None:
@@ -79,13 +73,13 @@ def check_copy(copy_blocks: Callable[..., None]) -> None:
 def check_fp8_store(store_codes: Callable[..., None]) -> None:
     """``store_codes(rows, uint8 caches [slots, heads, dim], slots, scales, fp8)`` writes the
     spec's codes of normal values under per-head scales."""
-    for name in FP8.values():
+    for name in kc.FP8.values():
         rows = torch.randn(2, 4, 2, 16, generator=torch.Generator().manual_seed(3))
         scales = torch.tensor([0.3, 7.0]), torch.tensor([0.01, 1.0])
         codes = tuple(torch.full((4, 2, 16), 0x7F, dtype=torch.uint8) for _ in "kv")
         store_codes(tuple(rows), codes, torch.arange(4), scales, name)
         for stored, row, scale in zip(codes, rows, scales, strict=True):
-            assert torch.equal(stored, expected_codes(row, scale.tolist(), name)), name
+            assert torch.equal(stored, kc.expected_codes(row, scale.tolist(), name)), name
 
 
 def check_fp8_decode(
@@ -93,8 +87,8 @@ def check_fp8_decode(
 ) -> None:
     """``decode(query, k, v, tables, lens, scale, splits, window, scales=, fp8=)`` on the caches'
     ``uint8`` views, on ``device``, equals the reference over the fp32 cache of the same values."""
-    for dtype, name in FP8.items():
-        args, k_fp32, v_fp32 = attention_case(dtype, torch.float32, seed=4)
+    for dtype, name in kc.FP8.items():
+        args, k_fp32, v_fp32 = kc.fp8_attention_case(dtype, torch.float32, seed=4)
         tables, lens, query = args["block_tables"], args["context_lens"], args["query"]
         expected = reference.paged_decode_attention(query, k_fp32, v_fp32, tables, lens, 0.25)
         codes = [args[cache].view(torch.uint8) for cache in ("k_cache", "v_cache")]
@@ -121,7 +115,7 @@ def reference_fp8_decode(module: ModuleType) -> Callable[..., torch.Tensor]:
         lens: torch.Tensor, scale: float, splits: int, window: int | None, *,
         scales: tuple[torch.Tensor, torch.Tensor], fp8: str,
     ) -> torch.Tensor:  # fmt: skip
-        dtype = next(d for d, n in FP8.items() if n == fp8)
+        dtype = next(d for d, n in kc.FP8.items() if n == fp8)
         caches = k.view(dtype), v.view(dtype)
         return module.paged_decode_attention(query, *caches, tables, lens, scale, scales=scales)
 
@@ -137,35 +131,23 @@ ENTRIES: dict[str, tuple[ModuleType, Callable[[Callable[..., object]], None], Re
     "numba prefill": (numba_attention, check_prefill_runs, lambda m: m.prefill),
     "reference prefill": (reference, check_prefill_runs, lambda m: m.paged_prefill_attention),
     "sdpa prefill": (sdpa, check_prefill_runs, kc.sdpa_prefill),
-    "triton slot mapping": (
-        triton_slot_mapping,
-        check_slots,
-        lambda m: lambda t, p, bs, s: m.launch(t, p.long(), s.long(), bs),
-    ),
-    "numba slot mapping": (
-        numba_cache,
-        check_slots,
-        lambda m: lambda t, p, bs, s: m.slot_mapping(t, p, s, bs),
-    ),
+    "triton slot mapping": (triton_slot_mapping, check_slots,
+                            lambda m: lambda t, p, bs, s: m.launch(t, p.long(), s.long(), bs)),
+    "numba slot mapping": (numba_cache, check_slots,
+                           lambda m: lambda t, p, bs, s: m.slot_mapping(t, p, s, bs)),
     "triton store_kv": (triton_store_kv, check_store, lambda m: m.launch),
     "numba store_kv": (numba_cache, check_store, lambda m: m.store_kv),
-    "sdpa store": (  # sdpa.store takes no -1: it is given only the tokens that are written
-        sdpa,
-        check_store,
-        lambda m: lambda key, value, k, v, s: m.store(key[s >= 0], value[s >= 0], k, v, s[s >= 0]),
-    ),
+    "sdpa store": (sdpa, check_store, lambda m: lambda key, value, k, v, s: m.store(  # no -1 slots
+        key[s >= 0], value[s >= 0], k, v, s[s >= 0])),
     "triton copy_blocks": (triton_copy_blocks, check_copy, lambda m: m.launch),
     "numba copy_blocks": (numba_cache, check_copy, lambda m: m.copy_blocks),
     # fp8 caches: named so that none is skipped on a GPU (CPU tensors, Triton's on the device)
     "fp8 numba store": (numba_fp8, check_fp8_store, lambda m: m.store_codes),
     "fp8 triton decode": (
-        triton_decode,
-        partial(check_fp8_decode, device=kc.DEVICE),
-        lambda m: m.launch,
-    ),
+        triton_decode, partial(check_fp8_decode, device=kc.DEVICE), lambda m: m.launch),
     "fp8 numba decode": (numba_fp8, check_fp8_decode, numba_fp8_decode),
     "fp8 reference decode": (reference, check_fp8_decode, reference_fp8_decode),
-}
+}  # fmt: skip
 
 # One planted bug per paragraph: "entry point: bug: function" (entry points and their functions
 # joined by " | " when the same code is planted in each), then the code and the planted code, on

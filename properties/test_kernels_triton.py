@@ -200,7 +200,9 @@ def test_an_fp8_cache_keeps_the_occupancy_of_the_query_dtypes_cache_or_its_floor
     fp16, fp8 = row(target=80), row(target=80, dtype="fp16+fp8_e4m3", occupancy=0.5)
     assert budget_failures([fp16, {**fp8, "occupancy": 0.5625}]) == [] != budget_failures([fp8])
     assert [f[-30:] for f in budget_failures([fp16, fp8])] == ["50.0% < the fp16 cache's 56.2%"]
-    fp16, fp8 = ({**r, "kernel": "prefill", "target": 90} for r in (fp16, fp8))  # floor 25%
+    fp16, fp8 = ({**r, "kernel": "prefill", "target": 90} for r in (fp16, fp8))
+    assert budget_failures([fp16, {**fp8, "occupancy": 0.25}])  # D128: no floor listed
+    fp16, fp8 = ({**r, "head_dim": 80} for r in (fp16, fp8))  # FP8_SHORTFALLS: 25%
     assert budget_failures([fp16, {**fp8, "occupancy": 0.25}]) == []
     assert len(budget_failures([fp16, {**fp8, "occupancy": 0.1875}])) == 1
 
@@ -268,30 +270,26 @@ def test_gpu_rounding_stays_within_the_tolerance(dtype: torch.dtype, data: st.Da
 
 def rounding_case(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """Decode arguments on the fixed run at block size 16, head dim 128."""
-    cache = kc.KVCache(kc.fixed_scenario(16), kc.Shape(16, 2, 4, 128, dtype), backend="reference")
+    cache = kc.fixed_cache(16, 4, 128, dtype)
     _, tables, lens = cache.batch()
     query = cache.randn(tables.shape[0], 8, 128)
     return query, cache.k_cache, cache.v_cache, tables, lens, 128**-0.5
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
-def test_the_kernels_agree_with_the_gpu_rounding(dtype: torch.dtype) -> None:
-    """The kernels round P (even interpreted) as the reference does, and that moves outputs."""
+def test_the_kernels_agree_with_the_gpu_rounding(dtype: torch.dtype, tmp_path: Path) -> None:
+    """The kernels round P (even interpreted) as the reference does, and that moves outputs
+    within the tolerance; P rounded to fp8 instead, planted in the reference, breaks it."""
     args = rounding_case(dtype)
+    exact = reference.paged_decode_attention(*args)
     rounded = reference.paged_decode_attention(*args, gpu_rounding=True)
+    assert not torch.equal(rounded, exact)
+    kc.assert_close(rounded, exact, "GPU rounding vs exact")
     for splits in (1, 3):
         triton = kernels.paged_decode_attention(*args, num_splits=splits, backend="triton")
         kc.assert_close(triton, rounded, f"triton ({splits} splits) vs GPU rounding")
-    assert not torch.equal(rounded, reference.paged_decode_attention(*args))
-
-
-def test_a_coarser_rounding_breaks_the_tolerance(tmp_path: Path) -> None:
-    """P rounded to fp8 instead of the cache dtype, planted in the reference, fails fp16's."""
     old, new = "p.to(query.dtype).float()", "p.to(torch.float8_e4m3fn).float()"
     mutant = kc.load_mutant(reference, "masked_attention", old, new, tmp_path)
-    args = rounding_case(torch.float16)
-    exact = reference.paged_decode_attention(*args)
-    kc.assert_close(reference.paged_decode_attention(*args, gpu_rounding=True), exact, "real")
     with pytest.raises(AssertionError):
         kc.assert_close(mutant.paged_decode_attention(*args, gpu_rounding=True), exact, "fp8 P")
 

@@ -1,8 +1,10 @@
 """Properties: invalid arguments raise a clear, typed error and leave the caches untouched, on every
-backend (a kernel on bad block ids would read or write outside the caches, killing the process)."""
+backend (a kernel on bad block ids would read or write outside the caches, killing the process);
+fp8 caches refuse bad scales and dtypes."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 
@@ -24,6 +26,8 @@ FUNCTIONS: dict[str, Callable[..., object]] = {
     "slots": kernels.slot_mapping,
     "copy": kernels.copy_blocks,
 }
+FP8_CALLS = ("store", "decode", "prefill")  # each also called on e4m3 copies of its caches
+FUNCTIONS |= {f"fp8 {function}": FUNCTIONS[function] for function in FP8_CALLS}
 Args = dict[str, object]
 
 
@@ -47,7 +51,7 @@ def valid_args() -> dict[str, Args]:
     prefill.update(block_tables=ints([[2, 0], [3, -1]]), cu_seqlens_q=ints([0, 2, 5], torch.int64))
     slot_mapping = ints([0, 7, -1], torch.int64)
     contiguous = {"query": query, "key": k_cache[:2], "value": v_cache[:2]}
-    return {
+    calls: dict[str, Args] = {
         "decode": {"query": query, **caches, "block_tables": tables, "context_lens": ints([6, 2])},
         "contiguous": {**contiguous, "context_lens": ints([4, 2])},
         "store": {"key": key, "value": value, **caches, "slot_mapping": slot_mapping},
@@ -55,6 +59,11 @@ def valid_args() -> dict[str, Args]:
         "copy": {**caches, "pairs": [(0, 1)]},
         "prefill": {**prefill, "context_lens": ints([5, 3], torch.int64)},
     }
+    for function in FP8_CALLS:
+        source = prefill if function == "prefill" else caches
+        fp8 = {c: source[c].to(torch.float8_e4m3fn) for c in caches}
+        calls[f"fp8 {function}"] = {**calls[function], **fp8}
+    return calls
 
 
 Case = tuple[str, Callable[[Args], Args]]  # (function, a valid call's arguments -> the case's)
@@ -85,6 +94,12 @@ def changing(function: str) -> Callable[..., Case]:
 
 decode, contiguous, prefill = changing("decode"), changing("contiguous"), changing("prefill")
 store, slots, copy = changing("store"), changing("slots"), changing("copy")
+fp8_store, fp8_decode, fp8_prefill = (changing(f"fp8 {f}") for f in FP8_CALLS)
+
+
+def floats(*values: float, dtype: torch.dtype = torch.float32) -> Callable[[object], torch.Tensor]:
+    """A change to a tensor of ``values`` on the device (a scale)."""
+    return lambda _: torch.tensor(values, dtype=dtype, device=DEVICE)
 
 
 def meta(tensor: torch.Tensor) -> torch.Tensor:
@@ -130,9 +145,7 @@ INDEX_ERRORS: dict[str, tuple[str, Case]] = {
     "block id too large": ("block_tables[0, 1] = 6", decode(block_tables=[[3, 6], [5, 0]])),
     "block id -1": ("block_tables[0, 1] = -1", decode(block_tables=[[3, -1], [5, 0]])),
     "block id -1 in a window": (
-        "block_tables[0, 1] = -1",
-        decode(block_tables=[[3, -1], [5, 0]], window=1),
-    ),
+        "block_tables[0, 1] = -1", decode(block_tables=[[3, -1], [5, 0]], window=1)),
     "context beyond the table": ("context_lens[0] = 13", decode(context_lens=[13, 2])),
     "slot beyond the cache": ("slot_mapping[1] = 24", store(slot_mapping=[0, 24, -1])),
     "slot below -1": ("slot_mapping[1] = -2", store(slot_mapping=[0, -2, 1])),
@@ -145,7 +158,7 @@ INDEX_ERRORS: dict[str, tuple[str, Case]] = {
     "prefill context beyond the table": ("context_lens[0] = 9", prefill(context_lens=[9, 3])),
     "prefill block id 4": ("block_tables[0, 1] = 4", prefill(block_tables=[[2, 4], [3, 0]])),
     "prefill reached padding": ("block_tables[0, 1] = -1", prefill(block_tables=[[2, -1], [3, 0]])),
-}
+}  # fmt: skip
 VALUE_ERRORS: dict[str, tuple[str, Case]] = {
     "attention on meta": ("k_cache is a meta tensor", ("decode", all_meta)),
     "slots on meta": ("block_tables is a meta tensor", slots(block_tables=meta, positions=meta)),
@@ -158,9 +171,7 @@ VALUE_ERRORS: dict[str, tuple[str, Case]] = {
     "head_dim mismatch": ("head_dim", decode(query=lambda q: q[..., :4])),
     "v_cache shape": ("v_cache", decode(v_cache=lambda v: v[:5])),
     "cache not contiguous": (  # block and head dimensions swapped in memory
-        "contiguous",
-        decode(k_cache=lambda k: k.transpose(1, 2).contiguous().transpose(1, 2)),
-    ),
+        "contiguous", decode(k_cache=lambda k: k.transpose(1, 2).contiguous().transpose(1, 2))),
     "scale negative": ("scale", decode(scale=-1.0)),
     "scale is inf in fp32": ("in fp32", decode(scale=1e39)),
     "scale is 0 in fp32": ("in fp32", decode(scale=1e-50)),
@@ -168,19 +179,13 @@ VALUE_ERRORS: dict[str, tuple[str, Case]] = {
     "num_splits huge": ("num_splits", decode(num_splits=65)),
     "max_context_len not the longest": (
         "max_context_len = 5, but the longest context in context_lens has 6 tokens",
-        decode(max_context_len=5),
-    ),
+        decode(max_context_len=5)),
     "contiguous max_context_len negative": ("max_context_len", contiguous(max_context_len=-1)),
-    **{
-        f"{function} window {window}": ("window", changing(function)(window=window))
-        for function in ("decode", "contiguous", "prefill")
-        for window in (0, -3)
-    },
+    **{f"{function} window {window}": ("window", changing(function)(window=window))
+       for function in ("decode", "contiguous", "prefill") for window in (0, -3)},
     "caches overlap": ("k_cache and v_cache must not share memory", ("decode", overlapping)),
     "context beyond int32": (
-        "context_lens[0] = 2147483648 exceeds 2147483647",
-        ("decode", long_context),
-    ),
+        "context_lens[0] = 2147483648 exceeds 2147483647", ("decode", long_context)),
     "slot written twice": ("twice", store(slot_mapping=[3, 3, -1])),
     "slot_mapping length": ("slot_mapping", store(slot_mapping=[0, 1])),
     "key heads": ("key", store(key=lambda k: k[:, :1])),
@@ -206,18 +211,24 @@ VALUE_ERRORS: dict[str, tuple[str, Case]] = {
     "prefill heads not a multiple": ("query", prefill(query=lambda q: q[:, :3])),
     "max_query_len not the longest chunk": ("max_query_len", prefill(max_query_len=2)),
     "max_query_len negative": ("max_query_len", prefill(max_query_len=-1)),
-}
+    "fp8 k_scale zero": ("k_scale", fp8_store(k_scale=0.0)),
+    "fp8 v_scale NaN": ("v_scale", fp8_store(v_scale=math.nan)),
+    "fp8 k_scale not one per head": ("k_scale", fp8_store(k_scale=floats(1.0))),
+    "fp8 v_scale negative": ("v_scale", fp8_store(v_scale=floats(1.0, -1.0))),
+    "store k_scale, fp32 caches": ("k_scale", store(k_scale=1.0)),
+    "decode v_scale, fp32 caches": ("v_scale", decode(v_scale=1.0)),
+    "prefill v_scale, fp32 caches": ("v_scale", prefill(v_scale=1.0)),
+    "fp8 decode k_scale not one per head": ("k_scale", fp8_decode(k_scale=floats(1.0, 1.0, 1.0))),
+    "fp8 prefill k_scale not one per head": ("k_scale", fp8_prefill(k_scale=floats(1, 1, 1))),
+}  # fmt: skip
 TYPES: dict[str, tuple[str, Case]] = {
     "context_lens float": ("context_lens", decode(context_lens=lambda t: t.float())),
     "block_tables int64": ("block_tables", decode(block_tables=lambda t: t.long())),
     "query dtype": ("query", decode(query=lambda q: q.half())),
     "query not a tensor": ("query", decode(query=lambda _: [1.0])),
     "v_cache dtype": ("v_cache", decode(v_cache=lambda v: v.double())),
-    **{
-        f"{function} window {window}": ("window", changing(function)(window=window))
-        for function in ("decode", "contiguous", "prefill")
-        for window in (2.0, True, False)
-    },
+    **{f"{function} window {window}": ("window", changing(function)(window=window))
+       for function in ("decode", "contiguous", "prefill") for window in (2.0, True, False)},
     "key dtype": ("key", store(key=lambda k: k.half())),
     "integer cache": ("k_cache", store(k_cache=lambda k: k.int())),
     "validate not a bool": ("validate", store(validate=1)),
@@ -229,7 +240,13 @@ TYPES: dict[str, tuple[str, Case]] = {
     "prefill block_tables int64": ("block_tables", prefill(block_tables=lambda t: t.long())),
     "prefill query dtype": ("query", prefill(query=lambda q: q.half())),
     "max_query_len not an int": ("max_query_len", prefill(max_query_len=3.0)),
-}
+    "fp8 k_scale bool": ("k_scale", fp8_store(k_scale=True)),
+    "fp8 v_scale float64": ("v_scale", fp8_store(v_scale=floats(1.0, 1.0, dtype=torch.float64))),
+    "fp8 key": ("key", fp8_store(key=lambda k: k.to(torch.float8_e4m3fn))),
+    "fp8 value fp16": ("value", fp8_store(value=lambda v: v.half())),
+    "fp8 decode query fp8": ("query", fp8_decode(query=lambda q: q.to(torch.float8_e5m2))),
+    "fp8 prefill query fp8": ("query", fp8_prefill(query=lambda q: q.to(torch.float8_e5m2))),
+}  # fmt: skip
 CASES = {
     name: (error, words, case)
     for error, table in ((IndexError, INDEX_ERRORS), (ValueError, VALUE_ERRORS), (TypeError, TYPES))
@@ -262,7 +279,7 @@ def test_invalid_call_raises_and_changes_nothing(name: str, backend: str) -> Non
 def test_the_valid_calls_are_valid(backend: str) -> None:
     """Each case fails for the one thing it breaks; prefill, ``max_query_len`` or not is right."""
     calls = valid_args()
-    for function in ("decode", "contiguous", "store", "copy"):
+    for function in ("decode", "contiguous", "store", "copy", *(f"fp8 {f}" for f in FP8_CALLS)):
         FUNCTIONS[function](**calls[function], backend=backend)
     assert kernels.slot_mapping(**calls["slots"], backend=backend).tolist() == [1, 21]
     expected = kernels.paged_prefill_attention(**calls["prefill"], backend="reference")
@@ -274,36 +291,29 @@ def test_the_valid_calls_are_valid(backend: str) -> None:
 @settings(max_examples=kernel_examples(30))
 @given(
     tokens=st.integers(1, 12),
-    bad_at=st.integers(0, 11),
+    at=st.integers(0, 11),
     bad_slot=st.one_of(st.integers(-50, -2), st.integers(NUM_BLOCKS * BLOCK_SIZE, 10**6)),
+    pairs=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)), max_size=5),
+    bad_pair=st.tuples(st.integers(0, 5), st.integers(6, 100)).map(
+        lambda p: p[::-1] if p[0] % 2 else p),  # a bad src or dst
     backend=st.sampled_from(BACKENDS),
-)
-def test_one_bad_slot_anywhere_means_no_write_at_all(
-    tokens: int, bad_at: int, bad_slot: int, backend: str
-) -> None:
+)  # fmt: skip
+def test_one_bad_slot_or_pair_anywhere_means_no_write_at_all(
+    tokens: int, at: int, bad_slot: int, pairs: list[tuple[int, int]], bad_pair: tuple[int, int],
+    backend: str,
+) -> None:  # fmt: skip
     slot_list = list(range(tokens))
-    slot_list[bad_at % tokens] = bad_slot
+    slot_list[at % tokens] = bad_slot
     key = torch.ones(tokens, KV_HEADS, HEAD_DIM, device=DEVICE)
     bad = {"key": key, "value": key, "slot_mapping": ints(slot_list)}
+    pairs.insert(at % (len(pairs) + 1), bad_pair)
+    calls = valid_args()
     assert_rejected(
-        valid_args()["store"], IndexError, "slot_mapping",
+        calls["store"], IndexError, "slot_mapping",
         lambda args: kernels.store_kv(**{**args, **bad}, backend=backend),
     )  # fmt: skip
-
-
-@settings(max_examples=kernel_examples(30))
-@given(
-    pairs=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)), max_size=5),
-    bad=st.tuples(st.integers(0, 5), st.integers(6, 100)).map(lambda p: p[::-1] if p[0] % 2 else p),
-    at=st.integers(0, 5),
-    backend=st.sampled_from(BACKENDS),
-)
-def test_one_bad_pair_anywhere_means_no_copy_at_all(
-    pairs: list[tuple[int, int]], bad: tuple[int, int], at: int, backend: str
-) -> None:
-    pairs.insert(at % (len(pairs) + 1), bad)
     assert_rejected(
-        valid_args()["copy"], IndexError, "pairs",
+        calls["copy"], IndexError, "pairs",
         lambda args: kernels.copy_blocks(**{**args, "pairs": pairs}, backend=backend),
     )  # fmt: skip
 
