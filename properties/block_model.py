@@ -1,5 +1,6 @@
-"""An independent, minimal model of the block manager's rules (unlike ``spec`` on purpose: a list
-queue, explicit loops); each method returns the rules' outcome and changes state only on success."""
+"""An independent, minimal model of the block manager's rules, its input rules included (unlike
+``spec`` on purpose: a list queue, explicit loops); each method returns the rules' outcome and
+changes state only on success."""
 
 from __future__ import annotations
 
@@ -21,6 +22,13 @@ def observe(call, *args, **kwargs) -> Outcome:
         return Outcome(error=type(exc))
 
 
+def int_error(value: object, minimum: int) -> type[BaseException] | None:
+    """A count or position is an int, not a bool (``TypeError``), at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return TypeError
+    return ValueError if value < minimum else None
+
+
 class BlockModel:
     def __init__(self, total_blocks: int, block_size: int) -> None:
         self.total_blocks = total_blocks
@@ -32,27 +40,28 @@ class BlockModel:
 
     @staticmethod
     def _released(table: list[int | None]) -> int:
-        count = 0
-        for block_id in table:
-            if block_id is not None:
-                break
-            count += 1
-        return count
+        return next((i for i, block_id in enumerate(table) if block_id is not None), len(table))
 
-    def table_error(self, table: list[int | None]) -> type[BaseException] | None:
-        """The error any call on ``table`` raises for the table alone, or None if it is live."""
-        table = table[self._released(table) :]
-        if None in table:  # a released entry after a held one
+    def id_error(self, block_id: object) -> type[BaseException] | None:
+        """A block id is an int (``TypeError``) of this pool (``BlockTableError``)."""
+        if (error := int_error(block_id, 0)) is TypeError:
+            return error
+        return BlockTableError if error or block_id >= self.total_blocks else None
+
+    def table_error(
+        self, table: list[int | None], *counts: tuple[object, int]
+    ) -> type[BaseException] | None:
+        """The error a call on ``table`` and ``counts`` (``(value, minimum)`` pairs, checked
+        after the table) raises for them alone, or None if the table is live."""
+        if not isinstance(table, (list, tuple)):
             return TypeError
-        for block_id in table:
-            if not (0 <= block_id < self.total_blocks):
-                return BlockTableError
-        if len(set(table)) < len(table):
+        held = table[self._released(table) :]
+        for block_id in held:  # the first bad id decides; a None after an id is no id
+            if error := self.id_error(block_id):
+                return error
+        if len(set(held)) < len(held) or any(self.refs[b] == 0 for b in held):
             return BlockTableError
-        for block_id in table:
-            if self.refs[block_id] == 0:
-                return BlockTableError
-        return None
+        return next(filter(None, (int_error(value, least) for value, least in counts)), None)
 
     def _take(self, count: int) -> list[int]:
         taken, self.queue = self.queue[:count], self.queue[count:]
@@ -60,20 +69,23 @@ class BlockModel:
             self.refs[block_id] = 1
         return taken
 
-    def allocate(self, count: int) -> Outcome:
-        if count < 0:
-            return Outcome(error=ValueError)
-        if count > len(self.queue):
-            return Outcome(error=OutOfBlocksError)
-        return Outcome(value=self._take(count))
+    def can_allocate(self, count: int) -> Outcome:
+        error = int_error(count, 0)
+        return Outcome(error=error) if error else Outcome(value=count <= len(self.queue))
 
-    def append_slot(self, table: list[int], token_count: int, new_tokens: int) -> Outcome:
-        error = self.table_error(table)
-        if error is None and (token_count < 0 or new_tokens < 0 or new_tokens > token_count):
-            error = ValueError
-        if error is not None:
-            return Outcome(error=error)
-        size = self.block_size
+    def ref_count(self, block_id: int) -> Outcome:
+        error = self.id_error(block_id)
+        return Outcome(error=error) if error else Outcome(value=self.refs[block_id])
+
+    def allocate(self, count: int) -> Outcome:
+        error = int_error(count, 0) or (count > len(self.queue) and OutOfBlocksError)
+        return Outcome(error=error) if error else Outcome(value=self._take(count))
+
+    def append_slot(self, table: list[int], token_count: int, new_tokens: int = 1) -> Outcome:
+        error = self.table_error(table, (token_count, 0), (new_tokens, 0))
+        if error or new_tokens > token_count:
+            return Outcome(error=error or ValueError)
+        size, table = self.block_size, plain(table)
         blocks = (token_count + size - 1) // size
         written = {pos // size for pos in range(token_count - new_tokens, token_count)}
         if any(i < self._released(table) for i in written):
@@ -98,19 +110,17 @@ class BlockModel:
         return Outcome(value=pairs)
 
     def fork(self, table: list[int]) -> Outcome:
-        error = self.table_error(table)
-        if error is not None:
+        if error := self.table_error(table):
             return Outcome(error=error)
         for block_id in table:
             if block_id is not None:
                 self.refs[block_id] += 1
-        return Outcome(value=list(table))
+        return Outcome(value=plain(table))
 
     def free(self, table: list[int]) -> Outcome:
-        error = self.table_error(table)
-        if error is not None:
+        if error := self.table_error(table):
             return Outcome(error=error)
-        self._drop(table)
+        self._drop(plain(table))
         return Outcome(value=None)
 
     def _drop(self, blocks: list[int | None]) -> None:
@@ -128,12 +138,10 @@ class BlockModel:
 
     def truncate(self, table: list[int], token_count: int) -> Outcome:
         """Keep the blocks the first ``token_count`` tokens need; give the rest back, tail first."""
-        error = self.table_error(table)
-        if error is None and not 0 <= token_count <= len(table) * self.block_size:
-            error = ValueError
-        if error is not None:
-            return Outcome(error=error)
-        kept = (token_count + self.block_size - 1) // self.block_size
+        error = self.table_error(table, (token_count, 0))
+        if error or token_count > len(table) * self.block_size:
+            return Outcome(error=error or ValueError)
+        kept, table = (token_count + self.block_size - 1) // self.block_size, plain(table)
         self._drop(table[kept:])
         return Outcome(value=table[:kept])
 
@@ -141,12 +149,10 @@ class BlockModel:
         self, table: list[int | None], token_count: int, window: int
     ) -> Outcome:
         """Release each leading block wholly before ``token_count - window + 1`` (the next read)."""
-        error = self.table_error(table)
-        if error is None and not (0 <= token_count <= len(table) * self.block_size and window >= 1):
-            error = ValueError
-        if error is not None:
-            return Outcome(error=error)
-        first_read = token_count - window + 1
+        error = self.table_error(table, (token_count, 0), (window, 1))
+        if error or token_count > len(table) * self.block_size:
+            return Outcome(error=error or ValueError)
+        first_read, table = token_count - window + 1, plain(table)
         outside = 0
         while outside < len(table) and (outside + 1) * self.block_size <= first_read:
             outside += 1
@@ -154,15 +160,17 @@ class BlockModel:
         return Outcome(value=[None] * outside + table[outside:])
 
     def translate_slot(self, table: list[int], pos: int) -> Outcome:
-        error = self.table_error(table)
-        if error is not None:
+        if error := self.table_error(table, (pos, 0)) or (
+            pos >= len(table) * self.block_size and IndexError
+        ):
             return Outcome(error=error)
-        if pos < 0:
-            return Outcome(error=ValueError)
-        if pos >= len(table) * self.block_size:
-            return Outcome(error=IndexError)
         if table[pos // self.block_size] is None:
             return Outcome(error=BlockTableError)
         return Outcome(
-            value=table[pos // self.block_size] * self.block_size + pos % self.block_size
+            value=int(table[pos // self.block_size]) * self.block_size + pos % self.block_size
         )
+
+
+def plain(table: list[int | None]) -> list[int | None]:
+    """A checked table as a list of plain ints (an int subclass is taken as its value)."""
+    return [None if block_id is None else int(block_id) for block_id in table]

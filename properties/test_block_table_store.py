@@ -16,7 +16,7 @@ from pagedkv.impl.blocks.manager import BlockManager
 from pagedkv.impl.blocks.prefix_cache import PrefixCachingBlockManager
 from pagedkv.spec.block_manager import BlockTableError
 from properties.block_lockstep import Both
-from properties.machines.differential import IntSubclass
+from properties.machines.block_manager import IntSubclass
 from properties.machines.store import StoreMachine, WindowStoreMachine
 
 TestBlockTableStore = StoreMachine.TestCase

@@ -1,11 +1,6 @@
-"""``impl.BlockManager``: the differential machine, and the spec's model-based machine on impl."""
+"""``impl.BlockManager`` against the spec and the independent model, with bad input, stale and
+forged tables and the array API (see :mod:`properties.machines.block_manager`)."""
 
-from __future__ import annotations
+from properties.machines.block_manager import BlockManagerMachine
 
-from pagedkv.impl.blocks.manager import BlockManager as ImplBlockManager
-from properties.machines.block_manager import block_manager_machine
-from properties.machines.differential import DifferentialMachine
-
-TestImplDifferential = DifferentialMachine.TestCase
-
-TestSpecMachineOnImpl = block_manager_machine(ImplBlockManager).TestCase
+TestBlockManagers = BlockManagerMachine.TestCase

@@ -17,7 +17,7 @@ from pagedkv.impl.blocks.prefix_cache import (
 )
 from pagedkv.spec import OutOfBlocksError
 from pagedkv.spec.prefix_cache import PrefixCachingBlockManager as SpecPrefixManager
-from properties.machines.differential import IntSubclass
+from properties.machines.block_manager import IntSubclass
 from properties.machines.prefix import (
     PrefixDifferentialMachine,
     PrefixStoreMachine,

@@ -13,8 +13,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 import pagedkv.spec.block_manager as spec_block_manager
 import pagedkv.spec.prefix_cache as spec_prefix_cache
-from properties.machines.block_manager import block_manager_machine
-from properties.machines.differential import DifferentialMachine
+from properties.machines.block_manager import BlockManagerMachine
 from properties.machines.free_queue import FreeQueueMachine
 from properties.machines.prefix import PrefixDifferentialMachine, PrefixStoreMachine
 from properties.machines.prefix_cache import prefix_cache_machine
@@ -380,11 +379,11 @@ def machine_with(module: types.ModuleType, within: str, old: str, new: str, kind
     """The ``kind`` machine over copies with ``old`` -> ``new`` planted in ``within`` of ``module``
     (and of the modules above it that import it)."""
     edit = (module, within, old, new)
-    if kind == "spec":
-        return block_manager_machine(load_mutant(*edit, SHARED_NAMES).BlockManager)
     if kind == "spec prefix":
         return prefix_cache_machine(load_mutant(*edit, EVENT_CLASSES).PrefixCachingBlockManager)
-    if kind == "queue":
+    if kind == "spec":
+        attrs, base = {"SPEC": load_mutant(*edit, SHARED_NAMES).BlockManager}, BlockManagerMachine
+    elif kind == "queue":
         attrs, base = {"QUEUE": load_mutant(*edit).FreeBlockQueue}, FreeQueueMachine
     elif kind == "page-tables":
         attrs, base = {"PAGE_TABLES": load_mutant(*edit)}, StoreMachine
@@ -400,7 +399,7 @@ def machine_with(module: types.ModuleType, within: str, old: str, new: str, kind
     else:  # the manager, over copies of the pool and queue below it where the bug is there
         below = UNDER_THE_MANAGER[UNDER_THE_MANAGER.index(module) :]
         attrs = {"IMPL": load_chain(below, within, old, new, SHARED_NAMES).BlockManager}
-        base = DifferentialMachine
+        base = BlockManagerMachine
     return type(f"Planted{base.__name__}", (base,), attrs)
 
 

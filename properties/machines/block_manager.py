@@ -1,13 +1,18 @@
-"""Any class with the spec's API in lockstep with ``BlockModel``, simulating KV data: each token
-stores a unique value at its slot, copy pairs copy blocks, and every live sequence reads back
-exactly its own tokens ("no two sequences ever write the same slot")."""
+"""The block managers in lockstep: impl (``IMPL``) against the spec (``SPEC``), with the same
+results of the same types or exception classes, then the whole state, and both against the
+independent ``BlockModel``. Pools are small (1 to 32 blocks). Bad input is fed too: wrong
+types, unknown, repeated, stale and forged ids, tuples, and impl's array API. KV data is
+simulated: each token stores a unique value at its slot and copy pairs copy blocks. While the
+caller is honest (no stale or forged table accepted), every live table reads back exactly its
+own tokens. Also the bad-input strategies other machines share."""
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
-from hypothesis import event
+import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -19,299 +24,420 @@ from hypothesis.stateful import (
     rule,
 )
 
-from pagedkv.spec import BlockTableError
-from properties.block_model import BlockModel, observe
-from properties.machines.lockstep import Lockstep
+import pagedkv.spec.block_manager as spec_bm
+from pagedkv.impl.blocks.manager import BlockManager as ImplBlockManager
+from properties.block_model import BlockModel
+from properties.machines.lockstep import Lockstep, same_outcome
+from properties.outcomes import outcome
 
-BLOCK_SIZES = [1, 2, 3, 4, 8, 16]
-BAD_COUNTS = st.one_of(
-    st.tuples(st.integers(-3, -1), st.integers(-3, 50)),
-    st.tuples(st.integers(0, 50), st.integers(-3, -1)),
-    st.integers(0, 49).flatmap(lambda count: st.tuples(st.just(count), st.integers(count + 1, 50))),
-)
-"""``(token_count, new_tokens)`` that ``append_slot`` refuses: negative, or more new than tokens."""
+BLOCK_SIZES = st.sampled_from([1, 2, 3, 4, 5, 8, 16])
+FOREIGN_ARGS = {"append_slot": (3,), "translate_slot": (0,), "truncate": (1,),
+                "release_outside_window": (2, 1)}  # fmt: skip
+"""The arguments after a table the caller may not hold (a table error comes first)."""
+
+
+class IntSubclass(int):
+    """An int subclass: the spec accepts it as a block id or count, and so must impl."""
+
+
+def not_ints() -> st.SearchStrategy[object]:
+    """Things the spec refuses where it wants an int (``TypeError``)."""
+    return st.one_of(
+        st.booleans(), st.floats(allow_nan=False, min_value=-2, max_value=40), st.none(),
+        st.text(max_size=2), st.sampled_from([np.int64(1), np.int32(2), np.float64(3.0)]),
+    )  # fmt: skip
+
+
+def odd_ints() -> st.SearchStrategy[object]:
+    """Ints the spec accepts as ints but that sit outside every range, or are a subclass."""
+    return st.one_of(
+        st.integers(-3, -1),
+        st.sampled_from([2**31, 2**40, 2**63, 2**64, 2**70, -(2**70)]),
+        st.builds(IntSubclass, st.integers(0, 33)),
+    )
+
+
+def bad_scalars() -> st.SearchStrategy[object]:
+    return st.one_of(not_ints(), odd_ints())
+
+
+def assert_same_construction(spec_cls: type, impl_cls: type, *args: object) -> None:
+    """Both constructors succeed on ``args``, or both raise the same exception class."""
+    expected, actual = outcome(spec_cls, *args), outcome(impl_cls, *args)
+    assert expected[0] == actual[0] and (expected[0] == "ok" or expected[1] is actual[1])
 
 
 @dataclass(eq=False)
-class Sequence:
-    table: list[int | None]  # None: a block a sliding window released
-    tokens: list[int] = field(default_factory=list)  # the value stored for each position
+class Table:
+    """A table the managers handed out, every table it has been (the current one last), the
+    caller's token count and the value stored at each position written."""
 
-    def readable(self, size: int) -> range:
-        """The positions whose blocks the table still holds."""
-        released = 0
-        while released < len(self.table) and self.table[released] is None:
-            released += 1
-        return range(min(released * size, len(self.tokens)), len(self.tokens))
+    blocks: list[int | None]  # None: released by a sliding window
+    history: list[list[int | None]]
+    count: int = 0
+    tokens: dict[int, int] = field(default_factory=dict)
+
+    def replace(self, blocks: list[int | None]) -> None:
+        self.blocks = blocks
+        self.history.append(blocks)
 
 
-def block_manager_machine(manager_cls: type) -> type[RuleBasedStateMachine]:
+class BlockManagerMachine(Lockstep, RuleBasedStateMachine):
+    """``tables``: the live tables; ``every_table`` also the freed and replaced ones. An
+    ``HONEST`` caller passes a table it does not hold only where the rules refuse it."""
 
-    class BlockManagerMachine(Lockstep, RuleBasedStateMachine):
-        seqs = Bundle("seqs")  # live sequences
-        freed = Bundle("freed")  # sequences already freed: their tables are stale
+    SPEC: ClassVar[type] = spec_bm.BlockManager
+    IMPL: ClassVar[type] = ImplBlockManager
+    HONEST: ClassVar[bool] = False
+    tables = Bundle("tables")
+    every_table = Bundle("every_table")
 
-        def __init__(self) -> None:
-            super().__init__()
-            self.live: list[Sequence] = []
-            self.cache: dict[int, int] = {}  # physical slot -> stored token value
-            self.pending_pairs: list[tuple[int, int]] = []  # copy pairs not yet taken
-            self.values = itertools.count(1)
+    @initialize(total_blocks=st.integers(1, 32), block_size=BLOCK_SIZES)
+    def start(self, total_blocks: int, block_size: int) -> None:
+        self.model = self.SPEC(total_blocks, block_size)
+        self.impl = self.IMPL(total_blocks, block_size)
+        self.rules = BlockModel(total_blocks, block_size)
+        self.total_blocks, self.size = total_blocks, block_size
+        self.live: list[Table] = []
+        self.cache: dict[int, int] = {}  # physical slot -> stored token value
+        self.values = itertools.count(1)
+        self.honest = True  # no call on a table the caller does not hold was accepted
 
-        @initialize(total_blocks=st.integers(1, 32), block_size=st.sampled_from(BLOCK_SIZES))
-        def make_manager(self, total_blocks: int, block_size: int) -> None:
-            self.impl = manager_cls(total_blocks, block_size)
-            self.model = BlockModel(total_blocks, block_size)
-            self.size = block_size
+    def snapshot(self) -> tuple[object, ...]:
+        return tuple(
+            (manager.free_block_ids(), [manager.ref_count(b) for b in range(self.total_blocks)],
+             manager.num_free_blocks, manager.pending_copy_pairs(), list(manager.waiting_for_copy))
+            for manager in (self.model, self.impl)
+        )  # fmt: skip
 
-        def snapshot(self) -> tuple[object, ...]:
-            refs = tuple(self.impl.ref_count(b) for b in range(self.model.total_blocks))
-            pending = self.impl.pending_copy_pairs()
-            waiting = list(self.impl.waiting_for_copy)
-            return (self.impl.free_block_ids(), refs, self.impl.num_free_blocks, pending,
-                    waiting)  # fmt: skip
+    def expect(self, name: str, *args: Any) -> tuple[str, Any]:
+        """The spec's outcome, which must be the rules' (a result of the same types)."""
+        rules = getattr(self.rules, name)(*args)
+        ruled = ("raised", rules.error) if rules.error else ("ok", rules.value)
+        expected = outcome(getattr(self.model, name), *args)
+        assert same_outcome(ruled, expected), f"{name}{args}: rules {ruled}, spec {expected}"
+        return expected
 
-        def expect(self, name: str, *args: object) -> tuple[str, object]:
-            expected = getattr(self.model, name)(*args)
-            return ("raised", expected.error) if expected.error else ("ok", expected.value)
-
-        def after(self, name: str, args: tuple, expected: tuple[str, object]) -> None:
-            event(f"outcome: {expected[1].__name__ if expected[0] == 'raised' else 'ok'}")
-
-        def write(self, seq: Sequence, first: int, values: list[int]) -> None:
-            for offset, value in enumerate(values):
-                pos = first + offset
-                self.cache[seq.table[pos // self.size] * self.size + pos % self.size] = value
-
-        def copy_block(self, src: int, dst: int) -> None:
-            for offset in range(self.size):
-                slot = src * self.size + offset
-                if slot in self.cache:
-                    self.cache[dst * self.size + offset] = self.cache[slot]
-
-        @rule(target=seqs, prompt_len=st.integers(0, 40))
-        def new_sequence(self, prompt_len: int) -> object:
-            kind, table = self.both("allocate", -(-prompt_len // self.size))
-            if kind == "ok":
-                seq = Sequence(table)
-                seq.tokens = [next(self.values) for _ in range(prompt_len)]
-                self.write(seq, 0, seq.tokens)
-                self.live.append(seq)
-                return seq
+    def made(self, kind: str, blocks: Any, parent: Table | None = None) -> Any:
+        """The bundle entry for a call that may have made a table (a fork: its parent's tokens)."""
+        if kind != "ok":
             return multiple()
+        table = Table(blocks, [blocks])
+        if parent is not None:
+            table.count, table.tokens = parent.count, dict(parent.tokens)
+        self.live.append(table)
+        return table
 
-        @rule(
-            seq=seqs,
-            new_tokens=st.one_of(st.just(1), st.integers(0, 40)),
-            lookahead=st.one_of(st.just(0), st.integers(0, 20)),
+    def foreign(self, name: str, table: Any, *args: Any) -> Any:
+        """``name(table, *args)`` for a table the caller may not hold ("array": ``free_array``):
+        accepting one with ids makes the caller dishonest (they may be another table's)."""
+        args = args or FOREIGN_ARGS.get(name, ())
+        if self.HONEST and name != "translate_slot" and self.rules.table_error(table) is None:
+            return multiple()
+        kind, result = self.free_array(table) if name == "array" else self.both(name, table, *args)
+        if kind == "ok" and name != "translate_slot" and any(b is not None for b in table):
+            self.honest = False
+        return self.made(kind, result) if name in ("fork", "append_slot") else multiple()
+
+    def free_array(self, blocks: list[int | None]) -> tuple[str, Any]:
+        """``free_array`` against the spec's ``free`` (a table with released entries: ``free``)."""
+        return self.both("free", blocks, impl_name=None if None in blocks else "free_array")
+
+    def step(self, table: Table, name: str, *args: Any, as_tuple: bool = False) -> bool:
+        """``name(table.blocks, *args)`` on all; on success the result replaces the table."""
+        kind, result = self.both(name, tuple(table.blocks) if as_tuple else table.blocks, *args)
+        if kind == "ok":
+            table.replace(result)
+        return kind == "ok"
+
+    def store(self, table: Table, first: int, count: int) -> None:
+        """Store a fresh value at positions ``first .. count - 1``: the table holds ``count``."""
+        for pos in range(first, count):
+            slot = table.blocks[pos // self.size] * self.size + pos % self.size
+            table.tokens[pos] = self.cache[slot] = next(self.values)
+        table.count = count
+
+    def grow(self, table: Table, count: Any, *new: Any, as_tuple: bool = False) -> bool:
+        """``append_slot(table, count, *new)``; on success the caller copies the new pairs,
+        then writes the new tokens, each into a block it alone holds."""
+        pairs = len(self.rules.copy_pairs)
+        if not self.step(table, "append_slot", count, *new, as_tuple=as_tuple):
+            return False
+        for src, dst in self.rules.copy_pairs[pairs:]:
+            for offset in range(self.size):
+                if src * self.size + offset in self.cache:
+                    self.cache[dst * self.size + offset] = self.cache[src * self.size + offset]
+        first = count - (new[0] if new else 1)
+        for block in {table.blocks[pos // self.size] for pos in range(first, count)}:
+            assert self.model.ref_count(block) == 1, f"write into shared block {block}"
+        self.store(table, first, count)
+        return True
+
+    def write(self, table: Table, count: int, new: int, reserve: int | None) -> bool:
+        """Reserve up to ``reserve`` (unless None), then write the last ``new`` of ``count``."""
+        return (reserve is None or self.grow(table, reserve, 0)) and self.grow(table, count, new)
+
+    def roll_back(self, table: Table, count: Any, as_tuple: bool = False) -> None:
+        if self.step(table, "truncate", count, as_tuple=as_tuple):
+            table.count = count
+            table.tokens = {pos: value for pos, value in table.tokens.items() if pos < count}
+
+    def release(self, table: Table, count: Any, window: Any, as_tuple: bool = False) -> bool:
+        """Slide a window; a table as long as its count needs then holds what the window reads,
+        and its last released position is no slot."""
+        if not self.step(table, "release_outside_window", count, window, as_tuple=as_tuple):
+            return False
+        if None in table.blocks:
+            self.both("translate_slot", table.blocks, table.blocks.count(None) * self.size - 1)
+        if len(table.blocks) == -(-count // self.size):  # memory bounded by the window
+            held = sum(b is not None for b in table.blocks)
+            assert held <= -(-(window - 1) // self.size) + 1, (held, window)
+        return True
+
+    @rule(targets=(tables, every_table), data=st.data(), as_array=st.booleans())
+    def allocate(self, data: st.DataObject, as_array: bool) -> Any:
+        """A prompt's blocks (or more than are free), then its tokens, into its last block."""
+        free, size = len(self.rules.queue), self.size
+        count = data.draw(st.integers(0, 3) | st.integers(0, 34) | st.integers(free + 1, free + 3))
+        table = self.made(*self.both("allocate", count, impl_name=as_array and "allocate_array"))
+        if isinstance(table, Table) and count:
+            self.store(table, 0, data.draw(st.integers(count * size - size + 1, count * size)))
+        return table
+
+    @rule(targets=(tables, every_table), value=st.one_of(st.integers(-2, 40), bad_scalars()))
+    def odd_scalar_argument(self, value: object) -> Any:
+        """A count or block id: a bad type, a negative or huge int, an int subclass."""
+        self.both("can_allocate", value)
+        self.both("ref_count", value)
+        return self.made(*self.both("allocate", value))
+
+    @rule(offset=st.integers(-2, 1))
+    def can_allocate(self, offset: int) -> None:
+        """``can_allocate`` for 0 and at the free count's boundary."""
+        for count in (0, max(0, len(self.rules.queue) + offset)):
+            self.both("can_allocate", count)
+
+    @rule(
+        table=tables, value=st.one_of(st.integers(-2, 40), bad_scalars()), count=st.integers(0, 40)
+    )
+    def odd_scalar_on_a_table(self, table: Table, value: Any, count: int) -> None:
+        """The same as each int parameter of the calls on a table, the others valid."""
+        self.both("translate_slot", table.blocks, value)
+        self.grow(table, value, min(count, 2))
+        self.grow(table, count, value)
+        self.release(table, min(count, len(table.blocks) * self.size), value)
+        self.release(table, value, count + 1)
+        self.roll_back(table, value)
+
+    @rule(table=tables, data=st.data(), as_tuple=st.booleans())
+    def append_slot(self, table: Table, data: st.DataObject, as_tuple: bool) -> None:
+        """Any count up to three blocks past the capacity, or a decode step at its edge
+        (``new_tokens`` left at its default, one)."""
+        capacity = len(table.blocks) * self.size
+        if data.draw(st.booleans(), label="decode"):
+            count = data.draw(st.integers(max(0, capacity - self.size), capacity), label="filled")
+            self.grow(table, count + 1, as_tuple=as_tuple)
+            return
+        count = data.draw(st.integers(0, capacity + 3 * self.size), label="count")
+        new_tokens = data.draw(st.integers(0, min(count, 2 * self.size + 1)), label="new")
+        self.grow(table, count, new_tokens, as_tuple=as_tuple)
+
+    @rule(
+        table=tables,
+        new_tokens=st.one_of(st.just(1), st.integers(0, 40)),
+        lookahead=st.one_of(st.just(0), st.integers(0, 20)),
+    )
+    def append(self, table: Table, new_tokens: int, lookahead: int) -> None:
+        """Write ``new_tokens`` tokens; ``lookahead`` slots past the count reserved first."""
+        self.write(table, table.count + new_tokens, new_tokens, table.count + lookahead)
+
+    @rule(table=tables, data=st.data(), as_tuple=st.booleans())
+    def truncate(self, table: Table, data: st.DataObject, as_tuple: bool) -> None:
+        """Roll back to any count the table holds (drafts rejected), or past it (refused)."""
+        capacity = len(table.blocks) * self.size
+        count = data.draw(
+            st.integers(0, capacity)
+            | st.integers(-2, capacity + self.size)
+            | st.integers(capacity + 1, capacity + self.size),  # past the capacity: refused
+            label="count",
         )
-        def append(self, seq: Sequence, new_tokens: int, lookahead: int) -> None:
-            """Write ``new_tokens`` tokens; ``lookahead`` extra slots are reserved, not written."""
-            self.write_tokens(seq, new_tokens, lookahead)
+        self.roll_back(table, count, as_tuple)
 
-        def write_tokens(self, seq: Sequence, new_tokens: int, lookahead: int) -> bool:
-            """Reserve ``lookahead`` slots unwritten, then write; whether the tokens were."""
-            count = len(seq.tokens)
-            for target, written in ((count + lookahead, 0), (count + new_tokens, new_tokens)):
-                kind, table = self.both("append_slot", seq.table, target, written)
-                if kind == "raised":
-                    return False
-                made = self.model.copy_pairs[len(self.pending_pairs) :]
-                if made:
-                    event("copy-on-write")
-                for src, dst in made:  # the caller copies before writing
-                    self.copy_block(src, dst)
-                self.pending_pairs += made
-                seq.table = table
-            for pos in range(count, count + new_tokens):
-                block = seq.table[pos // self.size]
-                assert self.impl.ref_count(block) == 1, f"write into shared block {block}"
-            values = [next(self.values) for _ in range(new_tokens)]
-            self.write(seq, count, values)
-            seq.tokens += values
-            return True
+    @rule(table=tables, data=st.data())
+    def speculate(self, table: Table, data: st.DataObject) -> None:
+        """Write the last token and ``k`` drafts (maybe reserving first), keep ``1 + j``."""
+        capacity = len(table.blocks) * self.size
+        filled = data.draw(st.just(table.count) | st.integers(0, capacity), label="filled")
+        drafts = data.draw(st.integers(0, 6) | st.integers(0, 2 * self.size), label="k")
+        reserve = data.draw(st.sampled_from([filled, filled + 1 + drafts, None]), label="reserve")
+        if self.write(table, filled + 1 + drafts, 1 + drafts, reserve):
+            self.roll_back(table, filled + 1 + data.draw(st.integers(0, drafts), label="j"))
 
-        @rule(seq=seqs, data=st.data())
-        def truncate(self, seq: Sequence, data: st.DataObject) -> None:
-            """Roll back to any count the table can hold; past its capacity is refused."""
-            capacity = len(seq.table) * self.size
-            count = data.draw(
-                st.integers(0, capacity)
-                | st.integers(-2, capacity + self.size)
-                | st.integers(capacity + 1, capacity + self.size),  # past the capacity: refused
-                label="count",
-            )
-            self.roll_back(seq, count)
+    @rule(table=tables, data=st.data(), as_tuple=st.booleans())
+    def release_outside_window(self, table: Table, data: st.DataObject, as_tuple: bool) -> None:
+        """A window at the count or any other (maybe past the capacity), of any width."""
+        capacity = len(table.blocks) * self.size
+        count = data.draw(
+            st.just(table.count)
+            | st.integers(-1, capacity + 2)
+            | st.integers(capacity + 1, capacity + self.size),  # past the capacity: refused
+            label="count",
+        )
+        window = data.draw(st.integers(1, 20) | st.integers(1, 3 * self.size), label="window")
+        self.release(table, count, window, as_tuple)
 
-        @rule(seq=seqs, drafts=st.integers(0, 6), data=st.data())
-        def speculate(self, seq: Sequence, drafts: int, data: st.DataObject) -> None:
-            """A speculative step: write the last token and ``drafts`` guesses, keep ``1 + j``."""
-            count = len(seq.tokens)
-            if self.write_tokens(seq, 1 + drafts, 0):
-                self.roll_back(seq, count + 1 + data.draw(st.integers(0, drafts), label="j"))
+    @rule(table=tables, window=st.integers(1, 8), steps=st.integers(0, 8), back=st.integers(1, 8))
+    def decode_with_window(self, table: Table, window: int, steps: int, back: int) -> None:
+        """Mistral's decode loop on a full table (a token, then release what left the window), a
+        beam's next token, then roll ``back`` tokens back and rewrite them: writing a released
+        block is refused."""
+        for _ in range(steps):
+            count = len(table.blocks) * self.size + 1
+            if not (self.grow(table, count) and self.release(table, count, window)):
+                return
+        beam = self.made(*self.both("fork", table.blocks), parent=table)
+        if isinstance(beam, Table):  # a beam's next token: its last block is copied on write
+            self.grow(beam, beam.count + 1)
+            self.free(beam)
+        self.release(table, table.count, window)
+        self.roll_back(table, max(0, table.count - back))
+        self.write(table, table.count + back, back, table.count)
 
-        def roll_back(self, seq: Sequence, count: int) -> None:
-            kind, table = self.both("truncate", seq.table, count)
-            if kind == "ok":
-                event("truncate: dropped blocks" if table != seq.table else "truncate")
-                seq.table = table
-                del seq.tokens[count:]
+    @rule(twice=st.booleans())
+    def pop_copy_pairs(self, twice: bool) -> None:
+        """Pairs stay pending, failed calls included, until the caller takes them, once."""
+        for _ in range(1 + twice):
+            self.both("pop_copy_pairs")
 
-        @rule(seq=seqs, window=st.integers(1, 20), data=st.data())
-        def slide(self, seq: Sequence, window: int, data: st.DataObject) -> None:
-            """Release what no later query reads, at the count or any other (maybe refused)."""
-            capacity = len(seq.table) * self.size
-            count = data.draw(
-                st.just(len(seq.tokens))
-                | st.integers(-1, capacity + 1)
-                | st.integers(capacity + 1, capacity + self.size),  # past the capacity: refused
-                label="count",
-            )
-            self.release_at(seq, count, window)
+    @rule(targets=(tables, every_table), table=tables)
+    def fork(self, table: Table) -> Any:
+        return self.made(*self.both("fork", table.blocks), parent=table)
 
-        @rule(seq=seqs, window=st.integers(1, 8), back=st.integers(1, 8))
-        def rewrite_behind_the_window(self, seq: Sequence, window: int, back: int) -> None:
-            """Release, roll ``back`` tokens back, rewrite: writing a released block is refused."""
-            self.release_at(seq, len(seq.tokens), window)
-            self.roll_back(seq, max(0, len(seq.tokens) - back))
-            self.write_tokens(seq, back, 0)
-
-        def release_at(self, seq: Sequence, count: int, window: int) -> None:
-            kind, table = self.both("release_outside_window", seq.table, count, window)
-            if kind == "ok":
-                released = table.count(None) > seq.table.count(None)
-                event("window: released blocks" if released else "window: nothing to release")
-                seq.table = table
-                held = sum(b is not None for b in seq.table)
-                if len(seq.table) == -(-count // self.size):  # memory bounded by the window
-                    assert held <= -(-(window - 1) // self.size) + 1, (held, window)
-
-        @rule()
-        def take_copy_pairs(self) -> None:
-            """Pairs stay pending, failed calls included, until the caller takes them, once."""
-            if self.model.parked:
-                event("a copy source waited for its copy")
-            assert self.impl.pop_copy_pairs() == self.pending_pairs
-            assert self.impl.pop_copy_pairs() == []
-            self.model.pop_copy_pairs()
-            self.pending_pairs = []
-
-        @rule(target=seqs, parent=seqs)
-        def fork(self, parent: Sequence) -> Sequence:
-            child = Sequence(self.both("fork", parent.table)[1], list(parent.tokens))
-            self.live.append(child)
-            return child
-
-        @rule(target=seqs, parent=consumes(seqs), new_tokens=st.integers(1, 8))
-        def replace_by_a_fork(self, parent: Sequence, new_tokens: int) -> Sequence:
-            """A beam step: fork, write the child (copy-on-write), free the parent: a pending
-            copy's source may lose its last table before the pairs are taken."""
-            child = self.fork(parent)
-            self.write_tokens(child, new_tokens, 0)
+    @rule(targets=(tables, every_table), parent=consumes(tables), data=st.data())
+    def fork_then_write(self, parent: Table, data: st.DataObject) -> Any:
+        """Beam search (maybe under a window): fork, write into either from a shared block on
+        (copy-on-write, growth), maybe free the parent: a pending copy's source may lose its
+        last table first."""
+        if window := data.draw(st.none() | st.integers(1, 8), label="window"):
+            self.release(parent, parent.count, window)
+        child = self.made(*self.both("fork", parent.blocks), parent=parent)
+        if not isinstance(child, Table):  # a stale free released the parent's blocks
+            return parent
+        writer = data.draw(st.sampled_from([child, parent]), label="writer")
+        new_tokens = data.draw(st.integers(1, 8), label="new")
+        capacity = len(writer.blocks) * self.size
+        count = data.draw(
+            st.just(writer.count + new_tokens)
+            | st.integers(new_tokens, max(new_tokens, capacity + self.size))
+        )
+        self.grow(writer, count, new_tokens)
+        if data.draw(st.booleans(), label="free the parent"):
             self.free(parent)
             return child
+        return multiple(parent, child)
 
-        @rule(target=freed, seq=consumes(seqs))
-        def free(self, seq: Sequence) -> Sequence:
-            self.both("free", seq.table)
-            self.live.remove(seq)
-            return seq
+    @rule(table=consumes(tables), as_array=st.booleans())
+    def free(self, table: Table, as_array: bool = False) -> None:
+        self.free_array(table.blocks) if as_array else self.both("free", table.blocks)
+        self.live.remove(table)
 
-        @rule(seq=seqs, pos=st.integers(-2, 60))
-        def translate(self, seq: Sequence, pos: int) -> None:
-            self.both("translate_slot", seq.table, pos)
-
-        @rule(seq=freed, pos=st.integers(0, 3))
-        def double_free(self, seq: Sequence, pos: int) -> None:
-            """A stale table's free and read are refused (only read if its blocks were reissued)."""
-            self.both("translate_slot", seq.table, pos)
-            if self.model.table_error(seq.table) is BlockTableError:  # stale, not just released
-                self.both("free", seq.table)
-                self.both("truncate", seq.table, 0)
-
-        @rule(
-            seq=seqs,
-            bad=st.sampled_from(["repeated", "negative", "one past the last", "far past"]),
-            operation=st.sampled_from(["free", "fork", "append", "translate", "truncate"]),
+    @rule(table=tables, data=st.data())
+    def translate_slot(self, table: Table, data: st.DataObject) -> None:
+        capacity = len(table.blocks) * self.size
+        position = data.draw(
+            st.integers(0, max(0, capacity - 1)) | st.integers(-2, max(60, capacity + 2))
         )
-        def repeated_or_unknown_ids(self, seq: Sequence, bad: str, operation: str) -> None:
-            """A live table plus one bad id (a repeat of its first id, or an unknown one)."""
-            total = self.model.total_blocks
-            bad_ids = {"negative": -1, "one past the last": total, "far past": total + 7}
-            table = [*seq.table, seq.table[0] if seq.table else 0]
-            if bad != "repeated" or not seq.table:
-                table[-1] = bad_ids.get(bad, -1)
-            calls = {"append": ("append_slot", 1, 1), "translate": ("translate_slot", 0)}
-            name, *extra = {**calls, "truncate": ("truncate", 0)}.get(operation, (operation,))
-            self.both(name, table, *extra)
+        self.both("translate_slot", table.blocks, position)
 
-        @rule(offset=st.integers(-2, 1))
-        def can_allocate(self, offset: int) -> None:
-            """``can_allocate(n)`` is ``n <= num_free_blocks``: at the boundary, and for 0."""
-            free = len(self.model.queue)
-            for count in (0, max(0, free + offset)):
-                assert self.impl.can_allocate(count) == (count <= free), count
+    @rule(
+        table=tables,
+        data=st.data(),
+        operation=st.sampled_from(
+            ["free", "fork", "append_slot", "translate_slot", "array", "truncate"]
+        ),
+    )
+    def repeated_or_unknown_id(self, table: Table, data: st.DataObject, operation: str) -> None:
+        """A live table (``[0]`` for an empty one) with one more id anywhere: one of its own
+        repeated, then one the pool does not have."""
+        ids, total = table.blocks or [0], self.total_blocks
+        for extra in (st.sampled_from(ids), st.sampled_from([-1, total, total + 7])):
+            self.foreign(operation, data.draw(st.permutations([*ids, data.draw(extra)])))
 
-        @rule(extra=st.integers(1, 3))
-        def allocate_too_many(self, extra: int) -> None:
-            """More blocks than are free: refused, and the pending copy pairs stay pending."""
-            self.both("allocate", len(self.model.queue) + extra)
+    @rule(
+        targets=(tables, every_table),
+        table=every_table,
+        which=st.integers(0, 7),
+        operation=st.sampled_from(
+            ["free", "fork", "append_slot", "array", "truncate", "translate_slot"]
+        ),
+    )
+    def stale_table(self, table: Table, which: int, operation: str) -> Any:
+        """A table that was freed or replaced: its blocks may be free or owned by others."""
+        blocks = table.history[which % len(table.history)]
+        full = len(blocks) * self.size  # its capacity: no growth
+        args = {"append_slot": (full,), "truncate": (0,), "translate_slot": (which % 4,)}
+        return self.foreign(operation, blocks, *args.get(operation, ()))
 
-        @rule(count=st.integers(-5, -1))
-        def negative_allocate(self, count: int) -> None:
-            self.both("allocate", count)
+    @rule(
+        targets=(tables, every_table),
+        table=st.one_of(
+            st.lists(st.one_of(st.none(), st.integers(-2, 34), bad_scalars()), max_size=4),
+            st.sampled_from([None, 3, "ab", {1}, range(2), np.array([0, 1])]),
+        ),
+        operation=st.sampled_from(
+            ["free", "fork", "append_slot", "translate_slot", "truncate", "release_outside_window"]
+        ),
+    )
+    def forged_table(self, table: Any, operation: str) -> Any:
+        """Any list (unknown, wrong-type, released, free or held ids, any order), or no list."""
+        return self.foreign(operation, table)
 
-        @rule(seq=seqs, counts=BAD_COUNTS)
-        def append_bad_counts(self, seq: Sequence, counts: tuple[int, int]) -> None:
-            """Negative counts, or more new tokens than tokens, are refused."""
-            self.both("append_slot", seq.table, *counts)
+    @rule(
+        ids=st.lists(st.one_of(st.integers(-2, 34), st.sampled_from([2**31, -(2**40)])), max_size=4)
+    )
+    def forged_array(self, ids: list[int]) -> None:
+        """``free_array`` on any int64 array: unknown, repeated, free or held ids."""
+        self.foreign("array", ids)
 
-        @rule(value=st.sampled_from([1.0, "2", None, True]))
-        def wrong_types(self, value: object) -> None:
-            before = self.snapshot()
-            for call in (self.impl.allocate, self.impl.can_allocate, self.impl.free):
-                assert observe(call, value).error is TypeError, call
-            if value is not None:  # [None] is a table whose one block was released
-                assert observe(self.impl.free, [value]).error is TypeError
-            assert observe(self.impl.free, [0, value]).error is TypeError
-            assert observe(self.impl.append_slot, [], value).error is TypeError
-            assert observe(self.impl.truncate, [], value).error is TypeError
-            assert observe(self.impl.truncate, value, 0).error is TypeError
-            assert self.snapshot() == before
+    @rule(
+        total_blocks=st.one_of(st.integers(-1, 3), not_ints()),  # no huge pools: the spec
+        block_size=st.one_of(st.integers(-1, 3), bad_scalars()),  # builds one object a block
+    )
+    def construct(self, total_blocks: object, block_size: object) -> None:
+        assert_same_construction(self.SPEC, self.IMPL, total_blocks, block_size)
 
-        @invariant()
-        def queue_matches_model(self) -> None:
-            assert self.impl.free_block_ids() == self.model.queue
-            assert self.impl.num_free_blocks == len(self.impl.free_block_ids())
-            held = self.model.total_blocks - len(self.model.queue)
-            assert self.impl.usage == held / self.model.total_blocks
+    @invariant()
+    def same_state(self) -> None:
+        """Spec, impl and the rules agree: the queue in order, the free count and usage,
+        reference counts, pending copy pairs and the sources waiting for them; each block is
+        in one state, and no pending pair writes what an earlier one reads."""
+        spec, impl, rules, total = self.model, self.impl, self.rules, self.total_blocks
+        assert spec.free_block_ids() == impl.free_block_ids() == rules.queue
+        assert spec.num_free_blocks == impl.num_free_blocks == len(rules.queue)
+        assert spec.usage == impl.usage == (total - len(rules.queue)) / total
+        assert [block.ref_count for block in spec.blocks] == impl.ref_counts().tolist()
+        for block_id in range(total):
+            assert spec.ref_count(block_id) == impl.ref_count(block_id) == rules.refs[block_id]
+            waiting = block_id in rules.parked
+            in_queue = block_id in rules.queue
+            assert in_queue == (rules.refs[block_id] == 0 and not waiting), f"block {block_id}"
+        assert spec.pending_copy_pairs() == impl.pending_copy_pairs() == rules.copy_pairs
+        assert spec.waiting_for_copy == impl.waiting_for_copy == rules.parked
+        read: set[int] = set()
+        for src, dst in rules.copy_pairs:
+            read.add(src)
+            assert dst not in read, f"pair {(src, dst)} overwrites a pending source"
 
-        @invariant()
-        def pending_pairs_match(self) -> None:
-            """Untaken pairs and waiting sources match; no pair writes what an earlier one reads."""
-            assert self.impl.pending_copy_pairs() == self.pending_pairs
-            assert list(self.impl.waiting_for_copy) == self.model.parked
-            read: set[int] = set()
-            for src, dst in self.pending_pairs:
-                read.add(src)
-                assert dst not in read, f"pair {(src, dst)} overwrites a pending source"
-
-        @invariant()
-        def ref_counts_equal_live_references(self) -> None:
-            held = [b for seq in self.live for b in seq.table if b is not None]
-            for block_id in range(self.model.total_blocks):
-                ref = self.impl.ref_count(block_id)
-                assert ref == self.model.refs[block_id] == held.count(block_id)
-                in_queue = block_id in self.impl.free_block_ids()
-                waiting = block_id in self.model.parked
-                assert in_queue == (ref == 0 and not waiting), f"block {block_id}: not one state"
-
-        @invariant()
-        def every_sequence_reads_its_own_tokens(self) -> None:
-            for seq in self.live:
-                for pos in seq.readable(self.size):
-                    value = seq.tokens[pos]
-                    slot = seq.table[pos // self.size] * self.size + pos % self.size
-                    assert self.cache.get(slot) == value, f"slot {slot} lost position {pos}"
-
-    return BlockManagerMachine
+    @invariant()
+    def live_tables_read_their_own_tokens(self) -> None:
+        """While the caller is honest: each reference count is the live tables' holds, and
+        every live table reads back exactly the tokens it wrote."""
+        if not self.honest:
+            return
+        held = [b for table in self.live for b in table.blocks if b is not None]
+        assert self.rules.refs == [held.count(b) for b in range(self.total_blocks)]
+        for table in self.live:
+            for pos, value in table.tokens.items():
+                block = table.blocks[pos // self.size]
+                slot = None if block is None else block * self.size + pos % self.size
+                assert block is None or self.cache.get(slot) == value, f"{slot} lost {pos}"

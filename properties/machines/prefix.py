@@ -15,7 +15,7 @@ import pagedkv.spec.prefix_cache as spec_pc
 from pagedkv.impl.blocks import CapacityError
 from pagedkv.impl.blocks.prefix_cache import PrefixCachingBlockManager
 from pagedkv.spec import OutOfBlocksError, blocks_needed
-from properties.machines.differential import IntSubclass, assert_same_construction
+from properties.machines.block_manager import IntSubclass, assert_same_construction
 from properties.machines.lockstep import Lockstep
 from properties.machines.prefix_cache import ALPHABET, SALTS, SYSTEM_PROMPTS, colliding_hash
 from properties.machines.store import StoreMachine, WindowStoreMachine
