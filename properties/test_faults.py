@@ -12,10 +12,11 @@ import itertools
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any, ClassVar
+from unittest.mock import patch
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
@@ -99,24 +100,11 @@ def drawn_faults(data: st.DataObject) -> Decide:
     return decide
 
 
-@contextmanager
-def failing_calls(target: Any, name: str, calls: tuple[int, ...]) -> Iterator[list[bool]]:
-    """Make ``target.name`` raise at its ``calls``-th calls (from 1) in the block; yields an entry
-    per call made, True where it raised."""
-    original = getattr(target, name)
-    made: list[bool] = []
-
-    def faulty(*args: Any, **kwargs: Any) -> Any:
-        made.append(len(made) + 1 in calls)
-        if made[-1]:
-            raise InjectedFault(f"{name} call {len(made)}")
-        return original(*args, **kwargs)
-
-    setattr(target, name, faulty)
-    try:
-        yield made
-    finally:
-        setattr(target, name, original)
+def add_requests(engine: Any, requests: Iterable[tuple[list[int], int, int, int | None]]) -> None:
+    """Add ``(prompt, max_new, n, seed)`` requests: greedy where ``seed`` is None."""
+    for prompt, max_new, n, seed in requests:
+        temperature = 0.0 if seed is None else 1.0
+        engine.add_request(prompt, max_new, n=n, temperature=temperature, seed=seed)
 
 
 def drain(engine: Any) -> list[Any]:
@@ -269,9 +257,8 @@ class SchedulerFaultMachine(FaultMachine):
         window: int | None = None,
     ) -> None:  # fmt: skip
         blocks = self.BLOCKS
-        manager = (blocks.PrefixCachingBlockManager if prefix else blocks.BlockManager)(
-            total_blocks, block_size
-        )
+        manager_class = blocks.PrefixCachingBlockManager if prefix else blocks.BlockManager
+        manager = manager_class(total_blocks, block_size)
         self.injector = FaultInjector(self.observe)
         self.store = FaultyStore(blocks.BlockTableStore(manager, max_num_seqs, 64), self.injector)
         config = SchedulerConfig(max_num_seqs, budget, 0, sliding_window=window)
@@ -308,9 +295,8 @@ class SchedulerFaultMachine(FaultMachine):
         sampled = []
         for seq in plan.sampling:
             self.stage()
-            sampled += [
-                next_token(seq.tokens, seq.sample_index + j) for j in range(seq.num_samples)
-            ]
+            first = seq.sample_index
+            sampled += [next_token(seq.tokens, first + j) for j in range(seq.num_samples)]
         for seq in scheduler.update(plan, sampled)[1]:
             outputs = self.outputs.setdefault(seq.request_id, {})
             assert seq.sample_index not in outputs, "a sample finished twice"
@@ -536,9 +522,7 @@ class EngineFaultMachine(FaultMachine):
         sampled: dict[int, list[list[int]]] = {}
         if any(seed is not None for *_, seed in self.requests.values()):
             engine = self.ENGINE(self.model, self.total_blocks, self.block_size, **self.options)
-            for prompt, max_new, n, seed in self.requests.values():
-                temperature = 0.0 if seed is None else 1.0
-                engine.add_request(prompt, max_new, n=n, temperature=temperature, seed=seed)
+            add_requests(engine, self.requests.values())
             with one_thread():
                 sampled = {out.request_id: out.outputs for out in drain(engine)}
         for request_id, (prompt, max_new, n, seed) in self.requests.items():
@@ -575,14 +559,6 @@ HUNT = settings(max_examples=300, stateful_step_count=30, deadline=None,
 1,000 examples."""
 
 
-def on_compiled_backends(machine: type) -> type:
-    """An engine machine on the numba and reference backends only: the Triton interpreter's
-    step costs ten times theirs and crosses the same block-management seams; its own seams are
-    the quick machine's (one example in three) and the seam trace's (below)."""
-    setup = {**machine.SETUP, "backend": st.sampled_from(["numba", "reference"])}
-    return type(machine.__name__, (machine,), {"start": started(**setup)})
-
-
 @pytest.mark.long
 @pytest.mark.parametrize("machine", [
     SchedulerFaultMachine, WindowSchedulerFaultMachine, ChainSchedulerFaultMachine,
@@ -590,8 +566,11 @@ def on_compiled_backends(machine: type) -> type:
 ])  # fmt: skip
 def test_long_fault_hunt(machine: type) -> None:
     """The machines far longer; prints what they ran (``-s``); the chain machines meet chains."""
-    if issubclass(machine, EngineFaultMachine):
-        hunt, machine = HUNT, on_compiled_backends(machine)
+    if issubclass(machine, EngineFaultMachine):  # on numba and reference only: the Triton
+        # interpreter's step costs ten times theirs and crosses the same block-management seams;
+        # its own seams are the quick machine's (one example in three) and the seam trace's
+        setup = {**machine.SETUP, "backend": st.sampled_from(["numba", "reference"])}
+        hunt, machine = HUNT, type(machine.__name__, (machine,), {"start": started(**setup)})
     else:
         hunt = settings(HUNT, max_examples=1000)
     run_state_machine_as_test(machine, settings=hunt)
@@ -606,28 +585,22 @@ def test_long_fault_hunt(machine: type) -> None:
 
 
 def test_the_machine_injects_at_every_traced_seam_and_no_other() -> None:
-    """The seams traced on every backend are ``fault_seams.txt``'s. Triton's interpreter is traced
-    in a subprocess: ``TRITON_INTERPRET`` must be set before triton is imported."""
+    """The seams traced on every backend are ``fault_seams.txt``'s, and the scheduler machine's
+    store wraps every store method among them (the engine machine faults the properties it
+    reads). Triton's interpreter is traced in a subprocess: ``TRITON_INTERPRET`` must be set
+    before triton is imported."""
+    listed, prefix = listed_seams(), "pagedkv.impl.blocks.store:BlockTableStore."
+    called = {callee.removeprefix(prefix) for _, callee in listed if callee.startswith(prefix)}
+    methods = {name for name in called if not isinstance(getattr(BlockTableStore, name), property)}
+    assert methods <= set(STORE_CALLS), sorted(methods - set(STORE_CALLS))
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
     command = [sys.executable, "-m", "properties.seams", "triton"]
     out = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, check=True)
     traced = trace_engine("numba") | trace_engine("reference")
     traced |= {tuple(line.split()) for line in out.stdout.splitlines()}  # type: ignore[misc]
-    listed = listed_seams()
     assert not traced - listed, f"seams no machine injects at: {sorted(traced - listed)}"
     assert not listed - traced, f"listed seams no step reaches: {sorted(listed - traced)}"
-
-
-def test_the_scheduler_machine_faults_every_store_method_the_step_calls() -> None:
-    """The fast machine's store wraps every store method a traced step calls (the engine
-    machine faults the properties it reads)."""
-    prefix = "pagedkv.impl.blocks.store:BlockTableStore."
-    called = {
-        callee.removeprefix(prefix) for _, callee in listed_seams() if callee.startswith(prefix)
-    }
-    methods = {name for name in called if not isinstance(getattr(BlockTableStore, name), property)}
-    assert methods <= set(STORE_CALLS), sorted(methods - set(STORE_CALLS))
 
 
 # ----------------------------------------------------------------- every pair of faults
@@ -781,14 +754,13 @@ def test_planted_fault_bug_is_caught(bug: str) -> None:
         run()
 
 
-@pytest.mark.parametrize("bug", [LOSES_PAIRS, *sorted(UNDO)])
-def test_control_unmutated_copies_pass(bug: str) -> None:
-    catcher(bug, control=True)()
-
-
-@pytest.mark.parametrize("search", CONTROL_SEARCHES)
-def test_control_unmutated_block_layer_passes_the_chain_machine(search: settings) -> None:
-    catcher(RETRY_RULE, control=True)(search)
+@pytest.mark.parametrize(("bug", "search"), [
+    *(pytest.param(bug, None, id=bug) for bug in [LOSES_PAIRS, *sorted(UNDO)]),
+    *(pytest.param(RETRY_RULE, *p.values, marks=p.marks, id=f"block layer-{p.id}")
+      for p in CONTROL_SEARCHES),
+])  # fmt: skip
+def test_control_unmutated_copies_pass(bug: str, search: settings | None) -> None:
+    catcher(bug, control=True)(search)
 
 
 # ----------------------------------------------------------------- faults found once
@@ -854,6 +826,20 @@ FOUND = {
 (of the engine's store, or of a module) that fail, counted from 1."""
 
 
+def drain_failing(engine: Any, failing: list[Any]) -> tuple[list[Any], list[str]]:
+    """:func:`drain`, each ``(target, name, calls)`` raising at its ``calls``-th calls (from 1;
+    target ``"store"``: the engine's); also the names of the calls that raised."""
+    made: collections.Counter[str] = collections.Counter()
+    injector, fails = FaultInjector(lambda name: made.update([name])), dict[str, Any]()
+    with ExitStack() as stack, one_thread():
+        for at, name, calls in failing:
+            target, fails[name] = engine.store if at == "store" else at, calls
+            faulty = injector.wrap(name, getattr(target, name))
+            stack.enter_context(patch.object(target, name, faulty))
+        with injector.armed(lambda name, _: made[name] in fails[name]):
+            return drain(engine), injector.fired
+
+
 def check_found(case: str, engine_class: type = PagedAttentionEngine) -> None:
     """The first fault fires, the outputs are full and a fault-free run's (greedy ones dense
     decoding's), and every block comes back."""
@@ -863,14 +849,10 @@ def check_found(case: str, engine_class: type = PagedAttentionEngine) -> None:
     results = []
     for failing in (faults, []):
         engine = engine_class(model, max_model_len=64, **options)
-        for prompt, max_new, n, seed in requests:
-            temperature = 0.0 if seed is None else 1.0
-            engine.add_request(prompt, max_new, n=n, temperature=temperature, seed=seed)
-        with ExitStack() as stack, one_thread():
-            made = [stack.enter_context(failing_calls(engine.store if at == "store" else at, *call))
-                    for at, *call in failing]  # fmt: skip
-            outputs = [output.outputs for output in drain(engine)]
-        assert not failing or True in made[0], "the first fault never fired"
+        add_requests(engine, requests)
+        finished, fired = drain_failing(engine, failing)
+        assert not failing or failing[0][1] in fired, "the first fault never fired"
+        outputs = [output.outputs for output in finished]
         lengths = [[len(tokens) for tokens in samples] for samples in outputs]
         assert lengths == [[max_new] * n for _, max_new, n, _ in requests]
         check_all_freed(engine)

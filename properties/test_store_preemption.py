@@ -57,9 +57,8 @@ class PreemptionMachine(RuleBasedStateMachine):
     )
     def start(self, total_blocks: int, block_size: int, prefix: bool) -> None:
         impl_class = self.PREFIX_MANAGER if prefix else BlockManager
-        self.spec: Any = (SpecPrefixManager if prefix else SpecBlockManager)(
-            total_blocks, block_size
-        )
+        spec_class = SpecPrefixManager if prefix else SpecBlockManager
+        self.spec: Any = spec_class(total_blocks, block_size)
         self.store = self.STORE(impl_class(total_blocks, block_size), 8, TABLE_WIDTH)
         self.prefix, self.block_size = prefix, block_size
         self.model: dict[int, tuple[list[int], list[int]]] = {}  # id -> (table, tokens)
@@ -71,10 +70,7 @@ class PreemptionMachine(RuleBasedStateMachine):
     def add(self, tokens: list[int]) -> Any:
         seq_id = self.next_id
         try:
-            if self.prefix:
-                table, _ = self.spec.allocate_prompt(tokens)
-            else:
-                table = self.spec.allocate(-(-len(tokens) // self.block_size))
+            table, _ = self.spec_allocate(tokens, None)
         except OutOfBlocksError:
             before = self.store.num_free_blocks  # an AssertionError, which a planted bug's
             # search counts as a catch (pytest.raises' own failure is no Exception)
@@ -82,18 +78,28 @@ class PreemptionMachine(RuleBasedStateMachine):
             assert self.store.num_free_blocks == before
             return multiple()
         self.store.add_prompt(seq_id, tokens)
-        self.next_id += 1
-        self.model[seq_id] = (table, list(tokens))
+        return self.record(table, tokens, None)
+
+    def spec_allocate(self, tokens: list[int], salt: str | None) -> tuple[list[int], int]:
+        """The spec's table for a prompt, and its cached tokens."""
+        if self.prefix:
+            return self.spec.allocate_prompt(tokens, salt)  # type: ignore[no-any-return]
+        return self.spec.allocate(self.blocks_needed(tokens, salt)), 0
+
+    def blocks_needed(self, tokens: list[int], salt: str | None) -> int:
+        if self.prefix:
+            return self.spec.blocks_to_allocate(tokens, salt)  # type: ignore[no-any-return]
+        return -(-len(tokens) // self.block_size)
+
+    def record(self, table: list[int], tokens: list[int], salt: str | None) -> int:
+        """A new live sequence in the model; its id."""
+        seq_id, self.next_id = self.next_id, self.next_id + 1
+        self.model[seq_id], self.salt_of[seq_id] = (table, list(tokens)), salt
         return seq_id
 
     @precondition(lambda self: len(self.model) < 8)
-    @rule(
-        target=seqs,
-        tokens=st.lists(VOCAB, min_size=1, max_size=12),
-        headroom=st.integers(0, 3),
-        salt=SALTS,
-        retry=st.sampled_from(["same", "other tokens", "other salt"]),
-    )
+    @rule(target=seqs, tokens=st.lists(VOCAB, min_size=1, max_size=12), headroom=st.integers(0, 3),
+          salt=SALTS, retry=st.sampled_from(["same", "other tokens", "other salt"]))  # fmt: skip
     def admit(self, tokens: list[int], headroom: int, salt: str | None, retry: str) -> Any:
         """``admit``; a refused one retried after a cache change reuses keys for the same prompt."""
         seq_id = self.next_id
@@ -103,11 +109,7 @@ class PreemptionMachine(RuleBasedStateMachine):
                 tokens = [1 - token for token in tokens]
             elif attempt and retry == "other salt":
                 salt = "tenant-b" if salt is None else None
-            if self.prefix:
-                needed = self.spec.blocks_to_allocate(tokens, salt)
-            else:
-                needed = -(-len(tokens) // self.block_size)
-            fits = self.spec.num_free_blocks - needed >= headroom
+            fits = self.spec.num_free_blocks - self.blocks_needed(tokens, salt) >= headroom
             cached = self.store.admit(seq_id, tokens, headroom, salt)
             if fits:
                 break
@@ -119,15 +121,9 @@ class PreemptionMachine(RuleBasedStateMachine):
                     self.spec.cache_blocks(table, keyed, other_salt)
         if not fits:
             return multiple()
-        if self.prefix:
-            table, spec_cached = self.spec.allocate_prompt(tokens, salt)
-        else:
-            table, spec_cached = self.spec.allocate(needed), 0
+        table, spec_cached = self.spec_allocate(tokens, salt)
         assert cached == spec_cached
-        self.next_id += 1
-        self.model[seq_id] = (table, list(tokens))
-        self.salt_of[seq_id] = salt
-        return seq_id
+        return self.record(table, tokens, salt)
 
     @precondition(lambda self: self.prefix and 0 < len(self.model) < 8)
     @rule(target=seqs, data=st.data(), retry=st.sampled_from(["other tokens", "other salt"]))
@@ -145,12 +141,8 @@ class PreemptionMachine(RuleBasedStateMachine):
         if parent not in self.model:
             return multiple()
         table, tokens = self.model[parent]
-        child = self.next_id
-        self.next_id += 1
-        self.model[child] = (self.spec.fork(table), list(tokens))
-        self.salt_of[child] = self.salt_of.get(parent)
-        self.store.fork(parent, child)
-        return child
+        self.store.fork(parent, self.next_id)
+        return self.record(self.spec.fork(table), tokens, self.salt_of.get(parent))
 
     @precondition(lambda self: self.prefix and len(self.model) < 7)
     @rule(target=seqs, tokens=st.lists(VOCAB, min_size=1, max_size=12))
@@ -177,9 +169,8 @@ class PreemptionMachine(RuleBasedStateMachine):
         if seq in self.model and self.prefix:
             table, tokens = self.model[seq]
             salt = self.salt_of.get(seq)
-            assert outcome(self.store.cache_blocks, seq, tokens, salt) == outcome(
-                self.spec.cache_blocks, table, tokens, salt
-            )
+            got = outcome(self.store.cache_blocks, seq, tokens, salt)
+            assert got == outcome(self.spec.cache_blocks, table, tokens, salt)
 
     @rule()
     def pop_copy_pairs(self) -> None:
@@ -267,19 +258,11 @@ class WindowPreemptionMachine(PreemptionMachine):
     @rule(data=st.data(), window=st.integers(1, 9))
     def release_outside_window(self, data: st.DataObject, window: int) -> None:
         """Every live sequence releases at its token count or an earlier position."""
-        ids = list(self.model)
-        counts = [len(self.model[s][1]) for s in ids]
+        counts = None
         if data.draw(st.booleans(), label="earlier positions"):
-            counts = [data.draw(st.integers(0, count), label="position") for count in counts]
-            self.store.release_outside_window(ids, window, counts)
-        else:
-            self.store.release_outside_window(ids, window)
-        self.release_in_model(ids, counts, window)
-
-    def release_in_model(self, ids: list[int], counts: list[int], window: int) -> None:
-        for seq_id, count in zip(ids, counts, strict=True):
-            table, tokens = self.model[seq_id]
-            self.model[seq_id] = (self.spec.release_outside_window(table, count, window), tokens)
+            counts = [data.draw(st.integers(0, len(tokens)), label="position")
+                      for _, tokens in self.model.values()]  # fmt: skip
+        self.release_all(window, counts)
 
     @precondition(lambda self: self.model)
     @rule(window=st.integers(1, 4), decode=st.booleans(), data=st.data())
@@ -288,11 +271,15 @@ class WindowPreemptionMachine(PreemptionMachine):
         self.release_all(window)
         self.grow_or_preempt(data, decode)
 
-    def release_all(self, window: int) -> list[int]:
-        """Every live sequence releases at its token count, in the store and the model."""
+    def release_all(self, window: int, counts: list[int] | None = None) -> list[int]:
+        """Every live sequence releases at ``counts`` (None: the store's default, its token
+        count), in the store and the model."""
         ids = list(self.model)
-        self.store.release_outside_window(ids, window)
-        self.release_in_model(ids, [len(self.model[s][1]) for s in ids], window)
+        self.store.release_outside_window(ids, window, *([] if counts is None else [counts]))
+        counts = [len(self.model[s][1]) for s in ids] if counts is None else counts
+        for seq_id, count in zip(ids, counts, strict=True):
+            table, tokens = self.model[seq_id]
+            self.model[seq_id] = (self.spec.release_outside_window(table, count, window), tokens)
         return ids
 
     @precondition(lambda self: self.model)
@@ -359,13 +346,11 @@ def planted_machine(
     """``base`` over the store (and prefix manager) with ``old -> new`` planted in ``module``."""
     if module is prefix_cache:
         prefix = load_mutant(module, within, old, new, ("BlockTableError",))
-        planted = load_copy(store_module, ("CapacityError",), using={module.__name__: prefix})
-        attrs = {
-            "PREFIX_MANAGER": prefix.PrefixCachingBlockManager,
-            "STORE": planted.BlockTableStore,
-        }
-        return type("PlantedPreemption", (base,), attrs)
-    return type("PlantedPreemption", (base,), {"STORE": planted_store(module, within, old, new)})
+        store = load_copy(store_module, ("CapacityError",), using={module.__name__: prefix})
+        attrs = {"PREFIX_MANAGER": prefix.PrefixCachingBlockManager, "STORE": store.BlockTableStore}
+    else:
+        attrs = {"STORE": planted_store(module, within, old, new)}
+    return type("PlantedPreemption", (base,), attrs)
 
 
 @pytest.mark.parametrize("search", CONTROL_SEARCHES)
