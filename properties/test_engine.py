@@ -68,25 +68,6 @@ def test_prefix_caching_changes_nothing(workload: Workload) -> None:
     check_all_freed(on.engine)
 
 
-@pytest.mark.parametrize(
-    ("kv_cache_dtype", "kv_scales"),
-    [("auto", None), ("fp8_e4m3", None), ("fp8_e5m2", None), ("fp8_e4m3", (0.5, 4.0))],
-)
-def test_preemption_prefix_hits_and_forks_happen(
-    kv_cache_dtype: str, kv_scales: tuple[float, float] | None
-) -> None:
-    """Also with K/V in fp8 (K's and V's scales apart): forks copy fp8 blocks, prefix hits and
-    recomputes read them under the scales they were written with."""
-    workload = PRESSURE.but(kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales)
-    result = run(workload)
-    metrics = result.engine.metrics
-    assert sum(m.preemptions for m in metrics) > 0
-    assert sum(m.prefix_hit_tokens for m in metrics) > 0
-    assert any(m.num_batched_tokens == PRESSURE.max_num_batched_tokens for m in metrics)
-    check_against_oracle(workload, result)
-    check_all_freed(result.engine)
-
-
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 def test_the_check_catches_a_missing_copy_on_write(
     monkeypatch: pytest.MonkeyPatch, kv_cache_dtype: str
@@ -97,17 +78,6 @@ def test_the_check_catches_a_missing_copy_on_write(
     workload = PRESSURE.but(requests=greedy, total_blocks=40, kv_cache_dtype=kv_cache_dtype)
     with pytest.raises(AssertionError, match=r"paged .* != dense"):
         check_against_oracle(workload, run(workload))
-
-
-def test_triton_kernels_drive_the_engine() -> None:
-    """The Triton kernels (the CPU interpreter) drive the engine, with forks and a preemption."""
-    requests = (Request((5, 6, 7, 8, 9), 4, 2, 1.0, 0), Request((5, 6, 7, 8, 1, 2), 4, 1, 0.0, 0))
-    workload = Workload(requests, block_size=2, total_blocks=5, max_num_seqs=3,
-                        max_num_batched_tokens=16)  # fmt: skip
-    result = run(workload, backend="triton")
-    assert sum(m.preemptions for m in result.engine.metrics) > 0
-    check_against_oracle(workload, result)
-    check_all_freed(result.engine)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
@@ -197,31 +167,6 @@ def test_bad_kv_cache_options_stop_the_command_naming_them(
     assert stop.value.code == 2 and named in capsys.readouterr().err
 
 
-# ----------------------------------------------------------------------- sliding window
-
-WINDOW_MODEL = CausalLM.from_seed(dataclasses.replace(CONFIG, sliding_window=6), seed=0)
-WINDOW_SYSTEM = tuple(range(60, 71))  # 11 tokens: hits on the first blocks of later prompts
-WINDOW_REQUESTS = tuple(Request(*request, arrival=0) for request in [
-    ((*WINDOW_SYSTEM, 3, 4), 14, 2, 1.0), ((*WINDOW_SYSTEM, 5), 16, 1, 0.0),
-    ((*WINDOW_SYSTEM, 7, 8, 9), 12, 2, 0.0), ((20, 21, 22), 15, 1, 1.0)])  # fmt: skip
-
-
-@pytest.mark.parametrize(("block_size", "total_blocks", "budget"),
-                         [(2, 22, 8), (4, 10, 5), (1, 40, 12)],
-                         ids=["bs2-tight", "bs4-chunked", "bs1"])  # fmt: skip
-def test_sliding_window_releases_blocks_and_matches_dense(
-    block_size: int, total_blocks: int, budget: int
-) -> None:
-    """A window with prefix hits, forks, a tight pool, chunks: dense outputs, blocks released."""
-    workload = Workload(WINDOW_REQUESTS, block_size, total_blocks, 6, budget, model=WINDOW_MODEL)
-    result = run(workload)
-    metrics = result.engine.metrics
-    assert sum(m.prefix_hit_tokens for m in metrics) > 0 and max(result.released) > 0
-    assert block_size != 2 or sum(m.preemptions for m in metrics) > 0
-    check_against_oracle(workload, result)
-    check_all_freed(result.engine)
-
-
 @pytest.mark.parametrize("window", [2**31, 2**63, 2**64], ids=["2**31", "2**63", "2**64"])
 def test_a_window_wider_than_any_context_is_no_window_in_every_layer(window: int) -> None:
     """A window above ``INT32_MAX`` hides nothing in any layer, served as no window."""
@@ -246,30 +191,7 @@ def test_a_window_wider_than_any_context_is_no_window_in_every_layer(window: int
     assert outputs[1] == outputs[0]
 
 
-def test_sliding_window_with_speculative_decoding() -> None:
-    """Partly right drafts under a window: rollback and release keep the oracle's output."""
-    greedy = tuple(dataclasses.replace(r, n=1, temperature=0.0) for r in WINDOW_REQUESTS)
-
-    def drafts(tokens: list[int], k: int) -> list[int]:
-        for request in greedy:
-            prompt = request.prompt
-            if tuple(tokens[: len(prompt)]) == prompt:
-                done = len(tokens) - len(prompt)
-                future = greedy_oracle(prompt, request.max_new_tokens, WINDOW_MODEL).tokens
-                right = future[done : done + k]
-                return right[:1] + [(t + 1) % CONFIG.vocab_size for t in right[1:]]
-        raise AssertionError("an unknown sequence")
-
-    workload = Workload(greedy, 2, 24, 4, 16, model=WINDOW_MODEL)
-    result = run(workload, draft_source=drafts, num_speculative_tokens=3)
-    engine = result.engine
-    assert max(result.released) > 0 and engine.num_accepted_tokens > 0
-    assert engine.num_accepted_tokens < engine.num_draft_tokens
-    check_against_oracle(workload, result)
-    check_all_freed(engine)
-
-
-# ---------------------------------------------------------- no host reads in the layers
+# ------------------------------------- fixed workloads, no host reads in the layers
 
 VALUE_CHECKS = ("check_context_values", "check_cu_seqlens_values", "check_max_query_len",
                 "check_position_values", "check_slot_values")  # fmt: skip
@@ -314,25 +236,83 @@ def no_host_reads_in_layers() -> Iterator[list[int]]:
         yield calls
 
 
-def shared(count: int, new: int, model: CausalLM = MODEL) -> Workload:
-    """Greedy prompts over a shared prefix, chunked by a budget of 9."""
-    requests = tuple(Request((*range(40, 52), i, i + 7), new, 1, 0.0, 0) for i in range(count))
-    return Workload(requests, 4, 40, count, 9, model=model)
-
-
-@pytest.mark.parametrize(
-    ("workload", "kwargs"),
-    [(PRESSURE, {}), (shared(4, 8, WINDOW_MODEL), {}), (shared(3, 4), {"backend": "triton"})],
-    ids=["pressure", "window", "triton"],
+WINDOW_MODEL = CausalLM.from_seed(dataclasses.replace(CONFIG, sliding_window=6), seed=0)
+WINDOW_SYSTEM = tuple(range(60, 71))  # 11 tokens: hits on the first blocks of later prompts
+WINDOW_REQUESTS = tuple(Request(*request, arrival=0) for request in [
+    ((*WINDOW_SYSTEM, 3, 4), 14, 2, 1.0), ((*WINDOW_SYSTEM, 5), 16, 1, 0.0),
+    ((*WINDOW_SYSTEM, 7, 8, 9), 12, 2, 0.0), ((20, 21, 22), 15, 1, 1.0)])  # fmt: skip
+FORK = (Request((5, 6, 7, 8, 9), 4, 2, 1.0, 0), Request((5, 6, 7, 8, 1, 2), 4, 1, 0.0, 0))
+SPECULATIVE_WINDOW = Workload(  # greedy, as speculation is
+    tuple(dataclasses.replace(r, n=1, temperature=0.0) for r in WINDOW_REQUESTS), 2, 24, 4, 16,
+    model=WINDOW_MODEL)  # fmt: skip
+SPECULATIVE_FORK = Workload(
+    tuple(dataclasses.replace(r, max_new_tokens=6, temperature=0.0) for r in FORK), 2, 7, 3, 16
 )
-def test_the_layers_read_nothing_on_the_host(workload: Workload, kwargs: dict) -> None:
-    """Chunks beside decodes, prefix hits, a window, triton, under the guard: dense outputs."""
+
+
+def partly_right_drafts(workload: Workload) -> dict[str, object]:
+    """Speculation options: drafts from each request's dense continuation, the first right."""
+
+    def drafts(tokens: list[int], k: int) -> list[int]:
+        for request in workload.requests:
+            if tuple(tokens[: len(request.prompt)]) == request.prompt:
+                done = len(tokens) - len(request.prompt)
+                future = greedy_oracle(request.prompt, request.max_new_tokens, workload.model)
+                right = future.tokens[done : done + k]
+                return right[:1] + [(t + 1) % CONFIG.vocab_size for t in right[1:]]
+        raise AssertionError("an unknown sequence")
+
+    return {"draft_source": drafts, "num_speculative_tokens": 3}
+
+
+ALL = "preempts hits full mixed"
+FIXED = {  # name -> the workload, the engine's options, and the hard cases it must meet (below)
+    "pressure": (PRESSURE, {}, ALL),
+    # fp8, also K's and V's scales apart: forks copy fp8 blocks, prefix hits and recomputes
+    # read them under the scales they were written with.
+    **{f"pressure-{dtype}{'-scales' * bool(scales)}": (
+        PRESSURE.but(kv_cache_dtype=dtype, kv_scales=scales), {}, ALL)
+       for dtype, scales in [("fp8_e4m3", None), ("fp8_e5m2", None), ("fp8_e4m3", (0.5, 4.0))]},
+    "triton": (Workload(FORK, 2, 5, 3, 16), {"backend": "triton"}, "preempts hits mixed"),
+    # A window with prefix hits, forks, a tight pool, chunks: blocks outside it released.
+    **{f"window-bs{bs}": (Workload(WINDOW_REQUESTS, bs, blocks, 6, budget, model=WINDOW_MODEL),
+                          {}, f"{cases} released")
+       for bs, blocks, budget, cases in [(2, 22, 8, ALL), (4, 10, 5, ALL),
+                                         (1, 40, 12, "hits full mixed")]},
+    # Partly right drafts: rollback and release in a window; Triton kernels verifying them.
+    "window-speculative": (SPECULATIVE_WINDOW, partly_right_drafts(SPECULATIVE_WINDOW),
+                           "hits full mixed released drafts"),
+    "triton-speculative": (SPECULATIVE_FORK, {**partly_right_drafts(SPECULATIVE_FORK),
+                           "backend": "triton"}, "preempts hits mixed drafts"),
+}  # fmt: skip
+
+
+def met(workload: Workload, result: Run) -> set[str]:
+    """The hard cases a run met: a preemption, a prefix hit, a step of the whole token budget,
+    a chunk beside decodes, blocks released by a window, and some drafts kept but not all."""
+    metrics, engine = result.engine.metrics, result.engine
+    return {name for name, happened in [
+        ("preempts", any(m.preemptions for m in metrics)),
+        ("hits", any(m.prefix_hit_tokens for m in metrics)),
+        ("full", any(m.num_batched_tokens == workload.max_num_batched_tokens for m in metrics)),
+        ("mixed", any(m.num_decodes and m.num_batched_tokens > m.num_decodes for m in metrics)),
+        ("released", max(result.released, default=0) > 0),
+        ("drafts", 0 < engine.num_accepted_tokens < engine.num_draft_tokens),
+    ] if happened}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(FIXED))
+def test_fixed_workloads_match_dense_reading_nothing_on_the_host(name: str) -> None:
+    """Each fixed workload under the guard meets its hard cases, with dense outputs, all freed."""
+    workload, options, cases = FIXED[name]
+    if "draft_source" in options:  # the drafts' continuations, computed outside the guard
+        for request in workload.requests:
+            greedy_oracle(request.prompt, request.max_new_tokens, workload.model)
     with no_host_reads_in_layers() as calls:
-        result = run(workload, **kwargs)
+        result = run(workload, **options)
+    assert calls and set(cases.split()) <= met(workload, result)
     check_against_oracle(workload, result)
-    metrics = result.engine.metrics
-    assert calls and sum(m.prefix_hit_tokens for m in metrics) > 0
-    assert any(m.num_decodes and m.num_batched_tokens > m.num_decodes for m in metrics)
+    check_all_freed(result.engine)
 
 
 def validate_again(self: PagedStep, layer: int, query: torch.Tensor) -> None:
@@ -374,13 +354,15 @@ def test_no_cuda_synchronization_in_the_layers(monkeypatch: pytest.MonkeyPatch) 
             torch.cuda.set_sync_debug_mode("default")
 
     monkeypatch.setattr(DecoderLayer, "forward", forward)
-    result = run(shared(4, 6, CausalLM.from_seed(CONFIG, seed=0).cuda()))
-    expected = [[greedy_oracle(r.prompt, 6).tokens] for r in shared(4, 6).requests]
+    requests = tuple(Request((*range(40, 52), i, i + 7), 6, 1, 0.0, 0) for i in range(4))
+    result = run(Workload(requests, 4, 40, 4, 9, model=CausalLM.from_seed(CONFIG, seed=0).cuda()))
+    expected = [[greedy_oracle(r.prompt, 6).tokens] for r in requests]
     assert [out.outputs for out in result.outputs] == expected
 
 
 def test_device_tables_upload_only_changed_rows() -> None:
-    """The buffer equals each step's tables, uploading only changed rows, growing when wider."""
+    """The buffer equals each step's tables, uploading only changed rows, growing when wider; an
+    engine decoding 8 sequences uploads a row when its sequence takes a block, not every step."""
     tables = DeviceBlockTables(torch.device("cpu"))
     steps = [  # the tables, and the rows uploaded so far: first, grown, unchanged, wider, fewer
         ([[3, -1], [5, 6]], 2), ([[3, 4], [5, 6]], 3), ([[3, 4], [5, 6]], 3),
@@ -389,14 +371,9 @@ def test_device_tables_upload_only_changed_rows() -> None:
     for rows, uploaded in steps:
         table = torch.tensor(rows, dtype=torch.int32)
         assert torch.equal(tables.update(table), table) and tables.num_uploaded_rows == uploaded
-
-
-def test_an_engine_uploads_a_decode_step_s_changed_rows_only() -> None:
-    """Decoding 8 sequences: a row uploads when its sequence takes a block, not every step."""
     engine = PagedAttentionEngine(MODEL, 64, 4, max_num_seqs=8, max_num_batched_tokens=128)
     engine.generate([[i + 1] * 6 for i in range(8)], 9)
-    decode_steps = len(engine.metrics) - 1
-    assert engine.kv.tables.num_uploaded_rows < decode_steps * 8 / 2
+    assert engine.kv.tables.num_uploaded_rows < (len(engine.metrics) - 1) * 8 / 2  # decode steps
 
 
 def test_a_checked_step_is_validated_before_anything_changes() -> None:
@@ -554,15 +531,8 @@ def test_speculative_decoding_is_greedy_decoding(
 
 def test_a_right_source_takes_one_step_per_k_plus_one_tokens() -> None:
     """10 tokens, 3 right drafts a step: steps give 4, 4 and 2 tokens (the last capped)."""
-    prompt = (9, 8, 7, 6, 5)
-    greedy = greedy_oracle(prompt, 10).tokens
-
-    def right(tokens: list[int], k: int) -> list[int]:
-        done = len(tokens) - len(prompt)
-        return list(greedy[done : done + k])
-
-    workload = Workload((Request(prompt, 10, 1, 0.0, 0),), 4, 8, 1, 64, prefix_caching=False)
-    result, recorder = speculate(workload, right, 3)
+    workload = Workload((Request((9, 8, 7, 6, 5), 10, 1, 0.0, 0),), 4, 8, 1, 64, 0, False)
+    result, recorder = speculate(workload, oracle, 3)
     assert [len(drafts) for _, drafts in recorder.calls] == [3, 3, 1]
     assert (result.engine.num_draft_tokens, result.engine.num_accepted_tokens) == (7, 7)
     assert len(result.engine.metrics) == 3
@@ -592,16 +562,6 @@ def test_speculation_in_tight_pools(workload: Workload, k: int) -> None:
     speculate(workload, oracle, k, exact=False)
 
 
-def test_triton_kernels_verify_the_drafts() -> None:
-    """The Triton kernels (the CPU interpreter) verify the drafts, with a fork and preemptions."""
-    requests = (Request((5, 6, 7, 8, 9), 6, 2, 0.0, 0), Request((5, 6, 7, 8, 1, 2), 6, 1, 0.0, 0))
-    workload = Workload(requests, block_size=2, total_blocks=7, max_num_seqs=3,
-                        max_num_batched_tokens=16)  # fmt: skip
-    result = speculate(workload, partly_right(1), 3, exact=False, backend="triton")[0]
-    assert sum(m.preemptions for m in result.engine.metrics) > 0
-    assert 0 < result.engine.num_accepted_tokens < result.engine.num_draft_tokens
-
-
 def test_sampling_with_speculation_is_refused() -> None:
     engine = PagedAttentionEngine(MODEL, 16, 4, draft_source=oracle, num_speculative_tokens=2)
     with pytest.raises(ValueError, match="greedy only"):
@@ -611,70 +571,56 @@ def test_sampling_with_speculation_is_refused() -> None:
     assert not engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize(
-    ("drafts", "error"),
-    [({1, 2}, TypeError), ([1, 2, 3], ValueError), ([VOCAB], ValueError), ([1.0], TypeError)],
-)
-def test_a_bad_draft_fails_the_step_and_loses_nothing(drafts: object, error: type) -> None:
-    """A bad draft fails the step, changing nothing; a good source then finishes greedily."""
-    behaviour = {"bad": True}
+FAULTS = {"model": RuntimeError, "truncate": RuntimeError, "update": RuntimeError,
+          "a set": TypeError, "too many": ValueError, "outside the vocabulary": ValueError,
+          "a float": TypeError}  # fmt: skip
+BAD_DRAFTS = {"a set": {1, 2}, "too many": [1, 2, 3, 4], "outside the vocabulary": [VOCAB],
+              "a float": [1.0]}  # fmt: skip
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_failed_speculative_step_loses_nothing(
+    fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault in verify, rollback or update, or a bad draft (not a list, more than k, outside
+    the vocabulary, not an int), fails the third step and undoes its drafts, changing nothing;
+    the engine then finishes greedily and frees every block."""
+    workload, fired = fixed_workload(3, True), list[bool]()
 
     def source(tokens: list[int], k: int) -> object:
-        return drafts if behaviour["bad"] else oracle(tokens, k)
+        if fault in BAD_DRAFTS and len(engine.metrics) == 2 and not fired:
+            fired.append(True)
+            return BAD_DRAFTS[fault]
+        return oracle(tokens, k)
 
-    workload, engine = queued(4, source, 2)
-    with pytest.raises(error):
-        engine.step()
-    behaviour["bad"] = False
-    finish(workload, engine, [])
-
-
-def queued(block_size: int, source: object, k: int) -> tuple[Workload, PagedAttentionEngine]:
-    """The fixed workload's requests, all added to a speculative engine."""
-    workload = fixed_workload(block_size, True)
-    engine = workload.engine(draft_source=source, num_speculative_tokens=k)
+    engine = workload.engine(draft_source=source, num_speculative_tokens=3)
     for request in workload.requests:
         engine.add_request(list(request.prompt), request.max_new_tokens, n=request.n)
-    return workload, engine
+    if fault not in BAD_DRAFTS:
+        target, name = {"model": (engine.model, "forward"), "truncate": (engine.store, "truncate"),
+                        "update": (engine.scheduler, "update")}[fault]  # fmt: skip
+        original = getattr(target, name)
 
+        def faulty(*args: object, **kwargs: object) -> object:
+            ours = fault != "model" or any(isinstance(a, PagedStep) for a in args)  # not dense
+            if ours and len(engine.metrics) == 2 and not fired:  # the third step: drafts verified
+                fired.append(True)
+                raise RuntimeError("injected")
+            return original(*args, **kwargs)
 
-def finish(workload: Workload, engine: PagedAttentionEngine, outputs: list) -> None:
-    """Step the engine to the end: the greedy tokens, and every block freed."""
+        monkeypatch.setattr(target, name, faulty)
+    outputs = engine.step().finished + engine.step().finished
+    tokens = [list(seq.tokens) for seq in engine.scheduler.running]
+    with pytest.raises(FAULTS[fault]):
+        engine.step()
+    assert fired
+    assert [seq.tokens for seq in engine.scheduler.running] == tokens  # the drafts left the tokens,
+    assert engine.store.token_counts_of(None) == [len(t) for t in tokens]  # and the tables
     while engine.has_unfinished_requests():
         outputs += engine.step().finished
     outputs.sort(key=lambda out: out.request_id)
     check_against_oracle(workload, Run(engine, outputs))
     check_all_freed(engine)
-
-
-@pytest.mark.parametrize("where", ["model", "truncate", "update"])
-def test_a_failed_speculative_step_loses_nothing(
-    where: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A fault in verify, rollback or update undoes the step's drafts; the engine then finishes."""
-    workload, engine = queued(3, oracle, 3)
-    target, name = {"model": (engine.model, "forward"), "truncate": (engine.store, "truncate"),
-                    "update": (engine.scheduler, "update")}[where]  # fmt: skip
-    original = getattr(target, name)
-    fired = []
-
-    def faulty(*args: object, **kwargs: object) -> object:
-        ours = where != "model" or any(isinstance(a, PagedStep) for a in args)  # not the oracle's
-        if ours and len(engine.metrics) == 2 and not fired:  # the third step: drafts verified
-            fired.append(True)
-            raise RuntimeError("injected")
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(target, name, faulty)
-    outputs = engine.step().finished + engine.step().finished
-    tokens = [list(seq.tokens) for seq in engine.scheduler.running]
-    with pytest.raises(RuntimeError, match="injected"):
-        engine.step()
-    assert fired
-    running = engine.scheduler.running
-    assert [seq.tokens for seq in running] == tokens  # the drafts left the tokens,
-    assert engine.store.token_counts_of(None) == [len(t) for t in tokens]  # and the tables
-    finish(workload, engine, outputs)
 
 
 # Planted bugs in a copy of the engine; each fails one of the checks above.
@@ -725,5 +671,5 @@ def test_planted_engine_bug_is_caught(bug: str, monkeypatch: pytest.MonkeyPatch)
         for source in SOURCES:
             test_speculative_decoding_is_greedy_decoding(source, 4, True, 3)
         test_an_end_of_sequence_draft_ends_the_output()
-        for where in ("model", "update"):
-            test_a_failed_speculative_step_loses_nothing(where, monkeypatch)
+        for fault in ("model", "update"):
+            test_a_failed_speculative_step_loses_nothing(fault, monkeypatch)

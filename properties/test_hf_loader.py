@@ -187,11 +187,22 @@ def seeded_prompts(seed: int, shared: int, lengths: tuple[int, ...]) -> list[lis
     return [system + torch.randint(3, 128, (n,), generator=generator).tolist() for n in lengths]
 
 
-# Every accepted family, each with the fields that make a model ignoring them fail.
+WINDOW = 8
+# Every accepted family, each with the fields that make a model ignoring them fail, and Mistral's
+# sliding window under eager and SDPA attention.
 FAMILIES = {
     "llama-untied-head": ("Llama", {"tie_word_embeddings": False}),
     "llama-tied-head": ("Llama", {"tie_word_embeddings": True}),
     "mistral-no-window": ("Mistral", {"sliding_window": None, "head_dim": 24}),
+    **{f"mistral-window-{attention}": ("Mistral", {
+        "sliding_window": WINDOW, "head_dim": 24, "attn_implementation": attention})
+       for attention in ("eager", "sdpa")},
+}  # fmt: skip
+RUNS = {  # prompts (seed, shared prefix, suffixes), new tokens; the pool and limits (blocks of 4)
+    None: ((1, 9, (1, 4, 7, 12, 3, 25)), 16, (14, 4, 24)),
+    # 31 to 50 tokens with 24 new: 4-6 windows; chunks of 10 over prefix hits, 8 windowed
+    # sequences of 4 blocks in 16.
+    WINDOW: ((3, 6, (1, 9, 14, 20)), 24, (16, 8, 10)),
 }
 
 
@@ -225,77 +236,48 @@ def hf_model(request: pytest.FixtureRequest) -> torch.nn.Module:
     return tiny_hf_model(family, rope_theta=500.0, rms_norm_eps=1e-5, **fields)
 
 
-def test_paged_engine_generates_what_transformers_generates(hf_model: torch.nn.Module) -> None:
-    model = load_hf(hf_model)
+def test_paged_engine_generates_what_transformers_generates(
+    hf_model: torch.nn.Module, tmp_path: Path
+) -> None:
+    """Two samples each over preemptions and prefix hits: transformers' greedy tokens, EOS (no
+    window) and logits, dense decoding's too. A window: its model loads from a saved directory,
+    blocks are released, and with no window or its edge one token off the tokens would differ."""
+    window = getattr(hf_model.config, "sliding_window", None)  # Llama has none
+    if window:
+        assert hf_model.config._attn_implementation in ("eager", "sdpa")
+        hf_model.save_pretrained(tmp_path)
+    model = load_hf(tmp_path if window else hf_model)
     config = model.config  # a wrong head_dim or num_kv_heads fails to load the weights
-    assert (config.rope_theta, config.rms_norm_eps, config.sliding_window) == (500.0, 1e-5, None)
-    prompts = seeded_prompts(1, 9, (1, 4, 7, 12, 3, 25))
-    new = 16
-    # EOS: a token the model emits, for the first time, a few tokens into the first output.
-    first = hf_greedy(hf_model, prompts[0], new, 2)
-    stop = next(i for i in range(3, len(first)) if first[i] not in first[:i])
-    eos = first[stop]
+    assert (config.rope_theta, config.rms_norm_eps, config.sliding_window) == (500.0, 1e-5, window)
+    seeds, new, (total_blocks, max_num_seqs, budget) = RUNS[window]
+    prompts, eos = seeded_prompts(*seeds), None
+    if window is None:  # EOS: a token emitted for the first time a few tokens into the first output
+        first = hf_greedy(hf_model, prompts[0], new, 2)
+        stop = next(i for i in range(3, len(first)) if first[i] not in first[:i])
+        eos = first[stop]
+    expected = [hf_greedy(hf_model, prompt, new, eos) for prompt in prompts]
+    lengths = [len(p) + len(e) for p, e in zip(prompts, expected, strict=True)]
+    assert not window or min(lengths) >= 3 * window  # the window slides
     engine = PagedAttentionEngine(
-        model, total_blocks=14, block_size=4, max_num_seqs=4, max_num_batched_tokens=24,
+        model, total_blocks, 4, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
         enable_prefix_caching=True, keep_logits=True,
     )  # fmt: skip
+    released = watch_window(engine, window) if window else []
     outputs = engine.generate(prompts, new, n=2, eos_token_id=eos)
     metrics = engine.metrics
     assert sum(m.preemptions for m in metrics) > 0 and sum(m.prefix_hit_tokens for m in metrics)
-    assert len(outputs[0].outputs[0]) == stop + 1  # stopped at EOS
-    check_against_hf(
-        hf_model, prompts, outputs, [hf_greedy(hf_model, p, new, eos) for p in prompts]
-    )
-
-
-# ----------------------------------------------------------------------- sliding window
-
-WINDOW = 8
-WINDOW_MAX_NEW_TOKENS = 24
-
-
-@pytest.fixture(scope="module", params=["eager", "sdpa"])
-def hf_mistral_window(request: pytest.FixtureRequest) -> torch.nn.Module:
-    return tiny_hf_model(
-        "Mistral", sliding_window=WINDOW, head_dim=24, rope_theta=500.0, rms_norm_eps=1e-5,
-        attn_implementation=request.param,
-    )  # fmt: skip
-
-
-def test_mistral_sliding_window_matches_transformers(
-    hf_mistral_window: torch.nn.Module, tmp_path: Path
-) -> None:
-    hf_model = hf_mistral_window
-    assert hf_model.config._attn_implementation in ("eager", "sdpa")
-    hf_model.save_pretrained(tmp_path)
-    model = load_hf(tmp_path)
-    assert model.config.sliding_window == WINDOW
-    prompts = seeded_prompts(3, 6, (1, 9, 14, 20))  # 31 to 50 tokens with 24 new: 4-6 windows
-    expected = [hf_greedy(hf_model, prompt, WINDOW_MAX_NEW_TOKENS) for prompt in prompts]
-    assert all(len(p) + len(e) >= 3 * WINDOW for p, e in zip(prompts, expected, strict=True))
-
-    # Chunks of 10 over prefix hits, two samples each, 8 windowed sequences of 4 blocks in 16.
-    engine = PagedAttentionEngine(
-        model, total_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=10,
-        enable_prefix_caching=True, keep_logits=True,
-    )  # fmt: skip
-    released = watch_window(engine, WINDOW)
-    outputs = engine.generate(prompts, WINDOW_MAX_NEW_TOKENS, n=2)
-    assert max(released) > 0, "no block was released"
-    metrics = engine.metrics
-    assert sum(m.prefix_hit_tokens for m in metrics) > 0 and sum(m.preemptions for m in metrics)
+    assert not window or max(released) > 0, "no block was released"
+    assert eos is None or len(outputs[0].outputs[0]) == stop + 1  # stopped at EOS
     forwards = check_against_hf(hf_model, prompts, outputs, expected)
     for prompt, tokens, forward in zip(prompts, expected, forwards, strict=True):
-        dense = dense_generate(model, prompt, WINDOW_MAX_NEW_TOKENS)
+        dense = dense_generate(model, prompt, new, eos_token_id=eos)
         assert dense.tokens == tokens, f"prompt {prompt}: dense {dense.tokens} != hf {tokens}"
         assert_logits_close(dense.logits, forward[len(prompt) - 1 :], f"dense, prompt {prompt}")
-
-    # Teeth: a model that ignored the window, or placed its edge one token off, would fail.
-    for window in (None, WINDOW - 1, WINDOW + 1):
-        other = CausalLM(dataclasses.replace(model.config, sliding_window=window))
+    for other_window in (None, window - 1, window + 1) if window else ():  # teeth
+        other = CausalLM(dataclasses.replace(model.config, sliding_window=other_window))
         other.load_state_dict(model.state_dict())
         differs = [
-            dense_generate(other.eval(), prompt, WINDOW_MAX_NEW_TOKENS).tokens != tokens
+            dense_generate(other.eval(), prompt, new).tokens != tokens
             for prompt, tokens in zip(prompts, expected, strict=True)
         ]
-        assert any(differs), f"window {window} gives transformers' window-{WINDOW} tokens"
+        assert any(differs), f"window {other_window} gives transformers' window-{window} tokens"

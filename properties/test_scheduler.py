@@ -1,5 +1,6 @@
 """The ``Scheduler`` alone (a real store, a fake sampler), checked every step against a model of
-the running order and the queue: limits, preemption, FCFS admission, windows, metrics."""
+the running order, the queue and the outputs: limits, preemption, FCFS admission, chunks cut only
+by the budget, windows, metrics."""
 
 from __future__ import annotations
 
@@ -130,8 +131,9 @@ def check_step(
     # Limits, and every scheduled table holds its tokens.
     assert out.num_batched_tokens <= config.max_num_batched_tokens
     assert scheduler.num_running_seqs <= config.max_num_seqs
-    for item in out.items():
+    for item in out.items():  # a chunk not reaching its sequence's end is cut by the budget
         assert item.samples == (item.end == item.seq.num_tokens)
+        assert item.samples or out.num_batched_tokens == config.max_num_batched_tokens
         assert item.num_tokens >= 1 and item.end <= item.seq.num_tokens
         assert item.start == item.seq.num_computed
         assert store.token_count(item.seq.seq_id) == item.seq.num_tokens
@@ -158,6 +160,7 @@ def play(case: Case) -> None:
     pending = list(enumerate(case.requests))
     running: list[int] = []  # the model: seq ids in admission order
     samples: dict[int, set[int]] = {}  # request id -> the finished samples' indices
+    outputs: dict[int, list[int]] = {}  # the model: seq id -> the tokens sampled for it
     step = preempted = 0
     while pending or scheduler.has_unfinished():
         while pending and pending[0][1].arrival <= step:
@@ -178,7 +181,15 @@ def play(case: Case) -> None:
             for seq in out.sampling
             for j in range(seq.num_samples)
         ]
+        forks = [(seq, seq.num_samples, outputs.get(seq.seq_id, [])) for seq in out.sampling]
         forked, finished = scheduler.update(out, sampled)
+        tokens, children = iter(sampled), iter(forked)
+        for seq, num_samples, output in forks:  # its first token, each fork the next in order
+            for sample in [seq, *(next(children) for _ in range(num_samples - 1))]:
+                outputs[sample.seq_id] = [*output, next(tokens)]
+        assert next(children, None) is None
+        for seq in [*scheduler.running, *scheduler.waiting, *finished]:  # kept when preempted
+            assert seq.output == outputs.get(seq.seq_id, [])
         running += [seq.seq_id for seq in forked if seq.status is SeqStatus.RUNNING]
         for seq in finished:
             if seq.seq_id in running:
@@ -238,79 +249,41 @@ def test_a_request_that_can_never_fit_is_rejected_clearly(
     assert store.manager.num_free_blocks == total_blocks
 
 
-def test_bad_requests_raise_value_error() -> None:
-    scheduler = Scheduler(BlockTableStore(BlockManager(4, 2), 2, 4), SchedulerConfig(2))
-    for args, kwargs in [(([], 3), {}), (([1], 0), {}), (([1], 2), {"n": 0})]:
-        with pytest.raises(ValueError):
-            scheduler.add_request(0, *args, **kwargs)
-    assert not scheduler.waiting
-    with pytest.raises(ValueError, match="rows"):
-        Scheduler(BlockTableStore(BlockManager(4, 2), 1, 4), SchedulerConfig(2))
-
-
-def test_preempts_the_most_recently_admitted() -> None:
-    """The older of two needs a slot: the younger goes to the queue front, later recomputed."""
-    store = BlockTableStore(BlockManager(2, 2), 2, 2)
-    scheduler = Scheduler(store, SchedulerConfig(max_num_seqs=2))
-    old = scheduler.add_request(0, [1, 2], 2)
-    young = scheduler.add_request(1, [3, 4], 2)
-    out = scheduler.schedule()
-    assert out.admitted == [old, young]
-    scheduler.update(out, [5, 6])
-    out = scheduler.schedule()
-    assert out.preempted == [young] and out.seqs == [old]
-    assert list(scheduler.waiting) == [young] and young.tokens == [3, 4, 6]
-    assert scheduler.update(out, [7])[1] == [old] and old.output == [5, 7]
-    out = scheduler.schedule()
-    assert out.admitted == [young] and out.num_tokens.tolist() == [3]
-    assert scheduler.update(out, np.array([8]))[1] == [young] and young.output == [6, 8]
-    assert store.manager.num_free_blocks == 2
-
-
-def test_update_checks_the_sampled_tokens_before_changing_anything() -> None:
-    store = BlockTableStore(BlockManager(4, 2), 2, 4)
-    scheduler = Scheduler(store, SchedulerConfig(max_num_seqs=2))
-    seq = scheduler.add_request(0, [1, 2, 3], 2, n=2)
-    out = scheduler.schedule()
-    for sampled in ([4], [4, 5, 6]):
-        with pytest.raises(ValueError, match="samples 2 tokens, got"):
-            scheduler.update(out, sampled)
-        assert seq.num_computed == 0 and seq.tokens == [1, 2, 3]
-    forked, finished = scheduler.update(out, [4, 5])
-    assert [child.tokens for child in forked] == [[1, 2, 3, 5]] and not finished
-    assert seq.tokens == [1, 2, 3, 4] and store.table(seq.seq_id) == store.table(forked[0].seq_id)
-
-
 def small_scheduler() -> Scheduler:
-    return Case(1, 8, SchedulerConfig(2, 8, 0), False, ()).scheduler()
+    return Case(1, 8, SchedulerConfig(3, 8, 0), False, ()).scheduler()
 
 
 @pytest.mark.parametrize(
     ("bad", "error"),
     [
-        ([5, -7], ValueError), ([5, True], TypeError), ([5, 1.0], TypeError), ("x", TypeError),
-        (np.array([5.0, 6.0]), TypeError), (np.array([[5, 6]]), TypeError),
-        (np.array([5, -6]), ValueError),
-        ([5, 2**63], ValueError),  # past int64, the step arrays' type
-        (np.array([5, 2**64 - 1], dtype=np.uint64), ValueError),  # not -1 (no EOS) in int64
+        ([5, 6], ValueError), ([5, 6, 7, 8], ValueError),  # the step samples 3 tokens
+        ([5, -7, 6], ValueError), ([5, True, 6], TypeError), ([5, 1.0, 6], TypeError),
+        ("xyz", TypeError), (np.array([5.0, 6.0, 7.0]), TypeError),
+        (np.array([[5, 6, 7]]), TypeError), (np.array([5, -6, 7]), ValueError),
+        ([5, 2**63, 6], ValueError),  # past int64, the step arrays' type
+        (np.array([5, 2**64 - 1, 6], dtype=np.uint64), ValueError),  # not -1 (no EOS) in int64
     ],
 )  # fmt: skip
 def test_update_refuses_bad_sampled_tokens_and_changes_nothing(bad: object, error: type) -> None:
+    """Refused before anything changes; then the good tokens fork the first request's sample."""
     scheduler = small_scheduler()
-    first = scheduler.add_request(0, [1, 2], max_new_tokens=3)
+    first = scheduler.add_request(0, [1, 2], max_new_tokens=3, n=2)
     second = scheduler.add_request(1, [3, 4], max_new_tokens=3)
     out = scheduler.schedule()
-    with pytest.raises(error):
+    miscounted = isinstance(bad, list) and len(bad) != 3
+    with pytest.raises(error, match="samples 3 tokens, got" if miscounted else None):
         scheduler.update(out, bad)
     assert (first.num_computed, second.num_computed) == (0, 0)
     assert (first.tokens, second.tokens) == ([1, 2], [3, 4])
-    scheduler.update(out, [5, 6])
-    assert (first.tokens, second.tokens) == ([1, 2, 5], [3, 4, 6])
+    (child,), _ = scheduler.update(out, [5, 6, 7])
+    assert (first.tokens, child.tokens, second.tokens) == ([1, 2, 5], [1, 2, 6], [3, 4, 7])
+    assert scheduler.store.table(first.seq_id) == scheduler.store.table(child.seq_id)
 
 
-def test_a_request_keeps_plain_ints_and_refuses_an_eos_past_int64() -> None:
-    """An int-subclass prompt and EOS are kept as plain ints; an EOS past int64 changes nothing,
-    int64's largest is taken."""
+def test_a_request_keeps_plain_ints_and_bad_ones_change_nothing() -> None:
+    """An int-subclass prompt and EOS are kept as plain ints; an empty prompt, no new tokens, no
+    samples or an EOS past int64 are refused, changing nothing (int64's largest is taken); a
+    store with fewer rows than ``max_num_seqs`` is refused."""
 
     class Token(int):
         pass
@@ -318,12 +291,17 @@ def test_a_request_keeps_plain_ints_and_refuses_an_eos_past_int64() -> None:
     scheduler = small_scheduler()
     seq = scheduler.add_request(0, [Token(1), Token(2)], max_new_tokens=3, eos_token_id=Token(9))
     assert [type(t) for t in seq.tokens] == [int, int] and type(seq.eos_token_id) is int
+    for args, kwargs in [(([], 3), {}), (([1], 0), {}), (([1], 2), {"n": 0})]:
+        with pytest.raises(ValueError):
+            scheduler.add_request(1, *args, **kwargs)
     with pytest.raises(ValueError, match="eos_token_id"):
         scheduler.add_request(1, [1, 2], max_new_tokens=3, eos_token_id=2**63)
     assert [s.request_id for s in scheduler.waiting] == [0]
     scheduler.add_request(2, [1, 2], max_new_tokens=3, eos_token_id=2**63 - 1)  # int64's largest
     assert [s.request_id for s in scheduler.waiting] == [0, 2]
     assert scheduler.schedule().seq_ids.dtype == np.int64
+    with pytest.raises(ValueError, match="rows"):
+        Scheduler(BlockTableStore(BlockManager(4, 2), 1, 4), SchedulerConfig(2))
 
 
 def test_occupancy_leaves_out_a_block_waiting_for_its_copy() -> None:
