@@ -1,7 +1,7 @@
-"""Every layer (blocks, kernels, serving) checks its input: **valid** and **edge** (degenerate)
-arguments work, a **wrong type** raises ``TypeError``, **out of range** ``ValueError``,
-``IndexError`` or ``OutOfBlocksError``. Hypothesis breaks up to two arguments of a call; a failing
-call changes nothing (compared with a twin)."""
+"""Every layer (blocks, serving; kernels: test_kernels_validation) checks its input: **valid** and
+**edge** (degenerate) arguments work, a **wrong type** raises ``TypeError``, **out of range**
+``ValueError``, ``IndexError`` or ``OutOfBlocksError``. Hypothesis breaks up to two arguments of a
+call; a failing call changes nothing (compared with a twin)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedkv import kernels
 from pagedkv.impl.blocks.prefix_cache import PrefixCachingBlockManager as ImplManager
 from pagedkv.impl.serving.engine import PagedAttentionEngine
 from pagedkv.impl.serving.model import CausalLM, ModelConfig
@@ -171,116 +170,6 @@ def test_a_hash_fn_failing_for_a_later_block_registers_nothing(cls: type, return
     with pytest.raises(TypeError):
         manager.cache_blocks(table, [1, 2, 3, 4])
     assert manager.num_cached_blocks == 0 and manager.key_of(table[0]) is None
-
-
-# ------------------------------------------------------------------ kernels
-
-SHAPE = (6, 4, 2, 8)  # num_blocks, block_size, kv heads, head_dim
-NUMEL = math.prod(SHAPE)
-
-
-def kernel_caches() -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V caches, views of larger buffers so that overlapping views can be made."""
-    generator = torch.Generator().manual_seed(0)
-    buffers = [torch.randn(2 * NUMEL, generator=generator) for _ in range(2)]
-    k_cache, v_cache = (buffer[:NUMEL].view(SHAPE) for buffer in buffers)
-    return k_cache, v_cache
-
-
-def ints(values: object, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype)
-
-
-def kernel_calls(
-    cache_k: torch.Tensor, cache_v: torch.Tensor
-) -> dict[str, tuple[Callable[..., object], dict[str, Arg]]]:
-    overlapping_k = cache_k.view(-1).as_strided(SHAPE, cache_k.stride(), NUMEL // 2)  # half of K
-    generator = torch.Generator().manual_seed(1)
-    query = torch.randn(2, 4, 8, generator=generator)
-    key, value = (torch.randn(3, 2, 8, generator=generator) for _ in range(2))
-    tables = ints([[3, 0, -1], [5, -1, -1]])
-    padded = ints([[3, 0, -1, -1], [5, -1, -1, -1]])
-    block_tables = Arg([tables], [padded], [tables.tolist(), tables.long(), tables.float()],
-                       [tables[:1]])  # fmt: skip
-    backend = Arg(["reference"], [" Reference ", None], [1, b"reference"], ["gpu"])
-    checked = {"backend": backend, "validate": Arg([True], [], [1, "yes", None])}
-    caches = {"k_cache": Arg([cache_k], [], [cache_k.double(), cache_k.tolist()], []),
-              "v_cache": Arg([cache_v], [], [cache_v.double()], [overlapping_k])}  # fmt: skip
-    return {
-        "slot_mapping": (kernels.slot_mapping, {
-            "block_tables": block_tables,
-            "positions": Arg([ints([5, 1])], [ints([-1, -1]), ints([4, 3], torch.int64)],
-                             [[5, 1], ints([5, 1]).float()],
-                             [ints([12, 0]), ints([-2, 0]), ints([5, 4])]),
-            "block_size": Arg([4], [], [4.0, True, "4", None], [0, -3, 2**32 + 1, 2**61, 2**63]),
-            "num_blocks": Arg([None, 6, 100], [2**31], [6.0, True], [-1, 2**31 + 1]),
-            **checked,
-        }),
-        "store_kv": (kernels.store_kv, {
-            "key": Arg([key], [key.transpose(0, 1).contiguous().transpose(0, 1)],
-                       [key.double(), key.tolist()],
-                       [key[:, :1], cache_k.view(-1)[:48].view(3, 2, 8)]),
-            "value": Arg([value], [], [value.half()], [cache_v[0, :3]]),
-            **caches,
-            "slot_mapping": Arg([ints([0, 7, 23], torch.int64)], [ints([-1, -1, -1])], [[0, 7, -1]],
-                                [ints([0, 24, -1]), ints([0, -2, 1]), ints([3, 3, -1]),
-                                 ints([0, 1])]),
-            **checked,
-        }),
-        "paged_decode_attention": (kernels.paged_decode_attention, {
-            "query": Arg([query], [query.transpose(0, 1).contiguous().transpose(0, 1)],
-                         [query.half(), query.tolist()], [query[:, :3], query[..., :4]]),
-            **caches,
-            "block_tables": block_tables,
-            "context_lens": Arg([ints([6, 2])], [ints([0, 0]), ints([8, 4], torch.int64)],
-                                [ints([6, 2]).float(), [6, 2]],
-                                [ints([13, 2]), ints([6, -1]), ints([9, 2])]),
-            "scale": Arg([None, 0.3], [2.0**-149, 1e30], ["1", True, 1j, torch.tensor(1.0)],
-                         [0.0, 1e-50, 1e39, *BAD_NUMBERS]),
-            "num_splits": Arg([None, 2], [1, 64], [2.0, True], [0, 65, -1]),
-            "window": Arg([None, 3], [1, 2**70], [3.0, True, "3"], [0, -1]),
-            **checked,
-        }),
-        "copy_blocks": (kernels.copy_blocks, {
-            **caches,
-            "pairs": Arg([[(0, 1)], ints([[2, 3], [3, 4]], torch.int64)],
-                         [[], torch.empty(0, 2, dtype=torch.int64), [(2, 2)], [(5, 0)]],
-                         ["ab", [(0.0, 1)], ints([[0, 1]]).float()],
-                         [[(0, 6)], [(-1, 0)], [(0, 1, 2)]]),
-            "backend": backend,
-        }),
-    }  # fmt: skip
-
-
-@settings(max_examples=100)
-@given(st.data())
-def test_kernels_check_their_input(data: st.DataObject) -> None:
-    caches = kernel_caches()
-    name = data.draw(st.sampled_from(sorted(kernel_calls(*caches))))
-    function, args = kernel_calls(*caches)[name]
-    values, expected = draw_call(data, args)
-    tensors = {k: v.clone() for k, v in values.items() if isinstance(v, torch.Tensor)}
-    buffers = [cache.clone() for cache in caches]
-    result = outcome(lambda: function(**values), expected)
-    if isinstance(result, Exception) or name in ("slot_mapping", "paged_decode_attention"):
-        assert all(map(torch.equal, caches, buffers))
-        for key, before in tensors.items():
-            assert torch.equal(values[key], before), f"{name} changed {key}"
-    if name == "paged_decode_attention" and not isinstance(result, Exception):
-        assert isinstance(result, torch.Tensor) and bool(torch.isfinite(result).all())
-
-
-@pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_slot_mapping_edges(backend: str) -> None:
-    """Padding only on an empty table maps to padding; the largest block size keeps slots in
-    int64 (2**61 and 2**63: test_kernels_validation)."""
-    for shape in ((0, 3), (2, 0)):
-        tables = torch.zeros(shape, dtype=torch.int32)
-        slots = kernels.slot_mapping(tables, ints([-1, -1]), 2, ints([0, 0]), backend=backend)
-        assert slots.tolist() == [-1, -1]
-    tables = ints([[5, 2**31 - 1]])
-    largest = kernels.slot_mapping(tables, ints([2**32], torch.int64), 2**32, backend=backend)
-    assert largest.tolist() == [(2**31 - 1) * 2**32] and largest.tolist()[0] <= 2**63 - 1
 
 
 # ------------------------------------------------------------------ serving

@@ -229,22 +229,6 @@ def test_prefill_matches_spec_for_every_block_size(
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("backend", EVERY)
-def test_empty_batches_give_empty_outputs(backend: str) -> None:
-    k_cache, v_cache = torch.zeros(2, 3, 4, 2, 64, device=kc.DEVICE)
-    query = torch.zeros(0, 4, 64, device=kc.DEVICE)
-    ints = partial(torch.zeros, dtype=torch.int32, device=kc.DEVICE)
-    for batch in (0, 2):  # no sequences; sequences with no queries
-        out = kernels.paged_prefill_attention(
-            query, k_cache, v_cache, ints(batch, 3), ints(batch + 1), ints(batch), backend=backend
-        )
-        assert out.shape == (0, 4, 64)
-    out = kernels.paged_decode_attention(
-        query, k_cache, v_cache, ints(0, 3), ints(0), backend=backend
-    )
-    assert out.shape == (0, 4, 64)
-
-
 # fp8 caches: a store writes ``spec.fp8.quantize``'s code bit for bit, attention reads code value
 # times scale, a copy moves bytes (their refusals: test_kernels_validation). Every backend runs on
 # CPU tensors (numba too, on a GPU machine); Triton on the device where there is one.

@@ -1,6 +1,7 @@
-"""Properties: invalid arguments raise a clear, typed error and leave the caches untouched, on every
-backend (a kernel on bad block ids would read or write outside the caches, killing the process);
-fp8 caches refuse bad scales and dtypes."""
+"""Properties: invalid arguments raise a clear, typed error naming the argument and leave every
+tensor untouched, on every backend (a kernel on bad block ids would read or write outside the
+caches, killing the process); fp8 caches refuse bad scales and dtypes; degenerate valid calls work
+as the reference's."""
 
 from __future__ import annotations
 
@@ -97,6 +98,15 @@ store, slots, copy = changing("store"), changing("slots"), changing("copy")
 fp8_store, fp8_decode, fp8_prefill = (changing(f"fp8 {f}") for f in FP8_CALLS)
 
 
+def each(function: str, name: str, *values: object) -> dict[str, Case]:
+    """A case a value of argument ``name`` of ``function`` (as ``changing`` takes it)."""
+    return {f"{function} {name}={v!r}": changing(function)(**{name: v}) for v in values}
+
+
+def refused(words: str, cases: dict[str, Case]) -> dict[str, tuple[str, Case]]:
+    return {name: (words, case) for name, case in cases.items()}
+
+
 def floats(*values: float, dtype: torch.dtype = torch.float32) -> Callable[[object], torch.Tensor]:
     """A change to a tensor of ``values`` on the device (a scale)."""
     return lambda _: torch.tensor(values, dtype=dtype, device=DEVICE)
@@ -120,10 +130,15 @@ def overlapping(args: Args) -> Args:
     return {**args, "k_cache": k_view, "v_cache": v_view}
 
 
-def key_in_cache(args: Args) -> Args:
-    k, key = args["k_cache"], args["key"]
-    assert isinstance(k, torch.Tensor) and isinstance(key, torch.Tensor)
-    return {**args, "key": k.view(-1)[: key.numel()].view(key.shape)}
+def in_cache(row: str, cache: str) -> Callable[[Args], Args]:
+    """``row`` (key or value) made a view of ``cache``'s first elements: they share memory."""
+
+    def edit(args: Args) -> Args:
+        buffer, tokens = args[cache], args[row]
+        assert isinstance(buffer, torch.Tensor) and isinstance(tokens, torch.Tensor)
+        return {**args, row: buffer.view(-1)[: tokens.numel()].view(tokens.shape)}
+
+    return edit
 
 
 def long_context(args: Args) -> Args:
@@ -147,6 +162,7 @@ INDEX_ERRORS: dict[str, tuple[str, Case]] = {
     "block id -1 in a window": (
         "block_tables[0, 1] = -1", decode(block_tables=[[3, -1], [5, 0]], window=1)),
     "context beyond the table": ("context_lens[0] = 13", decode(context_lens=[13, 2])),
+    "context reaches padding": ("block_tables[0, 2] = -1", decode(context_lens=[9, 2])),
     "slot beyond the cache": ("slot_mapping[1] = 24", store(slot_mapping=[0, 24, -1])),
     "slot below -1": ("slot_mapping[1] = -2", store(slot_mapping=[0, -2, 1])),
     "position beyond capacity": ("positions[0] = 12", slots(positions=[12, 0])),
@@ -172,34 +188,40 @@ VALUE_ERRORS: dict[str, tuple[str, Case]] = {
     "v_cache shape": ("v_cache", decode(v_cache=lambda v: v[:5])),
     "cache not contiguous": (  # block and head dimensions swapped in memory
         "contiguous", decode(k_cache=lambda k: k.transpose(1, 2).contiguous().transpose(1, 2))),
-    "scale negative": ("scale", decode(scale=-1.0)),
+    **refused("scale must be finite and > 0",
+              each("decode", "scale", -1.0, 0.0, -5e-324, math.inf, -math.inf, math.nan)),
     "scale is inf in fp32": ("in fp32", decode(scale=1e39)),
     "scale is 0 in fp32": ("in fp32", decode(scale=1e-50)),
     "num_splits zero": ("num_splits", decode(num_splits=0)),
-    "num_splits huge": ("num_splits", decode(num_splits=65)),
+    **refused("num_splits", each("decode", "num_splits", 65, -1)),
     "max_context_len not the longest": (
         "max_context_len = 5, but the longest context in context_lens has 6 tokens",
         decode(max_context_len=5)),
     "contiguous max_context_len negative": ("max_context_len", contiguous(max_context_len=-1)),
     **{f"{function} window {window}": ("window", changing(function)(window=window))
-       for function in ("decode", "contiguous", "prefill") for window in (0, -3)},
-    "caches overlap": ("k_cache and v_cache must not share memory", ("decode", overlapping)),
+       for function in ("decode", "contiguous", "prefill") for window in (0, -1, -3)},
+    **{f"{function} caches overlap": ("k_cache and v_cache must not share", (function, overlapping))
+       for function in ("decode", "store", "copy")},
     "context beyond int32": (
         "context_lens[0] = 2147483648 exceeds 2147483647", ("decode", long_context)),
     "slot written twice": ("twice", store(slot_mapping=[3, 3, -1])),
     "slot_mapping length": ("slot_mapping", store(slot_mapping=[0, 1])),
     "key heads": ("key", store(key=lambda k: k[:, :1])),
     "value tokens": ("value", store(value=lambda v: v[:2])),
-    "key in the cache": ("key and k_cache must not share memory", ("store", key_in_cache)),
+    **{f"{row} in the cache": (f"{row} and {cache} must not share memory",
+                               ("store", in_cache(row, cache)))
+       for row, cache in (("key", "k_cache"), ("value", "v_cache"))},
     "position below -1": ("positions[0]", slots(positions=[-2, 0])),
     "positions per sequence": ("positions", slots(positions=[1, 1, 1])),
-    "block_size zero": ("block_size", slots(block_size=0)),
-    "block_size wraps int64": ("<= 4294967296", slots(block_size=2**61)),
+    **refused("block_size must be >= 1", each("slots", "block_size", 0, -3)),
+    **refused("<= 4294967296", each("slots", "block_size", 2**32 + 1, 2**61)),
     "block_size beyond int64": ("block_size", slots(block_size=2**63)),
-    "num_blocks beyond int32": ("num_blocks", slots(num_blocks=2**31 + 1)),
+    **refused("num_blocks", each("slots", "num_blocks", 2**31 + 1, -1)),
+    "slots block_tables rows": ("positions must have shape (1,)", slots(block_tables=[[3, 0, -1]])),
     "copy not a pair": ("pairs[0]", copy(pairs=[(0, 1, 2)])),
     "copy tensor shape": ("pairs", copy(pairs=lambda _: ints([[0, 1, 2]]))),
-    "unknown backend": ("backend", decode(backend="gpu")),
+    **{f"{function} unknown backend": ("backend", changing(function)(backend="gpu"))
+       for function in ("slots", "store", "decode", "copy")},
     "cu_seqlens_q not batch + 1": ("cu_seqlens_q", prefill(cu_seqlens_q=[0, 5])),
     "cu_seqlens_q not from 0": ("cu_seqlens_q", prefill(cu_seqlens_q=[1, 2, 5])),
     "cu_seqlens_q short of the tokens": ("cu_seqlens_q", prefill(cu_seqlens_q=[0, 2, 4])),
@@ -225,17 +247,35 @@ TYPES: dict[str, tuple[str, Case]] = {
     "context_lens float": ("context_lens", decode(context_lens=lambda t: t.float())),
     "block_tables int64": ("block_tables", decode(block_tables=lambda t: t.long())),
     "query dtype": ("query", decode(query=lambda q: q.half())),
-    "query not a tensor": ("query", decode(query=lambda _: [1.0])),
+    **{f"{function} {name} not a tensor": (name, changing(function)(**{name: lambda t: t.tolist()}))
+       for function, names in (("decode", ("query", "context_lens", "block_tables")),
+                               ("store", ("key", "k_cache", "slot_mapping")),
+                               ("slots", ("positions",)), ("copy", ("k_cache",)))
+       for name in names},
+    **{f"slots {name} {dtype}": (name, slots(**{name: lambda t, dtype=dtype: t.to(dtype)}))
+       for name, dtype in (("block_tables", torch.int64), ("block_tables", torch.float32),
+                           ("positions", torch.float32))},
+    "copy pairs float": ("pairs", copy(pairs=lambda _: ints([[0, 1]]).float())),
+    "copy k_cache float64": ("k_cache", copy(k_cache=lambda k: k.double())),
     "v_cache dtype": ("v_cache", decode(v_cache=lambda v: v.double())),
     **{f"{function} window {window}": ("window", changing(function)(window=window))
-       for function in ("decode", "contiguous", "prefill") for window in (2.0, True, False)},
+       for function in ("decode", "contiguous", "prefill") for window in (2.0, True, False, "3")},
+    **refused("scale must be a number", each("decode", "scale", "1", True, 1j, torch.tensor(1.0))),
+    **refused("num_splits", each("decode", "num_splits", 2.0, True)),
+    **refused("block_size", each("slots", "block_size", True, 4.0, "4", None)),
+    **refused("num_blocks", each("slots", "num_blocks", 6.0, True)),
     "key dtype": ("key", store(key=lambda k: k.half())),
+    "key float64": ("key", store(key=lambda k: k.double())),
+    "value fp16": ("value has dtype torch.float16", store(value=lambda v: v.half())),
+    "v_cache float64": ("v_cache", store(v_cache=lambda v: v.double())),
     "integer cache": ("k_cache", store(k_cache=lambda k: k.int())),
-    "validate not a bool": ("validate", store(validate=1)),
+    **{f"{function} validate={v!r}": ("validate", changing(function)(validate=v))
+       for function in ("slots", "store", "decode") for v in (1, "yes", None)},
     "max_context_len float": ("max_context_len", decode(max_context_len=6.0)),
-    "block_size bool": ("block_size", slots(block_size=True)),
     "copy float id": ("pairs[0] src", copy(pairs=[(0.0, 1)])),
-    "backend not a str": ("backend must be a str", decode(backend=1)),
+    "copy pairs a str": ("pairs", copy(pairs="ab")),
+    **{f"{function} backend={v!r}": ("backend must be a str", changing(function)(backend=v))
+       for function in ("slots", "store", "decode", "copy") for v in (1, b"reference")},
     "cu_seqlens_q float": ("cu_seqlens_q", prefill(cu_seqlens_q=lambda t: t.float())),
     "prefill block_tables int64": ("block_tables", prefill(block_tables=lambda t: t.long())),
     "prefill query dtype": ("query", prefill(query=lambda q: q.half())),
@@ -275,17 +315,80 @@ def test_invalid_call_raises_and_changes_nothing(name: str, backend: str) -> Non
     )  # fmt: skip
 
 
+def not_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+def no_rows(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor[:0]
+
+
+PADDED = [[3, 0, -1, -1], [5, -1, -1, -1]]
+# Calls that must work, on every backend as on the reference (the valid calls "as is": each
+# refusal above breaks one thing of one), degenerate ones included; case id -> case.
+EDGES: dict[str, Case] = {
+    **{f"{function} as is": changing(function)() for function in FUNCTIONS},
+    "prefill max_query_len": prefill(max_query_len=3),
+    "decode padded table": decode(block_tables=PADDED),
+    "decode query not contiguous": decode(query=not_contiguous),
+    **each("decode", "context_lens", [0, 0], ints([8, 4], torch.int64)),
+    **each("decode", "scale", 2.0**-149, 1e30, 0.3),
+    **each("decode", "num_splits", 1, 64),
+    **each("decode", "window", 1, 3, 2**70),
+    "decode no sequences": decode(query=no_rows, block_tables=no_rows, context_lens=no_rows),
+    "prefill no sequences": prefill(
+        query=no_rows, block_tables=no_rows, cu_seqlens_q=[0], context_lens=no_rows),
+    "prefill no queries": prefill(query=no_rows, cu_seqlens_q=[0, 0, 0], context_lens=[0, 0]),
+    "store key not contiguous": store(key=not_contiguous),
+    "store nothing": store(slot_mapping=[-1, -1, -1]),
+    "store the last slot": store(slot_mapping=[0, 7, NUM_BLOCKS * BLOCK_SIZE - 1]),
+    **each("slots", "positions", [-1, -1], ints([4, 3], torch.int64)),
+    "slots padded table": slots(block_tables=PADDED),
+    **each("slots", "num_blocks", None, 6, 100, 2**31),
+    **{f"{function} backend={v!r}": changing(function)(backend=v)
+       for function in ("slots", "store", "decode", "copy") for v in (" Reference ", None)},
+    **{f"slots empty table {shape}": slots(block_tables=lambda _, shape=shape: torch.zeros(
+        shape, dtype=torch.int32, device=DEVICE), positions=[-1, -1], seq_ids=[0, 0])
+       for shape in ((0, 3), (2, 0))},
+    "slots the largest block size": slots(  # slots stay in int64
+        block_tables=[[5, 2**31 - 1]], positions=lambda _: ints([2**32], torch.int64),
+        block_size=2**32),
+    **each("copy", "pairs", [], torch.empty(0, 2, dtype=torch.int64), [(2, 2)],
+           [(5, 0)], ints([[2, 3], [3, 4]], torch.int64)),
+}  # fmt: skip
+SLOTS = {"slots as is": [1, 21], "slots empty table (0, 3)": [-1, -1],
+         "slots empty table (2, 0)": [-1, -1],
+         "slots the largest block size": [(2**31 - 1) * 2**32]}  # fmt: skip
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_the_valid_calls_are_valid(backend: str) -> None:
-    """Each case fails for the one thing it breaks; prefill, ``max_query_len`` or not is right."""
-    calls = valid_args()
-    for function in ("decode", "contiguous", "store", "copy", *(f"fp8 {f}" for f in FP8_CALLS)):
-        FUNCTIONS[function](**calls[function], backend=backend)
-    assert kernels.slot_mapping(**calls["slots"], backend=backend).tolist() == [1, 21]
-    expected = kernels.paged_prefill_attention(**calls["prefill"], backend="reference")
-    for extra in ({}, {"max_query_len": 3}):
-        output = kernels.paged_prefill_attention(**calls["prefill"], **extra, backend=backend)
-        assert_close(output, expected, f"{backend} vs reference, {extra}")
+@pytest.mark.parametrize("name", list(EDGES))
+def test_degenerate_calls_work_as_on_the_reference(name: str, backend: str) -> None:
+    """The output (an attention's: finite, the query's shape and dtype; slot mapping's: known
+    where listed) and every tensor argument after the call equal the reference's; a call that
+    does not write (not store or copy) changes no argument."""
+    function, edit = EDGES[name]
+    seen = []
+    for on in ("reference", backend):
+        args = edit(valid_args()[function])
+        before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
+        output = FUNCTIONS[function](**{"backend": on, **args})
+        seen.append((output, [args[k] for k in before]))
+        if function.endswith(("store", "copy")):
+            continue
+        assert all(torch.equal(args[k], v) for k, v in before.items()), f"{on} wrote an input"
+        assert isinstance(output, torch.Tensor)
+        if function == "slots":
+            assert name not in SLOTS or output.tolist() == SLOTS[name], on
+        else:
+            assert output.shape == args["query"].shape and output.dtype == args["query"].dtype
+            assert bool(output.isfinite().all()), on
+    (expected, expected_after), (output, after) = seen
+    if isinstance(output, torch.Tensor) and output.is_floating_point():
+        assert_close(output, expected, f"{backend} vs reference")
+    else:
+        assert output is expected is None or torch.equal(output, expected)
+    assert all(map(torch.equal, after, expected_after))
 
 
 @settings(max_examples=kernel_examples(30))
