@@ -15,6 +15,13 @@ Event = tuple[str, int | None, Content | None]
 """A KV event: ``("stored" | "removed", block, content)`` or ``("cleared", None, None)``."""
 
 
+def hashable(salt: object) -> Hashable:
+    """An unhashable salt's stand-in (another ``hash_fn`` may accept one), equal where it is."""
+    if isinstance(salt, set):
+        return frozenset(salt)
+    return (list, *salt) if isinstance(salt, list) else salt  # type: ignore[return-value]
+
+
 class PrefixCacheModel(BlockModel):
     """Prefix caching as the rules state it, for valid token lists (non-negative ints)."""
 
@@ -28,15 +35,15 @@ class PrefixCacheModel(BlockModel):
         self.resets = 0
         self.events: list[Event] = []  # every key stored and removed since the last take
 
-    def contents(self, tokens: list[int], salt: Hashable) -> list[Content]:
+    def contents(self, tokens: list[int], salt: Hashable = None) -> list[Content]:
         full = len(tokens) // self.block_size
-        return [(salt, tuple(tokens[: (i + 1) * self.block_size])) for i in range(full)]
+        return [(hashable(salt), tuple(tokens[: (i + 1) * self.block_size])) for i in range(full)]
 
     def max_hits(self, prompt_len: int) -> int:
         """The last prompt token is always computed, so only blocks before it can hit."""
         return (prompt_len - 1) // self.block_size if prompt_len else 0
 
-    def lookup(self, tokens: list[int], salt: Hashable) -> list[int]:
+    def lookup(self, tokens: list[int], salt: Hashable = None) -> list[int]:
         """The cached blocks of the prompt's longest cached prefix, stopping at the first miss."""
         hits = []
         for content in self.contents(tokens, salt)[: self.max_hits(len(tokens))]:
@@ -45,7 +52,7 @@ class PrefixCacheModel(BlockModel):
             hits.append(self.block_of[content])
         return hits
 
-    def blocks_to_allocate(self, tokens: list[int], salt: Hashable) -> int:
+    def blocks_to_allocate(self, tokens: list[int], salt: Hashable = None) -> int:
         """Fresh blocks plus hits in the queue (reviving consumes a free block; parked is not)."""
         hits = self.lookup(tokens, salt)
         table_len = -(-len(tokens) // self.block_size)
@@ -68,7 +75,7 @@ class PrefixCacheModel(BlockModel):
         del self.block_of[content]
         self.events.append(("removed", block_id, content))
 
-    def append_slot(self, table: list[int], token_count: int, new_tokens: int) -> Outcome:
+    def append_slot(self, table: list[int], token_count: int, new_tokens: int = 1) -> Outcome:
         """A cached block written into (held alone: shared ones were copied) forgets its content."""
         outcome = super().append_slot(table, token_count, new_tokens)
         if outcome.error is None:
@@ -87,7 +94,7 @@ class PrefixCacheModel(BlockModel):
                 self.forget(last)
         return outcome
 
-    def allocate_prompt(self, tokens: list[int], salt: Hashable) -> Outcome:
+    def allocate_prompt(self, tokens: list[int], salt: Hashable = None) -> Outcome:
         """Hits first (free ones leave the queue where they stand), then fresh blocks."""
         if self.blocks_to_allocate(tokens, salt) > len(self.queue):
             return Outcome(error=OutOfBlocksError)
@@ -101,17 +108,16 @@ class PrefixCacheModel(BlockModel):
         fresh = self._take(-(-len(tokens) // self.block_size) - len(hits))
         return Outcome(value=(hits + fresh, len(hits) * self.block_size))
 
-    def cache_blocks(self, table: list[int], tokens: list[int], salt: Hashable) -> Outcome:
+    def cache_blocks(self, table: list[int], tokens: list[int], salt: Hashable = None) -> Outcome:
         """Register the table's full held blocks; a block holding other content refuses them all."""
-        error = self.table_error(table)
-        if error is None and len(tokens) > len(table) * self.block_size:
-            error = ValueError
+        if error := self.table_error(table):
+            return Outcome(error=error)
+        if len(tokens) > len(table) * self.block_size:
+            return Outcome(error=ValueError)
         contents = self.contents(tokens, salt)
         pairs = [(b, c) for b, c in zip(table, contents, strict=False) if b is not None]
-        if error is None and any(self.content_of.get(b, c) != c for b, c in pairs):
-            error = BlockTableError
-        if error is not None:
-            return Outcome(error=error)
+        if any(self.content_of.get(b, c) != c for b, c in pairs):
+            return Outcome(error=BlockTableError)
         registered = 0
         for block_id, content in pairs:
             if block_id not in self.content_of and content not in self.block_of:

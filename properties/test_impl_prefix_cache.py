@@ -18,15 +18,10 @@ from pagedkv.impl.blocks.prefix_cache import (
 from pagedkv.spec import OutOfBlocksError
 from pagedkv.spec.prefix_cache import PrefixCachingBlockManager as SpecPrefixManager
 from properties.machines.block_manager import IntSubclass
-from properties.machines.prefix import (
-    PrefixDifferentialMachine,
-    PrefixStoreMachine,
-    WindowPrefixStoreMachine,
-)
-from properties.machines.prefix_cache import prefix_cache_machine
+from properties.machines.prefix import PrefixStoreMachine, WindowPrefixStoreMachine
+from properties.machines.prefix_cache import PrefixCacheMachine
 
-TestPrefixCacheMachineOnImpl = prefix_cache_machine(PrefixCachingBlockManager).TestCase
-TestPrefixDifferential = PrefixDifferentialMachine.TestCase
+TestPrefixCache = PrefixCacheMachine.TestCase
 TestPrefixStore = PrefixStoreMachine.TestCase
 TestWindowPrefixStore = WindowPrefixStoreMachine.TestCase
 

@@ -15,8 +15,8 @@ import pagedkv.spec.block_manager as spec_block_manager
 import pagedkv.spec.prefix_cache as spec_prefix_cache
 from properties.machines.block_manager import BlockManagerMachine
 from properties.machines.free_queue import FreeQueueMachine
-from properties.machines.prefix import PrefixDifferentialMachine, PrefixStoreMachine
-from properties.machines.prefix_cache import prefix_cache_machine
+from properties.machines.prefix import PrefixStoreMachine
+from properties.machines.prefix_cache import PrefixCacheMachine
 from properties.machines.store import StoreMachine, WindowStoreMachine
 from properties.mutants import (
     CONTROL_SEARCHES,
@@ -380,8 +380,9 @@ def machine_with(module: types.ModuleType, within: str, old: str, new: str, kind
     (and of the modules above it that import it)."""
     edit = (module, within, old, new)
     if kind == "spec prefix":
-        return prefix_cache_machine(load_mutant(*edit, EVENT_CLASSES).PrefixCachingBlockManager)
-    if kind == "spec":
+        spec = load_mutant(*edit, EVENT_CLASSES).PrefixCachingBlockManager
+        attrs, base = {"SPEC": spec}, PrefixCacheMachine
+    elif kind == "spec":
         attrs, base = {"SPEC": load_mutant(*edit, SHARED_NAMES).BlockManager}, BlockManagerMachine
     elif kind == "queue":
         attrs, base = {"QUEUE": load_mutant(*edit).FreeBlockQueue}, FreeQueueMachine
@@ -392,10 +393,10 @@ def machine_with(module: types.ModuleType, within: str, old: str, new: str, kind
     elif module is spec_prefix_cache:  # a faithful copy of impl's prefix cache over the mutant key
         planted = load_copy(MODULES["prefix_cache"], ("BlockTableError",))
         planted.BlockKey = load_mutant(*edit).BlockKey
-        attrs, base = {"IMPL": planted.PrefixCachingBlockManager}, PrefixDifferentialMachine
+        attrs, base = {"IMPL": planted.PrefixCachingBlockManager}, PrefixCacheMachine
     elif kind == "prefix":
         planted = load_mutant(*edit, ("BlockTableError",))
-        attrs, base = {"IMPL": planted.PrefixCachingBlockManager}, PrefixDifferentialMachine
+        attrs, base = {"IMPL": planted.PrefixCachingBlockManager}, PrefixCacheMachine
     else:  # the manager, over copies of the pool and queue below it where the bug is there
         below = UNDER_THE_MANAGER[UNDER_THE_MANAGER.index(module) :]
         attrs = {"IMPL": load_chain(below, within, old, new, SHARED_NAMES).BlockManager}

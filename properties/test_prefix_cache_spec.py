@@ -1,32 +1,27 @@
-"""The spec's prefix caching: the state machine, and directed scenarios (rerun on impl)."""
+"""The spec's prefix caching: directed scenarios (rerun on impl). The state machine, the spec,
+impl and the model in lockstep, is test_impl_prefix_cache's."""
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import FrozenInstanceError, replace
+from dataclasses import FrozenInstanceError
 
 import numpy as np
 import pytest
 
-from pagedkv.spec import BlockTableError, OutOfBlocksError
+from pagedkv.spec import BlockTableError
 from pagedkv.spec.prefix_cache import PrefixCachingBlockManager, default_block_hash
-from properties.machines.prefix_cache import colliding_hash, prefix_cache_machine
+from properties.machines.prefix_cache import colliding_hash
 
-TestSpecPrefixCache = prefix_cache_machine(PrefixCachingBlockManager).TestCase
-
+EVENT_NAMES = ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
 SYSTEM = list(range(100, 108))  # two full blocks of 4
 
 
-def prefill(manager: PrefixCachingBlockManager, tokens: list[int], salt=None) -> list[int]:
-    """Allocate a prompt and register its full blocks, as an engine does after prefill."""
-    table, _ = manager.allocate_prompt(tokens, salt)
-    manager.cache_blocks(table, tokens, salt)
-    return table
-
-
 def test_freed_cached_blocks_are_revived_in_place() -> None:
+    """design.md section 8's worked example (the machine checks the same on every step)."""
     manager = PrefixCachingBlockManager(6, 4)
-    table = prefill(manager, [*SYSTEM, 1])
+    table, _ = manager.allocate_prompt([*SYSTEM, 1])
+    manager.cache_blocks(table, [*SYSTEM, 1])
     manager.free(table)
     assert manager.free_block_ids() == [3, 4, 5, 2, 1, 0]  # tail first, keys kept
     assert manager.num_cached_blocks == 2
@@ -35,97 +30,55 @@ def test_freed_cached_blocks_are_revived_in_place() -> None:
     assert manager.free_block_ids() == [4, 5, 2], "revival keeps the rest of the queue in order"
 
 
-def test_not_enough_blocks_when_hits_need_reviving() -> None:
-    manager = PrefixCachingBlockManager(3, 4)
-    manager.free(prefill(manager, [*SYSTEM, 1]))  # 3 blocks free, 2 cached
-    holder = manager.allocate(1)  # takes block 2 (uncached tail); 2 free, both cached
-    assert manager.blocks_to_allocate([*SYSTEM, 5]) == 3  # 2 revivals + 1 fresh
-    before = (manager.free_block_ids(), manager.num_cached_blocks, replace(manager.stats))
-    with pytest.raises(OutOfBlocksError):
-        manager.allocate_prompt([*SYSTEM, 5])
-    assert (manager.free_block_ids(), manager.num_cached_blocks, manager.stats) == before
-    manager.free(holder)
-    assert manager.allocate_prompt([*SYSTEM, 5]) == ([0, 1, 2], 8)
-
-
-def test_caching_other_tokens_into_a_cached_block_is_refused() -> None:
-    manager = PrefixCachingBlockManager(10, 4)
-    table = prefill(manager, [1, 2, 3, 4, 5])
-    with pytest.raises(BlockTableError, match="cached with other tokens"):
-        manager.cache_blocks(table, [1, 2, 3, 9, 5])
-    with pytest.raises(ValueError, match="do not fit"):
-        manager.cache_blocks(table, list(range(9)))
-    with pytest.raises(TypeError):
-        manager.allocate_prompt("1234")
-
-
-def test_other_tokens_before_a_cached_block_are_refused() -> None:
-    """A key covers its whole prefix: other tokens before a cached block are refused, unchanged."""
+def test_other_tokens_in_or_before_a_cached_block_are_refused() -> None:
+    """A key covers its whole prefix: other tokens in or before a cached block are refused (as
+    are more tokens than the table holds, and no list), nothing changed."""
     manager = PrefixCachingBlockManager(8, 2)
     a, _ = manager.allocate_prompt([1, 2, 3, 4, 0])
     b, _ = manager.allocate_prompt([1, 2, 5, 6, 0])  # computed concurrently: no hit yet
     manager.cache_blocks(a, [1, 2, 3, 4, 0])
     assert manager.cache_blocks(b, [1, 2, 5, 6, 0]) == 1  # b[0] duplicates a[0]: uncached
-    with pytest.raises(BlockTableError, match="cached with other tokens"):
-        manager.cache_blocks(b, [7, 8, 5, 6, 0])
+    for table, tokens in [(a, [1, 2, 3, 9, 0]), (b, [7, 8, 5, 6, 0])]:
+        with pytest.raises(BlockTableError, match="cached with other tokens"):
+            manager.cache_blocks(table, tokens)
+    with pytest.raises(ValueError, match="do not fit"):
+        manager.cache_blocks(a, list(range(7)))
+    with pytest.raises(TypeError):
+        manager.allocate_prompt("1234")
     assert manager.key_of(b[0]) is None and manager.num_cached_blocks == 3
     assert manager.lookup([1, 2, 5, 6, 0]) == [a[0], b[1]]
 
 
-def test_keys_and_kv_events_are_immutable() -> None:
+def test_kv_events_are_off_by_default_switched_on_by_a_bool_and_frozen() -> None:
+    """``enable_kv_events`` must be a bool; without it nothing is recorded. Keys and events are
+    immutable."""
+    for value in (1, "yes", None):
+        with pytest.raises(TypeError, match="enable_kv_events"):
+            PrefixCachingBlockManager(4, 2, enable_kv_events=value)  # type: ignore[arg-type]
     (key,) = PrefixCachingBlockManager(4, 4).block_keys([1, 2, 3, 4])
     for name, value in [("tokens", (9, 9, 9, 9)), ("extra", "salt"), ("parent", None)]:
         with pytest.raises(FrozenInstanceError):
             setattr(key, name, value)
-    manager = PrefixCachingBlockManager(1, 2, enable_kv_events=True)
-    table, _ = manager.allocate_prompt([1, 2])
-    manager.cache_blocks(table, [1, 2])
-    manager.free(table)
-    manager.free(manager.allocate(1))  # evicts block 0's key
-    assert manager.reset_prefix_cache()
-    events = manager.take_events()
-    assert [type(e).__name__ for e in events] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    for switch, names in [({}, []), ({"enable_kv_events": True}, EVENT_NAMES)]:
+        manager = PrefixCachingBlockManager(1, 2, **switch)
+        table, _ = manager.allocate_prompt([1, 2])
+        manager.cache_blocks(table, [1, 2])
+        manager.free(table)
+        manager.free(manager.allocate(1))  # evicts block 0's key
+        assert manager.reset_prefix_cache()
+        events = manager.take_events()
+        assert [type(e).__name__ for e in events] == names
     for item in events:
         with pytest.raises(FrozenInstanceError):
             item.block_id = 5  # type: ignore[misc, union-attr]
-
-
-def test_kv_events_are_off_by_default_and_switched_on_by_a_bool() -> None:
-    """``enable_kv_events`` must be a bool; without it nothing is recorded."""
-    for value in (1, "yes", None):
-        with pytest.raises(TypeError, match="enable_kv_events"):
-            PrefixCachingBlockManager(4, 2, enable_kv_events=value)  # type: ignore[arg-type]
-    manager = PrefixCachingBlockManager(1, 2)
-    table, _ = manager.allocate_prompt([1, 2])
-    manager.cache_blocks(table, [1, 2])
-    manager.free(table)
-    manager.allocate_prompt([3, 4])  # evicts [1, 2]
-    assert manager.take_events() == []
-
-
-def test_a_reset_forgets_both_directions_of_the_key_map() -> None:
-    """After a reset no block has a key or hits, reuse evicts nothing, the queue keeps order."""
-    manager = PrefixCachingBlockManager(2, 2, enable_kv_events=True)
-    table, _ = manager.allocate_prompt([1, 2, 3, 4])
-    manager.cache_blocks(table, [1, 2, 3, 4])
-    manager.free(table)
-    order = manager.free_block_ids()
-    manager.take_events()
-    assert manager.reset_prefix_cache()
-    assert manager.num_cached_blocks == 0 and manager.free_block_ids() == order
-    assert [manager.key_of(block) for block in order] == [None, None]
-    assert manager.lookup([1, 2, 3, 4, 5]) == []
-    manager.take_stats()
-    assert manager.allocate_prompt([1, 2, 3, 4]) == (order, 0)  # nothing to hit or evict
-    assert manager.take_stats().evictions == 0
-    assert [type(e).__name__ for e in manager.take_events()] == ["AllBlocksCleared"]
 
 
 def test_lookup_stops_at_the_first_miss_though_a_later_block_is_cached() -> None:
     """A block is found only through its whole prefix: a child of an evicted parent misses."""
     manager = PrefixCachingBlockManager(6, 2)
     first, _ = manager.allocate_prompt([1, 1, 2, 2, 0])  # blocks 0 1 2, prefill still running
-    second = prefill(manager, [1, 1, 3, 3, 0])  # blocks 3 4 5: caches [1, 1] in 3
+    second, _ = manager.allocate_prompt([1, 1, 3, 3, 0])  # blocks 3 4 5
+    manager.cache_blocks(second, [1, 1, 3, 3, 0])  # caches [1, 1] in 3
     assert manager.cache_blocks(first, [1, 1, 2, 2, 0]) == 1  # block 0 duplicates block 3
     manager.free(second)
     manager.allocate(3)  # evicts blocks 4 and 3: [1, 1] is no longer cached anywhere
