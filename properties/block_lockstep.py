@@ -100,10 +100,7 @@ class Both:
     def release(self, seq_id: int, window: int, count: int | None = None) -> None:
         """``release_outside_window`` of one sequence, its next query at ``count`` (by default
         its token count, the store's default)."""
-        if count is None:
-            self.store.release_outside_window([seq_id], window)
-        else:
-            self.store.release_outside_window([seq_id], window, [count])
+        self.store.release_outside_window([seq_id], window, None if count is None else [count])
         count = self.counts[seq_id] if count is None else count
         self.tables[seq_id] = self.spec.release_outside_window(self.tables[seq_id], count, window)
 

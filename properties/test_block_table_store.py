@@ -73,32 +73,22 @@ BAD_CALLS: list[tuple[Callable[[BlockTableStore], object], type[Exception], str]
     # a prompt wider than a row:
     (lambda s: s.admit(5, [1, 2, 3, 4, 5]), CapacityError, "max_blocks_per_seq"),
     *((lambda s, t=t: s.cache_blocks(0, t), TypeError, "token_ids") for t in ("123", 3, None)),
-    *(
-        (call, error, name)
-        for bad, error in ((-1, ValueError), (1.5, TypeError), (True, TypeError))
-        for call, name in (
-            (lambda s, b=bad: s.add(5, b), "prompt_len"),
-            (lambda s, b=bad: s.admit(5, [1, 2], b), "headroom"),
-            (lambda s, b=bad: s.slot_mapping([0], 1, pad_to=b), "pad_to must be"),
-        )
-    ),
-    *(
-        (lambda s, b=b: s.batch(b), TypeError, "seq_ids")
-        for b in (np.array([[0]]), np.array([0.0]), np.array([True]))
-    ),
+    *((call, error, name)
+      for bad, error in ((-1, ValueError), (1.5, TypeError), (True, TypeError))
+      for call, name in ((lambda s, b=bad: s.add(5, b), "prompt_len"),
+                         (lambda s, b=bad: s.admit(5, [1, 2], b), "headroom"),
+                         (lambda s, b=bad: s.slot_mapping([0], 1, pad_to=b), "pad_to must be"))),
+    *((lambda s, b=b: s.batch(b), TypeError, "seq_ids")
+      for b in (np.array([[0]]), np.array([0.0]), np.array([True]))),
     (lambda s: s.slot_mapping([2]), ValueError, "num_tokens exceeds"),  # no token yet
-    *(
-        (lambda s, b=b: s.grow([0, 1], b), TypeError, "new_tokens must be an int or a 1-D integer")
-        for b in (np.array([[1, 1]]), np.array([1.0, 1.0]))
-    ),
+    *((lambda s, b=b: s.grow([0, 1], b), TypeError, "new_tokens must be an int or a 1-D integer")
+      for b in (np.array([[1, 1]]), np.array([1.0, 1.0]))),
     (lambda s: s.truncate([0, 1], [1]), ValueError, "token_counts has 1 entries for 2 sequences"),
     # Beyond int32 is CapacityError, even where a smaller count would be another error.
-    *(
-        (lambda s, i=ids, c=c: s.truncate(i, c), CapacityError, "token_counts")
-        for ids, c in (([0], 2**31), ([0], [2**31]), ([0, 1], [1, 2**31]))
-    ),
+    *((lambda s, i=ids, c=c: s.truncate(i, c), CapacityError, "token_counts")
+      for ids, c in (([0], 2**31), ([0], [2**31]), ([0, 1], [1, 2**31]))),
     (lambda s: s.slot_mapping([0, 1], 1, pad_to=1), ValueError, "do not fit pad_to=1"),
-]
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("prefix", [False, True])
@@ -113,13 +103,8 @@ def test_a_bad_argument_is_a_typed_error_naming_it_and_changes_nothing(
     store.add(2, 0)
 
     def state() -> tuple:
-        counts = store.token_counts.tolist()
-        return (
-            store.tables.tolist(),
-            counts,
-            manager.free_block_ids(),
-            manager.ref_counts().tolist(),
-        )
+        return (store.tables.tolist(), store.token_counts.tolist(), manager.free_block_ids(),
+                manager.ref_counts().tolist())  # fmt: skip
 
     before = state()
     call, error, match = BAD_CALLS[case]
@@ -133,10 +118,9 @@ def test_views_are_read_only_and_good_calls_work() -> None:
     without headroom may take the last free blocks."""
     store = BlockTableStore(BlockManager(4, 2), 3, 4)
     store.add(0, 3)
-    for batch in (store.batch(np.array([0])), store.resolve(None)):
-        with pytest.raises(ValueError, match="read-only"):
-            batch.rows[0] = 2
-    for view in (store.tables, store.num_blocks, store.num_released, store.token_counts):
+    batches = (store.batch(np.array([0])), store.resolve(None))
+    for view in (*(b.rows for b in batches), store.tables, store.num_blocks, store.num_released,
+                 store.token_counts):  # fmt: skip
         with pytest.raises(ValueError, match="read-only"):
             view[0] = 1
     assert store.slot_mapping([0]).tolist() == [2]
@@ -185,11 +169,10 @@ def test_the_undo_calls_do_what_remove_and_truncate_do(prefix: bool) -> None:
     """``undo_fork`` is ``remove`` and ``undo_growth`` is ``truncate``, in every observable."""
 
     def made() -> BlockTableStore:
-        manager = (PrefixCachingBlockManager if prefix else BlockManager)(12, 4)
-        store = BlockTableStore(manager, 4, 6)
-        prompt = list(range(10))
-        store.add_prompt(0, prompt)
-        store.cache_blocks(0, prompt)
+        manager_cls = PrefixCachingBlockManager if prefix else BlockManager
+        store = BlockTableStore(manager_cls(12, 4), 4, 6)
+        store.add_prompt(0, list(range(10)))
+        store.cache_blocks(0, list(range(10)))
         store.fork(0, 1)
         store.fork(0, 2)
         store.grow([0, 1], [3, 6])

@@ -81,8 +81,16 @@ def test_chapter_shared_system_prompt_example() -> None:
         # all or nothing: nothing is taken when too few blocks are free
         (lambda m: m.allocate(9), OutOfBlocksError, "asked for 9 blocks but only 8 are free"),
         (lambda m: m.append_slot([0, 1], 41, new_tokens=33), OutOfBlocksError, "9 blocks"),
+        # sizes: ints >= 1, not bools
+        *((lambda m, a=args: type(m)(*a), error, name)
+          for args, error, name in (((0, 4), ValueError, "total_blocks"),
+                                    ((4, 0), ValueError, "block_size"),
+                                    ((-1, 4), ValueError, "total_blocks"),
+                                    ((4.0, 4), TypeError, "total_blocks"),
+                                    ((4, "4"), TypeError, "block_size"),
+                                    ((True, 4), TypeError, "total_blocks"))),
     ],
-)
+)  # fmt: skip
 @SPEC_AND_IMPL
 def test_bad_input_raises_typed_error_and_changes_nothing(
     call, error, message, manager_cls: type
@@ -93,16 +101,6 @@ def test_bad_input_raises_typed_error_and_changes_nothing(
     with pytest.raises(error, match=message):
         call(manager)
     assert (manager.free_block_ids(), [manager.ref_count(b) for b in range(10)]) == before
-
-
-@pytest.mark.parametrize(
-    ("args", "error"),
-    [((0, 4), ValueError), ((4, 0), ValueError), ((-1, 4), ValueError), ((4.0, 4), TypeError),
-     ((4, "4"), TypeError), ((True, 4), TypeError)],
-)  # fmt: skip
-def test_constructor_rejects_bad_sizes(args, error) -> None:
-    with pytest.raises(error):
-        BlockManager(*args)
 
 
 @pytest.mark.parametrize(
@@ -122,11 +120,6 @@ def test_module_translate_slot_rejects_bad_input(
         translate_slot(table, token_pos, block_size)  # type: ignore[arg-type]
 
 
-def test_error_classes() -> None:
-    assert issubclass(OutOfBlocksError, RuntimeError)
-    assert issubclass(BlockTableError, ValueError)
-
-
 @given(
     table=st.lists(st.integers(0, 1000), min_size=1, max_size=8, unique=True),
     block_size=st.integers(1, 64),
@@ -143,15 +136,13 @@ def test_translate_slot_is_a_bijection_onto_the_tables_blocks(table, block_size,
     assert blocks_needed(pos + 1, block_size) == pos // block_size + 1
 
 
-def test_the_default_block_size_is_16() -> None:
-    """``block_size`` defaults to 16 tokens, in the spec and in impl, with or without caching."""
-    for manager_cls in (
-        BlockManager,
-        spec_prefix.PrefixCachingBlockManager,
-        impl_manager.BlockManager,
-        impl_prefix.PrefixCachingBlockManager,
-    ):
+def test_the_default_block_size_is_16_and_the_error_classes() -> None:
+    """``block_size`` defaults to 16 tokens, in the spec and in impl, with or without caching;
+    running out is a ``RuntimeError``, a bad table a ``ValueError``."""
+    managers = (BlockManager, spec_prefix.PrefixCachingBlockManager, impl_manager.BlockManager)
+    for manager_cls in (*managers, impl_prefix.PrefixCachingBlockManager):
         assert manager_cls(4).block_size == 16, manager_cls
+    assert issubclass(OutOfBlocksError, RuntimeError) and issubclass(BlockTableError, ValueError)
 
 
 @SPEC_AND_IMPL

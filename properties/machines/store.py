@@ -5,6 +5,7 @@ step the table array, queue and reference counts agree. ``STORE``/``PAGE_TABLES`
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -78,11 +79,11 @@ class StoreMachine(Lockstep, RuleBasedStateMachine):
         self.seqs[child] = (self.spec.fork(table), count)
         return count
 
-    def pairs(self) -> None:
-        expected = self.spec.pop_copy_pairs()
-        actual = self.store.pop_copy_pairs()
-        assert actual.dtype == np.int32 and actual.shape == (len(expected), 2)
-        assert [tuple(pair) for pair in actual.tolist()] == expected
+    def fork_new(self, data: st.DataObject) -> tuple[int, int, int]:
+        """A drawn parent forked into the smallest free id: ``(parent, child, token count)``."""
+        child = min(set(range(len(self.seqs) + 1)) - set(self.seqs))
+        parent = data.draw(st.sampled_from(sorted(self.seqs)))
+        return parent, child, self.fork_both(parent, child)
 
     @rule(seq_id=SEQ_IDS, data=st.data())
     def add(self, seq_id: int, data: st.DataObject) -> None:
@@ -127,9 +128,7 @@ class StoreMachine(Lockstep, RuleBasedStateMachine):
                 st.lists(st.sampled_from([0, 1, 1, 2, 3, 17]), min_size=len(ids), max_size=len(ids))
             )
             as_array = data.draw(st.booleans(), label="as array")
-            self.check_grow(
-                data, ids, steps, np.array(steps, dtype=np.int32) if as_array else steps
-            )
+            self.check_grow(data, ids, steps, np.array(steps, np.int32) if as_array else steps)
         else:
             step = data.draw(st.sampled_from([0, 1, 1, 1, 2, 5]), label="k")
             self.check_grow(data, ids, [step] * len(ids), step)
@@ -145,9 +144,7 @@ class StoreMachine(Lockstep, RuleBasedStateMachine):
     @rule(data=st.data())
     def fork_then_decode(self, data: st.DataObject) -> None:
         """Beam search: fork, then parent and child (and maybe others) write one token each."""
-        child = min(set(range(len(self.seqs) + 1)) - set(self.seqs))
-        parent = data.draw(st.sampled_from(sorted(self.seqs)))
-        self.fork_both(parent, child)
+        parent, child, _ = self.fork_new(data)
         ids = data.draw(st.permutations(sorted(self.seqs)))
         ids = [s for s in ids if s in (parent, child) or data.draw(st.booleans())]
         self.check_grow(data, ids, [1] * len(ids), 1)
@@ -181,7 +178,9 @@ class StoreMachine(Lockstep, RuleBasedStateMachine):
         if atomic and failed:
             return  # nothing changed: the invariants compare the store with the untouched spec
         self.spec, self.seqs = trial, seqs
-        self.pairs()
+        expected, actual = self.spec.pop_copy_pairs(), self.store.pop_copy_pairs()
+        assert actual.dtype == np.int32 and actual.shape == (len(expected), 2)
+        assert [tuple(pair) for pair in actual.tolist()] == expected
         grown_ids = [(s, k) for s, k in zip(ids, steps, strict=True) if s not in failed]
         self.check_slot_mapping(data, grown_ids)
 
@@ -227,9 +226,7 @@ class StoreMachine(Lockstep, RuleBasedStateMachine):
     @rule(data=st.data(), cut=st.integers(1, 4))
     def fork_cut_then_decode(self, data: st.DataObject, cut: int) -> None:
         """Fork, cut one into a shared block, decode: the write into it must copy it."""
-        child = min(set(range(len(self.seqs) + 1)) - set(self.seqs))
-        parent = data.draw(st.sampled_from(sorted(self.seqs)))
-        count = self.fork_both(parent, child)
+        parent, child, count = self.fork_new(data)
         cut_one = data.draw(st.sampled_from([parent, child]), label="cut")
         self.check_truncate(data, [cut_one], [max(0, count - cut)])
         ids = data.draw(st.permutations(sorted(self.seqs)))
@@ -247,15 +244,18 @@ class StoreMachine(Lockstep, RuleBasedStateMachine):
     def truncated(self, ids: list[int], counts: list[int]) -> None:
         """Hook: the sequences ``ids`` were rolled back to ``counts`` tokens."""
 
-    def check_slot_mapping(self, data: st.DataObject, grown: list[tuple[int, int]]) -> None:
-        """The step's new tokens map to the spec's slots, -1 padded."""
-        ids = [s for s, _ in grown]
-        counts = [k for _, k in grown]
-        expected = [
+    def spec_slots(self, ids: list[int], counts: list[int]) -> list[int]:
+        """The spec's slots of each sequence's last ``k`` tokens, in batch order."""
+        return [
             self.spec.translate_slot(self.seqs[s][0], position)
-            for s, k in grown
+            for s, k in zip(ids, counts, strict=True)
             for position in range(self.seqs[s][1] - k, self.seqs[s][1])
         ]
+
+    def check_slot_mapping(self, data: st.DataObject, grown: list[tuple[int, int]]) -> None:
+        """The step's new tokens map to the spec's slots, -1 padded."""
+        ids, counts = [s for s, _ in grown], [k for _, k in grown]
+        expected = self.spec_slots(ids, counts)
         pad = data.draw(st.integers(0, 3), label="padding")
         uniform = len(set(counts)) <= 1 and data.draw(st.booleans(), label="one count")
         argument = (counts[0] if counts else 1) if uniform else counts
@@ -272,11 +272,7 @@ class StoreMachine(Lockstep, RuleBasedStateMachine):
         ids = self.some_live(data)
         counts = [data.draw(st.integers(0, self.seqs[s][1])) for s in ids]
         try:
-            expected = [
-                self.spec.translate_slot(self.seqs[s][0], position)
-                for s, k in zip(ids, counts, strict=True)
-                for position in range(self.seqs[s][1] - k, self.seqs[s][1])
-            ]
+            expected = self.spec_slots(ids, counts)
         except spec_bm.BlockTableError:  # a position in a released entry
             event("slot_mapping: a released position refused")
             batch = self.as_batch(data, ids)
@@ -319,24 +315,17 @@ class StoreMachine(Lockstep, RuleBasedStateMachine):
         """Unknown, repeated or non-int ids, bad counts: the documented error, nothing changes."""
         live = sorted(self.seqs)
         unknown = [s for s in range(12) if s not in self.seqs]
-        store = self.store
-
-        def block_tables(seqs: Any) -> object:
-            return self.PAGE_TABLES.block_tables(store, seqs)
-
-        def flashinfer_page_table(seqs: Any) -> object:
-            return self.PAGE_TABLES.flashinfer_page_table(store, seqs)
-
-        def truncate(seqs: Any, token_counts: Any = 0) -> object:
-            return store.truncate(seqs, token_counts)
-
-        def release(seqs: Any) -> object:
-            return store.release_outside_window(seqs, 1)
-
-        call = data.draw(st.sampled_from([
-            store.grow, store.remove, store.slot_mapping, block_tables, flashinfer_page_table,
-            store.batch, truncate, release,
-        ]))  # fmt: skip
+        store, layouts = self.store, self.PAGE_TABLES
+        calls: dict[str, Callable[..., object]] = {  # in the order the search was tuned on
+            "grow": store.grow, "remove": store.remove, "slot_mapping": store.slot_mapping,
+            "block_tables": lambda seqs: layouts.block_tables(store, seqs),
+            "flashinfer": lambda seqs: layouts.flashinfer_page_table(store, seqs),
+            "batch": store.batch,
+            "truncate": lambda seqs, token_counts=0: store.truncate(seqs, token_counts),
+            "release": lambda seqs: store.release_outside_window(seqs, 1),
+        }  # fmt: skip
+        name = data.draw(st.sampled_from(list(calls)))
+        call = calls[name]
         case = data.draw(
             st.sampled_from(["unknown", "repeated", "type", "count", "too many", "seq id"])
         )
@@ -353,7 +342,7 @@ class StoreMachine(Lockstep, RuleBasedStateMachine):
             self.refuses(TypeError, call, data.draw(st.permutations([*live, bad])))
             self.refuses(TypeError, call, {1, 2})
             self.refuses(TypeError, call, np.array([1.0]))
-        elif case == "count" and live and call in (store.grow, store.slot_mapping, truncate):
+        elif case == "count" and live and name in ("grow", "slot_mapping", "truncate"):
             value = data.draw(st.sampled_from([-1, 1.5, True, None]))
             error = ValueError if value == -1 else TypeError
             per_seq = data.draw(st.booleans())
@@ -425,21 +414,13 @@ class WindowStoreMachine(StoreMachine):
             counts = [argument] * len(ids)
         else:
             bad = data.draw(st.sampled_from(["window 0", "window 1.0", "count -1", "over", "1.0"]))
-            batch, count = self.as_batch(data, ids), self.seqs[ids[0]][1]
-            if bad.startswith("window"):
-                self.refuses(
-                    ValueError if bad == "window 0" else TypeError,
-                    self.store.release_outside_window, batch, 0 if bad == "window 0" else 1.0,
-                )  # fmt: skip
-            elif bad == "count -1":
-                self.refuses(ValueError, self.store.release_outside_window, batch, 1, -1)
-            elif bad == "over":
-                over = [count] * (len(ids) - 1) + [capacity[ids[-1]] + 1]
-                self.refuses(ValueError, self.store.release_outside_window, batch, 1, over)
-            else:
-                self.refuses(
-                    TypeError, self.store.release_outside_window, batch, 1, [1.0] * len(ids)
-                )
+            count = self.seqs[ids[0]][1]
+            error, args = {
+                "window 0": (ValueError, (0,)), "window 1.0": (TypeError, (1.0,)),
+                "count -1": (ValueError, (1, -1)), "1.0": (TypeError, (1, [1.0] * len(ids))),
+                "over": (ValueError, (1, [count] * (len(ids) - 1) + [capacity[ids[-1]] + 1])),
+            }[bad]  # fmt: skip
+            self.refuses(error, self.store.release_outside_window, self.as_batch(data, ids), *args)
             return
         released_before = sum(b is None for s in ids for b in self.seqs[s][0])
         self.store.release_outside_window(self.as_batch(data, ids), window, argument)
