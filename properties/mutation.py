@@ -40,7 +40,8 @@ DEFAULT_PATHS = tuple(
 BLOCK_MANAGEMENT_TESTS = (
     "properties/test_block_table_store.py", "properties/test_impl_differential.py",
     "properties/test_impl_edges.py", "properties/test_impl_free_queue.py",
-    "properties/test_impl_prefix_cache.py", "properties/test_prefix_cache_spec.py",
+    "properties/test_impl_prefix_cache.py", "properties/test_kv_cache_groups.py",
+    "properties/test_prefix_cache_spec.py",
     "properties/test_spec_examples.py", "properties/test_spec_machine.py",
     "properties/test_store_hash_work.py", "properties/test_store_preemption.py",
     "properties/test_trusted_api.py", "properties/test_utilization_and_demo.py",

@@ -12,9 +12,11 @@ from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 import pagedkv.spec.block_manager as spec_block_manager
+import pagedkv.spec.kv_cache_groups as spec_groups
 import pagedkv.spec.prefix_cache as spec_prefix_cache
 from properties.machines.block_manager import BlockManagerMachine
 from properties.machines.free_queue import FreeQueueMachine
+from properties.machines.kv_cache_groups import GroupsMachine
 from properties.machines.prefix import PrefixStoreMachine
 from properties.machines.prefix_cache import PrefixCacheMachine
 from properties.machines.store import StoreMachine, WindowStoreMachine
@@ -346,6 +348,33 @@ a store grow writes a cached block in place | prefix_store PrefixStore.take_fres
 """name -> (module, function, old, new): the store's parts on the prefix store machine, the rest
 on the prefix differential machine."""
 
+GROUP_BUGS = bug_table("""
+a group left ungrown | GroupedBlockManager.append_slot
+- grown.append(list(self.pool.append_slot(table, token_count, new_tokens)))
++ grown.append(list(self.pool.append_slot(table, token_count, new_tokens)) if group == 0 else table)
+a window released one token late | GroupedBlockManager.release_outside_window
+- release(table, token_count, window)
++ release(table, token_count, window + 1)
+a sliding group's bound one token short | GroupedBlockManager.held_bound
+- span = window + new_tokens - 1
++ span = window + new_tokens - 1 - 1
+a failed group keeps what earlier groups took | GroupedBlockManager._atomically
+- self.pool, self.group_of = saved
++ pass
+a table of another group accepted | GroupedBlockManager.check_tables
+- foreign = [b for b in held_ids(table) if self.group_of[b] != group]
++ foreign = []
+groups allocated last first | GroupedBlockManager.allocate
+- for group in range(len(self.windows)):
+-     table: list[int | None] = list(self.pool.allocate(count))
+-     self._claim(group, [], table)
+-     tables.append(table)
++ for group in reversed(range(len(self.windows))):
++     table: list[int | None] = list(self.pool.allocate(count))
++     self._claim(group, [], table)
++     tables.insert(0, table)
+""")
+
 MODULES = {  # impl's block modules by name
     name: importlib.import_module(f"pagedkv.impl.blocks.{name}")
     for name in ["free_queue", "pool", "manager", "store", "rows", "window", "growth",
@@ -358,6 +387,7 @@ BUGS = {  # name -> (module, function, old, new, the machine that must catch it)
     **{f"spec: {name}": (spec_block_manager, *bug, "spec") for name, bug in SPEC_BUGS.items()},
     **{f"spec prefix: {name}": (spec_prefix_cache, *bug, "spec prefix")
        for name, bug in PREFIX_BUGS.items()},
+    **{f"groups: {name}": (spec_groups, *bug, "groups") for name, bug in GROUP_BUGS.items()},
     **{f"impl: {name}": (MODULES[module], within, old, new, kind)
        for name, (module, within, kind, old, new) in IMPL_BUGS.items()},
     **{f"impl prefix: {name}": (MODULES[module], within, old, new, "prefix")
@@ -384,6 +414,8 @@ def machine_with(module: types.ModuleType, within: str, old: str, new: str, kind
         attrs, base = {"SPEC": spec}, PrefixCacheMachine
     elif kind == "spec":
         attrs, base = {"SPEC": load_mutant(*edit, SHARED_NAMES).BlockManager}, BlockManagerMachine
+    elif kind == "groups":
+        attrs, base = {"SPEC": load_mutant(*edit).GroupedBlockManager}, GroupsMachine
     elif kind == "queue":
         attrs, base = {"QUEUE": load_mutant(*edit).FreeBlockQueue}, FreeQueueMachine
     elif kind == "page-tables":
@@ -406,6 +438,7 @@ def machine_with(module: types.ModuleType, within: str, old: str, new: str, kind
 
 CONTROLS = [  # bugs whose code an identity 'mutation' replaces by itself: every loading path
     "spec: no double-free check", "spec prefix: lookup never hits",
+    "groups: a group left ungrown",
     "impl: ring buffer: head advances without wrapping around",  # the queue under the manager
     "impl: pops hand out tombstones", "impl: the pool frees a pending copy's source at once",
     "impl: the window releases from the table's start, not after its released entries",
