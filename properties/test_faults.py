@@ -829,8 +829,11 @@ FOUND = {
 def drain_failing(engine: Any, failing: list[Any]) -> tuple[list[Any], list[str]]:
     """:func:`drain`, each ``(target, name, calls)`` raising at its ``calls``-th calls (from 1;
     target ``"store"``: the engine's); also the names of the calls that raised."""
+    names = [name for _, name, _ in failing]  # counted by name: one target each, so say so
+    assert len(set(names)) == len(names), f"a FOUND case fails one name twice: {names}"
     made: collections.Counter[str] = collections.Counter()
     injector, fails = FaultInjector(lambda name: made.update([name])), dict[str, Any]()
+    assert sum(map(len, (calls for *_, calls in failing))) <= injector.MAX_FAULTS, failing
     with ExitStack() as stack, one_thread():
         for at, name, calls in failing:
             target, fails[name] = engine.store if at == "store" else at, calls

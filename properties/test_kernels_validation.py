@@ -248,15 +248,17 @@ TYPES: dict[str, tuple[str, Case]] = {
     "block_tables int64": ("block_tables", decode(block_tables=lambda t: t.long())),
     "query dtype": ("query", decode(query=lambda q: q.half())),
     **{f"{function} {name} not a tensor": (name, changing(function)(**{name: lambda t: t.tolist()}))
-       for function, names in (("decode", ("query", "context_lens", "block_tables")),
+       for function, names in (("decode", ("query", "context_lens", "block_tables", "k_cache")),
                                ("store", ("key", "k_cache", "slot_mapping")),
-                               ("slots", ("positions",)), ("copy", ("k_cache",)))
+                               ("slots", ("positions", "block_tables")), ("copy", ("k_cache",)))
        for name in names},
     **{f"slots {name} {dtype}": (name, slots(**{name: lambda t, dtype=dtype: t.to(dtype)}))
        for name, dtype in (("block_tables", torch.int64), ("block_tables", torch.float32),
                            ("positions", torch.float32))},
     "copy pairs float": ("pairs", copy(pairs=lambda _: ints([[0, 1]]).float())),
     "copy k_cache float64": ("k_cache", copy(k_cache=lambda k: k.double())),
+    "copy v_cache float64": ("v_cache", copy(v_cache=lambda v: v.double())),
+    "decode k_cache float64": ("k_cache", decode(k_cache=lambda k: k.double())),
     "v_cache dtype": ("v_cache", decode(v_cache=lambda v: v.double())),
     **{f"{function} window {window}": ("window", changing(function)(window=window))
        for function in ("decode", "contiguous", "prefill") for window in (2.0, True, False, "3")},
