@@ -7,7 +7,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedkv.spec.kv_cache_groups import GroupedBlockManager, group_layers, longest_hit
+from pagedkv.spec.kv_cache_groups import (
+    GroupedBlockManager,
+    group_layers,
+    grouped_blocks_in_budget,
+    longest_hit,
+)
+from pagedkv.spec.utilization import blocks_in_budget, bytes_per_block
 from properties.machines.kv_cache_groups import GroupsMachine
 
 TestGroups = GroupsMachine.TestCase
@@ -81,3 +87,27 @@ def test_a_sliding_group_holds_the_first_query_s_window_and_the_step_s_writes() 
         assert manager.held_bound(0, 200, new) == -(-(window + new - 2) // size) + 1
         assert manager.held_bound(0, 1, 1) == 1  # no more than the tokens' blocks
         assert manager.held_bound(1, 200, new) == -(-200 // size)
+
+
+def test_a_grouped_pool_serves_five_times_the_sequences_of_one_table_at_5_to_1() -> None:
+    """The issue's arithmetic, from the rules: 36 layers, 30 sliding (window 1,024) and 6 full,
+    blocks of 16, 8 KV heads of 128, fp16, every sequence at 32k tokens: a block holds one
+    group's 6 layers, so the budget holds 6 times the blocks; a sequence holds its full group's
+    2,048 and 65 in each sliding group after a decode step's release: 5.18 times the sequences."""
+    layers, shape, budget = [1024] * 5 * 6 + [None] * 6, (16, 8, 128, "fp16"), 80 * 2**30
+    grouped = grouped_blocks_in_budget(budget, layers, *shape)
+    single = blocks_in_budget(budget, bytes_per_block(16, 36, 8, 128, "fp16"))
+    assert grouped == grouped_blocks_in_budget(budget, [None] * 6, *shape)  # 6-layer blocks
+    assert 6 * single <= grouped < 6 * single + 6  # a sixth of the bytes, floored
+    short_last = grouped_blocks_in_budget(budget, [4, 4, 4, None, None], *shape)  # 2, 1, 2 layers
+    assert short_last == blocks_in_budget(budget, bytes_per_block(16, 2, 8, 128, "fp16"))
+    windows, _ = group_layers(layers)
+    manager = GroupedBlockManager(1, 16, windows)
+    per_sequence = sum(manager.held_bound(g, 32 * 1024, 1) for g in range(len(windows)))
+    assert per_sequence == 2048 + 5 * 65
+    assert (grouped // per_sequence) >= 4 * (single // 2048)  # the issue's floor: 4x
+    assert 5.17 < (grouped / per_sequence) / (single / 2048) < 5.19  # before the floors
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        grouped_blocks_in_budget(budget, layers, 16, 8, 128, "fp4")
+    with pytest.raises(TypeError, match="windows"):
+        grouped_blocks_in_budget(budget, [], *shape)

@@ -60,7 +60,7 @@ def test_no_product_file_or_function_is_over_the_caps() -> None:
     assert not functions, f"functions over {MAX_FUNCTION_LINES} lines: {functions}"
 
 
-MAX_PROPERTIES_LINES = 13_747
+MAX_PROPERTIES_LINES = 13_777
 """A ratchet on ``properties/``, toward issue 32's 12k lines of Python (the product's size): raised
 only by a later issue's checks, reported in its notes; new machines use the lockstep driver."""
 

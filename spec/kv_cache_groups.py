@@ -39,6 +39,7 @@ from typing import TypeVar
 
 from pagedkv.spec.block_manager import BlockManager, blocks_needed, held_ids
 from pagedkv.spec.checks import BlockTableError, check_capacity, check_int, check_window
+from pagedkv.spec.utilization import blocks_in_budget, bytes_per_block
 
 Tables = list[list[int | None]]
 """A sequence's tables, one per group, in group order."""
@@ -74,6 +75,22 @@ def group_layers(layer_windows: Sequence[int | None]) -> tuple[list[int | None],
         for start in range(0, len(layers), size)  # Rule: a kind cut in layer order.
     ]
     return [window for window, _ in groups], [layers for _, layers in groups]
+
+
+def grouped_blocks_in_budget(
+    budget_bytes: int,
+    layer_windows: Sequence[int | None],
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kv_cache_dtype: str,
+) -> int:
+    """Rule: the blocks a KV byte budget holds when the layers are grouped: a block holds one
+    group's layers, so its bytes are ``bytes_per_block`` with ``num_layers`` the group size
+    (:func:`group_layers`), not the model's layer count; ``floor(budget / block bytes)``."""
+    group_size = max(map(len, group_layers(layer_windows)[1]))  # Rule: every group's size.
+    block_bytes = bytes_per_block(block_size, group_size, num_kv_heads, head_dim, kv_cache_dtype)
+    return blocks_in_budget(budget_bytes, block_bytes)
 
 
 def serves_hit(window: int | None, cached: Sequence[bool], blocks: int, block_size: int) -> bool:
