@@ -53,7 +53,7 @@ from pagedkv.kernels.launch_config import (
     run,
     tiles,
 )
-from pagedkv.kernels.triton_fp8 import read_kv_tile
+from pagedkv.kernels.triton_fp8 import code_scale, read_kv_tile
 from pagedkv.kernels.triton_import import tl, triton
 from pagedkv.spec.checks import INT32_MAX
 
@@ -95,7 +95,7 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if FP8:  # K's scale joins the softmax scale on the fp32 scores
-        scale = scale * tl.load(k_scale_ptr + kv_head)
+        scale = scale * code_scale(k_scale_ptr, kv_head, E5M2)
     group: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
 
     # The range's bounds in int64 (no overflow at any capacity), then clamped to the context,
@@ -157,7 +157,7 @@ def _decode_kernel(
     safe_denom = tl.where(has_tokens, denom, 1.0)
     out = acc / safe_denom[:, None]
     if FP8:  # V's scale, once, on the fp32 output
-        out = out * tl.load(v_scale_ptr + kv_head)
+        out = out * code_scale(v_scale_ptr, kv_head, E5M2)
     lse = tl.where(has_tokens, m + tl.log(safe_denom), float("-inf"))
     row = (seq * NUM_HEADS + heads) * num_splits + split
     tl.store(

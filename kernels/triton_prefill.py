@@ -39,7 +39,7 @@ from pagedkv.kernels.launch_config import (
     run,
     tiles,
 )
-from pagedkv.kernels.triton_fp8 import read_kv_tile
+from pagedkv.kernels.triton_fp8 import code_scale, read_kv_tile
 from pagedkv.kernels.triton_import import tl, triton
 from pagedkv.spec.checks import INT32_MAX
 
@@ -76,7 +76,7 @@ def _prefill_kernel(
     kv_head = tl.program_id(1)
     tile = tl.program_id(2)
     if FP8:  # K's scale joins the softmax scale on the fp32 scores
-        scale = scale * tl.load(k_scale_ptr + kv_head)
+        scale = scale * code_scale(k_scale_ptr, kv_head, E5M2)
     group: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
 
     q_start = tl.load(cu_seqlens_ptr + seq).to(tl.int64)
@@ -146,7 +146,7 @@ def _prefill_kernel(
 
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     if FP8:  # V's scale, once, on the fp32 output
-        out = out * tl.load(v_scale_ptr + kv_head)
+        out = out * code_scale(v_scale_ptr, kv_head, E5M2)
     tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 

@@ -261,7 +261,7 @@ fp8 numba store: scale applied twice on store: store_rows
 fp8 numba store: rounding toward zero on store: round_shift
     q + 1 if rest > half or (rest == half and q & 1) else q => q
 fp8 triton decode: V's scale forgotten in decode: _decode_kernel
-    out = out * tl.load(v_scale_ptr + kv_head) => out = out
+    out = out * code_scale(v_scale_ptr, kv_head, E5M2) => out = out
 fp8 reference decode: K's scale forgotten in the reference read: read_kv
     fp8.dequantize(codes, scale, cache.dtype) => codes.view(cache.dtype).float()
 fp8 numba decode: e5m2 read as e4m3: kernel_arguments
