@@ -139,10 +139,6 @@ class GroupedBlockManager:
         # Rule: the group that took each block from the queue (current while it is held).
         self.group_of: dict[int, int] = {}
 
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
     def can_allocate(self, token_count: int) -> bool:
         """Rule: a new sequence of ``token_count`` tokens takes that many tokens' blocks in
         every group, so it fits when the queue holds all of them."""
